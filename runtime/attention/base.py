@@ -1,0 +1,65 @@
+"""The attention backend interface shared by the torch and triton implementations."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from plait.runtime.forward_batch import ForwardBatch
+from plait.runtime.memory import KVPool
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a :class:`KVPool` through the page table.
+
+    Per step the runner calls :meth:`init_forward` once, then each layer calls
+    :meth:`forward`, which stores the new K/V and attends for the extend part and the
+    decode part of the batch.
+    """
+
+    def __init__(self, pool: KVPool, num_heads: int, scale: float) -> None:
+        self.pool = pool
+        self.num_heads = num_heads
+        self.scale = scale
+
+    def init_forward(self, fb: ForwardBatch) -> None:
+        """Precompute per-step metadata shared by all layers (index tensors, masks)."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch
+    ) -> torch.Tensor:
+        """q: [T, heads, dim]; k, v: [T, kv_heads, dim] for the new tokens.
+        Returns the attention output [T, heads, dim]."""
+        self.pool.set_kv(layer, fb.out_slots, k, v)
+        n_ext = fb.num_extend_tokens
+        if fb.num_decodes == 0:
+            return self.forward_extend(q, layer, fb)
+        if fb.num_extends == 0:
+            return self.forward_decode(q, layer, fb)
+        return torch.cat(
+            [self.forward_extend(q[:n_ext], layer, fb), self.forward_decode(q[n_ext:], layer, fb)]
+        )
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
+        """Extend requests: each chunk attends to its cached prefix and causally to itself.
+        q: [extend_tokens, heads, dim] -> [extend_tokens, heads, dim]."""
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
+        """Decode requests: one query token each over its whole context.
+        q: [decodes, heads, dim] -> [decodes, heads, dim]."""
+
+
+def create_attention_backend(name: str, pool: KVPool, num_heads: int, scale: float) -> AttentionBackend:
+    """Backend factory. GPU-only backends are imported lazily here."""
+    if name == "torch":
+        from plait.runtime.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend(pool, num_heads, scale)
+    if name == "triton":
+        from plait.runtime.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(pool, num_heads, scale)
+    raise ValueError(f"attention_backend must be one of 'torch', 'triton'; got {name!r}")

@@ -1,0 +1,53 @@
+"""Per-step forward state, passed explicitly to the model and the attention backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One model step over a mixed batch.
+
+    The batch holds ``num_extends`` *extend* requests first (prefill or a prefill chunk:
+    ``extend_seq_lens[i]`` new tokens on top of ``extend_prefix_lens[i]`` tokens whose
+    KV is already in the pool), then the *decode* requests (one new token each).
+    Token tensors are flat: the extend tokens come first, request by request, then one
+    token per decode request.
+
+    Every new token's K/V is written to ``out_slots`` before attention runs, so a
+    request's full context is always ``req_to_token[row, :seq_len]``.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_slots: torch.Tensor  # [T] int64, slot for each new token's KV
+    req_rows: torch.Tensor  # [B] int64, page-table row of each request (extends first)
+    req_to_token: torch.Tensor  # [max_running, max_context] int32, the page table
+    num_extends: int
+    extend_prefix_lens: list[int]  # [E] cached tokens before the chunk
+    extend_seq_lens: list[int]  # [E] new tokens in the chunk
+    decode_seq_lens: list[int]  # [D] context length including the new token
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_seq_lens)
+
+    @property
+    def num_extend_tokens(self) -> int:
+        return sum(self.extend_seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def extend_start_loc(self) -> list[int]:
+        """Offset of each extend request's first token in the flat token tensors."""
+        out, acc = [], 0
+        for n in self.extend_seq_lens:
+            out.append(acc)
+            acc += n
+        return out

@@ -1,0 +1,132 @@
+"""Paged KV memory: the pool of KV slots, the page allocator and the page table.
+
+A *slot* holds the K and V vectors of one token in every layer. Slots are grouped in
+fixed-size *pages* (``page_size`` slots, 1 allowed); page ``p`` owns slots
+``p * page_size .. p * page_size + page_size - 1``. Memory is taken a page at a time
+and returned whole.
+
+NOTE: page 0 is never handed out; its slots are the padding sink that batch tensors
+point at for positions that do not exist.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """Per-layer K and V buffers, each ``[num_slots, kv_heads, head_dim]``."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_slots, kv_heads, head_dim)
+        # zeros, not empty: the padding sink must hold finite values.
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``/``v`` ``[tokens, kv_heads, head_dim]`` into ``slots`` ``[tokens]``."""
+        self.k_buffers[layer][slots] = k.to(self.dtype)
+        self.v_buffers[layer][slots] = v.to(self.dtype)
+
+
+class PageAllocator:
+    """Free list of pages; O(1) alloc and free per page.
+
+    Invariant: every page except page 0 is either on the free list or owned by exactly
+    one holder (a running request or a radix-tree node). ``free`` raises on a double
+    free, so a slot can never be owned twice without the tests noticing.
+    """
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first
+        self._is_free = bytearray(num_pages)
+        for p in self._free:
+            self._is_free[p] = 1
+
+    @property
+    def total_pages(self) -> int:
+        """Pages that can ever be handed out (page 0 excluded)."""
+        return self.num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """Take ``n`` pages, or return None (taking nothing) if fewer are free."""
+        if n > len(self._free):
+            return None
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._is_free[p] = 0
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            if p <= 0 or p >= self.num_pages:
+                raise RuntimeError(f"free of invalid page {p}")
+            if self._is_free[p]:
+                raise RuntimeError(f"double free of page {p}")
+            self._is_free[p] = 1
+            self._free.append(p)
+
+    def pages_to_slots(self, pages: list[int]) -> torch.Tensor:
+        """All slots of ``pages``, in order, as an int64 tensor."""
+        ps = self.page_size
+        base = torch.tensor(pages, dtype=torch.int64).unsqueeze(1) * ps
+        return (base + torch.arange(ps, dtype=torch.int64)).reshape(-1)
+
+    def slots_to_pages(self, slots: torch.Tensor) -> list[int]:
+        """Pages of page-aligned ``slots`` (whole pages, in order)."""
+        if slots.numel() == 0:
+            return []
+        return (slots[:: self.page_size] // self.page_size).tolist()
+
+
+class ReqToToken:
+    """The page table: ``[max_running, max_context]`` int32 rows mapping a running
+    request's positions to slots. Attention backends read it; rows are handed out to
+    requests when they start running and returned when they stop."""
+
+    def __init__(self, max_running: int, max_context: int, device: torch.device | str) -> None:
+        self.max_running = max_running
+        self.max_context = max_context
+        self.table = torch.zeros((max_running, max_context), dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_running - 1, -1, -1))
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def alloc_row(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free_row(self, row: int) -> None:
+        if row in self._free_rows:
+            raise RuntimeError(f"double free of page-table row {row}")
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.table[row, start : start + slots.numel()] = slots.to(self.table.dtype)

@@ -1,0 +1,1 @@
+"""Model definitions (Hugging Face parameter names) and their configs."""
