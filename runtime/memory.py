@@ -25,6 +25,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        reserved_slots: int = 1,
     ) -> None:
         self.num_slots = num_slots
         self.num_layers = num_layers
@@ -33,9 +34,13 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_slots, kv_heads, head_dim)
-        # zeros, not empty: the padding sink must hold finite values.
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # empty, so untouched memory is never committed; every slot is written before it
+        # is read, except the padding sink, which must hold finite values (masked-out
+        # attention weights are 0, and 0 * NaN would still poison the output).
+        self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for buf in self.k_buffers + self.v_buffers:
+            buf[:reserved_slots].zero_()
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

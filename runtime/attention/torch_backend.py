@@ -36,9 +36,11 @@ class TorchAttentionBackend(AttentionBackend):
             dec_rows = fb.req_rows[fb.num_extends :]
             lens = torch.tensor(fb.decode_seq_lens, device=table.device)
             max_len = max(fb.decode_seq_lens)
-            # padded positions point at slot 0 (the padding sink) and are masked out
-            self._dec_idx = table[dec_rows, :max_len].long()  # [D, L]
-            self._dec_mask = (torch.arange(max_len, device=table.device) < lens.unsqueeze(1))[:, None, None, :]
+            valid = torch.arange(max_len, device=table.device) < lens.unsqueeze(1)  # [D, L]
+            # padded positions read slot 0 (the zeroed padding sink), never a slot that is
+            # allocated but not yet written, whose garbage could be NaN
+            self._dec_idx = torch.where(valid, table[dec_rows, :max_len].long(), 0)  # [D, L]
+            self._dec_mask = valid[:, None, None, :]
 
     def forward_extend(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]

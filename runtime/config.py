@@ -1,0 +1,111 @@
+"""Engine configuration: one frozen, validated dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
+ATTENTION_BACKENDS = ("torch", "triton")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}={value!r} is invalid; allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of an :class:`~plait.runtime.Engine` (and later the server).
+
+    Memory: ``kv_cache_tokens`` sets the KV pool size in tokens; when None, the pool
+    takes ``mem_fraction`` of the free device memory (CUDA) or of the available system
+    memory (CPU) after the weights are loaded.
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    page_size: int = 16
+    kv_cache_tokens: int | None = None
+    mem_fraction: float = 0.3
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 2048
+    schedule_policy: str = "lpm"
+    disable_radix_cache: bool = False
+    context_length: int | None = None
+    num_threads: int | None = None
+    attention_backend: str = "auto"
+    seed: int = 0
+    # Admission reserves ``new_token_ratio * remaining max_new_tokens`` slots for each
+    # running request's future decode; the ratio decays while memory is plentiful and
+    # resets when a request has to be retracted.
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+
+    def __post_init__(self) -> None:
+        _require(self.device in DEVICES, "device", self.device, ", ".join(DEVICES))
+        _require(self.dtype in DTYPES, "dtype", self.dtype, ", ".join(DTYPES))
+        _require(_is_int(self.page_size) and 1 <= self.page_size <= 256, "page_size", self.page_size, "an integer in [1, 256]")
+        _require(
+            self.kv_cache_tokens is None or (_is_int(self.kv_cache_tokens) and self.kv_cache_tokens >= 1),
+            "kv_cache_tokens", self.kv_cache_tokens, "None or a positive integer",
+        )
+        _require(_is_num(self.mem_fraction) and 0 < self.mem_fraction <= 0.95, "mem_fraction", self.mem_fraction, "a number in (0, 0.95]")
+        _require(_is_int(self.max_running_requests) and 1 <= self.max_running_requests <= 4096,
+                 "max_running_requests", self.max_running_requests, "an integer in [1, 4096]")
+        _require(_is_int(self.chunked_prefill_size) and self.chunked_prefill_size >= 1,
+                 "chunked_prefill_size", self.chunked_prefill_size, "a positive integer")
+        _require(self.schedule_policy in SCHEDULE_POLICIES, "schedule_policy", self.schedule_policy, ", ".join(SCHEDULE_POLICIES))
+        _require(isinstance(self.disable_radix_cache, bool), "disable_radix_cache", self.disable_radix_cache, "True or False")
+        _require(self.context_length is None or (_is_int(self.context_length) and self.context_length >= 2),
+                 "context_length", self.context_length, "None or an integer >= 2")
+        _require(self.num_threads is None or (_is_int(self.num_threads) and self.num_threads >= 1),
+                 "num_threads", self.num_threads, "None or a positive integer")
+        _require(self.attention_backend in ("auto",) + ATTENTION_BACKENDS, "attention_backend",
+                 self.attention_backend, "auto, " + ", ".join(ATTENTION_BACKENDS))
+        _require(_is_int(self.seed), "seed", self.seed, "an integer")
+        _require(_is_num(self.init_new_token_ratio) and 0 <= self.init_new_token_ratio <= 1,
+                 "init_new_token_ratio", self.init_new_token_ratio, "a number in [0, 1]")
+        _require(_is_num(self.min_new_token_ratio) and 0 <= self.min_new_token_ratio <= self.init_new_token_ratio,
+                 "min_new_token_ratio", self.min_new_token_ratio, "a number in [0, init_new_token_ratio]")
+        _require(_is_num(self.new_token_ratio_decay) and self.new_token_ratio_decay >= 0,
+                 "new_token_ratio_decay", self.new_token_ratio_decay, "a number >= 0")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(names))}")
+        return cls(**kwargs)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.resolved_device() == "cuda" else "float32"
+
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.resolved_device() == "cuda" else "torch"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    import math
+
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

