@@ -45,10 +45,15 @@ def _dfs_weight(waiting: list[Req], nodes: dict[int, Any]) -> list[Req]:
                 else:
                     children[id(node.parent)].append(node)
             node = node.parent
+    # post-order: heavier children first, a node's own requests after its subtree, so
+    # the longest matches go first and siblings that share a prefix stay adjacent
     out: list[Req] = []
-    stack = sorted(roots, key=lambda n: weight[id(n)])
+    stack: list[tuple[Any, bool]] = [(n, False) for n in sorted(roots, key=lambda n: weight[id(n)])]
     while stack:
-        node = stack.pop()
-        out.extend(by_node[id(node)])
-        stack.extend(sorted(children[id(node)], key=lambda n: weight[id(n)]))
+        node, expanded = stack.pop()
+        if expanded:
+            out.extend(by_node[id(node)])
+            continue
+        stack.append((node, True))
+        stack.extend((c, False) for c in sorted(children[id(node)], key=lambda n: weight[id(n)]))
     return out

@@ -350,7 +350,7 @@ def test_gguf_llama3_rope_factors_become_llama3_scaling(tmp_path: Path) -> None:
         "original_max_position_embeddings": 8192,
     }
     # The model's rotary frequencies are the ones llama.cpp would use with these factors.
-    from plait.runtime.models.llama import compute_inv_freq
+    from plait.kernels.rotary import compute_inv_freq
 
     plain = 500000.0 ** (-np.arange(0, 128, 2, dtype=np.float64) / 128)
     got = compute_inv_freq(128, cfg.rope_theta, cfg.rope_scaling).double().numpy()

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from plait.kernels.rotary import ROPE_TYPES as SUPPORTED_ROPE_TYPES
+
 # model_type -> the flags that distinguish it inside the shared decoder.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)

@@ -8,64 +8,29 @@ per-head q/k RMSNorm (Qwen3), tied embeddings, rope scaling (llama3, linear).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.kernels.rotary import apply_rotary_ref, rope_cos_sin_cache
 from plait.runtime.attention.base import AttentionBackend
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.models.config import ModelConfig
 
 
-def compute_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
-    """Rotary inverse frequencies ``[head_dim // 2]`` (float32), with linear or llama3
-    scaling applied as Hugging Face does."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if not rope_scaling:
-        return inv_freq
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if kind == "linear":
-        return inv_freq / float(rope_scaling["factor"])
-    if kind == "llama3":
-        factor = float(rope_scaling["factor"])
-        low = float(rope_scaling.get("low_freq_factor", 1.0))
-        high = float(rope_scaling.get("high_freq_factor", 4.0))
-        old_ctx = float(rope_scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        # long wavelengths are slowed by `factor`, short ones kept, the band between blended
-        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-        return torch.where(medium, blended, scaled)
-    return inv_freq
-
-
 class RotaryEmbedding(nn.Module):
-    """HF ``rotate_half`` layout; cos/sin cached for every position up to ``max_pos``."""
+    """HF ``rotate_half`` layout; cos/sin cached for every position up to ``max_pos``
+    (the cache and the math live in :mod:`plait.kernels.rotary`)."""
 
     def __init__(self, head_dim: int, max_pos: int, theta: float, rope_scaling: dict | None) -> None:
         super().__init__()
-        inv_freq = compute_inv_freq(head_dim, theta, rope_scaling)
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(head_dim, max_pos, theta, rope_scaling), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, heads, dim], k: [T, kv_heads, dim]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rope(q, cos, sin), _rope(k, cos, sin)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+        return apply_rotary_ref(q, k, positions, self.cos_sin_cache)
 
 
 class RMSNorm(nn.Module):

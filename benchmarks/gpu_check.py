@@ -1,0 +1,429 @@
+"""GPU check for plait's Triton kernels: one script, one GPU, under 5 minutes.
+
+    pip install -e '.[test]'   # plait, pytest, triton (its version pinned with torch's)
+    python benchmarks/gpu_check.py [--skip-tests] [--json out.json]
+
+1. Runs the kernel tests (``tests/test_kernels_*.py``) on the device, compiled (the
+   tests use CUDA tensors and no interpreter when a CUDA device is present).
+2. Measures the paged decode and extend attention kernels in bf16 on Llama-3-8B-like
+   shapes and reports each as a fraction of the roofline, next to PyTorch SDPA on
+   dense (unpaged) K/V and flash-attn when it is importable. Roofline time is
+   ``max(bytes / bandwidth, flops / peak)``; both the data-sheet peaks (when the GPU is
+   known) and peaks measured here (a device copy, a large bf16 matmul) are reported.
+3. Compares engine outputs between the torch and triton backends, through
+   :func:`compare_engine_backends`, once an engine factory is wired in
+   (:func:`default_engine_factory`).
+
+Without a CUDA device it prints "no CUDA device; nothing to check" and exits 0.
+Timings are reported, never asserted; the exit status is non-zero only when the tests
+or the engine comparison fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+TEST_TIMEOUT_S = 200  # the whole script must stay under 5 minutes
+MAX_BF16_DIFF = 5e-2  # outputs of two bf16 attention implementations differ by less
+
+# Data-sheet peaks: (memory bandwidth bytes/s, dense bf16 tensor FLOP/s), matched by
+# substring of the device name, most specific first.
+SPEC_PEAKS: list[tuple[str, float, float]] = [
+    ("H200", 4.8e12, 989e12),
+    ("H100 PCIe", 2.0e12, 756e12),
+    ("H100", 3.35e12, 989e12),  # SXM
+    ("A100-SXM4-80GB", 2.039e12, 312e12),
+    ("A100 80GB PCIe", 1.935e12, 312e12),
+    ("A100", 1.555e12, 312e12),  # 40GB
+    ("B200", 8.0e12, 2250e12),
+    ("L40S", 0.864e12, 362e12),
+    ("L4", 0.3e12, 121e12),
+]
+
+
+@dataclass
+class Peaks:
+    spec_bw: float | None
+    spec_flops: float | None
+    measured_bw: float
+    measured_flops: float
+
+
+@dataclass
+class Result:
+    kernel: str  # "decode" / "extend"
+    case: str
+    impl: str  # "plait-triton" / "torch-sdpa" / "flash-attn"
+    ms: float
+    bytes: float
+    flops: float
+    roofline_spec: float | None  # fraction of the data-sheet roofline reached
+    roofline_measured: float  # fraction of the measured roofline reached
+    max_diff: float | None  # max |output - plait's output|; None for plait itself
+
+
+# ----------------------------------------------------------------------------- timing, peaks
+
+
+def bench_ms(fn: Callable[[], Any]) -> float:
+    """Median milliseconds of ``fn`` (Triton's do_bench: warm-up, L2 flush, CUDA events)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def measure_peaks(device_name: str) -> Peaks:
+    spec = next(((bw, fl) for key, bw, fl in SPEC_PEAKS if key in device_name), (None, None))
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_ms = bench_ms(lambda: dst.copy_(src))
+    measured_bw = 2 * src.numel() / (copy_ms * 1e-3)  # read + write
+    del src, dst
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    mm_ms = bench_ms(lambda: a @ b)
+    measured_flops = 2 * n**3 / (mm_ms * 1e-3)
+    return Peaks(spec[0], spec[1], measured_bw, measured_flops)
+
+
+def roofline_fraction(ms: float, nbytes: float, flops: float, bw: float | None, peak: float | None) -> float | None:
+    if bw is None or peak is None:
+        return None
+    return max(nbytes / bw, flops / peak) / (ms * 1e-3)
+
+
+# ----------------------------------------------------------------------------- paged setup
+
+
+def paged_kv(
+    lens: Sequence[int], kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V buffers ``[slots, kv_heads, dim]`` and a page table whose rows map each
+    request's positions to pages in shuffled order. Returns (k_buf, v_buf, table, rows)."""
+    pages_per_req = [-(-n // page_size) for n in lens]
+    num_pages = sum(pages_per_req) + 1  # page 0 is the padding sink
+    k_buf = torch.randn(num_pages * page_size, kv_heads, head_dim, device=device).to(dtype)
+    v_buf = torch.randn_like(k_buf)
+    pages = (torch.randperm(num_pages - 1, device=device) + 1).tolist()
+    table = torch.zeros(len(lens), max(lens), dtype=torch.int32, device=device)
+    offs = torch.arange(page_size, device=device)
+    for i, (n, n_pages) in enumerate(zip(lens, pages_per_req)):
+        mine, pages = pages[:n_pages], pages[n_pages:]
+        slots = (torch.tensor(mine, device=device)[:, None] * page_size + offs).reshape(-1)[:n]
+        table[i, :n] = slots.to(torch.int32)
+    rows = torch.arange(len(lens), device=device)
+    return k_buf, v_buf, table, rows
+
+
+def dense_kv(k_buf: torch.Tensor, table: torch.Tensor, lens: Sequence[int]) -> torch.Tensor:
+    """The same K (or V) gathered densely: ``[B, kv_heads, L, dim]`` (equal lengths)."""
+    length = lens[0]
+    return k_buf[table[:, :length].long()].transpose(1, 2).contiguous()
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+
+def bench_decode(
+    batch: int, context: int, heads: int, kv_heads: int, head_dim: int, page_size: int, peaks: Peaks,
+    device: str = "cuda",
+) -> list[Result]:
+    from plait.kernels.decode_attention import decode_attention
+
+    dtype = torch.bfloat16
+    lens = [context] * batch
+    k_buf, v_buf, table, rows = paged_kv(lens, kv_heads, head_dim, page_size, dtype, device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
+    scale = head_dim**-0.5
+    elt = 2  # bf16 bytes
+    nbytes = 2 * batch * context * kv_heads * head_dim * elt + 2 * q.numel() * elt  # K, V, q, out
+    flops = 4 * batch * heads * context * head_dim
+    case = f"B={batch} ctx={context} H={heads}/{kv_heads} d={head_dim} page={page_size}"
+
+    # impl -> (run, output as [B, H, D])
+    impls: dict[str, tuple[Callable[[], Any], Callable[[Any], torch.Tensor]]] = {}
+    out = torch.empty_like(q)
+    impls["plait-triton"] = (
+        lambda: decode_attention(q, k_buf, v_buf, table, rows, seq_lens, scale, out=out), lambda o: o
+    )
+    kd, vd = dense_kv(k_buf, table, lens), dense_kv(v_buf, table, lens)  # [B, KVH, L, D]
+    q4 = q[:, :, None, :]  # [B, H, 1, D]
+    impls["torch-sdpa"] = (
+        lambda: F.scaled_dot_product_attention(q4, kd, vd, scale=scale, enable_gqa=True), lambda o: o[:, :, 0]
+    )
+    flash = _flash_attn()
+    if flash is not None:
+        kf, vf = kd.transpose(1, 2).contiguous(), vd.transpose(1, 2).contiguous()  # [B, L, KVH, D]
+        qf = q[:, None]  # [B, 1, H, D]
+        impls["flash-attn"] = (
+            lambda: flash.flash_attn_with_kvcache(qf, kf, vf, cache_seqlens=seq_lens, softmax_scale=scale),
+            lambda o: o[:, 0],
+        )
+    return _run_impls("decode", case, impls, nbytes, flops, peaks)
+
+
+def bench_extend(
+    batch: int, new: int, prefix: int, heads: int, kv_heads: int, head_dim: int, page_size: int, peaks: Peaks,
+    device: str = "cuda",
+) -> list[Result]:
+    from plait.kernels.extend_attention import extend_attention
+
+    dtype = torch.bfloat16
+    total = prefix + new
+    lens = [total] * batch
+    k_buf, v_buf, table, rows = paged_kv(lens, kv_heads, head_dim, page_size, dtype, device)
+    q = torch.randn(batch * new, heads, head_dim, device=device, dtype=dtype)
+    prefix_lens = torch.full((batch,), prefix, dtype=torch.int32, device=device)
+    ext_lens = torch.full((batch,), new, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    elt = 2
+    nbytes = 2 * batch * total * kv_heads * head_dim * elt + 2 * q.numel() * elt
+    visible = new * prefix + new * (new + 1) // 2  # keys seen, summed over one request's queries
+    flops = 4 * batch * heads * head_dim * visible
+    case = f"B={batch} new={new} prefix={prefix} H={heads}/{kv_heads} d={head_dim} page={page_size}"
+
+    # impl -> (run, output as [B * new, H, D])
+    impls: dict[str, tuple[Callable[[], Any], Callable[[Any], torch.Tensor]]] = {}
+    out = torch.empty_like(q)
+    start = torch.arange(batch, dtype=torch.int32, device=device) * new
+    impls["plait-triton"] = (
+        lambda: extend_attention(
+            q, k_buf, v_buf, table, rows, prefix_lens, ext_lens, scale,
+            max_extend_len=new, extend_start_loc=start, out=out,
+        ),
+        lambda o: o,
+    )
+    kd, vd = dense_kv(k_buf, table, lens), dense_kv(v_buf, table, lens)  # [B, KVH, L, D]
+    q4 = q.view(batch, new, heads, head_dim).transpose(1, 2)  # [B, H, new, D]
+    if prefix == 0:
+        mask: dict[str, Any] = {"is_causal": True}
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = {"attn_mask": causal_lower_right(new, total)}  # query i sees keys <= prefix + i
+    impls["torch-sdpa"] = (
+        lambda: F.scaled_dot_product_attention(q4, kd, vd, scale=scale, enable_gqa=True, **mask),
+        lambda o: o.transpose(1, 2).reshape(-1, heads, head_dim),
+    )
+    flash = _flash_attn()
+    if flash is not None:
+        kf, vf = kd.transpose(1, 2).contiguous(), vd.transpose(1, 2).contiguous()  # [B, L, KVH, D]
+        qf = q.view(batch, new, heads, head_dim)
+        # flash-attn aligns the causal mask bottom-right when seqlen_q < seqlen_k
+        impls["flash-attn"] = (
+            lambda: flash.flash_attn_func(qf, kf, vf, softmax_scale=scale, causal=True),
+            lambda o: o.reshape(-1, heads, head_dim),
+        )
+    return _run_impls("extend", case, impls, nbytes, flops, peaks)
+
+
+def _flash_attn() -> Any:
+    try:
+        import flash_attn  # type: ignore[import-not-found]
+    except Exception:
+        return None
+    return flash_attn
+
+
+def _run_impls(
+    kernel: str,
+    case: str,
+    impls: dict[str, tuple[Callable[[], Any], Callable[[Any], torch.Tensor]]],
+    nbytes: float,
+    flops: float,
+    peaks: Peaks,
+) -> list[Result]:
+    """Time each implementation; first check each one's output against plait's (bf16:
+    a max difference of MAX_BF16_DIFF or more means a bug; main fails on it)."""
+    results = []
+    reference: torch.Tensor | None = None
+    for impl, (fn, as_common) in impls.items():
+        diff = None
+        try:
+            got = as_common(fn()).float()
+            if reference is None:
+                reference = got
+            else:
+                diff = (got - reference).abs().max().item()
+                flag = "" if diff < MAX_BF16_DIFF else "   <-- MISMATCH"
+                print(f"  {kernel} {case}: max |{impl} - plait| = {diff:.2e}{flag}")
+            ms = bench_ms(fn)
+        except Exception as exc:  # a baseline that cannot run this shape is reported, not fatal
+            print(f"  {kernel} {impl}: failed ({type(exc).__name__}: {exc})".splitlines()[0])
+            continue
+        results.append(
+            Result(
+                kernel, case, impl, ms, nbytes, flops,
+                roofline_fraction(ms, nbytes, flops, peaks.spec_bw, peaks.spec_flops),
+                roofline_fraction(ms, nbytes, flops, peaks.measured_bw, peaks.measured_flops) or 0.0,
+                diff,
+            )
+        )
+    return results
+
+
+def print_results(results: list[Result]) -> None:
+    header = f"{'kernel':7} {'impl':13} {'ms':>8} {'GB/s':>8} {'TFLOP/s':>8} {'roof(spec)':>10} {'roof(meas)':>10}  case"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        spec = f"{100 * r.roofline_spec:9.1f}%" if r.roofline_spec is not None else f"{'n/a':>10}"
+        print(
+            f"{r.kernel:7} {r.impl:13} {r.ms:8.3f} {r.bytes / r.ms / 1e6:8.0f} {r.flops / r.ms / 1e9:8.1f} "
+            f"{spec} {100 * r.roofline_measured:9.1f}%  {r.case}"
+        )
+
+
+# ----------------------------------------------------------------------------- tests, engine
+
+
+def run_kernel_tests() -> bool:
+    """pytest on tests/test_kernels_*.py, compiled on the device (interpreter unset)."""
+    files = sorted(glob.glob(str(REPO / "tests" / "test_kernels_*.py")))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
+    print("$", " ".join(cmd), flush=True)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, timeout=TEST_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print(f"kernel tests: TIMEOUT after {TEST_TIMEOUT_S}s")
+        return False
+    print(f"kernel tests: {'PASS' if proc.returncode == 0 else 'FAIL'} (exit {proc.returncode})")
+    return proc.returncode == 0
+
+
+EngineFactory = Callable[[str], Any]  # attention backend name -> engine with .generate()
+
+
+def compare_engine_backends(
+    engine_factory: EngineFactory,
+    prompts: list[list[int]] | list[str],
+    max_new_tokens: int = 32,
+    backends: tuple[str, str] = ("torch", "triton"),
+) -> dict[str, Any]:
+    """Greedy-decode ``prompts`` with an engine per backend and compare the output ids.
+
+    ``engine_factory(name)`` builds an engine using attention backend ``name``, e.g.
+    ``lambda b: plait.runtime.Engine(model, attention_backend=b)``; its
+    ``generate(prompts, {"max_new_tokens": n, "temperature": 0})`` returns one dict per
+    prompt with ``"output_ids"``. Returns ``{"match": bool, "mismatches": [...]}``
+    where each mismatch names the prompt index and the first differing position.
+    """
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0}
+    outputs = {}
+    for name in backends:
+        engine = engine_factory(name)
+        outputs[name] = [list(o["output_ids"]) for o in engine.generate(prompts, params)]
+        shutdown = getattr(engine, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        torch.cuda.empty_cache()
+    ref, got = outputs[backends[0]], outputs[backends[1]]
+    mismatches = []
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            mismatches.append({"prompt": i, "first_diff": first, backends[0]: a, backends[1]: b})
+    return {"match": not mismatches and len(ref) == len(got), "num_prompts": len(ref), "mismatches": mismatches}
+
+
+def default_engine_factory() -> EngineFactory | None:
+    """The engine used by this script's comparison, or None while none is wired.
+
+    To be wired once ``plait.runtime.Engine`` exists: build the default small model
+    once and return ``lambda backend: Engine(model, attention_backend=backend)``.
+    """
+    return None
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-tests", action="store_true", help="only benchmark")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("no CUDA device; nothing to check")
+        return 0
+    t0 = time.time()
+    name = torch.cuda.get_device_name()
+    print(f"device: {name}; torch {torch.__version__}", end="")
+    try:
+        import triton
+
+        print(f"; triton {triton.__version__}")
+    except ImportError:
+        print("\ntriton is not installed; nothing to check")
+        return 1
+
+    ok = True
+    report: dict[str, Any] = {"device": name, "torch": torch.__version__, "triton": triton.__version__}
+    if not args.skip_tests:
+        report["tests_passed"] = run_kernel_tests()
+        ok &= report["tests_passed"]
+
+    peaks = measure_peaks(name)
+    report["peaks"] = asdict(peaks)
+    spec = (
+        f"spec {peaks.spec_bw / 1e9:.0f} GB/s, {peaks.spec_flops / 1e12:.0f} TFLOP/s; "
+        if peaks.spec_bw and peaks.spec_flops
+        else "spec unknown for this device; "
+    )
+    print(f"peaks: {spec}measured {peaks.measured_bw / 1e9:.0f} GB/s (copy), "
+          f"{peaks.measured_flops / 1e12:.0f} TFLOP/s (bf16 matmul)")
+
+    # Llama-3-8B attention shapes (32 query / 8 KV heads, dim 128) and SmolLM2-135M's
+    # (9 / 3, dim 64); bf16.
+    results: list[Result] = []
+    for batch, context in [(1, 8192), (32, 4096), (128, 2048)]:
+        results += bench_decode(batch, context, 32, 8, 128, 16, peaks)
+    results += bench_decode(64, 2048, 9, 3, 64, 1, peaks)
+    for batch, new, prefix in [(1, 4096, 0), (4, 2048, 0), (8, 512, 3584)]:
+        results += bench_extend(batch, new, prefix, 32, 8, 128, 16, peaks)
+    results += bench_extend(4, 1024, 1024, 9, 3, 64, 1, peaks)
+    print_results(results)
+    report["results"] = [asdict(r) for r in results]
+    disagree = [r for r in results if r.max_diff is not None and not r.max_diff < MAX_BF16_DIFF]
+    if disagree:
+        print(f"attention outputs disagree with a baseline in {len(disagree)} case(s)")
+        ok = False
+
+    factory = default_engine_factory()
+    if factory is None:
+        print("engine torch-vs-triton comparison: not wired (no engine factory yet)")
+    else:
+        prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 5, 8,"]
+        cmp = compare_engine_backends(factory, prompts)
+        report["engine_comparison"] = cmp
+        print(f"engine torch-vs-triton greedy outputs: {'MATCH' if cmp['match'] else 'MISMATCH'} "
+              f"({cmp['num_prompts']} prompts)")
+        ok &= bool(cmp["match"])
+
+    report["seconds"] = round(time.time() - t0, 1)
+    print(f"done in {report['seconds']} s: {'OK' if ok else 'FAILED'}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

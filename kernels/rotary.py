@@ -1,0 +1,106 @@
+"""Rotary position embedding (RoPE), Hugging Face ``rotate_half`` layout.
+
+Layout: a head vector ``x = [x1, x2]`` (two halves of ``head_dim / 2``) rotates as
+``[x1 * cos - x2 * sin, x2 * cos + x1 * sin]`` with frequency ``i`` pairing ``x1[i]``
+with ``x2[i]`` (non-interleaved; what HF checkpoints expect -- GGUF's interleaved
+layout is undone by the loader).
+
+The cos/sin cache is built once per model by :func:`rope_cos_sin_cache` from the
+inverse frequencies of :func:`compute_inv_freq`, which implements the ``default``,
+``linear`` and ``llama3`` rope types exactly as transformers computes them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _rope_type(rope_scaling: Mapping[str, Any] | None) -> str:
+    if not rope_scaling:
+        return "default"
+    return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
+
+
+def compute_inv_freq(head_dim: int, theta: float, rope_scaling: Mapping[str, Any] | None = None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` fp32 for RoPE, as transformers computes them.
+
+    ``rope_scaling`` is the HF config's dict (``rope_scaling`` / ``rope_parameters``):
+    ``None`` or ``{"rope_type": "default"}``; ``{"rope_type": "linear", "factor": f}``
+    (positions divided by f); ``{"rope_type": "llama3", "factor", "low_freq_factor",
+    "high_freq_factor", "original_max_position_embeddings"}`` (Llama 3.1: long
+    wavelengths slowed by ``factor``, short ones kept, a smooth blend between).
+    The legacy key ``"type"`` is accepted for ``"rope_type"``.
+    """
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim must be a positive even number, got {head_dim}")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = _rope_type(rope_scaling)
+    if rope_type == "default":
+        return inv_freq
+    assert rope_scaling is not None
+    factor = float(rope_scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        low_freq_factor = float(rope_scaling["low_freq_factor"])
+        high_freq_factor = float(rope_scaling["high_freq_factor"])
+        old_context = float(rope_scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context / low_freq_factor  # longer than this: fully scaled
+        high_freq_wavelen = old_context / high_freq_factor  # shorter than this: untouched
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, blended, scaled)
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+
+
+def rope_cos_sin_cache(
+    head_dim: int,
+    max_positions: int,
+    theta: float,
+    rope_scaling: Mapping[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The cos/sin cache ``[max_positions, head_dim]``: ``cos`` in the first half of the
+    last dim, ``sin`` in the second, each ``[max_positions, head_dim // 2]``.
+    Angles are computed in fp32 (as HF does) and then cast to ``dtype``."""
+    inv_freq = compute_inv_freq(head_dim, theta, rope_scaling).to(device)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=device), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+
+
+def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, dim]; cos, sin: [T, 1, dim // 2] fp32
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def apply_rotary_ref(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference RoPE: q [T, heads, dim], k [T, kv_heads, dim], positions [T] int,
+    cos_sin_cache [max_positions, dim]. Returns rotated copies, computed in fp32."""
+    half = q.shape[-1] // 2
+    cs = cos_sin_cache[positions.long()].float()
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    return _rotate_ref(q, cos, sin), _rotate_ref(k, cos, sin)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton RoPE; same contract as :func:`apply_rotary_ref`. q and k may be strided
+    views (e.g. of a fused QKV output) with a contiguous last dim."""
+    from plait.kernels._rotary_triton import launch_rotary
+
+    return launch_rotary(q, k, positions, cos_sin_cache)

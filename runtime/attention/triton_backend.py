@@ -1,0 +1,93 @@
+"""Triton paged attention: the kernels of :mod:`plait.kernels` behind the backend interface.
+
+Imported lazily by :func:`plait.runtime.attention.base.create_attention_backend`, so only
+a process that asks for ``"triton"`` imports Triton. On a machine without CUDA the
+kernels run under the Triton interpreter (see :mod:`plait.kernels._triton`): correct and
+slow, which is what the CPU tests want.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait.kernels.decode_attention import decode_attention
+from plait.kernels.extend_attention import extend_attention
+from plait.kernels.kv_store import store_kv
+from plait.runtime.attention.base import AttentionBackend
+from plait.runtime.forward_batch import ForwardBatch
+from plait.runtime.memory import KVPool
+
+# Decode splits per request. Fixed (not derived from lengths) so the decode launch shape
+# depends only on the batch size, which CUDA-graph capture per batch-size bucket needs;
+# 8 splits of a 4k context are 512 keys each, enough work per program.
+DEFAULT_NUM_KV_SPLITS = 8
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Same results as :class:`~plait.runtime.attention.torch_backend.TorchAttentionBackend`
+    (up to float rounding), computed by Triton kernels straight from the page table.
+
+    :meth:`init_forward` uploads the per-step metadata once (int32 lengths, rows, token
+    offsets); every layer's :meth:`forward` then launches the KV store, the extend
+    kernel and the decode kernel, writing both attention parts into one output tensor.
+    """
+
+    def __init__(
+        self, pool: KVPool, num_heads: int, scale: float, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS
+    ) -> None:
+        super().__init__(pool, num_heads, scale)
+        if num_kv_splits < 1:
+            raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+        self.num_kv_splits = num_kv_splits
+
+    def init_forward(self, fb: ForwardBatch) -> None:
+        device = fb.req_to_token.device
+        self._req_to_token = fb.req_to_token
+
+        def i32(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        # extend part: [E] metadata; lengths also kept on the host for the grid size
+        self._ext_rows = fb.req_rows[: fb.num_extends]
+        self._ext_prefix = i32(fb.extend_prefix_lens)
+        self._ext_lens = i32(fb.extend_seq_lens)
+        self._ext_start = i32(fb.extend_start_loc)
+        self._max_extend = max(fb.extend_seq_lens, default=0)
+        # decode part: [D]
+        self._dec_rows = fb.req_rows[fb.num_extends :]
+        self._dec_lens = i32(fb.decode_seq_lens)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch
+    ) -> torch.Tensor:
+        """As :meth:`AttentionBackend.forward`, with the Triton KV store and one output
+        tensor that the extend and decode kernels fill in place (no concatenation)."""
+        store_kv(self.pool.k_buffers[layer], self.pool.v_buffers[layer], fb.out_slots, k, v)
+        out = torch.empty_like(q)
+        n_ext = fb.num_extend_tokens
+        if fb.num_extends:
+            self._extend(q[:n_ext], layer, out[:n_ext])
+        if fb.num_decodes:
+            self._decode(q[n_ext:], layer, out[n_ext:])
+        return out
+
+    def forward_extend(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
+        return self._extend(q, layer, torch.empty_like(q))
+
+    def forward_decode(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
+        return self._decode(q, layer, torch.empty_like(q))
+
+    def _extend(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> torch.Tensor:
+        # q, out: [extend_tokens, heads, dim]
+        return extend_attention(
+            q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self._req_to_token,
+            self._ext_rows, self._ext_prefix, self._ext_lens, self.scale,
+            max_extend_len=self._max_extend, extend_start_loc=self._ext_start, out=out,
+        )
+
+    def _decode(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> torch.Tensor:
+        # q, out: [decodes, heads, dim]
+        return decode_attention(
+            q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self._req_to_token,
+            self._dec_rows, self._dec_lens, self.scale, num_kv_splits=self.num_kv_splits, out=out,
+        )

@@ -1,0 +1,200 @@
+"""The Engine's public surface: sampling parameters, stop handling, n, seeds,
+logprobs, bad input (a clear ValueError, and the engine serves correctly afterwards)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.runtime import Engine, EngineConfig
+from plait.runtime.request import Req
+from plait.runtime.sampler import apply_penalties
+from plait.runtime.sampling_params import SamplingParams
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_factory):
+    with Engine(str(tiny_model_factory("llama")), kv_cache_tokens=4096, max_running_requests=16) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def baseline(engine):
+    return engine.generate("The weather today is", GREEDY)
+
+
+def test_single_and_batch_shapes(engine, baseline):
+    assert isinstance(baseline, dict)
+    assert set(baseline) == {"text", "output_ids", "meta_info"}
+    meta = baseline["meta_info"]
+    assert meta["completion_tokens"] == 12 == len(baseline["output_ids"])
+    assert meta["prompt_tokens"] == len(engine.tokenizer.encode("The weather today is", add_special_tokens=False))
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+    assert baseline["text"] == engine.tokenizer.decode(baseline["output_ids"])
+    outs = engine.generate(["The weather today is", "Another prompt"], [GREEDY, {**GREEDY, "max_new_tokens": 3}])
+    assert isinstance(outs, list) and len(outs) == 2
+    assert outs[0]["output_ids"] == baseline["output_ids"]
+    assert len(outs[1]["output_ids"]) == 3
+    by_ids = engine.generate(input_ids=engine.tokenizer.encode("The weather today is", add_special_tokens=False),
+                             sampling_params=GREEDY)
+    assert by_ids["output_ids"] == baseline["output_ids"]
+
+
+def test_stop_string_is_trimmed(engine, baseline):
+    text = baseline["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip()
+    out = engine.generate("The weather today is", {**GREEDY, "stop": [stop, "zzzz-never"]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == text[: text.index(stop)]
+    assert stop not in out["text"]
+
+
+def test_stop_token_ids_and_min_new_tokens(engine, baseline):
+    ids = baseline["output_ids"]
+    out = engine.generate("The weather today is", {**GREEDY, "stop_token_ids": [ids[2]]})
+    assert out["output_ids"] == ids[:3]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[2]}
+    # the first greedy token is a stop token: min_new_tokens forbids it at step 0
+    out = engine.generate("The weather today is", {**GREEDY, "stop_token_ids": [ids[0]], "min_new_tokens": 4})
+    assert out["output_ids"][0] != ids[0]
+    assert len(out["output_ids"]) >= 4
+
+
+def test_eos_ends_generation_unless_ignored(engine, baseline):
+    ids = baseline["output_ids"]
+    saved = engine.scheduler.eos_ids, engine.runner.eos_ids
+    # pretend the model's EOS is the third greedy token
+    engine.scheduler.eos_ids, engine.runner.eos_ids = frozenset({ids[2]}), [ids[2]]
+    try:
+        stopped = engine.generate("The weather today is", {**GREEDY, "ignore_eos": False})
+        ignored = engine.generate("The weather today is", GREEDY)
+        delayed = engine.generate("The weather today is", {**GREEDY, "ignore_eos": False, "min_new_tokens": 5})
+    finally:
+        engine.scheduler.eos_ids, engine.runner.eos_ids = saved
+    assert stopped["output_ids"] == ids[:3]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[2]}
+    assert ignored["output_ids"] == ids
+    assert len(delayed["output_ids"]) >= 5 and delayed["output_ids"][2] != ids[2]
+
+
+def test_seeded_sampling_is_reproducible_and_n_copies_differ(engine):
+    p = {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True, "seed": 42}
+    a = engine.generate("Tell me a story", p)
+    b = engine.generate("Tell me a story", p)
+    assert a["output_ids"] == b["output_ids"]
+    c = engine.generate("Tell me a story", {**p, "seed": 43})
+    assert c["output_ids"] != a["output_ids"]
+    many = engine.generate("Tell me a story", {**p, "n": 3})
+    assert isinstance(many, list) and len(many) == 3
+    assert len({tuple(o["output_ids"]) for o in many}) == 3
+    assert many[0]["output_ids"] == a["output_ids"]  # copy i uses seed + i
+    assert many[1]["output_ids"] == c["output_ids"]
+
+
+def test_top_k_one_is_greedy_and_filters_restrict(engine, baseline):
+    out = engine.generate("The weather today is", {**GREEDY, "temperature": 0.8, "top_k": 1, "seed": 1})
+    assert out["output_ids"] == baseline["output_ids"]
+    out = engine.generate("The weather today is", {**GREEDY, "temperature": 0.7, "top_p": 1e-6, "seed": 5})
+    assert out["output_ids"] == baseline["output_ids"]  # top_p that keeps only the top token
+    out = engine.generate("The weather today is", {**GREEDY, "temperature": 0.7, "min_p": 1.0, "seed": 9})
+    assert out["output_ids"] == baseline["output_ids"]
+
+
+def test_penalties_follow_their_definitions():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    r = Req("x", [0], SamplingParams(repetition_penalty=2.0))
+    r.output_ids = [3]
+    apply_penalties(logits, [r])
+    assert logits.tolist() == [[1.0, -1.0, 0.5, 1.5]]  # seen ids 0 and 3: positive / 2
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    r = Req("y", [0], SamplingParams(frequency_penalty=0.5, presence_penalty=0.25))
+    r.output_ids = [3, 3, 1]
+    apply_penalties(logits, [r])
+    assert logits.tolist() == [[2.0, -1.75, 0.5, 3.0 - 1.0 - 0.25]]
+
+
+def test_output_logprobs_and_top_logprobs(engine, baseline):
+    out = engine.generate("The weather today is", GREEDY, return_logprob=True, top_logprobs_num=3, logprob_start_len=2)
+    meta = out["meta_info"]
+    lps = meta["output_token_logprobs"]
+    assert [t for _, t in lps] == out["output_ids"] == baseline["output_ids"]
+    for (lp, tok), top in zip(lps, meta["output_top_logprobs"]):
+        assert len(top) == 3
+        assert top[0][1] == tok and top[0][0] == pytest.approx(lp)  # greedy picks the top token
+        assert top[0][0] >= top[1][0] >= top[2][0]
+    n_prompt = meta["prompt_tokens"]
+    assert [t for _, t in meta["input_token_logprobs"]] == engine.tokenizer.encode(
+        "The weather today is", add_special_tokens=False)[2:]
+    assert len(meta["input_top_logprobs"]) == n_prompt - 2
+
+
+def test_max_new_tokens_zero_scores_the_prompt(engine):
+    out = engine.generate("Score this prompt please", {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
+    assert out["output_ids"] == [] and out["text"] == ""
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert len(out["meta_info"]["input_token_logprobs"]) == out["meta_info"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x " * 1100}, "context length"),
+        ({"prompt": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ({"prompt": "hi", "sampling_params": {"top_p": 0.0}}, "top_p"),
+        ({"prompt": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
+        ({"prompt": "hi", "sampling_params": {"temperature": float("nan")}}, "temperature"),
+        ({"prompt": "hi", "sampling_params": {"not_a_param": 1}}, "not_a_param"),
+        ({"prompt": "hi", "sampling_params": {"temperature": "hot"}}, "temperature"),
+        ({"prompt": "hi", "sampling_params": {"max_new_tokens": 2.5}}, "max_new_tokens"),
+        ({"prompt": "hi", "sampling_params": {"stop": [1, 2]}}, "stop"),
+        ({"prompt": "hi", "sampling_params": {"n": 0}}, "n"),
+        ({"prompt": "hi", "sampling_params": {"min_new_tokens": 5, "max_new_tokens": 2}}, "min_new_tokens"),
+        ({"prompt": 5}, "prompt"),
+        ({"input_ids": [1, -3]}, "input_ids"),
+        ({"input_ids": [1, 10**9]}, "input_ids"),
+        ({"prompt": "hi", "logprob_start_len": 99, "return_logprob": True}, "logprob_start_len"),
+        ({"prompt": "hi", "top_logprobs_num": -1}, "top_logprobs_num"),
+        ({"prompt": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+    ],
+)
+def test_bad_input_is_rejected_and_engine_keeps_serving(engine, baseline, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        engine.generate(**kwargs)
+    assert not engine.scheduler.has_work()
+    engine.check_invariants()
+    assert engine.generate("The weather today is", GREEDY)["output_ids"] == baseline["output_ids"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"page_size": 0}, "page_size"),
+        ({"schedule_policy": "random"}, "schedule_policy"),
+        ({"device": "tpu"}, "device"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"chunked_prefill_size": -5}, "chunked_prefill_size"),
+        ({"attention_backend": "flash"}, "attention_backend"),
+        ({"mem_fraction": 2.0}, "mem_fraction"),
+        ({"num_threads": 0}, "num_threads"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_bad_config_is_rejected(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig.from_kwargs(**kwargs)
+
+
+def test_missing_model_path_is_a_clear_error():
+    with pytest.raises((ValueError, FileNotFoundError), match="no/such/model/path.gguf"):
+        Engine("/no/such/model/path.gguf")
+
+
+def test_shutdown_and_context_manager(tiny_model_factory):
+    with Engine(str(tiny_model_factory("llama")), kv_cache_tokens=256) as e:
+        assert e.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+    with pytest.raises(RuntimeError, match="shut down"):
+        e.generate("hi")
