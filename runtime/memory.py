@@ -48,8 +48,8 @@ class KVPool:
 
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``/``v`` ``[tokens, kv_heads, head_dim]`` into ``slots`` ``[tokens]``."""
-        self.k_buffers[layer][slots] = k.to(self.dtype)
-        self.v_buffers[layer][slots] = v.to(self.dtype)
+        self.k_buffers[layer].index_copy_(0, slots, k.to(self.dtype))
+        self.v_buffers[layer].index_copy_(0, slots, v.to(self.dtype))
 
 
 class PageAllocator:

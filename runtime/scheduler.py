@@ -66,6 +66,9 @@ class Scheduler:
         self.running: list[Req] = []
         self.new_token_ratio = config.init_new_token_ratio
         self.num_retractions = 0
+        # counters (exported as metrics): tokens fed as prefill/extend vs as decode
+        self.prefill_tokens_computed = 0
+        self.decode_tokens_computed = 0
 
     # -- queue ----------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -172,6 +175,8 @@ class Scheduler:
             r.num_computed += n
         for r in batch.decodes:
             r.num_computed += 1
+        self.prefill_tokens_computed += batch.num_tokens - len(batch.decodes)
+        self.decode_tokens_computed += len(batch.decodes)
         finished = []
         for r in batch.reqs:
             if r.num_pending == 0:

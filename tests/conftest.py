@@ -106,7 +106,7 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[in
     with torch.no_grad():
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
+            do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0,
         )
     return out[0, len(prompt_ids):].tolist()
 

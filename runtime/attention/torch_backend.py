@@ -40,6 +40,7 @@ class TorchAttentionBackend(AttentionBackend):
             # padded positions read slot 0 (the zeroed padding sink), never a slot that is
             # allocated but not yet written, whose garbage could be NaN
             self._dec_idx = torch.where(valid, table[dec_rows, :max_len].long(), 0)  # [D, L]
+            self._dec_flat = self._dec_idx.reshape(-1)
             self._dec_mask = valid[:, None, None, :]
 
     def forward_extend(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
@@ -49,8 +50,8 @@ class TorchAttentionBackend(AttentionBackend):
         for i, n in enumerate(fb.extend_seq_lens):
             idx = self._ext_idx[i]
             qi = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            ki = k_buf[idx].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-            vi = v_buf[idx].transpose(0, 1).unsqueeze(0)
+            ki = k_buf.index_select(0, idx).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+            vi = v_buf.index_select(0, idx).transpose(0, 1).unsqueeze(0)
             mask = self._ext_mask[i]
             oi = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
@@ -60,8 +61,10 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def forward_decode(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
-        k = self.pool.k_buffers[layer][self._dec_idx].transpose(1, 2)  # [D, KVH, L, dim]
-        v = self.pool.v_buffers[layer][self._dec_idx].transpose(1, 2)
+        # index_select on a flat index is several times faster than 2-D fancy indexing
+        shape = (*self._dec_idx.shape, self.pool.kv_heads, self.pool.head_dim)  # [D, L, KVH, dim]
+        k = self.pool.k_buffers[layer].index_select(0, self._dec_flat).view(shape).transpose(1, 2)  # [D, KVH, L, dim]
+        v = self.pool.v_buffers[layer].index_select(0, self._dec_flat).view(shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), k, v, attn_mask=self._dec_mask, scale=self.scale, enable_gqa=True
         )  # [D, H, 1, dim]
