@@ -23,3 +23,20 @@ def test_runtime_and_kernels_live_under_plait():
 
     assert Engine.__module__ == "plait.runtime.engine"
     assert EngineConfig().page_size == 16
+
+
+def test_every_subpackage_is_listed_in_pyproject():
+    """A normal (non-editable) install ships only the listed packages; a forgotten
+    subpackage would work in the editable checkout and break for users."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    found = set()
+    for pkg, folder in tool["package-dir"].items():
+        for init in (root / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(root / folder)
+            found.add(".".join([pkg, *rel.parts]) if rel.parts else pkg)
+    assert found <= listed, f"subpackages missing from pyproject.toml packages: {sorted(found - listed)}"
