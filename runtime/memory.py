@@ -79,6 +79,10 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    def free_pages(self) -> list[int]:
+        """A copy of the free list (for invariant checks)."""
+        return list(self._free)
+
     def alloc(self, n: int) -> list[int] | None:
         """Take ``n`` pages, or return None (taking nothing) if fewer are free."""
         if n > len(self._free):

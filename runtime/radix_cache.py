@@ -286,6 +286,10 @@ class RadixCache:
         self.evicted_tokens += len(leaf.key)
         return len(pages)
 
+    def held_pages(self) -> list[int]:
+        """Every page the tree holds (for invariant checks; walks the whole tree)."""
+        return [p for node in self._nodes() for p in self.allocator.slots_to_pages(node.value)]
+
     def _nodes(self) -> list[TreeNode]:
         """Every non-root node of every namespace."""
         out: list[TreeNode] = []

@@ -342,9 +342,18 @@ class Scheduler:
         }
 
     def check_invariants(self) -> None:
+        """``free + evictable + locked == total``, and every page has exactly one owner
+        (the free list, one tree node, or one running request). Walks everything."""
         u = self.pool_usage()
         if u["free"] + u["evictable"] + u["locked"] != u["total"]:
             raise AssertionError(f"KV pool accounting broken: {u}")
+        owners = self.allocator.free_pages() + self.cache.held_pages()
+        for r in self.running:
+            owners += r.private_pages
+        if len(owners) != len(set(owners)) or set(owners) != set(range(1, self.allocator.num_pages)):
+            dup = len(owners) - len(set(owners))
+            raise AssertionError(f"KV page ownership broken: {dup} pages owned twice, "
+                                 f"{self.allocator.total_pages - len(set(owners))} pages owned by nobody")
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
