@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from plait.runtime.attention.base import AttentionBackend
 from plait.runtime.forward_batch import ForwardBatch
 
+# Decode batches are split by context length into at most this many groups, each of at
+# least MIN_DECODE_GROUP requests.
+MAX_DECODE_GROUPS = 4
+MIN_DECODE_GROUP = 8
+
 
 class TorchAttentionBackend(AttentionBackend):
     """Gathers each request's K/V from the pool through the page table and runs SDPA.
 
     Extend requests run one at a time (their chunk against prefix + chunk, causal with
-    an offset); decode requests run as one padded batch whose index and mask tensors
-    are built once per step and shared by all layers.
+    an offset); decode requests run as a few padded batches grouped by context length,
+    whose index and mask tensors are built once per step and shared by all layers.
     """
 
     def init_forward(self, fb: ForwardBatch) -> None:
@@ -32,16 +39,26 @@ class TorchAttentionBackend(AttentionBackend):
                 q_pos = torch.arange(prefix, prefix + n, device=table.device).unsqueeze(1)
                 k_pos = torch.arange(prefix + n, device=table.device).unsqueeze(0)
                 self._ext_mask.append(k_pos <= q_pos)
+        self._dec_groups: list[_DecodeGroup] = []
         if fb.num_decodes:
             dec_rows = fb.req_rows[fb.num_extends :]
-            lens = torch.tensor(fb.decode_seq_lens, device=table.device)
-            max_len = max(fb.decode_seq_lens)
-            valid = torch.arange(max_len, device=table.device) < lens.unsqueeze(1)  # [D, L]
-            # padded positions read slot 0 (the zeroed padding sink), never a slot that is
-            # allocated but not yet written, whose garbage could be NaN
-            self._dec_idx = torch.where(valid, table[dec_rows, :max_len].long(), 0)  # [D, L]
-            self._dec_flat = self._dec_idx.reshape(-1)
-            self._dec_mask = valid[:, None, None, :]
+            lens = fb.decode_seq_lens
+            # Sort by length and split into a few groups, each padded only to its own
+            # longest context: gather and attention cost follow the padded length, and
+            # contexts of mixed lengths would otherwise all pay for the longest.
+            order = sorted(range(len(lens)), key=lens.__getitem__)
+            num_groups = min(MAX_DECODE_GROUPS, 1 + len(order) // MIN_DECODE_GROUP)
+            size = -(-len(order) // num_groups)
+            for g in range(0, len(order), size):
+                members = order[g : g + size]
+                pos = torch.tensor(members, device=table.device)
+                glens = torch.tensor([lens[i] for i in members], device=table.device)
+                max_len = lens[members[-1]]
+                valid = torch.arange(max_len, device=table.device) < glens.unsqueeze(1)  # [G, L]
+                # padded positions read slot 0 (the zeroed padding sink), never a slot that
+                # is allocated but not yet written, whose garbage could be NaN
+                idx = torch.where(valid, table[dec_rows[pos], :max_len].long(), 0)
+                self._dec_groups.append(_DecodeGroup(pos, idx.reshape(-1), (len(members), max_len), valid[:, None, None, :]))
 
     def forward_extend(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
@@ -61,11 +78,22 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def forward_decode(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
-        # index_select on a flat index is several times faster than 2-D fancy indexing
-        shape = (*self._dec_idx.shape, self.pool.kv_heads, self.pool.head_dim)  # [D, L, KVH, dim]
-        k = self.pool.k_buffers[layer].index_select(0, self._dec_flat).view(shape).transpose(1, 2)  # [D, KVH, L, dim]
-        v = self.pool.v_buffers[layer].index_select(0, self._dec_flat).view(shape).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=self._dec_mask, scale=self.scale, enable_gqa=True
-        )  # [D, H, 1, dim]
-        return o.squeeze(2)
+        k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
+        heads = (self.pool.kv_heads, self.pool.head_dim)
+        out = torch.empty_like(q)
+        for g in self._dec_groups:
+            # index_select on a flat index is several times faster than 2-D fancy indexing
+            k = k_buf.index_select(0, g.flat_idx).view(*g.shape, *heads).transpose(1, 2)  # [G, KVH, L, dim]
+            v = v_buf.index_select(0, g.flat_idx).view(*g.shape, *heads).transpose(1, 2)
+            qg = q.index_select(0, g.positions).unsqueeze(2)  # [G, H, 1, dim]
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
+            out.index_copy_(0, g.positions, o.squeeze(2))
+        return out
+
+
+@dataclass
+class _DecodeGroup:
+    positions: torch.Tensor  # [G] indices of the group's requests among the decodes
+    flat_idx: torch.Tensor  # [G * L] slots, padded with slot 0
+    shape: tuple[int, int]  # (G, L)
+    mask: torch.Tensor  # [G, 1, 1, L] bool
