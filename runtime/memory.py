@@ -25,9 +25,10 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        reserved_slots: int = 1,
+        page_size: int = 1,
     ) -> None:
         self.num_slots = num_slots
+        self.page_size = page_size
         self.num_layers = num_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
@@ -39,8 +40,14 @@ class KVPool:
         # attention weights are 0, and 0 * NaN would still poison the output).
         self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.zero_pages([0])
+
+    def zero_pages(self, pages: list[int]) -> None:
+        """Zero ``pages`` in every layer. Freshly allocated pages are zeroed so that a
+        page's not-yet-written slots, which page-granular reads see (masked), are finite."""
+        ps = self.page_size
         for buf in self.k_buffers + self.v_buffers:
-            buf[:reserved_slots].zero_()
+            buf.view(-1, ps, *buf.shape[1:]).index_fill_(0, torch.tensor(pages, device=buf.device), 0)
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

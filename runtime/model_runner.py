@@ -62,6 +62,8 @@ class ModelRunner:
     def forward(self, batch: ScheduleBatch) -> dict[str, int]:
         """Run one step. Records logprobs on the requests; returns the sampled token of
         every request that catches up this step (keyed by request id)."""
+        if batch.new_pages:
+            self.attn.pool.zero_pages(batch.new_pages)
         fb = self.build_forward_batch(batch)
         self.attn.init_forward(fb)
         hidden = self.model(fb, self.attn)

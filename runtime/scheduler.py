@@ -33,6 +33,7 @@ class ScheduleBatch:
 
     extends: list[tuple[Req, int]] = field(default_factory=list)
     decodes: list[Req] = field(default_factory=list)
+    new_pages: list[int] = field(default_factory=list)  # allocated for this step
 
     @property
     def reqs(self) -> list[Req]:
@@ -97,6 +98,7 @@ class Scheduler:
     def schedule(self) -> ScheduleBatch | None:
         """Pick this step's work; allocates KV slots for every token it schedules."""
         batch = ScheduleBatch()
+        self._new_pages = batch.new_pages
         decodes = self._schedule_decodes()
         batch.decodes = decodes
         budget = max(self.config.chunked_prefill_size - len(decodes), 0)
@@ -236,6 +238,7 @@ class Scheduler:
             return
         start = r.capacity(self.page_size)
         pages = self._alloc_pages(k)
+        self._new_pages.extend(pages)
         r.private_pages.extend(pages)
         self.req_to_token.write(r.row, start, self.allocator.pages_to_slots(pages))
 

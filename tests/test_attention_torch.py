@@ -3,11 +3,12 @@ decode requests of mixed lengths to be split into several length groups."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from plait.runtime.attention.torch_backend import TorchAttentionBackend
 from plait.runtime.forward_batch import ForwardBatch
-from plait.runtime.memory import KVPool, ReqToToken
+from plait.runtime.memory import KVPool, PageAllocator, ReqToToken
 
 
 def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_from: int) -> torch.Tensor:
@@ -20,21 +21,22 @@ def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causa
     return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
 
 
-def test_mixed_batch_with_many_decode_groups():
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mixed_batch_with_many_decode_groups(page_size):
     g = torch.Generator().manual_seed(0)
-    H, KVH, D, slots = 6, 2, 16, 4096
-    pool = KVPool(slots, 1, KVH, D, torch.float32, "cpu")
+    H, KVH, D, slots = 6, 2, 16, 16384
+    pool = KVPool(slots, 1, KVH, D, torch.float32, "cpu", page_size=page_size)
+    alloc = PageAllocator(slots // page_size, page_size)
     pool.k_buffers[0].normal_(generator=g)
     pool.v_buffers[0].normal_(generator=g)
     table = ReqToToken(40, 256, "cpu")
-    perm = torch.randperm(slots - 1, generator=g) + 1  # scattered slots, never slot 0
+    every = alloc.alloc(alloc.total_pages)
+    alloc.free([every[i] for i in torch.randperm(len(every), generator=g).tolist()])  # scattered pages
     ext = [(0, 9), (30, 5)]  # (prefix, new tokens)
     dec_lens = torch.randint(1, 200, (33,), generator=g).tolist()
     lens = [p + n for p, n in ext] + dec_lens
-    used = 0
     for row, n in enumerate(lens):
-        table.write(row, 0, perm[used : used + n])
-        used += n
+        table.write(row, 0, alloc.pages_to_slots(alloc.alloc(-(-n // page_size)))[:n])
     T = sum(n for _, n in ext) + len(dec_lens)
     q = torch.randn(T, H, D, generator=g)
     fb = ForwardBatch(

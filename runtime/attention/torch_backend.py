@@ -53,12 +53,20 @@ class TorchAttentionBackend(AttentionBackend):
                 members = order[g : g + size]
                 pos = torch.tensor(members, device=table.device)
                 glens = torch.tensor([lens[i] for i in members], device=table.device)
+                # Gather whole pages (contiguous blocks of page_size slots copy several
+                # times faster than single slots); positions past a request's length,
+                # including the unwritten tail of its last page (zeroed at allocation),
+                # are masked. Padded pages read page 0, the zeroed padding sink.
+                ps = self.pool.page_size
                 max_len = lens[members[-1]]
-                valid = torch.arange(max_len, device=table.device) < glens.unsqueeze(1)  # [G, L]
-                # padded positions read slot 0 (the zeroed padding sink), never a slot that
-                # is allocated but not yet written, whose garbage could be NaN
-                idx = torch.where(valid, table[dec_rows[pos], :max_len].long(), 0)
-                self._dec_groups.append(_DecodeGroup(pos, idx.reshape(-1), (len(members), max_len), valid[:, None, None, :]))
+                n_units = -(-max_len // ps)
+                first = table[dec_rows[pos], :max_len][:, ::ps].long() // ps  # [G, n_units]
+                unit_ok = torch.arange(n_units, device=table.device) * ps < glens.unsqueeze(1)
+                units = torch.where(unit_ok, first, 0)
+                valid = torch.arange(n_units * ps, device=table.device) < glens.unsqueeze(1)  # [G, L]
+                self._dec_groups.append(
+                    _DecodeGroup(pos, units.reshape(-1), (len(members), n_units * ps), valid[:, None, None, :])
+                )
 
     def forward_extend(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
@@ -80,11 +88,13 @@ class TorchAttentionBackend(AttentionBackend):
     def forward_decode(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
         heads = (self.pool.kv_heads, self.pool.head_dim)
+        k_pages = k_buf.view(-1, self.pool.page_size, *heads)
+        v_pages = v_buf.view(-1, self.pool.page_size, *heads)
         out = torch.empty_like(q)
         for g in self._dec_groups:
             # index_select on a flat index is several times faster than 2-D fancy indexing
-            k = k_buf.index_select(0, g.flat_idx).view(*g.shape, *heads).transpose(1, 2)  # [G, KVH, L, dim]
-            v = v_buf.index_select(0, g.flat_idx).view(*g.shape, *heads).transpose(1, 2)
+            k = k_pages.index_select(0, g.flat_idx).view(*g.shape, *heads).transpose(1, 2)  # [G, KVH, L, dim]
+            v = v_pages.index_select(0, g.flat_idx).view(*g.shape, *heads).transpose(1, 2)
             qg = q.index_select(0, g.positions).unsqueeze(2)  # [G, H, 1, dim]
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
             out.index_copy_(0, g.positions, o.squeeze(2))
@@ -94,6 +104,6 @@ class TorchAttentionBackend(AttentionBackend):
 @dataclass
 class _DecodeGroup:
     positions: torch.Tensor  # [G] indices of the group's requests among the decodes
-    flat_idx: torch.Tensor  # [G * L] slots, padded with slot 0
+    flat_idx: torch.Tensor  # [G * L / page_size] pages, padded with page 0
     shape: tuple[int, int]  # (G, L)
     mask: torch.Tensor  # [G, 1, 1, L] bool
