@@ -63,7 +63,7 @@ class Engine:
         ps = cfg.page_size
         num_pages = num_slots // ps + 1  # + the reserved padding page
         self.pool = KVPool(
-            num_pages * ps, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device, reserved_slots=ps
+            num_pages * ps, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device, page_size=ps
         )
         self.allocator = PageAllocator(num_pages, ps)
         self.req_to_token = ReqToToken(cfg.max_running_requests, self.context_len, self.device)
