@@ -52,6 +52,8 @@ class Engine:
         self.tokenizer = self.source.load_tokenizer()
         mc = self.model_config
         self.context_len = min(cfg.context_length or mc.context_length, mc.context_length)
+        # the triton backend brings the fused norm/rope/activation kernels with it
+        self._triton_ops = cfg.resolved_attention_backend() == "triton"
         self.model = self._load_model()
 
         eos = set(mc.eos_token_ids)
@@ -86,11 +88,13 @@ class Engine:
     def _load_model(self) -> CausalLM:
         mc = self.model_config
         with torch.device("meta"):
-            model = CausalLM(mc, max_pos=self.context_len)
+            model = CausalLM(mc, max_pos=self.context_len, triton_ops=self._triton_ops)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(self.source.iter_weights())
         # buffers computed at construction were lost on the meta device
-        model.model.rotary = RotaryEmbedding(mc.head_dim, self.context_len, mc.rope_theta, mc.rope_scaling).to(self.device)
+        model.model.rotary = RotaryEmbedding(
+            mc.head_dim, self.context_len, mc.rope_theta, mc.rope_scaling, self._triton_ops
+        ).to(self.device)
         return model.eval()
 
     def _kv_cache_tokens(self) -> int:

@@ -16,7 +16,7 @@ import math
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -78,6 +78,14 @@ class ModelSource:
 
     kind: str
     path: str
+    # the GGUF reader, opened once and shared by load_config and iter_weights (reading
+    # the header and the 49k-entry vocabulary takes seconds)
+    _reader: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def _gguf(self) -> Any:
+        if self._reader is None:
+            object.__setattr__(self, "_reader", _open_gguf(self.path))
+        return self._reader
 
     def __post_init__(self) -> None:
         if self.kind not in SOURCE_KINDS:
@@ -88,7 +96,7 @@ class ModelSource:
     def load_config(self) -> ModelConfig:
         """The architecture, from ``config.json`` or the GGUF metadata."""
         if self.kind == "gguf":
-            return _gguf_config(_open_gguf(self.path))
+            return _gguf_config(self._gguf())
         return _hf_config(self.path)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -97,7 +105,7 @@ class ModelSource:
         ``lm_head.weight`` is never yielded for a model with tied embeddings.
         """
         if self.kind == "gguf":
-            return _iter_gguf_weights(self.path)
+            return _iter_gguf_weights(self._gguf())
         return _iter_hf_weights(self.path)
 
     def load_tokenizer(self) -> Any:
@@ -398,10 +406,9 @@ def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf_weights(reader: Any) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
-    reader = _open_gguf(path)
     config = _gguf_config(reader)
     permuted = config.architecture in _PERMUTED_QK_ARCHS
     for tensor in reader.tensors:

@@ -95,9 +95,11 @@ class TorchAttentionBackend(AttentionBackend):
             # index_select on a flat index is several times faster than 2-D fancy indexing
             k = k_pages.index_select(0, g.flat_idx).view(*g.shape, *heads).transpose(1, 2)  # [G, KVH, L, dim]
             v = v_pages.index_select(0, g.flat_idx).view(*g.shape, *heads).transpose(1, 2)
-            qg = q.index_select(0, g.positions).unsqueeze(2)  # [G, H, 1, dim]
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
-            out.index_copy_(0, g.positions, o.squeeze(2))
+            # GQA without expanding K/V: the query heads that share a KV head become that
+            # head's "query positions" (HF order: q head h uses kv head h // group)
+            qg = q.index_select(0, g.positions).view(len(g.positions), heads[0], -1, heads[1])  # [G, KVH, group, dim]
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=self.scale)
+            out.index_copy_(0, g.positions, o.reshape(len(g.positions), -1, heads[1]))
         return out
 
 

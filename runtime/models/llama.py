@@ -9,6 +9,7 @@ per-head q/k RMSNorm (Qwen3), tied embeddings, rope scaling (llama3, linear).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,29 +25,52 @@ class RotaryEmbedding(nn.Module):
     """HF ``rotate_half`` layout; cos/sin cached for every position up to ``max_pos``
     (the cache and the math live in :mod:`plait.kernels.rotary`)."""
 
-    def __init__(self, head_dim: int, max_pos: int, theta: float, rope_scaling: dict | None) -> None:
+    def __init__(
+        self, head_dim: int, max_pos: int, theta: float, rope_scaling: dict | None, triton_ops: bool = False
+    ) -> None:
         super().__init__()
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(head_dim, max_pos, theta, rope_scaling), persistent=False)
+        self.triton_ops = triton_ops
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, heads, dim], k: [T, kv_heads, dim]
+        if self.triton_ops:
+            from plait.kernels.rotary import apply_rotary
+
+            return apply_rotary(q, k, positions, self.cos_sin_cache)
         return apply_rotary_ref(q, k, positions, self.cos_sin_cache)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """HF RMSNorm. With ``residual``: ``residual = x + residual`` first, and returns
+    ``(norm(residual), residual)`` (fused into one kernel on the triton path)."""
+
+    def __init__(self, dim: int, eps: float, triton_ops: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.triton_ops = triton_ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if self.triton_ops:
+            from plait.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+
+            if residual is None:
+                return rmsnorm(x, self.weight, self.eps)
+            return fused_add_rmsnorm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, triton_ops: bool = False) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -56,8 +80,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, triton_ops)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, triton_ops)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend, fb: ForwardBatch
@@ -75,59 +99,83 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, triton_ops: bool = False) -> None:
         super().__init__()
+        self.triton_ops = triton_ops
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.triton_ops:
+            from plait.kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, triton_ops: bool = False) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id, triton_ops)
+        self.mlp = MLP(cfg, triton_ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton_ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton_ops)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend, fb: ForwardBatch
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn, fb)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        attn: AttentionBackend,
+        fb: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous sublayer's output (the embeddings for layer 0, with no
+        residual yet). Residual adds are fused into the norms that follow them."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rope, attn, fb)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_pos: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_pos: int, triton_ops: bool = False) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, triton_ops) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton_ops)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, triton_ops)
 
 
 class CausalLM(nn.Module):
     """``forward`` returns final hidden states ``[T, hidden]``; ``compute_logits`` maps
-    the rows that need them to ``[rows, vocab]`` (float32)."""
+    the rows that need them to ``[rows, vocab]`` (float32).
 
-    def __init__(self, cfg: ModelConfig, max_pos: int | None = None) -> None:
+    ``triton_ops`` swaps RMSNorm (+ fused residual add), rotary and SiLU-and-mul for the
+    kernels in :mod:`plait.kernels` (the default with the triton backend on CUDA).
+    """
+
+    def __init__(self, cfg: ModelConfig, max_pos: int | None = None, triton_ops: bool = False) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, max_pos or cfg.context_length)
+        self.triton_ops = triton_ops
+        self.model = DecoderModel(cfg, max_pos or cfg.context_length, triton_ops)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         m = self.model
-        x = m.embed_tokens(fb.input_ids)
+        x, residual = m.embed_tokens(fb.input_ids), None
         for layer in m.layers:
-            x = layer(x, fb.positions, m.rotary, attn, fb)
-        return m.norm(x)
+            x, residual = layer(x, residual, fb.positions, m.rotary, attn, fb)
+        return m.norm(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
