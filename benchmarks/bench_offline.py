@@ -19,6 +19,7 @@ import argparse
 import os
 import platform
 import random
+import sys
 import time
 from dataclasses import dataclass
 
@@ -72,6 +73,10 @@ def shared_prefix_workload(groups: int, per_group: int, system_len: int, questio
     return Workload("(b) shared prefix", [prompts[i] for i in order], [output_len] * len(prompts))
 
 
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def run_plait(engine, wl: Workload) -> dict:
     sched, cache = engine.scheduler, engine.cache
     p0, q0, h0 = sched.prefill_tokens_computed, cache.queried_tokens, cache.hit_tokens
@@ -80,6 +85,7 @@ def run_plait(engine, wl: Workload) -> dict:
     outs = engine.generate(input_ids=wl.prompts, sampling_params=params)
     dt = time.perf_counter() - t
     assert sum(len(o["output_ids"]) for o in outs) == wl.output_tokens
+    log(f"plait {wl.name}: {dt:.1f} s")
     queried = cache.queried_tokens - q0
     return {
         "seconds": dt,
@@ -104,7 +110,9 @@ def run_hf(model, wl: Workload, batch_size: int) -> dict:
             model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                            pad_token_id=0)
         computed += ids.numel()
-    return {"seconds": time.perf_counter() - t, "prefill_computed": computed, "hit_rate": 0.0}
+    dt = time.perf_counter() - t
+    log(f"HF {wl.name}: {dt:.1f} s")
+    return {"seconds": dt, "prefill_computed": computed, "hit_rate": 0.0}
 
 
 def main() -> None:

@@ -15,7 +15,26 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--num-threads", type=int, default=None)
+    serve = sub.add_parser(
+        "serve",
+        help="run the plait server (OpenAI-compatible and native HTTP API, ZMQ for language clients)",
+        description="Run the plait server: a front process (HTTP + ZMQ) and an engine process. "
+        "Stop it with Ctrl-C or SIGTERM.",
+    )
+    from plait.runtime.server.args import add_server_arguments  # torch-free
+
+    add_server_arguments(serve, default_port=30000)
     args = parser.parse_args(argv)
+
+    if args.command == "serve":
+        from plait.runtime.server.args import args_from_namespace
+        from plait.runtime.server.serve import run
+
+        try:
+            server_args = args_from_namespace(args)
+        except ValueError as e:
+            parser.error(str(e))
+        return run(server_args, announce=True)
 
     if args.command == "generate":
         from plait.runtime import Engine

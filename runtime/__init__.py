@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Engine", "EngineConfig"]
+__all__ = ["Engine", "EngineConfig", "launch"]
 
 
 def __getattr__(name: str) -> Any:
@@ -14,6 +14,10 @@ def __getattr__(name: str) -> Any:
         from plait.runtime.engine import Engine
 
         return Engine
+    if name == "launch":
+        from plait.runtime.server import launch
+
+        return launch
     if name == "EngineConfig":
         from plait.runtime.config import EngineConfig
 

@@ -45,6 +45,13 @@ class EngineConfig:
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
+    # Constrained decoding (plait.runtime.constrained): jump-forward writes forced text
+    # without a model step; index builds run in a worker under these limits, and built
+    # indexes are cached (LRU) by (pattern, tokenizer).
+    disable_jump_forward: bool = False
+    grammar_compile_timeout: float = 30.0
+    grammar_compile_memory_mb: int = 4096
+    grammar_cache_size: int = 64
 
     def __post_init__(self) -> None:
         _require(self.device in DEVICES, "device", self.device, ", ".join(DEVICES))
@@ -74,6 +81,13 @@ class EngineConfig:
                  "min_new_token_ratio", self.min_new_token_ratio, "a number in [0, init_new_token_ratio]")
         _require(_is_num(self.new_token_ratio_decay) and self.new_token_ratio_decay >= 0,
                  "new_token_ratio_decay", self.new_token_ratio_decay, "a number >= 0")
+        _require(isinstance(self.disable_jump_forward, bool), "disable_jump_forward", self.disable_jump_forward, "True or False")
+        _require(_is_num(self.grammar_compile_timeout) and self.grammar_compile_timeout > 0,
+                 "grammar_compile_timeout", self.grammar_compile_timeout, "a number of seconds > 0")
+        _require(_is_int(self.grammar_compile_memory_mb) and self.grammar_compile_memory_mb >= 256,
+                 "grammar_compile_memory_mb", self.grammar_compile_memory_mb, "an integer >= 256 (MiB)")
+        _require(_is_int(self.grammar_cache_size) and self.grammar_cache_size >= 1,
+                 "grammar_cache_size", self.grammar_cache_size, "a positive integer")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -35,7 +35,7 @@ class IncrementalDetokenizer:
         full = self.tokenizer.decode(ids[r.detok_prefix_offset :], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
-        piece = full[len(prefix) :]
+        piece = _skip(r, full[len(prefix) :])
         r.detok_prefix_offset, r.detok_read_offset = r.detok_read_offset, len(ids)
         r.text += piece
         return piece
@@ -48,10 +48,20 @@ class IncrementalDetokenizer:
         skip = r.params.skip_special_tokens
         prefix = self.tokenizer.decode(ids[r.detok_prefix_offset : r.detok_read_offset], skip_special_tokens=skip)
         full = self.tokenizer.decode(ids[r.detok_prefix_offset :], skip_special_tokens=skip)
-        piece = full[len(prefix) :]
+        piece = _skip(r, full[len(prefix) :])
         r.detok_prefix_offset = r.detok_read_offset = len(ids)
         r.text += piece
         return piece
+
+
+def _skip(r: Req, piece: str) -> str:
+    """Drop what remains of ``r.text_skip`` (text that belongs to the prompt) from the
+    front of a new piece."""
+    if r.text_skip and piece:
+        cut = min(r.text_skip, len(piece))
+        r.text_skip -= cut
+        piece = piece[cut:]
+    return piece
 
 
 def match_stop(r: Req, piece: str) -> str | None:

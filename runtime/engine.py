@@ -12,12 +12,16 @@ import torch
 
 from plait.runtime.attention.base import create_attention_backend
 from plait.runtime.config import EngineConfig
+from plait.runtime.constrained.compiler import GrammarCompiler
+from plait.runtime.constrained.matcher import GrammarMatcher
+from plait.runtime.constrained.vocab import TokenVocab
 from plait.runtime.detokenizer import IncrementalDetokenizer, match_stop
 from plait.runtime.memory import KVPool, PageAllocator, ReqToToken
 from plait.runtime.model_loader import ModelSource, resolve_model
 from plait.runtime.model_runner import ModelRunner
 from plait.runtime.models.config import ModelConfig
 from plait.runtime.models.llama import CausalLM, RotaryEmbedding
+from plait.runtime.pinning import PIN_BUDGET_FRACTION, PinTable
 from plait.runtime.radix_cache import RadixCache
 from plait.runtime.request import Req
 from plait.runtime.sampling_params import SamplingParams
@@ -26,6 +30,7 @@ from plait.runtime.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 100
+_PIN_PREFILL_SUFFIX = ":pin-prefill"
 
 
 class Engine:
@@ -81,6 +86,8 @@ class Engine:
         self.runner = ModelRunner(self.model, attn, self.req_to_token, self.device, sorted(self.eos_ids))
         self._ids = itertools.count()
         self._reqs: dict[str, Req] = {}
+        self._compiler: GrammarCompiler | None = None  # created with the first constraint
+        self._grammar_pending: list[Req] = []  # queued requests whose index is not ready
         self._closed = False
         logger.info("engine ready: %s, %d KV pages of %d tokens", mc.architecture, num_pages - 1, ps)
 
@@ -139,6 +146,8 @@ class Engine:
         base = rid if rid is not None else f"req-{next(self._ids)}"
         if any(k == base or k.startswith(base + "#") for k in self._reqs):
             raise ValueError(f"rid={base!r} is already in use")
+        regex = params.constraint_regex  # ValueError naming the field or schema keyword
+        future = self.grammar_compiler.request(regex) if regex is not None else None
         reqs = []
         for i in range(params.n):
             seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._ids)
@@ -153,11 +162,60 @@ class Engine:
                 top_logprobs_num=top_logprobs_num,
                 generator=gen,
             )
+            if future is not None:
+                # logprob requests keep their prompt and get one entry per sampled token
+                r.grammar = GrammarMatcher(
+                    future, jump_forward=not self.config.disable_jump_forward and not return_logprob,
+                    heal=not return_logprob,
+                )
+                self._grammar_pending.append(r)
             self.detokenizer.start(r)
             self._reqs[r.rid] = r
             self.scheduler.add_request(r)
             reqs.append(r)
         return reqs
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Builds and caches constraint indexes over this model's vocabulary."""
+        if self._compiler is None:
+            cfg = self.config
+            vocab = TokenVocab.from_tokenizer(self.tokenizer, self.eos_ids, self.model_config.vocab_size)
+            self._compiler = GrammarCompiler(
+                vocab, timeout_s=cfg.grammar_compile_timeout, memory_mb=cfg.grammar_compile_memory_mb,
+                cache_size=cfg.grammar_cache_size, jump_forward=not cfg.disable_jump_forward,
+            )
+        return self._compiler
+
+    def _activate_grammars(self) -> list[Req]:
+        """Start requests whose index is ready (healing their prompt's last token if a
+        token can cross the boundary); fail those whose build failed. Returns the
+        failed ones, finished with an ``abort`` carrying ``status_code`` 400."""
+        self.grammar_compiler.poll()
+        failed, pending = [], []
+        for r in self._grammar_pending:
+            g = r.grammar
+            if r.finished:
+                continue
+            if g.error is not None:
+                what = "json_schema" if r.params.json_schema is not None else "regex"
+                self.scheduler.abort(r.rid, f"{what} is invalid: {g.error}")
+                r.finish_reason["status_code"] = 400
+                failed.append(r)
+            elif g.ready:
+                if g.start(r.prompt_ids):
+                    r.prompt_ids = r.prompt_ids[:-1]
+                    r.text_skip = len(g.healed_text)
+                    self.detokenizer.start(r)
+                if not self.config.disable_jump_forward:
+                    # forced opening text is prefilled with the prompt: no model step for it
+                    room = min(r.params.max_new_tokens - 1, self.context_len - 1 - r.prompt_len)
+                    r.output_ids = g.jump_start(room)
+                    self.scheduler.jump_forward_tokens += len(r.output_ids)
+            else:
+                pending.append(r)
+        self._grammar_pending = pending
+        return failed
 
     def _validate_prompt(self, ids: Any) -> None:
         if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
@@ -184,11 +242,21 @@ class Engine:
 
     def step(self) -> list[Req]:
         """Run one scheduler step; returns the requests that finished in it."""
+        pins = self.__dict__.get("_pins")
+        if pins:
+            self.expire_pins()
+        failed = self._activate_grammars() if self._grammar_pending else []
         batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        next_ids = self.runner.forward(batch)
-        return self.scheduler.process_batch(batch, next_ids)
+        if batch is None and self._grammar_pending:
+            self.grammar_compiler.wait(0.05)  # nothing runnable until an index is ready
+        finished = [] if batch is None else self.scheduler.process_batch(batch, self.runner.forward(batch))
+        finished = failed + finished
+        if pins:
+            # lock finished pin prefills before the next schedule() can evict them;
+            # they are internal and never reported
+            self._settle_pin_prefills()
+            finished = [r for r in finished if not r.rid.endswith(_PIN_PREFILL_SUFFIX)]
+        return finished
 
     def _on_new_token(self, r: Req) -> str | None:
         return match_stop(r, self.detokenizer.step(r))
@@ -254,6 +322,9 @@ class Engine:
                 if not r.finished:
                     self.scheduler.abort(r.rid, "generate() was interrupted")
                 self._reqs.pop(r.rid, None)
+        for r in reqs:
+            if r.finish_reason is not None and r.finish_reason.get("status_code") == 400:
+                raise ValueError(r.finish_reason["message"])
         outs = [self.result(r) for r in reqs]
         return outs[0] if single and len(outs) == 1 else outs
 
@@ -284,11 +355,120 @@ class Engine:
         self.scheduler.check_invariants()
 
     def flush_cache(self) -> bool:
-        """Drop every cached prefix; refused (False) while requests are running."""
+        """Drop every cached prefix; refused (False) while requests are running.
+        Pins are hints: a flush releases them all."""
         if self.scheduler.has_work():
             return False
+        for pin_id in self.pins.ids():
+            self.unpin(pin_id)
         self.cache.reset()
         return True
+
+    # -- pinned prefixes (see plait.runtime.pinning) ------------------------------------
+    @property
+    def pins(self) -> PinTable:
+        """The pin table, created on first use; its budget is PIN_BUDGET_FRACTION of
+        the KV pool (set ``engine.pins.budget_tokens`` to change it)."""
+        table = self.__dict__.get("_pins")
+        if table is None:
+            pool_tokens = self.allocator.total_pages * self.config.page_size
+            table = self._pins = PinTable(self.cache, int(pool_tokens * PIN_BUDGET_FRACTION))
+        return table
+
+    def pin_prefix(self, input_ids: list[int], ttl_s: float = 600.0, cache_salt: str | None = None) -> str:
+        """Prefill ``input_ids`` and hold its KV in the prefix cache until
+        :meth:`unpin` or until ``ttl_s`` seconds pass. Returns the pin id at once; the
+        lock is taken when the prefill finishes (during :meth:`step`), so requests
+        queued after the pin share its KV. Raises ``ValueError`` for a bad prefix or TTL
+        and when the pin budget would be exceeded. Whole pages are pinned: a tail
+        shorter than ``page_size`` is not."""
+        self._check_open()
+        self._validate_prompt(input_ids)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt={cache_salt!r} is invalid; allowed: a string or None")
+        pin = self.pins.new(input_ids, ttl_s, cache_salt)
+        aligned = len(input_ids) - len(input_ids) % self.config.page_size
+        cached = self.cache.match_prefix(input_ids, cache_salt).length
+        if self.cache.disable or cached >= aligned:
+            self.pins.activate(pin)
+        else:
+            req = self.add_request(
+                input_ids, {"max_new_tokens": 0}, rid=pin.pin_id + _PIN_PREFILL_SUFFIX, cache_salt=cache_salt
+            )[0]
+            self.pins.attach_prefill(pin, req.rid)
+        return pin.pin_id
+
+    def unpin(self, pin_id: str) -> bool:
+        """Release a pin (its KV becomes evictable); False if unknown or expired."""
+        pin = self.pins.release(pin_id)
+        if pin is None:
+            return False
+        if pin.prefill_rid is not None:
+            self.scheduler.abort(pin.prefill_rid, "pin released")
+            self._reqs.pop(pin.prefill_rid, None)
+        return True
+
+    def pin_info(self, pin_id: str) -> dict[str, Any] | None:
+        """State of a pin (``pending``/``active``/``failed``, tokens locked), or None."""
+        pin = self.pins.get(pin_id)
+        return None if pin is None else pin.info()
+
+    def pin_stats(self) -> dict[str, int]:
+        """Pins held, tokens they cover, and the budget (for server info)."""
+        table = self.pins
+        states = [table.get(i).state for i in table.ids()]  # type: ignore[union-attr]
+        return {
+            "active": states.count("active"),
+            "pending": states.count("pending"),
+            "pinned_tokens": table.used_tokens,
+            "budget_tokens": table.budget_tokens,
+        }
+
+    def expire_pins(self) -> list[str]:
+        """Release pins whose TTL has passed; returns their ids. :meth:`step` calls it;
+        a server loop that idles without stepping may call it too."""
+        expired = self.pins.expired()
+        for pin_id in expired:
+            self.unpin(pin_id)
+        return expired
+
+    def _settle_pin_prefills(self) -> None:
+        for pin_id in self.pins.ids():
+            pin = self.pins.get(pin_id)
+            if pin is None or pin.prefill_rid is None:
+                continue
+            r = self._reqs.get(pin.prefill_rid)
+            if r is not None and r.finished:
+                self._reqs.pop(r.rid, None)
+                self.pins.on_prefill_finished(r.rid, r.finish_reason)
+
+    # -- serving (used by the engine process of plait.runtime.server) ---------------------
+    def live_requests(self) -> list[Req]:
+        """Requests added with :meth:`add_request` and not yet taken with :meth:`pop_result`."""
+        return list(self._reqs.values())
+
+    def pop_result(self, r: Req) -> dict[str, Any]:
+        """:meth:`result` of a finished request, which the engine then forgets (its rid
+        may be used again)."""
+        out = self.result(r)
+        self._reqs.pop(r.rid, None)
+        return out
+
+    def stats(self) -> dict[str, int]:
+        """Gauges and counters for metrics: queue sizes, KV pages, prefix-cache tokens."""
+        u = self.pool_usage()
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "pages_total": u["total"],
+            "pages_used": u["total"] - u["free"] - u["evictable"],
+            "pages_evictable": u["evictable"],
+            "page_size": self.config.page_size,
+            "cache_queried_tokens": self.cache.queried_tokens,
+            "cache_hit_tokens": self.cache.hit_tokens,
+            "cache_evicted_tokens": self.cache.evicted_tokens,
+            "retractions": self.scheduler.num_retractions,
+        }
 
     # -- lifetime -------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -297,6 +477,8 @@ class Engine:
 
     def shutdown(self) -> None:
         self._closed = True
+        if self._compiler is not None:
+            self._compiler.close()
         self.model = None  # type: ignore[assignment]
         self.pool = None  # type: ignore[assignment]
 

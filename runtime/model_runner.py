@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 
 from plait.runtime.attention.base import AttentionBackend
+from plait.runtime.constrained.mask import apply_grammar_masks
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.memory import ReqToToken
 from plait.runtime.models.llama import CausalLM
@@ -29,6 +31,8 @@ class ModelRunner:
         self.req_to_token = req_to_token
         self.device = device
         self.eos_ids = list(eos_ids)
+        self.mask_time_s = 0.0  # grammar masking, for benchmarks
+        self.mask_steps = 0
 
     def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
         ids: list[int] = []
@@ -108,6 +112,11 @@ class ModelRunner:
         sample_logits = logits[len(lp_rows) :]
         want_lp = [i for i, r in enumerate(sample_reqs) if r.return_logprob]
         raw_lp = sample_logits[want_lp].log_softmax(-1) if want_lp else None
+        if any(r.grammar is not None for r in sample_reqs):
+            t0 = time.perf_counter()
+            apply_grammar_masks(sample_logits, sample_reqs)
+            self.mask_time_s += time.perf_counter() - t0
+            self.mask_steps += 1
         next_ids = sample(sample_logits, sample_reqs, self.eos_ids)
         if raw_lp is not None:
             top_n = max(sample_reqs[i].top_logprobs_num for i in want_lp)

@@ -71,6 +71,9 @@ class Req:
         self.input_logprobs_done = not (return_logprob and logprob_start_len >= 0)
         self.input_logprob_pos = max(logprob_start_len, 1)  # next prompt position to score
         self.text = ""  # detokenized output, maintained incrementally when stop strings are set
+        # constrained decoding (plait.runtime.constrained.matcher.GrammarMatcher)
+        self.grammar: Any = None
+        self.text_skip = 0  # leading output characters not returned: a healed prompt token's text
         self.detok_prefix_offset = 0
         self.detok_read_offset = 0
 

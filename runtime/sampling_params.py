@@ -37,6 +37,12 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
+    # Constraints (at most one): the output fully matches ``regex``, or is JSON that
+    # validates against ``json_schema`` (a dict or JSON text), written compactly unless
+    # ``whitespace_pattern`` (a regex over spaces/tabs/newlines, e.g. "[ ]?") is given.
+    regex: str | None = None
+    json_schema: dict[str, Any] | str | None = None
+    whitespace_pattern: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | "SamplingParams" | None) -> "SamplingParams":
@@ -44,7 +50,10 @@ class SamplingParams:
         if d is None:
             return cls()
         if isinstance(d, SamplingParams):
-            return dataclasses.replace(d)
+            out = dataclasses.replace(d)
+            if "_constraint" in d.__dict__:  # the translated constraint (checked against the fields)
+                out.__dict__["_constraint"] = d.__dict__["_constraint"]
+            return out
         if not isinstance(d, dict):
             raise ValueError(f"sampling_params must be a dict, got {type(d).__name__}")
         names = [f.name for f in dataclasses.fields(cls)]
@@ -96,6 +105,39 @@ class SamplingParams:
         if self.seed is not None:
             _int(self.seed, "seed", 0, 2**63 - 1)
         _int(self.n, "n", 1, MAX_N)
+        self._check_constraint()
+
+    def _check_constraint(self) -> None:
+        if self.regex is not None and self.json_schema is not None:
+            raise ValueError("regex and json_schema are both set; allowed: at most one constraint per request")
+        if self.whitespace_pattern is not None and self.json_schema is None:
+            raise ValueError("whitespace_pattern is set without json_schema; it only applies to JSON output")
+        if self.regex is not None or self.json_schema is not None:
+            _ = self.constraint_regex
+
+    @property
+    def constraint_regex(self) -> str | None:
+        """The regex every output must fully match (``json_schema`` translated), or
+        None. Raises ``ValueError`` naming the field or schema keyword at fault."""
+        from plait.runtime.constrained.json_schema import schema_to_regex
+        from plait.runtime.constrained.regexes import check_regex
+
+        key = (self.regex, repr(self.json_schema), self.whitespace_pattern)
+        cached = self.__dict__.get("_constraint")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        if self.regex is not None:
+            out: str | None = check_regex(self.regex, "regex")
+        elif self.json_schema is not None:
+            if not isinstance(self.json_schema, (dict, str)):
+                raise ValueError(
+                    f"json_schema={self.json_schema!r} is invalid; allowed: a JSON Schema object or its JSON text"
+                )
+            out = schema_to_regex(self.json_schema, self.whitespace_pattern)
+        else:
+            out = None
+        self.__dict__["_constraint"] = (key, out)
+        return out
 
     @property
     def is_greedy(self) -> bool:

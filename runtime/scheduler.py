@@ -67,6 +67,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.new_token_ratio = config.init_new_token_ratio
         self.num_retractions = 0
+        self.jump_forward_tokens = 0  # tokens written by jump-forward without a model step
         # counters (exported as metrics): tokens fed as prefill/extend vs as decode
         self.prefill_tokens_computed = 0
         self.decode_tokens_computed = 0
@@ -149,16 +150,18 @@ class Scheduler:
             return
         in_batch = [r for r, _ in batch.extends]
         reserved = self._reserved_tokens()
-        deferred: list[Req] = []
         for r in order_waiting(self.config.schedule_policy, list(self.waiting), self.cache):
             if budget <= 0 or self.req_to_token.num_free_rows == 0:
                 break
+            if r.grammar is not None and not r.grammar.started:
+                continue  # its index is still being built; the others go on
             match = self.cache.match_prefix(r.all_ids, r.cache_salt, max_len=r.max_prefix_len())
-            if any(_common_prefix_len(r.all_ids, o.all_ids) - match.length >= IN_BATCH_PREFIX_DEFER for o in in_batch):
-                deferred.append(r)
-                continue
+            if not self.cache.disable and any(
+                _common_prefix_len(r.all_ids, o.all_ids) - match.length >= IN_BATCH_PREFIX_DEFER for o in in_batch
+            ):
+                continue  # wait one step: its shared prefix is being prefilled now
             extend = r.seq_len - match.length
-            need_tokens = extend + math.ceil(self.new_token_ratio * r.remaining_new_tokens)
+            need_tokens = extend + math.ceil(self.new_token_ratio * self._future_tokens(r))
             # pages this request's match takes out of the evictable set once locked
             available = (self.allocator.num_free + self.cache.evictable_pages) * self.page_size
             if need_tokens + reserved > available - self._evictable_in(match):
@@ -193,6 +196,8 @@ class Scheduler:
             if r.num_pending == 0:
                 if r.rid in next_ids:
                     r.output_ids.append(next_ids[r.rid])
+                    if r.grammar is not None:
+                        self._advance_grammar(r)
                 reason = self.check_finish(r)
                 if reason is not None:
                     self.running.remove(r)
@@ -205,6 +210,21 @@ class Scheduler:
                 if not r.finished:
                     self._cache_unfinished(r)
         return finished
+
+    def _advance_grammar(self, r: Req) -> None:
+        """Move ``r``'s grammar over its newest token; then jump forward: put the
+        forced text after it (re-tokenized with it) in place of it, without a model
+        step. Jumped tokens are fed as a prefill chunk next step."""
+        tok = r.output_ids[-1]
+        if tok in r.params.stop_token_ids or (tok in self.eos_ids and not r.params.ignore_eos):
+            return
+        if not r.grammar.advance(tok) or self.config.disable_jump_forward:
+            return
+        budget = min(r.params.max_new_tokens - r.output_len + 1, self.context_len - r.seq_len)
+        jumped = r.grammar.jump_forward(tok, budget)
+        if jumped:
+            r.output_ids[-1:] = jumped
+            self.jump_forward_tokens += len(jumped) - 1
 
     def check_finish(self, r: Req) -> dict[str, Any] | None:
         """Finish reason for ``r`` after its newest token, or None. Stop strings are
@@ -221,6 +241,11 @@ class Scheduler:
             matched = self.stop_checker(r)
             if matched is not None:
                 return {"type": "stop", "matched": matched}
+        if r.grammar is not None:
+            if r.grammar.rejected is not None:
+                return {"type": "abort", "message": f"token {r.grammar.rejected} is not allowed by the constraint"}
+            if r.grammar.terminated:
+                return {"type": "stop", "matched": None}  # the constrained output is complete
         if r.output_len >= p.max_new_tokens:
             return {"type": "length", "length": r.output_len}
         if r.seq_len >= self.context_len:
@@ -331,8 +356,12 @@ class Scheduler:
         total = 0
         for r in self.running:
             pending_prompt = max(r.seq_len - r.num_computed - 1, 0)
-            total += pending_prompt + math.ceil(self.new_token_ratio * r.remaining_new_tokens)
+            total += pending_prompt + math.ceil(self.new_token_ratio * self._future_tokens(r))
         return total
+
+    def _future_tokens(self, r: Req) -> int:
+        """Tokens ``r`` may still generate: ``max_new_tokens`` capped by the context."""
+        return max(min(r.remaining_new_tokens, self.context_len - r.seq_len), 0)
 
     def _evictable_in(self, match: Any) -> int:
         """Evictable tokens that locking ``match`` would pin (an upper bound)."""

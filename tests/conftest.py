@@ -106,9 +106,11 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[in
     with torch.no_grad():
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0,
+            do_sample=False, eos_token_id=None, pad_token_id=0,  # None: never stop at EOS (like ignore_eos), never mask it
         )
-    return out[0, len(prompt_ids):].tolist()
+    new = out[0, len(prompt_ids):].tolist()
+    assert len(new) == max_new_tokens, "the reference stopped early"
+    return new
 
 
 def hf_prompt_logprobs(model: Any, prompt_ids: list[int]) -> torch.Tensor:

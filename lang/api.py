@@ -1,0 +1,341 @@
+"""The public surface of the language (SGLang's frontend, plus tracing-driven pinning).
+
+Programs written for SGLang's frontend run unchanged after ``import plait as sgl``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from typing import Any
+
+from plait.backend import BaseBackend
+from plait.choices import ChoicesSamplingMethod, token_length_normalized
+from plait.errors import BackendError
+from plait.interpreter import ProgramState, run_program, run_program_batch
+from plait.ir import (
+    ExprList, Gen, RoleBegin, RoleEnd, Select, check_choices, check_json_schema, check_name, check_regex,
+    check_stop, dtype_regex,
+)
+from plait.tracer import BatchPlan, ProgramGraph, TracingState, plan_batch, trace_program
+
+logger = logging.getLogger("plait")
+
+# How long a batch's pins live if the batch never unpins them (its process died).
+PIN_TTL_S = 600.0
+
+
+class _Globals:
+    def __init__(self) -> None:
+        self.default_backend: BaseBackend | None = None
+        self.lock = threading.Lock()
+
+
+_globals = _Globals()
+
+
+def set_default_backend(backend: Any) -> None:
+    """The backend programs run on when ``run()`` gets none (a backend, or a
+    :class:`Runtime`, whose endpoint is used)."""
+    _globals.default_backend = backend
+
+
+def get_default_backend() -> BaseBackend | None:
+    return _globals.default_backend
+
+
+def _resolve_backend(backend: Any) -> BaseBackend:
+    backend = backend if backend is not None else _globals.default_backend
+    if backend is None:
+        raise RuntimeError(
+            "no backend: pass backend= or call plait.set_default_backend(plait.Runtime(...)) "
+            "(or RuntimeEndpoint(url), or EngineBackend(model)) first"
+        )
+    backend = getattr(backend, "endpoint", backend)  # a Runtime holds its endpoint
+    if not isinstance(backend, BaseBackend):
+        raise TypeError(f"backend={backend!r} is not a plait backend")
+    return backend
+
+
+def flush_cache(backend: Any = None) -> bool:
+    """Drop the runtime's cached prefixes (refused while requests run)."""
+    b = backend if backend is not None else _globals.default_backend
+    return False if b is None else _resolve_backend(b).flush_cache()
+
+
+def get_server_info(backend: Any = None) -> dict[str, Any] | None:
+    b = backend if backend is not None else _globals.default_backend
+    return None if b is None else _resolve_backend(b).get_server_info()
+
+
+# -- running defaults (SGLang's run()/run_batch() keywords) ------------------------------------
+def _defaults(max_new_tokens: int, stop: Any, stop_token_ids: Any, temperature: float, top_p: float, top_k: int,
+              min_p: float, frequency_penalty: float, presence_penalty: float, ignore_eos: bool,
+              return_logprob: bool | None, logprob_start_len: int | None, top_logprobs_num: int | None,
+              return_text_in_logprobs: bool | None, extra: dict[str, Any]) -> dict[str, Any]:
+    d: dict[str, Any] = dict(
+        max_new_tokens=max_new_tokens, stop=check_stop(stop), stop_token_ids=list(stop_token_ids or []) or None,
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty, ignore_eos=ignore_eos, return_logprob=return_logprob,
+        logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+        return_text_in_logprobs=return_text_in_logprobs,
+    )
+    d.update(extra)
+    return {k: v for k, v in d.items() if v is not None}
+
+
+_EXTRA_DEFAULTS = ("seed", "repetition_penalty", "min_new_tokens")
+
+
+class Function:
+    """A program: ``@plait.function`` on a Python function whose first parameter is
+    the state ``s``."""
+
+    def __init__(self, func: Callable[..., Any], num_api_spec_tokens: int | None = None,
+                 bind_arguments: dict[str, Any] | None = None) -> None:
+        self.func = func
+        self.num_api_spec_tokens = num_api_spec_tokens
+        self.bind_arguments = dict(bind_arguments or {})
+        params = list(inspect.signature(func).parameters.values())
+        if not params or params[0].name != "s":
+            raise ValueError(f"the first parameter of a plait function must be named 's'; {func.__name__} has "
+                             f"{params[0].name if params else 'none'!r}")
+        self.arg_names = [p.name for p in params[1:]]
+        self.arg_defaults = {p.name: p.default for p in params[1:] if p.default is not inspect.Parameter.empty}
+        self.__name__ = func.__name__
+        self.__doc__ = func.__doc__
+
+    def bind(self, **kwargs: Any) -> Function:
+        unknown = sorted(set(kwargs) - set(self.arg_names))
+        if unknown:
+            raise TypeError(f"{self.__name__}() has no argument(s) {', '.join(unknown)}")
+        return Function(self.func, self.num_api_spec_tokens, {**self.bind_arguments, **kwargs})
+
+    def _extra(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Pop the extra sampling defaults (seed, ...) that are not program arguments."""
+        return {k: kwargs.pop(k) for k in _EXTRA_DEFAULTS if k in kwargs and k not in self.arg_names}
+
+    def _kwargs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        if len(args) > len(self.arg_names):
+            raise TypeError(f"{self.__name__}() takes {len(self.arg_names)} arguments after s, got {len(args)}")
+        out = {**self.bind_arguments, **dict(zip(self.arg_names, args))}
+        for k, v in kwargs.items():
+            if k not in self.arg_names:
+                raise TypeError(f"{self.__name__}() got an unexpected argument {k!r}")
+            out[k] = v
+        return out
+
+    def run(self, *args: Any, max_new_tokens: int = 128, stop: Any = None, stop_token_ids: Any = None,
+            temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0,
+            frequency_penalty: float = 0.0, presence_penalty: float = 0.0, ignore_eos: bool = False,
+            return_logprob: bool | None = None, logprob_start_len: int | None = None,
+            top_logprobs_num: int | None = None, return_text_in_logprobs: bool | None = None,
+            stream: bool = False, backend: Any = None, **kwargs: Any) -> ProgramState:
+        """Run once. The keywords are defaults for every gen in the program (a gen's
+        own settings win); other keywords are the program's arguments."""
+        defaults = _defaults(max_new_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p,
+                             frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
+                             top_logprobs_num, return_text_in_logprobs, self._extra(kwargs))
+        call = self._kwargs(args, kwargs)
+        return run_program(self.func, _resolve_backend(backend), (), call, defaults, stream)
+
+    def run_batch(self, batch_kwargs: list[Any], *, max_new_tokens: int = 128, stop: Any = None,
+                  stop_token_ids: Any = None, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+                  min_p: float = 0.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                  ignore_eos: bool = False, return_logprob: bool | None = None,
+                  logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+                  return_text_in_logprobs: bool | None = None, backend: Any = None,
+                  num_threads: int | str = "auto", progress_bar: bool = False, pin_prefixes: bool = True,
+                  **kwargs: Any) -> list[ProgramState]:
+        """Run one instance per item (a dict of arguments, or a list of positional
+        ones). The instances are traced first: the prefixes they share are pinned in
+        the runtime for the batch's lifetime (``pin_prefixes``) and they are submitted
+        grouped by shared prefix. States come back in input order."""
+        if not isinstance(batch_kwargs, (list, tuple)):
+            raise TypeError("run_batch takes a list of argument dicts (or of argument lists)")
+        if not batch_kwargs:
+            return []
+        defaults = _defaults(max_new_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p,
+                             frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
+                             top_logprobs_num, return_text_in_logprobs, self._extra(kwargs))
+        if kwargs:
+            raise TypeError(f"run_batch() got unexpected keyword(s) {', '.join(sorted(kwargs))}")
+        batch = [self._kwargs(tuple(a), {}) if isinstance(a, (list, tuple)) else self._kwargs((), dict(a))
+                 for a in batch_kwargs]
+        b = _resolve_backend(backend)
+        plan = self.plan(batch, b)
+        pins: list[str] = []
+        if pin_prefixes and len(batch) > 1 and plan.pins and b.supports_pinning:
+            # all pins at once; the runtime acknowledges a pin before its prefill ends,
+            # and the instances queued behind it share that prefill
+            with ThreadPoolExecutor(len(plan.pins), thread_name_prefix="plait-pin") as pool:
+                found = list(pool.map(lambda p: _pin(b, p[0], len(p[1])), plan.pins))
+            pins = [p for p in found if p is not None]
+        try:
+            return run_program_batch(self.func, b, batch, defaults, num_threads, progress_bar, plan.order)
+        finally:
+            for pin_id in pins:
+                _unpin(b, pin_id)
+
+    def trace(self, *, backend: Any = None, **kwargs: Any) -> ProgramGraph:
+        """Trace the program with the given arguments (others become placeholders)."""
+        return trace_program(self.func, self.__name__, self.arg_names, self.arg_defaults,
+                             {**self.bind_arguments, **kwargs})
+
+    def plan(self, batch: list[dict[str, Any]], backend: Any = None) -> BatchPlan:
+        """The batch plan ``run_batch`` would follow: shared prefixes and order."""
+        graphs = [self.trace(**kw) for kw in batch]
+        template = None
+        if any(g.uses_roles for g in graphs):
+            try:
+                template = _resolve_backend(backend).get_chat_template()
+            except (BackendError, RuntimeError, ValueError):  # run() reports template problems
+                template = None
+        return plan_batch(graphs, template)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``f(s, ...)`` inside another program runs this one's body on that state;
+        ``f(...)`` elsewhere is ``f.run(...)``."""
+        if args and isinstance(args[0], (ProgramState, TracingState)):
+            return self.func(args[0], **self._kwargs(args[1:], kwargs))
+        return self.run(*args, **kwargs)
+
+
+def _pin(backend: BaseBackend, text: str, members: int) -> str | None:
+    try:
+        return backend.pin(text, PIN_TTL_S)
+    except BackendError as e:  # pins are an optimisation: run without
+        logger.info("prefix shared by %d instances not pinned: %s", members, e)
+        return None
+
+
+def _unpin(backend: BaseBackend, pin_id: str) -> None:
+    try:
+        backend.unpin(pin_id)
+    except BackendError as e:
+        logger.warning("could not unpin %s: %s", pin_id, e)
+
+
+def function(func: Callable[..., Any] | None = None, num_api_spec_tokens: int | None = None) -> Any:
+    """Decorator: ``@function`` or ``@function(...)``."""
+    if func is not None:
+        return Function(func, num_api_spec_tokens)
+    return lambda f: Function(f, num_api_spec_tokens)
+
+
+# -- building blocks -------------------------------------------------------------------------------
+def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int | None = None,
+        n: int | None = None, stop: Any = None, stop_token_ids: list[int] | None = None,
+        stop_regex: Any = None, temperature: float | None = None, top_p: float | None = None,
+        top_k: int | None = None, min_p: float | None = None, frequency_penalty: float | None = None,
+        presence_penalty: float | None = None, ignore_eos: bool | None = None,
+        return_logprob: bool | None = None, logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None, return_text_in_logprobs: bool | None = None,
+        dtype: Any = None, choices: list[str] | None = None,
+        choices_method: ChoicesSamplingMethod | None = None, regex: str | None = None,
+        json_schema: Any = None, seed: int | None = None, repetition_penalty: float | None = None) -> Any:
+    """Call the model and store the output as variable ``name``. With ``choices``
+    this is :func:`select`. ``regex``/``json_schema``/``dtype`` constrain the output
+    (enforced by the runtime's constrained decoding); a bad pattern raises here."""
+    name = check_name(name)
+    if choices is not None:
+        return select(name, choices, 0.0 if temperature is None else temperature,
+                      token_length_normalized if choices_method is None else choices_method)
+    if stop_regex is not None:
+        raise ValueError("stop_regex is not supported by plait; use stop strings or regex= to constrain the output")
+    constraints = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("dtype", dtype)) if v is not None]
+    if len(constraints) > 1:
+        raise ValueError(f"{' and '.join(constraints)} were both given; allowed: at most one constraint per gen")
+    if regex is not None:
+        check_regex(regex)
+    if json_schema is not None:
+        json_schema = check_json_schema(json_schema)
+    if dtype is not None:
+        dtype_regex(dtype)  # validates
+    params = dict(
+        max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n, stop=check_stop(stop),
+        stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, ignore_eos=ignore_eos,
+        return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+        return_text_in_logprobs=return_text_in_logprobs, regex=regex, json_schema=json_schema, seed=seed,
+        repetition_penalty=repetition_penalty, dtype=dtype,
+    )
+    return Gen(name, {k: v for k, v in params.items() if v is not None})
+
+
+def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Any:
+    """An integer (``dtype=int``)."""
+    return gen(name, max_tokens, dtype=int, **kwargs)
+
+
+def gen_string(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Any:
+    """A double-quoted string (``dtype=str``)."""
+    return gen(name, max_tokens, dtype=str, **kwargs)
+
+
+def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,
+           choices_method: ChoicesSamplingMethod = token_length_normalized) -> Any:
+    """Pick one of ``choices`` by the model's likelihood of each after the context."""
+    name = check_name(name)
+    choices = check_choices(choices)
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r} is invalid; allowed: a number >= 0")
+    if not callable(choices_method):
+        raise ValueError(f"choices_method={choices_method!r} is invalid; allowed: token_length_normalized, "
+                         "greedy_token_selection, unconditional_likelihood_normalized or a ChoicesSamplingMethod")
+    return Select(name, choices, float(temperature), choices_method)
+
+
+def _role(role: str, expr: Any = None) -> ExprList:
+    from plait.ir import as_expr
+
+    if expr is None:
+        return ExprList([RoleBegin(role), RoleEnd(role)])
+    return ExprList([RoleBegin(role), as_expr(expr), RoleEnd(role)])
+
+
+def system(expr: Any = None) -> ExprList:
+    return _role("system", expr)
+
+
+def user(expr: Any = None) -> ExprList:
+    return _role("user", expr)
+
+
+def assistant(expr: Any = None) -> ExprList:
+    return _role("assistant", expr)
+
+
+def system_begin() -> RoleBegin:
+    return RoleBegin("system")
+
+
+def system_end() -> RoleEnd:
+    return RoleEnd("system")
+
+
+def user_begin() -> RoleBegin:
+    return RoleBegin("user")
+
+
+def user_end() -> RoleEnd:
+    return RoleEnd("user")
+
+
+def assistant_begin() -> RoleBegin:
+    return RoleBegin("assistant")
+
+
+def assistant_end() -> RoleEnd:
+    return RoleEnd("assistant")
+
+
+def image(expr: Any) -> Any:
+    raise NotImplementedError("plait serves text models; image() is not supported")
+
+
+def video(path: str, num_frames: int) -> Any:
+    raise NotImplementedError("plait serves text models; video() is not supported")

@@ -1,0 +1,270 @@
+"""What a program runs on: the backend interface, and what every backend builds on it
+(gen, select, prefix warm-up).
+
+A backend moves :class:`Request` objects (the wire protocol's generate request) and
+returns their outputs through :class:`Pending` handles; ``select`` and the rest are
+written once, here, on top of that.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from plait.chat_template import ChatTemplate
+from plait.choices import ChoicesDecision, ChoicesSamplingMethod, softmax_sample
+from plait.errors import BackendError, ProgramCancelled, RuntimeUnavailableError
+from plait.ir import ResolvedParams
+
+# select: prompt tokens re-scored before the end of the context, to find where the
+# choice's tokens begin (a choice may merge with the context's last tokens)
+BOUNDARY_WINDOW = 8
+
+OnChunk = Callable[[int, str], None]  # (sequence index, new text)
+
+
+@dataclass
+class Request:
+    """One generate request, as the runtime's wire protocol defines it."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def n(self) -> int:
+        return int(self.sampling_params.get("n", 1) or 1)
+
+
+class Pending:
+    """Outputs of one submitted request: stream pieces go to ``on_chunk`` as they
+    arrive; :meth:`wait` returns one output dict per sequence (``text``,
+    ``output_ids``, ``meta_info``) or raises the request's error."""
+
+    def __init__(self, req: Request, on_chunk: OnChunk | None = None) -> None:
+        self.rid = req.rid
+        self.on_chunk = on_chunk
+        self.results: list[dict[str, Any] | None] = [None] * req.n
+        self.error: BaseException | None = None
+        self._left = req.n
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def chunk(self, index: int, text: str) -> None:
+        if text and self.on_chunk is not None and not self.done:
+            self.on_chunk(index, text)
+
+    def result(self, index: int, out: dict[str, Any]) -> None:
+        with self._lock:
+            if self.done or not 0 <= index < len(self.results) or self.results[index] is not None:
+                return
+            self.results[index] = out
+            self._left -= 1
+            if self._left == 0:
+                self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            if not self.done:
+                self.error = error
+                self._done.set()
+
+    def wait(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        if not self._done.wait(timeout):
+            raise RuntimeUnavailableError(f"request {self.rid} got no answer within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return [r for r in self.results if r is not None]
+
+
+class CancelScope:
+    """The in-flight requests of one program; :meth:`cancel` aborts all of them and
+    makes later submissions fail with :class:`ProgramCancelled`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active: dict[str, BaseBackend] = {}
+        self.reason: BaseException | None = None
+
+    def enter(self, backend: BaseBackend, rid: str) -> None:
+        with self._lock:
+            if self.reason is not None:
+                raise ProgramCancelled(f"the program was cancelled: {self.reason}")
+            self._active[rid] = backend
+
+    def exit(self, rid: str) -> None:
+        with self._lock:
+            self._active.pop(rid, None)
+
+    def cancel(self, reason: BaseException) -> None:
+        with self._lock:
+            if self.reason is None:
+                self.reason = reason
+            active, self._active = self._active, {}
+        for rid, backend in active.items():
+            backend.abort(rid)
+
+
+class BaseBackend:
+    """A place programs run. Subclasses implement the transport: :meth:`submit`,
+    :meth:`abort`, :meth:`pin`, :meth:`unpin`, :meth:`flush_cache`,
+    :meth:`get_server_info`, :meth:`get_chat_template`, :meth:`shutdown`."""
+
+    is_chat_model = False  # SGLang's attribute: plait backends take text prompts
+    supports_pinning = True
+
+    # -- transport (subclasses) -------------------------------------------------------
+    def submit(self, req: Request, on_chunk: OnChunk | None = None) -> Pending:
+        raise NotImplementedError
+
+    def abort(self, rid: str) -> None:
+        raise NotImplementedError
+
+    def pin(self, text: str, ttl_s: float) -> str:
+        """Prefill ``text`` and hold its KV until :meth:`unpin` or ``ttl_s``; returns
+        the pin id. Raises :class:`BackendError` when refused (e.g. over budget)."""
+        raise NotImplementedError
+
+    def unpin(self, pin_id: str) -> bool:
+        raise NotImplementedError
+
+    def flush_cache(self) -> bool:
+        raise NotImplementedError
+
+    def get_server_info(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def get_chat_template(self) -> ChatTemplate | None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass
+
+    def end_program(self, state: Any) -> None:
+        """Called when a program ends (SGLang's hook); nothing to do here."""
+
+    # -- built on the transport -----------------------------------------------------------
+    def run_requests(self, reqs: list[Request], scope: CancelScope | None = None,
+                     on_chunk: OnChunk | None = None) -> list[list[dict[str, Any]]]:
+        """Submit all of ``reqs`` at once, then wait for all; outputs in order."""
+        pendings: list[Pending] = []
+        try:
+            for req in reqs:
+                if scope is not None:
+                    scope.enter(self, req.rid)
+                pendings.append(self.submit(req, on_chunk))
+            return [p.wait() for p in pendings]
+        except BaseException:
+            for p in pendings:
+                if not p.done:
+                    self.abort(p.rid)
+            raise
+        finally:
+            if scope is not None:
+                for req in reqs:
+                    scope.exit(req.rid)
+
+    def generate(self, prompt: str, params: ResolvedParams, *, on_chunk: OnChunk | None = None,
+                 scope: CancelScope | None = None) -> list[dict[str, Any]]:
+        """Generate after ``prompt``; one output dict per sequence (``n``)."""
+        req = Request(text=prompt, sampling_params=dict(params.sampling), stream=on_chunk is not None, **params.request)
+        outs = self.run_requests([req], scope, on_chunk)[0]
+        for out in outs:
+            _check_not_aborted(out, scope)
+        return outs
+
+    def cache_prefix(self, text: str, scope: CancelScope | None = None) -> None:
+        """Prefill ``text`` into the prefix cache (nothing is generated)."""
+        if text:
+            self.run_requests([Request(text=text, sampling_params={"max_new_tokens": 0})], scope)
+
+    def select(self, prompt: str, choices: list[str], temperature: float,
+               method: ChoicesSamplingMethod, scope: CancelScope | None = None) -> ChoicesDecision:
+        """Score every choice after ``prompt`` with input-token logprobs and let
+        ``method`` decide. All choices are submitted together, after the context has
+        been prefilled once, so they share its KV through the prefix cache."""
+        if prompt:
+            first = self.run_requests([Request(text=prompt, sampling_params={"max_new_tokens": 0})], scope)[0][0]
+            _check_not_aborted(first, scope)
+            start = max(first["meta_info"]["prompt_tokens"] - BOUNDARY_WINDOW, 0)
+        else:
+            start = 0
+        tokens = self._score_choices(prompt, choices, start, scope)
+        if tokens is None:  # a choice re-tokenized the context before the window
+            tokens = self._score_choices(prompt, choices, 0, scope)
+        assert tokens is not None
+        normalized = [_mean_logprob(t) for t in tokens]
+        kwargs: dict[str, Any] = dict(
+            choices=choices,
+            normalized_prompt_logprobs=normalized,
+            input_token_logprobs=tokens,
+            output_token_logprobs=[[] for _ in choices],
+        )
+        if getattr(method, "requires_unconditional_logprobs", False):
+            reqs = [
+                Request(input_ids=[tid for _, tid in t], sampling_params={"max_new_tokens": 0},
+                        return_logprob=True, logprob_start_len=0)
+                for t in tokens
+            ]
+            outs = self.run_requests(reqs, scope)
+            kwargs["unconditional_token_logprobs"] = [
+                [[e[0], e[1]] for e in o[0]["meta_info"]["input_token_logprobs"]] for o in outs
+            ]
+        decision = method(**kwargs)
+        if temperature and temperature > 0:
+            scores = method.scores(**kwargs) if hasattr(method, "scores") else None
+            i = softmax_sample(scores or normalized, float(temperature), random.random())
+            decision = ChoicesDecision(choices[i], decision.meta_info)
+        return decision
+
+    def _score_choices(self, prompt: str, choices: list[str], start: int,
+                       scope: CancelScope | None) -> list[list[list[Any]]] | None:
+        """Per choice, ``[logprob, token_id]`` of the tokens of ``prompt + choice`` from
+        the first one that differs from the tokens of ``prompt`` alone. None if some
+        choice differs already at ``start`` (then the window must start earlier)."""
+        opts = dict(sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=start)
+        reqs = [Request(text=prompt + c, **opts) for c in choices]
+        if prompt:
+            reqs.insert(0, Request(text=prompt, **opts))
+        outs = [o[0] for o in self.run_requests(reqs, scope)]
+        for o in outs:
+            _check_not_aborted(o, scope)
+        ctx_ids = [e[1] for e in outs.pop(0)["meta_info"]["input_token_logprobs"]] if prompt else []
+        result = []
+        for o in outs:
+            entries = [[e[0], e[1]] for e in o["meta_info"]["input_token_logprobs"]]
+            d = 0
+            while d < len(ctx_ids) and d < len(entries) and entries[d][1] == ctx_ids[d]:
+                d += 1
+            if d == 0 and start > 0:
+                return None
+            result.append(entries[d:])
+        return result
+
+
+def _mean_logprob(entries: list[list[Any]]) -> float:
+    lps = [e[0] for e in entries if e[0] is not None]
+    return sum(lps) / len(lps) if lps else 0.0
+
+
+def _check_not_aborted(out: dict[str, Any], scope: CancelScope | None) -> None:
+    reason = out["meta_info"].get("finish_reason") or {}
+    if reason.get("type") != "abort":
+        return
+    if scope is not None and scope.reason is not None:
+        raise ProgramCancelled(f"the program was cancelled: {scope.reason}")
+    raise BackendError(f"the runtime aborted the request: {reason.get('message', 'no reason given')}")

@@ -1,0 +1,172 @@
+"""Chat roles rendered through the model's own chat template.
+
+SGLang keeps a table of hand-written templates; plait asks the model's template
+instead. For a role after a given history of roles, it renders the history plus one
+message whose content is a marker, and reads the text before the marker (the role's
+prefix, including anything the template adds first, such as BOS or a default system
+prompt) and after it (the suffix, the end-of-turn text). Any Hugging Face chat model
+works this way; the assistant's end-of-turn text becomes a stop string.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+Render = Callable[[list[dict[str, str]]], str]
+
+
+class ChatTemplateError(ValueError):
+    """The template cannot express the requested roles (or there is none)."""
+
+
+def _marker(i: int) -> str:
+    # letters and digits only: survives `| trim`, escaping and case-preserving filters
+    return f"PLAITMSGMARKER{i}X"
+
+
+class ChatTemplate:
+    """Role prefixes and suffixes of one model's chat template.
+
+    ``render(messages)`` returns the template's text for OpenAI-style messages, with no
+    generation prompt. Results are cached per (role, history of roles).
+    """
+
+    def __init__(self, render: Render, name: str = "") -> None:
+        self._render = render
+        self.name = name
+        self._cache: dict[tuple[str, tuple[str, ...]], tuple[str, str]] = {}
+
+    def markers(self, role: str, history: tuple[str, ...] = ()) -> tuple[str, str]:
+        """``(prefix, suffix)`` around the content of a ``role`` message that follows
+        messages with roles ``history``."""
+        key = (role, history)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        msgs = [{"role": r, "content": _marker(i)} for i, r in enumerate(history)]
+        content = _marker(len(history))
+        full = self._render_checked(msgs + [{"role": role, "content": content}], role, history)
+        k = full.find(content)
+        if k < 0:
+            raise ChatTemplateError(f"the model's chat template drops the content of a {role!r} message")
+        suffix = full[k + len(content):]
+        if not msgs:
+            prefix = full[:k]
+        else:
+            prefix = self._prefix_after_history(full, k, msgs, history)
+        self._cache[key] = (prefix, suffix)
+        return prefix, suffix
+
+    def _prefix_after_history(self, full: str, k: int, msgs: list[dict[str, str]], history: tuple[str, ...]) -> str:
+        try:
+            base = self._render(msgs)
+        except Exception:  # noqa: BLE001 - some templates refuse a history on its own
+            base = None
+        if base is not None and full.startswith(base) and len(base) <= k:
+            return full[len(base):k]
+        # the template renders the last message differently when it is not last:
+        # take what lies between the two contents, minus the suffix already emitted
+        j = full.find(msgs[-1]["content"]) + len(msgs[-1]["content"])
+        between = full[j:k]
+        _, prev_suffix = self.markers(history[-1], history[:-1])
+        return between[len(prev_suffix):] if between.startswith(prev_suffix) else between
+
+    def _render_checked(self, msgs: list[dict[str, str]], role: str, history: tuple[str, ...]) -> str:
+        try:
+            return self._render(msgs)
+        except Exception as e:  # noqa: BLE001 - templates raise whatever they like
+            raise ChatTemplateError(
+                f"the model's chat template cannot render a {role!r} message after roles {list(history)}: {e}"
+            ) from None
+
+    @property
+    def stop_str(self) -> tuple[str, ...]:
+        """The assistant's end-of-turn text (stripped), as stop strings."""
+        try:
+            _, suffix = self.markers("assistant", ("user",))
+        except ChatTemplateError:
+            return ()
+        s = suffix.strip()
+        return (s,) if s else ()
+
+
+class Transcript:
+    """The text of a program so far, and its chat messages.
+
+    ``messages`` holds what the program's roles said (OpenAI format); ``text`` is the
+    full prompt, role markers included.
+    """
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.messages: list[dict[str, str]] = []
+        self.role: str | None = None
+        self.role_start = 0
+
+    def copy(self) -> Transcript:
+        t = Transcript()
+        t.text, t.messages, t.role, t.role_start = self.text, [dict(m) for m in self.messages], self.role, self.role_start
+        return t
+
+    def history(self) -> tuple[str, ...]:
+        return tuple(m["role"] for m in self.messages)
+
+    def fill(self, s: str) -> None:
+        self.text += s
+
+    def begin_role(self, role: str, template: ChatTemplate | None) -> None:
+        if self.role is not None:
+            raise ValueError(f"role {role!r} begins inside role {self.role!r}; roles do not nest, end {self.role!r} first")
+        prefix, _ = _need(template).markers(role, self.history())
+        self.fill(prefix)
+        self.role, self.role_start = role, len(self.text)
+
+    def end_role(self, role: str, template: ChatTemplate | None) -> None:
+        if self.role != role:
+            raise ValueError(f"role {role!r} ends but the open role is {self.role!r}")
+        content = self.text[self.role_start:]
+        _, suffix = _need(template).markers(role, self.history())
+        self.fill(suffix)
+        self.messages.append({"role": role, "content": content.lstrip()})
+        self.role = None
+
+
+def _need(template: ChatTemplate | None) -> ChatTemplate:
+    if template is None:
+        raise ChatTemplateError(
+            "this model has no chat template, so roles (system/user/assistant) cannot be rendered; "
+            "use a chat model or write the prompt text yourself"
+        )
+    return template
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def jinja_render(source: str, special_tokens: dict[str, Any] | None = None) -> Render:
+    """A renderer for a Hugging Face chat template given as Jinja source, set up as
+    ``transformers`` does (sandbox, trim_blocks, lstrip_blocks, loop controls,
+    ``raise_exception``, ``strftime_now``, ``tojson``)."""
+    try:
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:  # pragma: no cover - jinja2 is a dependency
+        raise ChatTemplateError("rendering the runtime's chat template needs jinja2 (pip install jinja2)") from e
+
+    def raise_exception(message: str) -> None:
+        raise ChatTemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    tpl = env.from_string(source)
+    extra = dict(special_tokens or {})
+    return lambda messages: tpl.render(messages=messages, add_generation_prompt=False, **extra)

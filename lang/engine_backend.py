@@ -1,0 +1,236 @@
+"""``EngineBackend``: programs on an in-process :class:`plait.runtime.Engine`.
+
+No sockets: one driver thread owns the engine (it is not thread-safe), takes
+requests from program threads through a queue, steps the engine while it has work,
+and hands outputs back through :class:`~plait.backend.Pending` handles. For offline
+batch work, benchmarks and tests. Importing this module imports torch (the runtime);
+``import plait`` does not import it until ``EngineBackend`` is used.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from plait.backend import BaseBackend, OnChunk, Pending, Request
+from plait.chat_template import ChatTemplate
+from plait.errors import BackendError, RuntimeUnavailableError
+
+IDLE_WAIT_S = 0.1
+
+_UNSET: Any = object()
+
+
+@dataclass
+class _Live:
+    """One engine sequence and what its stream has delivered."""
+
+    req: Any  # plait.runtime.request.Req
+    pending: Pending
+    index: int
+    stream: bool
+    text_in_logprobs: bool
+    sent: int = 0
+
+
+class EngineBackend(BaseBackend):
+    """``EngineBackend(model=None, **engine_config)`` or ``EngineBackend(engine)``."""
+
+    def __init__(self, model: Any = None, **config: Any) -> None:
+        from plait.runtime.engine import Engine
+        from plait.runtime.server.engine_proc import safe_text_len
+
+        if isinstance(model, Engine):
+            if config:
+                raise ValueError("engine options cannot be given together with an Engine instance")
+            self.engine, self._owns_engine = model, False
+        else:
+            self.engine, self._owns_engine = Engine(model, **config), True
+        self._safe_text_len = safe_text_len
+        self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._dead: BaseException | None = None
+        self._closed = False
+        self._template: Any = _UNSET
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="plait-engine-driver", daemon=True)
+        self._thread.start()
+
+    # -- transport ----------------------------------------------------------------------------
+    def submit(self, req: Request, on_chunk: OnChunk | None = None) -> Pending:
+        pending = Pending(req, on_chunk)
+        self._post(("submit", req, pending))
+        return pending
+
+    def abort(self, rid: str) -> None:
+        if self._dead is None and not self._closed:
+            self._inbox.put(("abort", rid))
+
+    def pin(self, text: str, ttl_s: float) -> str:
+        return self._call(lambda e: e.pin_prefix(self._encode(text), ttl_s))
+
+    def unpin(self, pin_id: str) -> bool:
+        return self._call(lambda e: e.unpin(pin_id))
+
+    def flush_cache(self) -> bool:
+        return self._call(lambda e: e.flush_cache())
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self._call(self._info)
+
+    def get_chat_template(self) -> ChatTemplate | None:
+        with self._lock:
+            if self._template is _UNSET:
+                tok = self.engine.tokenizer
+                if getattr(tok, "chat_template", None):
+                    self._template = ChatTemplate(
+                        lambda msgs: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False),
+                        name=str(self.engine.source.path),
+                    )
+                else:
+                    self._template = None
+            return self._template
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._thread.join(timeout=30)
+        self._fail_all(RuntimeUnavailableError("the backend was shut down"))
+        if self._owns_engine:
+            self.engine.shutdown()
+
+    def __enter__(self) -> EngineBackend:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # -- program threads -> driver ---------------------------------------------------------------
+    def _post(self, cmd: tuple[Any, ...]) -> None:
+        if self._dead is not None:
+            raise RuntimeUnavailableError(f"the in-process engine failed earlier: {self._dead}")
+        if self._closed:
+            raise RuntimeUnavailableError("the backend was shut down")
+        self._inbox.put(cmd)
+
+    def _call(self, fn: Any) -> Any:
+        fut: Future[Any] = Future()
+        self._post(("call", fn, fut))
+        try:
+            return fut.result()
+        except ValueError as e:
+            raise BackendError(str(e), code=400, param=_param_of(str(e)), error_type="invalid_request_error") from None
+
+    # -- driver ------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while not self._closed:
+                busy = engine.scheduler.has_work()
+                if not self._drain(block=not busy) and not busy:
+                    engine.expire_pins()
+                if engine.scheduler.has_work():
+                    engine.step()
+                self._collect()
+        except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
+            self._dead = e
+            self._fail_all(RuntimeUnavailableError(f"the in-process engine failed: {type(e).__name__}: {e}"))
+
+    def _drain(self, block: bool) -> bool:
+        """Handle queued commands; returns whether there were any."""
+        got = False
+        while True:
+            try:
+                cmd = self._inbox.get(timeout=IDLE_WAIT_S) if block and not got else self._inbox.get_nowait()
+            except queue.Empty:
+                return got
+            got = True
+            self._handle(cmd)
+
+    def _handle(self, cmd: tuple[Any, ...]) -> None:
+        kind = cmd[0]
+        if kind == "submit":
+            _, req, pending = cmd
+            try:
+                ids = req.input_ids if req.input_ids is not None else self._encode(req.text or "")
+                reqs = self.engine.add_request(
+                    ids, req.sampling_params, rid=req.rid, return_logprob=req.return_logprob,
+                    logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num,
+                )
+            except ValueError as e:
+                pending.fail(BackendError(str(e), code=400, param=_param_of(str(e)), error_type="invalid_request_error"))
+                return
+            for i, r in enumerate(reqs):
+                self._live[r.rid] = _Live(r, pending, i, req.stream, req.return_text_in_logprobs)
+        elif kind == "abort":
+            self.engine.abort(cmd[1])
+        elif kind == "call":
+            _, fn, fut = cmd
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+    def _collect(self) -> None:
+        for rid, lv in list(self._live.items()):
+            r = lv.req
+            if r.finished:
+                del self._live[rid]
+                out = self.engine.pop_result(r)
+                if lv.stream:
+                    lv.pending.chunk(lv.index, out["text"][lv.sent:])
+                if lv.text_in_logprobs:
+                    self._add_token_text(out["meta_info"])
+                lv.pending.result(lv.index, out)
+            elif lv.stream:
+                end = max(self._safe_text_len(r.text, r.params.stop), lv.sent)
+                if end > lv.sent:
+                    piece, lv.sent = r.text[lv.sent:end], end
+                    lv.pending.chunk(lv.index, piece)
+
+    def _fail_all(self, error: BaseException) -> None:
+        live, self._live = self._live, {}
+        for lv in live.values():
+            lv.pending.fail(error)
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "submit":
+                cmd[2].fail(error)
+            elif cmd[0] == "call":
+                cmd[2].set_exception(error)
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        return self.engine.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def _add_token_text(self, meta: dict[str, Any]) -> None:
+        tok = self.engine.tokenizer
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            if key in meta:
+                meta[key] = [[lp, tid, tok.decode([tid])] for lp, tid, *_ in meta[key]]
+
+    def _info(self, e: Any) -> dict[str, Any]:
+        mc = e.model_config
+        return {
+            "model_path": str(e.source.path),
+            "architecture": mc.architecture,
+            "context_len": e.context_len,
+            "vocab_size": mc.vocab_size,
+            "eos_token_ids": sorted(e.eos_ids),
+            "pool": e.pool_usage(),
+            "pins": e.pin_stats(),
+            "chat_template": bool(getattr(e.tokenizer, "chat_template", None)),
+            **e.stats(),
+        }
+
+
+def _param_of(message: str) -> str | None:
+    head = message.split("=", 1)[0] if "=" in message else ""
+    return head if head.isidentifier() else None

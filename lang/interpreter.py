@@ -1,0 +1,563 @@
+"""Running programs: the program state ``s``, its executor, ``run`` and ``run_batch``.
+
+Each state has an executor with a worker thread that executes what the program
+appends, in order, while the program body runs ahead; reading a variable
+(``s["x"]``) waits for it. Forks get their own executors, so their model calls run
+in parallel. A program that raises, or is aborted, aborts its in-flight requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from plait.backend import BaseBackend, CancelScope
+from plait.chat_template import ChatTemplate, ChatTemplateError, Transcript
+from plait.errors import ProgramCancelled, ProgramError, UnknownVariableError
+from plait.ir import (
+    Expr, ExprList, Gen, RoleBegin, RoleEnd, Select, Text, VarScopeBegin, VarScopeEnd,
+    as_expr, defined_names, dtype_regex, flatten, resolve_params,
+)
+
+logger = logging.getLogger("plait")
+
+_END = object()
+_UNFETCHED = object()
+# run_batch(num_threads="auto"): programs in flight at once
+AUTO_THREADS = 64
+
+
+class Executor:
+    """Executes one program state's expressions in order on a worker thread."""
+
+    def __init__(self, backend: BaseBackend, defaults: dict[str, Any], stream: bool,
+                 template: Any = _UNFETCHED, parent: Executor | None = None) -> None:
+        self.backend = backend
+        self.defaults = defaults
+        self.stream = stream
+        self._template = template  # ChatTemplate | None once fetched from the backend
+        self.ts = Transcript()
+        self.variables: dict[str, Any] = {}
+        self.meta_info: dict[str, Any] = {}
+        self.partial: dict[str, str] = {}  # streamed text of gens still running
+        self.scopes: dict[str, int] = {}  # var_scope name -> start position
+        self.pending: Counter[str] = Counter()  # names still being computed
+        self.error: BaseException | None = None
+        self.scope = CancelScope()
+        self.children: list[Executor] = []
+        self.fork_start = 0
+        self.cond = threading.Condition()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._unfinished = 0
+        self.closed = False  # no more submissions
+        self.finished = False  # worker exited
+        if parent is not None:
+            parent.children.append(self)
+        self._worker = threading.Thread(target=self._work, name="plait-program", daemon=True)
+        self._worker.start()
+
+    # -- template ------------------------------------------------------------------------
+    @property
+    def template(self) -> ChatTemplate | None:
+        if self._template is _UNFETCHED:  # fetched by the first gen or role
+            try:
+                self._template = self.backend.get_chat_template()
+            except ChatTemplateError as e:
+                self._template = e
+        if isinstance(self._template, ChatTemplateError):
+            raise self._template
+        return self._template
+
+    def _chat_stop(self) -> tuple[str, ...]:
+        """The template's end-of-turn text; a gen runs without it if the template is
+        unavailable (only roles need the template)."""
+        try:
+            template = self.template
+        except ChatTemplateError:
+            return ()
+        return template.stop_str if template is not None else ()
+
+    # -- submission (program thread) -----------------------------------------------------
+    def submit(self, expr: Expr) -> None:
+        with self.cond:
+            if self.closed:
+                raise RuntimeError("this program has ended; nothing more can be appended to its state")
+            for name in defined_names(expr):
+                self.pending[name] += 1
+            self._unfinished += 1
+        self._queue.put(expr)
+
+    def end(self) -> None:
+        """No more submissions; the worker exits once the queue is done."""
+        with self.cond:
+            if self.closed:
+                return
+            self.closed = True
+            children = list(self.children)
+        self._queue.put(_END)
+        for child in children:  # forks that were never joined
+            child.end()
+
+    def sync(self) -> None:
+        with self.cond:
+            while self._unfinished > 0:
+                self.cond.wait()
+
+    def cancel(self, reason: BaseException) -> None:
+        """Abort: stop executing, abort in-flight requests, fail pending variables."""
+        with self.cond:
+            if self.error is None:
+                self.error = reason
+            self.cond.notify_all()
+        self.scope.cancel(reason)
+        for child in list(self.children):
+            child.cancel(reason)
+
+    # -- variables -----------------------------------------------------------------------
+    def get_var(self, name: str) -> Any:
+        with self.cond:
+            while self.pending[name] > 0 and self.error is None:
+                self.cond.wait()
+            if self.pending[name] == 0 and name in self.variables:
+                return self.variables[name]
+            if self.error is not None:
+                raise ProgramError(f"variable {name!r} is unavailable: the program failed: {self.error}") from self.error
+            raise UnknownVariableError(name, sorted(self.variables))
+
+    def set_var(self, name: str, value: Any) -> None:
+        with self.cond:
+            self.variables[name] = value
+            self.cond.notify_all()
+
+    def get_meta_info(self, name: str) -> Any:
+        self.get_var(name)
+        return self.meta_info.get(name)
+
+    def has_var(self, name: str) -> bool:
+        with self.cond:
+            return name in self.variables or self.pending[name] > 0
+
+    # -- worker ----------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            expr = self._queue.get()
+            if expr is _END:
+                break
+            if self.error is None:
+                try:
+                    self._execute(expr)
+                except BaseException as e:  # noqa: BLE001 - recorded, surfaced on read
+                    if not isinstance(e, ProgramCancelled):
+                        logger.debug("program failed", exc_info=True)
+                    with self.cond:
+                        if self.error is None:
+                            self.error = e
+            with self.cond:
+                if self.error is not None:
+                    for name in defined_names(expr):
+                        self.pending[name] = 0
+                self._unfinished -= 1
+                self.cond.notify_all()
+        with self.cond:
+            self.finished = True
+            self.cond.notify_all()
+        self.backend.end_program(self)
+
+    def _execute(self, expr: Expr) -> None:
+        for e in flatten(expr):
+            if self.error is not None:
+                return
+            if isinstance(e, Text):
+                self._fill(e.value)
+            elif isinstance(e, Gen):
+                self._gen(e)
+            elif isinstance(e, Select):
+                self._select(e)
+            elif isinstance(e, RoleBegin):
+                template = self.template
+                with self.cond:
+                    self.ts.begin_role(e.role, template)
+                    self.cond.notify_all()
+            elif isinstance(e, RoleEnd):
+                template = self.template
+                with self.cond:
+                    self.ts.end_role(e.role, template)
+                    self.cond.notify_all()
+            elif isinstance(e, VarScopeBegin):
+                self.scopes[e.name] = len(self.ts.text)
+            elif isinstance(e, VarScopeEnd):
+                start = self.scopes.pop(e.name, None)
+                if start is None:
+                    raise ValueError(f"var_scope {e.name!r} ends but never began")
+                self._define(e.name, self.ts.text[start:], None)
+            else:  # pragma: no cover - as_expr admits nothing else
+                raise TypeError(f"cannot execute {e!r}")
+
+    def _fill(self, text: str) -> None:
+        with self.cond:
+            self.ts.fill(text)
+            self.cond.notify_all()
+
+    def _define(self, name: str | None, value: Any, meta: Any) -> None:
+        with self.cond:
+            if name is not None:
+                self.partial.pop(name, None)
+                self.variables[name] = value
+                self.meta_info[name] = meta
+                self.pending[name] = max(self.pending[name] - 1, 0)
+            self.cond.notify_all()
+
+    def _gen(self, e: Gen) -> None:
+        own = dict(e.params)
+        dtype = own.pop("dtype", None)
+        if dtype is not None:
+            own["regex"] = dtype_regex(dtype)
+        params = resolve_params(self.defaults, own, self._chat_stop())
+        on_chunk = None
+        streamed = [""]
+        if self.stream:
+            with self.cond:
+                if e.name is not None:
+                    self.partial[e.name] = ""
+
+            def on_chunk(index: int, piece: str) -> None:
+                if index != 0:
+                    return
+                with self.cond:
+                    self.ts.fill(piece)
+                    streamed[0] += piece
+                    if e.name is not None:
+                        self.partial[e.name] = streamed[0]
+                    self.cond.notify_all()
+
+        outs = self.backend.generate(self.ts.text, params, on_chunk=on_chunk, scope=self.scope)
+        texts = [o["text"] for o in outs]
+        metas = [o["meta_info"] for o in outs]
+        with self.cond:
+            # streamed pieces concatenate to the final text; add what was not streamed
+            # (and should a backend ever stream something else, the final text wins)
+            if not texts[0].startswith(streamed[0]):
+                self.ts.text = self.ts.text[: len(self.ts.text) - len(streamed[0])]
+                streamed[0] = ""
+            self.ts.fill(texts[0][len(streamed[0]):])
+        multi = len(outs) > 1
+        self._define(e.name, texts if multi else texts[0], metas if multi else metas[0])
+
+    def _select(self, e: Select) -> None:
+        decision = self.backend.select(self.ts.text, e.choices, e.temperature, e.choices_method, scope=self.scope)
+        with self.cond:
+            self.ts.fill(decision.decision)
+        self._define(e.name, decision.decision, decision.meta_info)
+
+    # -- fork --------------------------------------------------------------------------------
+    def fork(self, n: int) -> list[Executor]:
+        self.sync()
+        if self.error is not None:
+            raise ProgramError(f"cannot fork: the program failed: {self.error}") from self.error
+        if n > 1 and self.ts.text:
+            # prefill the shared text once, so the branches share its KV
+            self.backend.cache_prefix(self.ts.text, self.scope)
+        kids = []
+        for _ in range(n):
+            kid = Executor(self.backend, self.defaults, self.stream, self._template, parent=self)
+            kid.ts = self.ts.copy()
+            kid.variables = dict(self.variables)
+            kid.meta_info = dict(self.meta_info)
+            kid.fork_start = len(self.ts.text)
+            kids.append(kid)
+        return kids
+
+
+class ProgramState:
+    """The state ``s`` of a running program: ``s += ...`` appends, ``s["name"]`` reads
+    a variable (waiting for it), ``s.fork(n)`` branches."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+        self.ret_value: Any = None
+
+    # -- building ------------------------------------------------------------------------------
+    def __iadd__(self, other: Any) -> ProgramState:
+        self.executor.submit(as_expr(other))
+        return self
+
+    def _role(self, role: str, expr: Any = None) -> Any:
+        if expr is not None:
+            self.executor.submit(ExprList([RoleBegin(role), as_expr(expr), RoleEnd(role)]))
+            return None
+        return self._role_scope(role)
+
+    @contextlib.contextmanager
+    def _role_scope(self, role: str) -> Iterator[None]:
+        self.executor.submit(RoleBegin(role))
+        yield
+        self.executor.submit(RoleEnd(role))
+
+    def system(self, expr: Any = None) -> Any:
+        return self._role("system", expr)
+
+    def user(self, expr: Any = None) -> Any:
+        return self._role("user", expr)
+
+    def assistant(self, expr: Any = None) -> Any:
+        return self._role("assistant", expr)
+
+    @contextlib.contextmanager
+    def var_scope(self, name: str) -> Iterator[None]:
+        """Everything appended inside the block becomes variable ``name``."""
+        self.executor.submit(VarScopeBegin(name))
+        yield
+        self.executor.submit(VarScopeEnd(name))
+
+    def fork(self, size: int = 1, position_ids_offset: Any = None) -> ProgramStateGroup:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"fork size={size!r} is invalid; allowed: an integer >= 1")
+        return ProgramStateGroup([ProgramState(x) for x in self.executor.fork(size)], self)
+
+    @contextlib.contextmanager
+    def copy(self, position_ids_offset: Any = None) -> Iterator[ProgramState]:
+        group = self.fork(1)
+        try:
+            yield group[0]
+        finally:
+            group.join()
+
+    # -- reading ---------------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> Any:
+        return self.executor.get_var(name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.executor.set_var(name, value)
+
+    def __contains__(self, name: str) -> bool:
+        return self.executor.has_var(name)
+
+    def get_var(self, name: str) -> Any:
+        return self.executor.get_var(name)
+
+    def set_var(self, name: str, value: Any) -> None:
+        self.executor.set_var(name, value)
+
+    def get_meta_info(self, name: str) -> Any:
+        return self.executor.get_meta_info(name)
+
+    def text(self) -> str:
+        self.executor.sync()
+        return self.executor.ts.text
+
+    def messages(self) -> list[dict[str, str]]:
+        self.executor.sync()
+        return [dict(m) for m in self.executor.ts.messages]
+
+    def sync(self) -> None:
+        self.executor.sync()
+
+    def error(self) -> BaseException | None:
+        self.executor.sync()
+        return self.executor.error
+
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        """Cancel the program: in-flight requests are aborted, nothing more runs."""
+        self.executor.cancel(ProgramCancelled(reason))
+
+    # -- streaming --------------------------------------------------------------------------------
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """New text as it is produced: of the whole program, or of one variable. On a
+        state that was not run with ``stream=True``, yields the final text once."""
+        ex = self.executor
+        if not ex.stream:
+            yield self.text() if var_name is None else self.get_var(var_name)
+            return
+        pos = 0
+        while True:
+            piece, done = self._next_piece(var_name, pos, None)
+            pos += len(piece)
+            if piece:
+                yield piece
+            if done:
+                return
+
+    async def text_async_iter(self, var_name: str | None = None, return_meta_data: bool = False) -> AsyncIterator[Any]:
+        """``text_iter`` for asyncio. Cancelling the consuming task aborts the program."""
+        ex = self.executor
+        loop = asyncio.get_running_loop()
+        if not ex.stream:
+            value = await loop.run_in_executor(None, lambda: self.text() if var_name is None else self.get_var(var_name))
+            yield (value, self.get_meta_info(var_name)) if return_meta_data and var_name else value
+            return
+        pos = 0
+        try:
+            while True:
+                piece, done = await loop.run_in_executor(None, self._next_piece, var_name, pos, 0.5)
+                pos += len(piece)
+                if piece:
+                    if return_meta_data and var_name is not None:
+                        yield piece, ex.meta_info.get(var_name)
+                    else:
+                        yield piece
+                if done:
+                    return
+        except asyncio.CancelledError:
+            self.abort("the streaming consumer was cancelled")
+            raise
+
+    def _next_piece(self, var_name: str | None, pos: int, timeout: float | None) -> tuple[str, bool]:
+        """Wait until there is text beyond ``pos`` (or the end); return it and whether
+        the stream is over."""
+        ex = self.executor
+        with ex.cond:
+            while True:
+                if var_name is None:
+                    current = ex.ts.text
+                    over = ex.finished or ex.error is not None
+                else:
+                    running = ex.pending[var_name] > 0
+                    current = ex.partial.get(var_name, "") if running else ex.variables.get(var_name, "")
+                    current = current if isinstance(current, str) else ""
+                    over = ex.error is not None or (not running and (var_name in ex.variables or ex.finished))
+                if len(current) > pos or over:
+                    return current[pos:], over
+                if not ex.cond.wait(timeout) and timeout is not None:
+                    return "", False
+
+    def __repr__(self) -> str:
+        return f"ProgramState({self.text()!r})"
+
+
+class ProgramStateGroup:
+    """The states made by ``s.fork(n)``: index them, ``+=`` to all, ``join()``."""
+
+    def __init__(self, states: list[ProgramState], parent: ProgramState) -> None:
+        self.states = states
+        self.parent = parent
+
+    def __getitem__(self, i: int) -> ProgramState:
+        return self.states[i]
+
+    def __setitem__(self, i: int, value: ProgramState) -> None:
+        if value is not self.states[i]:
+            raise ValueError("a fork's states cannot be replaced; use += on them")
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __iter__(self) -> Iterator[ProgramState]:
+        return iter(self.states)
+
+    def __iadd__(self, other: Any) -> ProgramStateGroup:
+        if callable(other) and not isinstance(other, Expr):
+            for i, st in enumerate(self.states):
+                st += other(i)
+        elif isinstance(other, (list, tuple)):
+            if len(other) != len(self.states):
+                raise ValueError(f"+= with {len(other)} items on a fork of {len(self.states)}; they must match")
+            for st, x in zip(self.states, other):
+                st += x
+        else:
+            for st in self.states:
+                st += other
+        return self
+
+    def join(self, mode: str = "gather_variable") -> None:
+        """``gather_variable``: each variable the forks defined becomes a list (one
+        entry per fork) on the parent. ``concate_and_append``: the forks' new text is
+        appended to the parent, in order."""
+        if mode not in ("gather_variable", "concate_and_append"):
+            raise ValueError(f"join mode={mode!r} is invalid; allowed: gather_variable, concate_and_append")
+        parent = self.parent.executor
+        for st in self.states:
+            st.executor.end()
+            st.executor.sync()
+        if mode == "gather_variable":
+            with parent.cond:
+                before = set(parent.variables)
+            gathered: dict[str, list[Any]] = {}
+            errors = [st.executor.error for st in self.states if st.executor.error is not None]
+            for st in self.states:
+                kid = st.executor
+                for k in kid.variables:
+                    if k not in before:
+                        gathered.setdefault(k, []).append(kid.variables[k])
+            for k, values in gathered.items():
+                parent.set_var(k, values)
+            if errors:
+                parent.cancel(errors[0])
+        else:
+            text = "".join(st.executor.ts.text[st.executor.fork_start:] for st in self.states)
+            self.parent += text
+        for st in self.states:
+            if st.executor in parent.children:
+                parent.children.remove(st.executor)
+
+
+# -- running ---------------------------------------------------------------------------------------
+def run_program(fn: Callable[..., Any], backend: BaseBackend, args: tuple[Any, ...], kwargs: dict[str, Any],
+                defaults: dict[str, Any], stream: bool) -> ProgramState:
+    """Run ``fn(s, *args, **kwargs)``. Without ``stream``, returns when it is done;
+    with it, returns at once and the program runs in a thread."""
+    state = ProgramState(Executor(backend, defaults, stream))
+
+    def body() -> None:
+        ex = state.executor
+        try:
+            state.ret_value = fn(state, *args, **kwargs)
+        except BaseException as e:
+            ex.cancel(e)
+            if not stream:
+                raise
+        finally:
+            ex.end()
+
+    if stream:
+        threading.Thread(target=body, name="plait-stream", daemon=True).start()
+    else:
+        body()
+        state.executor.sync()
+    return state
+
+
+def run_program_batch(fn: Callable[..., Any], backend: BaseBackend, batch: list[dict[str, Any]],
+                      defaults: dict[str, Any], num_threads: int | str, progress_bar: bool,
+                      order: list[int] | None = None) -> list[ProgramState]:
+    """Run one program per dict of ``batch``; states come back in ``batch`` order.
+    ``order`` is the submission order (sharers of a prefix adjacent)."""
+    order = list(range(len(batch))) if order is None else order
+    if num_threads == "auto":
+        num_threads = AUTO_THREADS
+    if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
+        raise ValueError(f"num_threads={num_threads!r} is invalid; allowed: 'auto' or an integer >= 1")
+    num_threads = min(num_threads, max(len(batch), 1))
+    bar = None
+    if progress_bar:
+        import tqdm
+
+        bar = tqdm.tqdm(total=len(batch))
+    states: list[ProgramState | None] = [None] * len(batch)
+
+    def one(i: int) -> None:
+        try:
+            states[i] = run_program(fn, backend, (), batch[i], defaults, False)
+        finally:
+            if bar is not None:
+                bar.update()
+
+    try:
+        if num_threads == 1:
+            for i in order:
+                one(i)
+        else:
+            with ThreadPoolExecutor(num_threads, thread_name_prefix="plait-batch") as pool:
+                futures = [pool.submit(one, i) for i in order]
+                for f in futures:
+                    f.result()
+    finally:
+        if bar is not None:
+            bar.close()
+    return [s for s in states if s is not None]

@@ -1,0 +1,254 @@
+"""The building blocks of a program: expressions appended to a state with ``s += ...``.
+
+``gen``, ``select``, roles and constant text build :class:`Expr` objects; ``+``
+concatenates them (``"Q: " + gen("a")`` is an :class:`ExprList`). The interpreter
+executes them against a backend; the tracer records them into a program graph.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+try:  # the regex parser of the standard library (private, stable since 3.0)
+    from re import _parser as _sre_parse  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - Python < 3.11
+    import sre_parse as _sre_parse  # type: ignore[no-redef]
+
+# Sampling parameters a gen may set, by their runtime names (see the wire protocol).
+SAMPLING_FIELDS = (
+    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
+    "ignore_eos", "seed", "n", "regex", "json_schema",
+)
+# Per-request options that are not sampling parameters.
+REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+
+# Regexes for ``dtype`` (and gen_int / gen_string); enforced by the runtime's
+# constrained decoding.
+DTYPE_REGEX = {
+    "int": r"[-+]?[0-9]+",
+    "float": r"[-+]?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?",
+    "bool": r"(True|False)",
+    "str": r'"([^"\\\n]|\\["\\/bfnrt])*"',
+}
+
+
+class Expr:
+    """Something that can be appended to a program state."""
+
+    def __add__(self, other: Any) -> ExprList:
+        return ExprList([self, as_expr(other)])
+
+    def __radd__(self, other: Any) -> ExprList:
+        return ExprList([as_expr(other), self])
+
+
+class ExprList(Expr):
+    def __init__(self, items: list[Expr]) -> None:
+        self.items: list[Expr] = []
+        for x in items:
+            self.items.extend(x.items if isinstance(x, ExprList) else [x])
+
+    def __repr__(self) -> str:
+        return f"ExprList({self.items!r})"
+
+
+class Text(Expr):
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Text({self.value!r})"
+
+
+class Gen(Expr):
+    """A model call. ``params`` holds only what the call sets, by runtime names
+    (sampling fields and request fields); the rest comes from ``run()``'s defaults."""
+
+    def __init__(self, name: str | None, params: dict[str, Any]) -> None:
+        self.name = name
+        self.params = params
+
+    def __repr__(self) -> str:
+        return f"Gen({self.name!r}, {self.params!r})"
+
+
+class Select(Expr):
+    def __init__(self, name: str | None, choices: list[str], temperature: float, choices_method: Any) -> None:
+        self.name = name
+        self.choices = choices
+        self.temperature = temperature
+        self.choices_method = choices_method
+
+    def __repr__(self) -> str:
+        return f"Select({self.name!r}, {self.choices!r})"
+
+
+@dataclass(repr=True)
+class RoleBegin(Expr):
+    role: str
+
+
+@dataclass(repr=True)
+class RoleEnd(Expr):
+    role: str
+
+
+@dataclass(repr=True)
+class VarScopeBegin(Expr):
+    name: str
+
+
+@dataclass(repr=True)
+class VarScopeEnd(Expr):
+    name: str
+
+
+def as_expr(x: Any) -> Expr:
+    if isinstance(x, Expr):
+        return x
+    if isinstance(x, str):
+        return Text(x)
+    if x is None:
+        raise TypeError("cannot append None to a program state; allowed: a string or a plait expression")
+    raise TypeError(
+        f"cannot append a {type(x).__name__} to a program state; allowed: a string or a plait "
+        f"expression (gen, select, a role); convert it with str() first"
+    )
+
+
+def flatten(x: Expr) -> list[Expr]:
+    return list(x.items) if isinstance(x, ExprList) else [x]
+
+
+def defined_names(x: Expr) -> list[str]:
+    """Variables that executing ``x`` defines."""
+    out = []
+    for e in flatten(x):
+        if isinstance(e, (Gen, Select)) and e.name is not None:
+            out.append(e.name)
+        elif isinstance(e, VarScopeBegin):
+            out.append(e.name)
+    return out
+
+
+# -- validation at gen() time -------------------------------------------------------------
+def check_regex(pattern: Any, param: str = "regex") -> str:
+    """Reject patterns that are not strings, do not compile, or need features no
+    automaton-based constraint can enforce (lookaround, backreferences)."""
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"{param}={pattern!r} is invalid; allowed: a non-empty regular expression string")
+    try:
+        parsed = _sre_parse.parse(pattern)
+    except re.error as e:
+        raise ValueError(f"{param}={pattern!r} is not a valid regular expression: {e}") from None
+    bad = _unsupported_regex_feature(parsed)
+    if bad:
+        raise ValueError(f"{param}={pattern!r} uses {bad}, which constrained decoding cannot enforce; "
+                         f"allowed: regular expressions without lookaround or backreferences")
+    return pattern
+
+
+def _unsupported_regex_feature(parsed: Any) -> str | None:
+    names = {"ASSERT": "a lookaround", "ASSERT_NOT": "a negative lookaround",
+             "GROUPREF": "a backreference", "GROUPREF_EXISTS": "a conditional group"}
+    for op, arg in parsed:
+        name = names.get(str(op))
+        if name:
+            return name
+        for sub in _sub_patterns(arg):
+            found = _unsupported_regex_feature(sub)
+            if found:
+                return found
+    return None
+
+
+def _sub_patterns(arg: Any) -> list[Any]:
+    subs: list[Any] = []
+    items = arg if isinstance(arg, (list, tuple)) else [arg]
+    for a in items:
+        if isinstance(a, _sre_parse.SubPattern):
+            subs.append(a)
+        elif isinstance(a, (list, tuple)):
+            subs.extend(_sub_patterns(a))
+    return subs
+
+
+def check_json_schema(schema: Any) -> str:
+    if isinstance(schema, dict):
+        return json.dumps(schema)
+    if isinstance(schema, str):
+        try:
+            value = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("json_schema is invalid; allowed: a JSON object (a schema) as a dict or a string")
+        return schema
+    raise ValueError(f"json_schema={schema!r} is invalid; allowed: a dict or a JSON string")
+
+
+def dtype_regex(dtype: Any) -> str:
+    key = dtype.__name__ if isinstance(dtype, type) else dtype
+    if key not in DTYPE_REGEX:
+        raise ValueError(f"dtype={dtype!r} is invalid; allowed: int, float, bool, str (or their names)")
+    return DTYPE_REGEX[key]
+
+
+def check_choices(choices: Any, param: str = "choices") -> list[str]:
+    if not isinstance(choices, (list, tuple)) or not choices:
+        raise ValueError(f"{param}={choices!r} is invalid; allowed: a non-empty list of strings")
+    out = list(choices)
+    bad = [c for c in out if not isinstance(c, str) or not c]
+    if bad:
+        raise ValueError(f"{param} contains {bad[0]!r}; allowed: non-empty strings")
+    return out
+
+
+def check_name(name: Any) -> str | None:
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"name={name!r} is invalid; allowed: a string or None")
+    return name
+
+
+def check_stop(stop: Any, param: str = "stop") -> list[str] | None:
+    if stop is None:
+        return None
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"{param}={stop!r} is invalid; allowed: a string or a list of strings")
+    return [s for s in stop if s]
+
+
+@dataclass
+class ResolvedParams:
+    """What one gen sends: sampling params and request options, runtime names."""
+
+    sampling: dict[str, Any] = field(default_factory=dict)
+    request: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_params(defaults: dict[str, Any], own: dict[str, Any], extra_stop: tuple[str, ...] = ()) -> ResolvedParams:
+    """Merge ``run()``'s defaults with one gen's settings (the gen wins), and add the
+    chat template's end-of-turn text to the stop strings."""
+    merged = {**defaults, **{k: v for k, v in own.items() if v is not None}}
+    out = ResolvedParams()
+    for k, v in merged.items():
+        if v is None:
+            continue
+        (out.request if k in REQUEST_FIELDS else out.sampling)[k] = v
+    stop = list(out.sampling.get("stop") or [])
+    for s in extra_stop:
+        if s not in stop:
+            stop.append(s)
+    if stop:
+        out.sampling["stop"] = stop
+    else:
+        out.sampling.pop("stop", None)
+    if not out.sampling.get("stop_token_ids"):
+        out.sampling.pop("stop_token_ids", None)
+    return out

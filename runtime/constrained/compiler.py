@@ -1,0 +1,321 @@
+"""Compiling constraints to indexes without stalling the engine loop.
+
+``GrammarCompiler.request(regex)`` returns a ``GrammarFuture`` at once: from the cache
+(keyed by (tokenizer fingerprint, regex), shared by every request), or queued for the
+worker process (``worker.py``), which builds the outlines-core ``Index`` and the
+jump-forward automaton. ``poll()`` (called by the engine each step) collects results
+and enforces the limits: a build running past ``timeout_s`` is killed; one that needs
+more than ``memory_mb`` dies in the worker. Either way the future fails with a message
+naming the limit, and the worker is restarted for the next build.
+"""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict, deque
+from typing import Any
+
+import numpy as np
+
+from plait.runtime.constrained.jump_forward import CharAutomaton
+from plait.runtime.constrained.vocab import TokenVocab
+from plait.runtime.constrained.worker import read_frame, write_frame
+
+
+class CompiledGrammar:
+    """An index over one vocabulary, its jump-forward automaton, and per-state caches.
+
+    Masks are packed bit rows (``int32 [words]``, bit ``i % 32`` of word ``i // 32``
+    is token ``i``) of the allowed non-EOS tokens; EOS is the matcher's business.
+    """
+
+    def __init__(self, index: Any, vocab: TokenVocab, chars: CharAutomaton | None) -> None:
+        self.index = index
+        self.vocab = vocab
+        self.chars = chars
+        self.initial: int = index.get_initial_state()
+        self.words = (max(vocab.size, vocab.outlines_eos_id + 1) + 31) // 32
+        self._masks: dict[int, np.ndarray] = {}
+        self._extend: dict[tuple[int, int], bool] = {}
+        self._heal: dict[bytes, dict[int, tuple[int | None, bytes]]] = {}
+        self._first_bytes: set[int] | None = None
+
+    def pack(self, ids: list[int]) -> np.ndarray:
+        bits = np.zeros(self.words * 32, dtype=np.bool_)
+        if ids:
+            bits[np.asarray(ids, dtype=np.int64)] = True
+        bits[self.vocab.outlines_eos_id] = False
+        return np.packbits(bits, bitorder="little").view(np.int32)
+
+    def mask(self, state: int) -> np.ndarray:
+        """Allowed non-EOS tokens in ``state`` (cached; do not modify)."""
+        m = self._masks.get(state)
+        if m is None:
+            m = self._masks[state] = self.pack(self.index.get_allowed_tokens(state) or [])
+            m.setflags(write=False)
+        return m
+
+    def is_final(self, state: int) -> bool:
+        return bool(self.index.is_final_state(state))
+
+    def has_continuation(self, state: int) -> bool:
+        return bool(self.mask(state).any())
+
+    def next_state(self, state: int, token: int) -> int | None:
+        return self.index.get_next_state(state, token)
+
+    def walk(self, state: int | None, tokens: list[int]) -> list[int] | None:
+        """States after each token (None if one is not allowed)."""
+        out = []
+        for t in tokens:
+            state = None if state is None else self.index.get_next_state(state, t)
+            if state is None:
+                return None
+            out.append(state)
+        return out
+
+    def walk_bytes(self, state: int, data: bytes) -> int | None:
+        """The state after ``data`` read one single-byte token at a time."""
+        for b in data:
+            tok = self.vocab.byte_token(b)
+            nxt = None if tok is None else self.index.get_next_state(state, tok)
+            if nxt is None:
+                return None
+            state = nxt
+        return state
+
+    def can_extend(self, state: int, token: int) -> bool:
+        """Could a longer token, starting with ``token``'s bytes, be taken in ``state``?
+        (Then ``token`` is not a safe place to stop a jump: the model may want to
+        write across it.)"""
+        key = (state, token)
+        if key not in self._extend:
+            b = self.vocab.token_bytes[token] or b""
+            self._extend[key] = any(
+                self.index.get_next_state(state, t) is not None for t in self.vocab.tokens_with_prefix(b)
+            )
+        return self._extend[key]
+
+    def first_bytes(self) -> set[int]:
+        if self._first_bytes is None:
+            ids = np.flatnonzero(np.unpackbits(self.mask(self.initial).view(np.uint8), bitorder="little"))
+            self._first_bytes = {self.vocab.token_bytes[i][0] for i in ids if self.vocab.token_bytes[i]}
+        return self._first_bytes
+
+    def heal_table(self, heal: bytes) -> dict[int, tuple[int | None, bytes]]:
+        """Tokens allowed while the bytes ``heal`` (a backed-off prompt token, or what is
+        left of it) must be written first: token -> (index state after it, or None while
+        ``heal`` is not used up; the heal bytes still to write)."""
+        table = self._heal.get(heal)
+        if table is not None:
+            return table
+        table = {}
+        for k in range(1, len(heal)):
+            for t in self.vocab.ids_of(heal[:k]):
+                table[t] = (None, heal[k:])
+        for t in self.vocab.ids_of(heal):
+            table[t] = (self.initial, b"")
+        firsts = self.first_bytes()
+        for t in self.vocab.tokens_with_prefix(heal):
+            rest = self.vocab.token_bytes[t][len(heal) :]
+            if rest[0] in firsts:
+                st = self.walk_bytes(self.initial, rest)
+                if st is not None:
+                    table[t] = (st, b"")
+        if len(self._heal) < 1024:
+            self._heal[heal] = table
+        return table
+
+
+class GrammarFuture:
+    """A compile in progress or done: ``grammar`` on success, ``error`` on failure."""
+
+    __slots__ = ("key", "regex", "grammar", "error", "started")
+
+    def __init__(self, key: tuple[str, str], regex: str) -> None:
+        self.key = key
+        self.regex = regex
+        self.grammar: CompiledGrammar | None = None
+        self.error: str | None = None
+        self.started: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.grammar is not None or self.error is not None
+
+
+class GrammarCompiler:
+    """Builds indexes in one worker process, one at a time, with limits; caches them."""
+
+    def __init__(
+        self,
+        vocab: TokenVocab,
+        *,
+        timeout_s: float = 30.0,
+        memory_mb: int = 4096,
+        cache_size: int = 64,
+        jump_forward: bool = True,
+    ) -> None:
+        self.vocab = vocab
+        self.timeout_s = timeout_s
+        self.memory_mb = memory_mb
+        self.cache_size = cache_size
+        self.jump_forward = jump_forward
+        self._cache: OrderedDict[tuple[str, str], GrammarFuture] = OrderedDict()
+        self._queue: deque[GrammarFuture] = deque()
+        self._inflight: GrammarFuture | None = None
+        self._proc: subprocess.Popen | None = None
+        self._replies: queue.Queue = queue.Queue()
+        self._jobs = 0
+        self.build_times: dict[str, float] = {}  # regex -> seconds, for benchmarks
+        self.cache_hits = 0
+
+    # -- public ---------------------------------------------------------------------------
+    def request(self, regex: str) -> GrammarFuture:
+        key = (self.vocab.fingerprint, regex)
+        fut = self._cache.get(key)
+        if fut is not None:
+            self._cache.move_to_end(key)
+            self.cache_hits += 1
+            return fut
+        fut = GrammarFuture(key, regex)
+        self._cache[key] = fut
+        self._queue.append(fut)
+        self._evict()
+        self.poll()
+        return fut
+
+    def poll(self) -> None:
+        """Collect finished builds, enforce the time limit, start the next build."""
+        self._collect(0.0)
+
+    def wait(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds for the build in flight (the engine does this
+        when nothing else can run)."""
+        self._collect(timeout)
+
+    def _collect(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while self._inflight is not None:
+            left = min(end, self._inflight.started + self.timeout_s) - time.monotonic()
+            try:
+                reply = self._replies.get(timeout=left) if left > 0 else self._replies.get_nowait()
+            except queue.Empty:
+                reply = None
+            if reply is not None and reply[0] == "ready":
+                self._inflight.started = time.monotonic()  # the limit covers the build, not the start-up
+                continue
+            if reply is not None:
+                self._finish(reply)
+            elif time.monotonic() - self._inflight.started > self.timeout_s:
+                self._kill()
+                self._fail(f"compiling it took longer than the {self.timeout_s:g} s limit (grammar_compile_timeout)")
+            if self._inflight is None and self._queue:
+                self._start(self._queue.popleft())
+            if time.monotonic() >= end:
+                break
+        if self._inflight is None and self._queue:
+            self._start(self._queue.popleft())
+
+    @property
+    def busy(self) -> bool:
+        return self._inflight is not None or bool(self._queue)
+
+    def close(self) -> None:
+        self._kill()
+        for fut in [*self._queue, *([self._inflight] if self._inflight else [])]:
+            fut.error = "the engine shut down"
+        self._queue.clear()
+        self._inflight = None
+
+    # -- worker ---------------------------------------------------------------------------
+    def _spawn(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "plait.runtime.constrained.worker", str(self.memory_mb)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )
+        self._replies = queue.Queue()
+        threading.Thread(target=self._read_replies, args=(self._proc, self._replies), daemon=True).start()
+        write_frame(self._proc.stdin, ("vocab", self.vocab.fingerprint, self.vocab.outlines_eos_id, self.vocab.outlines_map()))
+
+    @staticmethod
+    def _read_replies(proc: subprocess.Popen, out: queue.Queue) -> None:
+        while True:
+            try:
+                msg = read_frame(proc.stdout)
+            except Exception:
+                msg = None
+            if msg is None:
+                out.put(("dead", None, proc.wait()))
+                return
+            out.put(msg)
+
+    def _start(self, fut: GrammarFuture) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            self._spawn()
+        self._jobs += 1
+        fut.started = time.monotonic()
+        self._inflight = fut
+        try:
+            jf_seconds = 0.8 * self.timeout_s if self.jump_forward else 0.0
+            write_frame(self._proc.stdin, ("build", self._jobs, self.vocab.fingerprint, fut.regex, jf_seconds))
+        except (BrokenPipeError, OSError):
+            self._kill()
+            self._fail("the compile worker could not be reached")
+
+    def _finish(self, reply: tuple) -> None:
+        fut = self._inflight
+        assert fut is not None
+        if reply[0] == "ok":
+            _, _, index, chars = reply
+            fut.grammar = CompiledGrammar(index, self.vocab, chars)
+            self.build_times[fut.regex] = time.monotonic() - fut.started
+            self._inflight = None
+        elif reply[0] == "error":
+            msg = reply[2]
+            if msg == "memory" or "memory allocation" in msg or "capacity overflow" in msg:
+                msg = f"compiling it needs more than the {self.memory_mb} MiB limit (grammar_compile_memory_mb)"
+            elif "Failed to build DFA" in msg:
+                msg = (f"it cannot be compiled ({msg}); the regex dialect has no look-around or back-references, "
+                       "and repetition bounds must be ordered ({2,5}, not {5,2})")
+            else:
+                msg = f"it cannot be compiled: {msg}"
+            self._fail(msg)
+        else:  # the worker died: almost always the memory limit (allocation failure aborts)
+            self._proc = None
+            self._fail(
+                f"compiling it needs more than the {self.memory_mb} MiB limit (grammar_compile_memory_mb); "
+                f"the compile worker exited with code {reply[2]}"
+            )
+
+    def _fail(self, message: str) -> None:
+        if self._inflight is not None:
+            self._inflight.error = message
+            self._inflight = None
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            try:
+                self._proc.kill()
+                self._proc.wait(timeout=5)
+            except Exception:
+                pass
+            for f in (self._proc.stdin, self._proc.stdout):
+                try:
+                    f.close()
+                except Exception:
+                    pass
+            self._proc = None
+
+    def _evict(self) -> None:
+        while len(self._cache) > self.cache_size:
+            for key, fut in self._cache.items():
+                if fut.done:
+                    del self._cache[key]
+                    break
+            else:
+                return

@@ -1,0 +1,634 @@
+"""JSON Schema -> regex. Every output the regex admits validates against the schema.
+
+The rule: a keyword is either enforced by the regex or rejected with a ``SchemaError``
+(a ``ValueError``) that names it and where it is. Nothing that constrains a value is
+silently dropped. Annotations (``title``, ``description``, ``default``...) are ignored.
+
+Enforced: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``required``,
+``additionalProperties`` (false, true or a schema), ``items``, ``prefixItems``
+(and draft-4 list ``items`` / ``additionalItems``), ``minItems``, ``maxItems``,
+``minLength``, ``maxLength``, ``pattern`` (when it cannot produce characters JSON must
+escape), ``format`` (date, time, date-time, uuid, email, ipv4, uri), ``minimum`` /
+``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum`` (integers; integral inclusive
+bounds for numbers), ``anyOf``, ``oneOf`` (when interegular proves the branches
+disjoint), ``allOf`` (merged into one schema), local ``$ref`` (not recursive),
+``uniqueItems`` when ``maxItems <= 1``.
+
+Output layout: properties in declared order, optional ones may be left out; no
+whitespace between tokens unless ``whitespace`` (a regex over spaces, tabs and
+newlines) is given. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from plait.runtime.constrained.regexes import (
+    BOOLEAN,
+    INTEGER,
+    JSON_CHAR,
+    MAX_DIGITS,
+    JSON_STRING,
+    NULL,
+    NUMBER,
+    check_regex,
+    escape,
+)
+
+ANNOTATIONS = frozenset({
+    "title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
+    "readOnly", "writeOnly", "$anchor", "contentMediaType", "contentEncoding", "$defs", "definitions",
+})
+TYPE_KEYWORDS: dict[str, frozenset[str]] = {
+    "string": frozenset({"minLength", "maxLength", "pattern", "format"}),
+    "integer": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}),
+    "number": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}),
+    "boolean": frozenset(),
+    "null": frozenset(),
+    "object": frozenset({"properties", "required", "additionalProperties"}),
+    "array": frozenset({"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"}),
+}
+COMBINATORS = frozenset({"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"})
+KNOWN = COMBINATORS | frozenset().union(*TYPE_KEYWORDS.values())
+WHY_NOT = {
+    "uniqueItems": "a regex cannot keep array items distinct (allowed only with maxItems <= 1)",
+    "patternProperties": "keys matched by a pattern cannot be enforced; list the keys in 'properties'",
+    "multipleOf": "divisibility cannot be enforced by the regex",
+    "minProperties": "property counts cannot be enforced; use 'required'",
+    "maxProperties": "property counts cannot be enforced; set additionalProperties: false",
+    "not": "negated schemas cannot be enforced",
+    "if": "conditional schemas cannot be enforced",
+    "then": "conditional schemas cannot be enforced",
+    "else": "conditional schemas cannot be enforced",
+    "dependentRequired": "dependencies between properties cannot be enforced",
+    "dependentSchemas": "dependencies between properties cannot be enforced",
+    "dependencies": "dependencies between properties cannot be enforced",
+    "propertyNames": "key patterns cannot be enforced; list the keys in 'properties'",
+    "contains": "'contains' cannot be enforced",
+    "minContains": "'contains' cannot be enforced",
+    "maxContains": "'contains' cannot be enforced",
+    "unevaluatedProperties": "unevaluated* keywords cannot be enforced",
+    "unevaluatedItems": "unevaluated* keywords cannot be enforced",
+    "$dynamicRef": "dynamic references are not supported",
+    "$recursiveRef": "recursive references are not supported",
+}
+FORMATS = {
+    # real calendar dates (29 February is left out rather than checking leap years)
+    "date": r"[1-9][0-9]{3}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+            r"|02-(?:0[1-9]|1[0-9]|2[0-8]))",
+    "time": r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])",
+    "uuid": r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+    "email": r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63}){0,4}\.[A-Za-z]{2,24}",
+    "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
+    "uri": r"https?://[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63}){0,8}(?:/[A-Za-z0-9._~%-]{0,64}){0,8}",
+}
+FORMATS["date-time"] = FORMATS["date"] + "T" + FORMATS["time"]
+ANY_DEPTH = 2  # nesting of a free-form value ({} or true): objects/arrays this deep
+JSON_WHITESPACE = r"[ \t\n\r]*"
+
+
+class SchemaError(ValueError):
+    """A schema plait cannot (or will not) enforce; the message names the keyword."""
+
+
+def schema_to_regex(schema: Any, whitespace: str | None = None) -> str:
+    """The regex of the JSON texts that ``schema`` (a dict, bool or JSON string)
+    admits, in plait's layout. Raises ``SchemaError`` naming what is unsupported."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise SchemaError(f"json_schema is not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise SchemaError(f"json_schema must be a JSON object (or true), got {type(schema).__name__}")
+    ws = ""
+    if whitespace is not None:
+        ws = "(?:" + check_whitespace(whitespace) + ")"
+    return _Translator(schema, ws).value(schema, "#")
+
+
+def check_whitespace(pattern: Any) -> str:
+    """A whitespace pattern must match only JSON whitespace (spaces, tabs, newlines)."""
+    import interegular
+
+    check_regex(pattern, "whitespace_pattern")
+    try:
+        ok = interegular.parse_pattern(pattern).to_fsm().issubset(interegular.parse_pattern(JSON_WHITESPACE).to_fsm())
+    except Exception:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"whitespace_pattern={pattern!r} is invalid; allowed: a regex matching only spaces, tabs and newlines, e.g. '[ ]?'"
+        )
+    return pattern
+
+
+class _Translator:
+    def __init__(self, root: Any, ws: str) -> None:
+        self.root = root
+        self.ws = ws
+        self.refs: list[str] = []  # $refs being expanded (recursion check)
+
+    # -- dispatch ---------------------------------------------------------------------
+    def value(self, s: Any, path: str) -> str:
+        if s is True:
+            return self.any(ANY_DEPTH, path)
+        if s is False:
+            raise SchemaError(f"json_schema at {path} is false: no value can satisfy it")
+        if not isinstance(s, dict):
+            raise SchemaError(f"json_schema at {path} must be an object or a boolean, got {type(s).__name__}")
+        self.check_keywords(s, path)
+        if "$ref" in s:
+            return self.ref(s, path)
+        if "allOf" in s:
+            return self.value(self.merge(self.all_of(s, path), path + "/allOf"), path)
+        for key in ("anyOf", "oneOf"):
+            if key in s:
+                return self.alternatives(s, key, path)
+        if "enum" in s or "const" in s:
+            return self.enum(s, path)
+        types = self.types(s, path)
+        if types is None:
+            return self.any(ANY_DEPTH, path)
+        return _alt([self.typed(s, t, path) for t in types])
+
+    def check_keywords(self, s: dict[str, Any], path: str) -> None:
+        for k in s:
+            if k in ANNOTATIONS or k.startswith("x-"):
+                continue
+            if k == "uniqueItems" and (s[k] is False or _is_int(s.get("maxItems")) and s["maxItems"] <= 1):
+                continue
+            if k in WHY_NOT:
+                raise SchemaError(f"json_schema keyword {k!r} at {path} is not supported: {WHY_NOT[k]}")
+            if k not in KNOWN:
+                raise SchemaError(f"json_schema keyword {k!r} at {path} is not supported")
+
+    def types(self, s: dict[str, Any], path: str) -> list[str] | None:
+        t = s.get("type")
+        if t is None:  # infer from the keywords present; None: any value
+            found = [name for name, keys in TYPE_KEYWORDS.items() if keys & s.keys() and name != "integer"]
+            return found or None
+        ts = t if isinstance(t, list) else [t]
+        if not ts or not all(isinstance(x, str) and x in TYPE_KEYWORDS for x in ts):
+            raise SchemaError(f"json_schema 'type' at {path} is invalid: {t!r}; allowed: {', '.join(TYPE_KEYWORDS)}")
+        if "integer" in ts and "number" in ts:
+            ts = [x for x in ts if x != "integer"]
+        return ts
+
+    def typed(self, s: dict[str, Any], t: str, path: str) -> str:
+        return {
+            "string": self.string, "integer": self.integer, "number": self.number,
+            "boolean": lambda s, p: BOOLEAN, "null": lambda s, p: NULL,
+            "object": self.object, "array": self.array,
+        }[t](s, path)
+
+    # -- combinators --------------------------------------------------------------------
+    def resolve(self, ref: Any, path: str) -> Any:
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise SchemaError(f"json_schema '$ref' at {path} is not supported: {ref!r}; allowed: local references ('#/...')")
+        node: Any = self.root
+        for part in ref[1:].split("/")[1:] if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                raise SchemaError(f"json_schema '$ref' at {path} points nowhere: {ref!r}")
+        return node
+
+    def ref(self, s: dict[str, Any], path: str) -> str:
+        ref = s["$ref"]
+        if ref in self.refs:
+            raise SchemaError(f"json_schema '$ref' at {path} is recursive ({ref!r}): recursive schemas cannot be a regex")
+        target = self.resolve(ref, path)
+        rest = {k: v for k, v in s.items() if k != "$ref" and k not in ANNOTATIONS}
+        self.refs.append(ref)
+        try:
+            return self.value(self.merge([target, rest], path) if rest else target, path)
+        finally:
+            self.refs.pop()
+
+    def all_of(self, s: dict[str, Any], path: str) -> list[Any]:
+        subs = s["allOf"]
+        if not isinstance(subs, list) or not subs:
+            raise SchemaError(f"json_schema 'allOf' at {path} must be a non-empty list")
+        rest = {k: v for k, v in s.items() if k != "allOf"}
+        return list(subs) + ([rest] if rest else [])
+
+    def merge(self, subs: list[Any], path: str) -> Any:
+        """One schema equivalent to all of ``subs`` (allOf), or ``SchemaError``."""
+        out: dict[str, Any] = {}
+        flat: list[Any] = []
+        for sub in subs:
+            while isinstance(sub, dict) and "$ref" in sub and set(sub) - ANNOTATIONS == {"$ref"}:
+                sub = self.resolve(sub["$ref"], path)
+            if sub is True:
+                continue
+            if sub is False or not isinstance(sub, dict):
+                raise SchemaError(f"json_schema 'allOf' at {path} contains {sub!r}: no value can satisfy it")
+            if "allOf" in sub:
+                flat.extend(self.all_of(sub, path))
+            else:
+                flat.append(sub)
+        for sub in flat:
+            for k, v in sub.items():
+                if k in ANNOTATIONS:
+                    continue
+                if k not in out:
+                    out[k] = v
+                elif k == "properties":
+                    props = dict(out[k])
+                    for name, ps in v.items():
+                        props[name] = ps if name not in props or props[name] == ps else {"allOf": [props[name], ps]}
+                    out[k] = props
+                elif k == "required":
+                    out[k] = list(dict.fromkeys([*out[k], *v]))
+                elif k == "type":
+                    a = set(out[k] if isinstance(out[k], list) else [out[k]])
+                    b = set(v if isinstance(v, list) else [v])
+                    both = (a & b) | ({"integer"} if ("number" in a and "integer" in b) or ("integer" in a and "number" in b) else set())
+                    if not both:
+                        raise SchemaError(f"json_schema 'allOf' at {path}: types {sorted(a)} and {sorted(b)} exclude each other")
+                    out[k] = sorted(both)
+                elif k in ("minimum", "minLength", "minItems", "exclusiveMinimum") and _is_num(v) and _is_num(out[k]):
+                    out[k] = max(out[k], v)
+                elif k in ("maximum", "maxLength", "maxItems", "exclusiveMaximum") and _is_num(v) and _is_num(out[k]):
+                    out[k] = min(out[k], v)
+                elif k == "enum" and isinstance(v, list):
+                    out[k] = [x for x in out[k] if x in v]
+                elif out[k] != v:
+                    raise SchemaError(f"json_schema 'allOf' at {path}: conflicting values for {k!r} cannot be merged")
+        return out
+
+    def alternatives(self, s: dict[str, Any], key: str, path: str) -> str:
+        subs = s[key]
+        if not isinstance(subs, list) or not subs:
+            raise SchemaError(f"json_schema {key!r} at {path} must be a non-empty list")
+        rest = {k: v for k, v in s.items() if k != key}
+        branches = [
+            self.value(self.merge([sub, rest], f"{path}/{key}/{i}") if rest else sub, f"{path}/{key}/{i}")
+            for i, sub in enumerate(subs)
+        ]
+        if key == "oneOf":
+            _check_disjoint(branches, path)
+        return _alt(branches)
+
+    def enum(self, s: dict[str, Any], path: str) -> str:
+        values = [s["const"]] if "const" in s else s["enum"]
+        if not isinstance(values, list) or not values:
+            raise SchemaError(f"json_schema 'enum' at {path} must be a non-empty list")
+        if "const" in s and "enum" in s:
+            values = [v for v in s["enum"] if v == s["const"]]
+        extra = [k for k in s if k not in ANNOTATIONS and k not in ("enum", "const", "type")]
+        if extra:
+            raise SchemaError(f"json_schema keyword {extra[0]!r} at {path} cannot be combined with 'enum'/'const'")
+        types = self.types(s, path) if "type" in s else None
+        if types is not None:
+            values = [v for v in values if any(_json_type_ok(v, t) for t in types)]
+        if not values:
+            raise SchemaError(f"json_schema 'enum' at {path}: no value satisfies the schema")
+        return _alt([escape(self.dump(v)) for v in values])
+
+    def dump(self, v: Any) -> str:
+        return json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+
+    # -- scalars ------------------------------------------------------------------------
+    def string(self, s: dict[str, Any], path: str) -> str:
+        lo, hi = s.get("minLength", 0), s.get("maxLength")
+        if not _is_int(lo) or lo < 0 or (hi is not None and (not _is_int(hi) or hi < lo)):
+            raise SchemaError(f"json_schema 'minLength'/'maxLength' at {path} are invalid: {lo!r}, {hi!r}")
+        present = [k for k in ("pattern", "format") if k in s]
+        lengths = "minLength" in s or "maxLength" in s
+        if len(present) > 1 or (present and lengths):
+            what = present + (["minLength/maxLength"] if lengths else [])
+            raise SchemaError(f"json_schema keywords {' and '.join(map(repr, what))} at {path} cannot be combined")
+        if "pattern" in s:
+            return '"' + _json_safe_pattern(s["pattern"], path) + '"'
+        if "format" in s:
+            fmt = s["format"]
+            if fmt not in FORMATS:
+                raise SchemaError(
+                    f"json_schema 'format' {fmt!r} at {path} is not supported; allowed: {', '.join(sorted(FORMATS))}"
+                )
+            return '"' + FORMATS[fmt] + '"'
+        if lo == 0 and hi is None:
+            return JSON_STRING
+        return '"' + _repeat(JSON_CHAR, lo, hi) + '"'
+
+    def integer(self, s: dict[str, Any], path: str) -> str:
+        lo, hi = self.bounds(s, path)
+        if lo is None and hi is None:
+            return INTEGER
+        lo = None if lo is None else (math.floor(lo[0]) + 1 if lo[1] else math.ceil(lo[0]))
+        hi = None if hi is None else (math.ceil(hi[0]) - 1 if hi[1] else math.floor(hi[0]))
+        if lo is not None and hi is not None and lo > hi:
+            raise SchemaError(f"json_schema 'minimum'/'maximum' at {path} admit no integer")
+        return int_range_regex(lo, hi)
+
+    def number(self, s: dict[str, Any], path: str) -> str:
+        lo, hi = self.bounds(s, path)
+        if lo is None and hi is None:
+            return NUMBER
+        for b, key in ((lo, "minimum"), (hi, "maximum")):
+            if b is not None and (b[1] or b[0] != int(b[0])):
+                kw = ("exclusiveMinimum" if key == "minimum" else "exclusiveMaximum") if b[1] else key
+                raise SchemaError(
+                    f"json_schema {kw!r} at {path} is not supported for 'number' ({b[0]!r}); allowed: "
+                    f"inclusive integral bounds (or type 'integer')"
+                )
+        a = None if lo is None else int(lo[0])
+        b = None if hi is None else int(hi[0])
+        if a is not None and b is not None and a > b:
+            raise SchemaError(f"json_schema 'minimum'/'maximum' at {path} admit no number")
+        return number_range_regex(a, b)
+
+    def bounds(self, s: dict[str, Any], path: str) -> tuple[tuple[float, bool] | None, tuple[float, bool] | None]:
+        """(value, exclusive) lower and upper bounds, the tighter of inclusive and
+        exclusive; draft-4 boolean exclusiveMinimum/Maximum are understood."""
+        out: list[tuple[float, bool] | None] = []
+        for inc, exc, pick in (("minimum", "exclusiveMinimum", max), ("maximum", "exclusiveMaximum", min)):
+            cands: list[tuple[float, bool]] = []
+            if inc in s:
+                if not _is_num(s[inc]):
+                    raise SchemaError(f"json_schema {inc!r} at {path} must be a number, got {s[inc]!r}")
+                cands.append((s[inc], s.get(exc) is True))
+            if exc in s and not isinstance(s[exc], bool):
+                if not _is_num(s[exc]):
+                    raise SchemaError(f"json_schema {exc!r} at {path} must be a number, got {s[exc]!r}")
+                cands.append((s[exc], True))
+            if not cands:
+                out.append(None)
+            elif pick is max:
+                out.append(max(cands, key=lambda c: (c[0], c[1])))
+            else:
+                out.append(min(cands, key=lambda c: (c[0], not c[1])))
+        return out[0], out[1]
+
+    # -- containers ---------------------------------------------------------------------
+    def object(self, s: dict[str, Any], path: str) -> str:
+        ws = self.ws
+        props = s.get("properties", {})
+        required = s.get("required", [])
+        extra = s.get("additionalProperties", True)
+        if not isinstance(props, dict) or not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError(f"json_schema 'properties'/'required' at {path} are invalid")
+        if not isinstance(extra, (bool, dict)):
+            raise SchemaError(f"json_schema 'additionalProperties' at {path} must be a boolean or a schema")
+        fields = [(name, sub) for name, sub in props.items()]
+        for name in required:
+            if name not in props:
+                if extra is False:
+                    raise SchemaError(
+                        f"json_schema at {path} requires {name!r}, which additionalProperties: false forbids"
+                    )
+                fields.append((name, extra))
+        if not fields:
+            if extra is False:
+                return r"\{" + ws + r"\}"
+            value = self.value(extra, path + "/additionalProperties") if isinstance(extra, dict) else self.any(ANY_DEPTH - 1, path)
+            pair = JSON_STRING + ws + ":" + ws + value
+            return r"\{" + ws + "(?:" + pair + "(?:" + ws + "," + ws + pair + ")*)?" + ws + r"\}"
+        sep = ws + "," + ws
+        pairs = [
+            (escape(self.dump(name)) + ws + ":" + ws + self.value(sub, f"{path}/properties/{name}"), name in required)
+            for name, sub in fields
+        ]
+
+        def rest(i: int, first: bool) -> str:
+            # properties i.. given whether one was written already
+            if i == len(pairs):
+                return ""
+            pair, req = pairs[i]
+            if not first:
+                return (sep + pair if req else "(?:" + sep + pair + ")?") + rest(i + 1, False)
+            if req:
+                return pair + rest(i + 1, False)
+            alt = rest(i + 1, True)
+            return "(?:" + pair + rest(i + 1, False) + (")?" if not alt else "|" + alt + ")")
+
+        return r"\{" + ws + rest(0, True) + ws + r"\}"
+
+    def array(self, s: dict[str, Any], path: str) -> str:
+        ws = self.ws
+        lo, hi = s.get("minItems", 0), s.get("maxItems")
+        if not _is_int(lo) or lo < 0 or (hi is not None and (not _is_int(hi) or hi < lo)):
+            raise SchemaError(f"json_schema 'minItems'/'maxItems' at {path} are invalid: {lo!r}, {hi!r}")
+        items = s.get("items", True)
+        prefix = s.get("prefixItems", [])
+        if isinstance(items, list):  # draft 4: items as a list, additionalItems for the rest
+            prefix, items = items, s.get("additionalItems", True)
+        elif "additionalItems" in s:
+            raise SchemaError(f"json_schema 'additionalItems' at {path} needs 'items' to be a list")
+        if not isinstance(prefix, list):
+            raise SchemaError(f"json_schema 'prefixItems' at {path} must be a list")
+        pre = [self.value(p, f"{path}/prefixItems/{i}") for i, p in enumerate(prefix)]
+        item = None if items is False else self.value(items, path + "/items")
+        sep = ws + "," + ws
+        k = len(pre)
+        options = []
+        for n in range(lo, min(k, hi if hi is not None else k) + 1):  # arrays no longer than the prefix
+            options.append(sep.join(pre[:n]))
+        if item is not None and (hi is None or hi > k):
+            jlo, jhi = max(lo - k, 1), (None if hi is None else hi - k)
+            if k:
+                options.append(sep.join(pre) + _repeat("(?:" + sep + item + ")", jlo, jhi))
+            else:
+                options.append(item + _repeat("(?:" + sep + item + ")", jlo - 1, None if jhi is None else jhi - 1))
+        if not options:
+            raise SchemaError(f"json_schema at {path}: no array satisfies 'minItems'/'maxItems' with these items")
+        body = _alt(options) if len(options) > 1 or options[0] else ""
+        if "" in options and len(options) > 1:
+            body = "(?:" + _alt([o for o in options if o]) + ")?"
+        return r"\[" + ws + body + ws + r"\]"
+
+    def any(self, depth: int, path: str) -> str:
+        """Any JSON value, objects and arrays nested at most ``depth`` deep."""
+        scalar = _alt([JSON_STRING, NUMBER, BOOLEAN, NULL])
+        if depth <= 0:
+            return scalar
+        inner = self.any(depth - 1, path)
+        ws, sep = self.ws, self.ws + "," + self.ws
+        arr = r"\[" + ws + "(?:" + inner + "(?:" + sep + inner + ")*)?" + ws + r"\]"
+        pair = JSON_STRING + ws + ":" + ws + inner
+        obj = r"\{" + ws + "(?:" + pair + "(?:" + sep + pair + ")*)?" + ws + r"\}"
+        return _alt([scalar, arr, obj])
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _alt(parts: list[str]) -> str:
+    parts = list(dict.fromkeys(parts))
+    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
+
+
+def _repeat(x: str, lo: int, hi: int | None) -> str:
+    if hi is not None and hi <= 0:
+        return ""
+    if hi is None:
+        return {0: "(?:" + x + ")*", 1: "(?:" + x + ")+"}.get(lo, "(?:" + x + "){%d,}" % lo)
+    if lo == hi:
+        return x if lo == 1 else "(?:" + x + "){%d}" % lo
+    return "(?:" + x + "){%d,%d}" % (lo, hi)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _json_type_ok(v: Any, t: str) -> bool:
+    return {
+        "string": isinstance(v, str), "integer": _is_int(v) or (isinstance(v, float) and v.is_integer()),
+        "number": _is_num(v), "boolean": isinstance(v, bool), "null": v is None,
+        "object": isinstance(v, dict), "array": isinstance(v, list),
+    }[t]
+
+
+def _same_length_range(lo: str, hi: str) -> str:
+    """Decimal strings of equal length from ``lo`` to ``hi`` (inclusive)."""
+    n = len(lo)
+    if lo == hi:
+        return lo
+    if n == 1:
+        return f"[{lo}-{hi}]"
+    if lo[0] == hi[0]:
+        return lo[0] + _same_length_range(lo[1:], hi[1:])
+    if lo[1:] == "0" * (n - 1) and hi[1:] == "9" * (n - 1):
+        return f"[{lo[0]}-{hi[0]}][0-9]{{{n - 1}}}"
+    parts = [lo[0] + _same_length_range(lo[1:], "9" * (n - 1))]
+    a, b = int(lo[0]) + 1, int(hi[0]) - 1
+    if a <= b:
+        parts.append((str(a) if a == b else f"[{a}-{b}]") + f"[0-9]{{{n - 1}}}")
+    parts.append(hi[0] + _same_length_range("0" * (n - 1), hi[1:]))
+    return _alt(parts)
+
+
+def _nonneg_range(a: int, b: int | None) -> str:
+    """Canonical decimals of the integers in ``[a, b]``, a >= 0 (``b`` None: up to
+    ``MAX_DIGITS`` digits)."""
+    parts = []
+    top = len(str(b)) if b is not None else len(str(a))
+    for n in range(len(str(a)), top + 1):
+        first = 0 if n == 1 else 10 ** (n - 1)
+        lo, hi = max(a, first), (10**n - 1 if b is None else min(b, 10**n - 1))
+        if lo <= hi:
+            parts.append(_same_length_range(str(lo), str(hi)))
+    if b is None and len(str(a)) < MAX_DIGITS:
+        parts.append("[1-9][0-9]{%d,%d}" % (len(str(a)), MAX_DIGITS - 1))
+    return _alt(parts)
+
+
+def int_range_regex(lo: int | None, hi: int | None) -> str:
+    """Integers in ``[lo, hi]`` (None: unbounded) as JSON writes them."""
+    parts = []
+    if lo is None or lo < 0:  # negatives -x with x in [max(1, -hi), -lo]
+        x_lo = 1 if hi is None or hi >= 0 else -hi
+        parts.append("-" + _nonneg_range(x_lo, None if lo is None else -lo))
+    if hi is None or hi >= 0:
+        parts.append(_nonneg_range(max(lo or 0, 0), hi))
+    return _alt(parts)
+
+
+def number_range_regex(lo: int | None, hi: int | None) -> str:
+    """Numbers (no exponent) in ``[lo, hi]`` with integral bounds (None: unbounded)."""
+    frac, zeros = r"(?:\.[0-9]{1,16})?", r"(?:\.0{1,16})?"
+
+    def magnitude(a: int, b: int | None) -> str:
+        # |v| in [a, b]: integer part in [a, b-1] with any fraction, or b with a zero one
+        parts = []
+        if b is None or b - 1 >= a:
+            parts.append(_nonneg_range(a, None if b is None else b - 1) + frac)
+        if b is not None:
+            parts.append(str(b) + zeros)
+        return _alt(parts)
+
+    parts = []
+    if lo is None or lo < 0:
+        parts.append("-" + magnitude(0 if hi is None or hi >= 0 else -hi, None if lo is None else -lo))
+    if hi is None or hi >= 0:
+        parts.append(magnitude(max(lo or 0, 0), hi))
+    return _alt(parts)
+
+
+_UNSAFE = frozenset('"\\') | frozenset(chr(c) for c in range(0x20))
+
+
+def _json_safe_pattern(pattern: Any, path: str) -> str:
+    """A JSON Schema ``pattern`` as the full content of a JSON string. A match anywhere
+    is what the schema asks; a full match is a stricter, valid choice. Patterns that
+    could produce a quote, a backslash or a control character are rejected. The check
+    reads the parsed pattern's character classes (linear time, no automaton)."""
+    import interegular
+
+    if not isinstance(pattern, str):
+        raise SchemaError(f"json_schema 'pattern' at {path} must be a string")
+    p = pattern[1:] if pattern.startswith("^") else pattern
+    if p.endswith("$") and not p.endswith("\\$"):
+        p = p[:-1]
+    check_regex(p, f"json_schema 'pattern' at {path}")
+    try:
+        safe = _chars_are_safe(interegular.parse_pattern(p))
+    except Exception as e:
+        raise SchemaError(f"json_schema 'pattern' at {path} uses syntax plait cannot check: {e}") from None
+    if not safe:
+        raise SchemaError(
+            f"json_schema 'pattern' at {path} ({pattern!r}) can produce a quote, backslash or control character, "
+            "which a JSON string must escape; exclude them from its character classes (e.g. [^\"\\\\] instead of .)"
+        )
+    return "(?:" + p + ")"
+
+
+def _chars_are_safe(node: Any) -> bool:
+    """No character class in the parsed pattern can produce a character of ``_UNSAFE``."""
+    import dataclasses
+
+    from interegular import patterns
+
+    if isinstance(node, patterns._CharGroup):
+        return _UNSAFE <= node.chars if node.negated else not (_UNSAFE & node.chars)
+    if node is patterns._DOT or type(node).__name__.endswith("DotCls"):
+        return False  # '.' produces quotes and backslashes
+    if not dataclasses.is_dataclass(node):
+        return True
+    for f in dataclasses.fields(node):
+        v = getattr(node, f.name)
+        children = v if isinstance(v, (tuple, list, frozenset)) else (v,)
+        for c in children:
+            if isinstance(c, patterns._BasePattern) and not _chars_are_safe(c):
+                return False
+    return True
+
+
+# oneOf is checked on the branches' automata (pure Python): only for branches this small
+MAX_ONEOF_CHECK_CHARS = 4000
+MAX_ONEOF_CHECK_REPEAT = 64
+
+
+def _check_disjoint(branches: list[str], path: str) -> None:
+    """oneOf means exactly one branch: enforced when no text matches two branches."""
+    import interegular
+    import re
+
+    bounds = [int(x) for b in branches for pair in re.findall(r"\{(\d+)(?:,(\d*))?\}", b) for x in pair if x]
+    if sum(map(len, branches)) > MAX_ONEOF_CHECK_CHARS or any(n > MAX_ONEOF_CHECK_REPEAT for n in bounds):
+        raise SchemaError(
+            f"json_schema 'oneOf' at {path}: the branches are too large to prove exclusive; use 'anyOf'"
+        )
+    try:
+        fsms = [interegular.parse_pattern(b).to_fsm() for b in branches]
+        for i in range(len(fsms)):
+            for j in range(i + 1, len(fsms)):
+                if not (fsms[i] & fsms[j]).empty():
+                    raise SchemaError(
+                        f"json_schema 'oneOf' at {path}: branches {i} and {j} can match the same value, so "
+                        "'exactly one' cannot be enforced; use 'anyOf' or make the branches exclusive"
+                    )
+    except SchemaError:
+        raise
+    except Exception as e:
+        raise SchemaError(f"json_schema 'oneOf' at {path}: could not check that the branches are exclusive ({e})") from None

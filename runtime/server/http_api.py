@@ -1,0 +1,460 @@
+"""The HTTP API: OpenAI-compatible routes, SGLang-shaped native routes, metrics.
+
+Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``,
+with a 4xx code for client mistakes. A client that disconnects (streaming or not)
+aborts its requests, so their KV memory returns to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from plait import protocol as P
+from plait.runtime.server import openai_api as oa
+from plait.runtime.server.front import BadRequest, Front, ReqState, check_text
+from plait.runtime.server.metrics import CONTENT_TYPE
+
+logger = logging.getLogger("plait.http")
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+_json = msgspec.json.Encoder()
+
+
+def error_body(message: str, error_type: str, param: str | None, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_response(message: str, code: int = 400, param: str | None = None,
+                   error_type: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(error_body(message, error_type, param, code), status_code=code)
+
+
+def _from_error(e: P.ErrorResponse) -> BadRequest:
+    return BadRequest(e.message, e.param, e.code, e.error_type)
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ApiKeyMiddleware:
+    """Bearer auth on every route."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                resp = error_response("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
+                                      None, "authentication_error")
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise BadRequest(f"the request body has {len(body)} bytes; at most {MAX_BODY_BYTES} are allowed", None, 413)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})", None) from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}", None) from None
+    if not isinstance(obj, dict):
+        raise BadRequest("the request body must be a JSON object", None)
+    return obj
+
+
+class Submission:
+    """The engine requests of one HTTP request; their outputs arrive on one queue."""
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.states: list[ReqState] = []
+        self.prompt_of: dict[str, int] = {}  # rid -> prompt position
+
+    def submit(self, reqs: list[P.GenerateRequest], prompt_param: str | None = None) -> None:
+        try:
+            for i, r in enumerate(reqs):
+                self.states.append(self.front.submit(r, self.queue.put_nowait, prompt_param=prompt_param))
+                self.prompt_of[r.rid] = i
+        except BadRequest:
+            self.abort()
+            raise
+
+    @property
+    def total(self) -> int:
+        return sum(st.n for st in self.states)
+
+    def abort(self) -> None:
+        for st in self.states:
+            if len(st.done) < st.n:
+                self.front.abort(st.rid)
+
+    async def events(self) -> AsyncIterator[Any]:
+        """Chunks and results until every sequence finished; raises on an error."""
+        remaining = self.total
+        while remaining:
+            msg = await self.queue.get()
+            if isinstance(msg, P.ErrorResponse):
+                self.abort()
+                raise _from_error(msg)
+            if isinstance(msg, P.GenerateResult):
+                remaining -= 1
+            yield msg
+
+    async def results(self, request: Request) -> dict[tuple[int, int], P.GenerateResult]:
+        """Wait for every result; a client disconnect aborts the requests."""
+        async def collect() -> dict[tuple[int, int], P.GenerateResult]:
+            out = {}
+            async for msg in self.events():
+                if isinstance(msg, P.GenerateResult):
+                    out[(self.prompt_of[msg.rid], msg.index)] = msg
+            return out
+
+        task = asyncio.ensure_future(collect())
+        watch = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+                self.abort()
+            watch.cancel()
+        if task.cancelled():
+            raise BadRequest("the client disconnected", None, 499)
+        return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _first_then(sub: Submission, gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Start a stream only once it is known not to fail at once (so that a request the
+    engine rejects gets a 400, not a 200 stream with an error in it)."""
+    try:
+        first = await gen.__anext__()
+    except StopAsyncIteration:
+        first = None
+
+    async def rest() -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                yield first
+                async for piece in gen:
+                    yield piece
+        finally:
+            sub.abort()  # no-op for finished requests; a disconnect lands here
+            await gen.aclose()
+
+    return rest()
+
+
+def _stream_error(e: BadRequest) -> bytes:
+    return sse(error_body(e.message, e.error_type, e.param, e.code))
+
+
+def build_app(front: Front) -> ASGIApp:
+    # -- native -----------------------------------------------------------------------------
+    async def generate(request: Request) -> Response:
+        body = await read_json(request)
+        reqs, single, stream = parse_native(front, body)
+        sub = Submission(front)
+        sub.submit(reqs)
+        if not stream:
+            results = await sub.results(request)
+            outs = [_native_out(r) for _, r in sorted(results.items())]
+            return JSONResponse(outs[0] if single and len(outs) == 1 else outs)
+
+        first_index, total = {}, 0
+        for st in sub.states:
+            first_index[st.rid] = total
+            total += st.n
+
+        async def events() -> AsyncIterator[bytes]:
+            acc: dict[tuple[str, int], dict[str, Any]] = {}
+            yielded = False
+            try:
+                async for msg in sub.events():
+                    key = (msg.rid, msg.index)
+                    index = first_index[msg.rid] + msg.index
+                    yielded = True
+                    if isinstance(msg, P.StreamChunk):
+                        a = acc.setdefault(key, {"text": "", "output_ids": [], "meta_info": {"id": msg.rid}})
+                        a["text"] += msg.text
+                        a["output_ids"] += msg.token_ids
+                        for k, v in msg.meta.items():
+                            if isinstance(v, list):
+                                a["meta_info"].setdefault(k, []).extend(v)
+                            else:
+                                a["meta_info"][k] = v
+                        a["meta_info"]["finish_reason"] = None
+                        yield sse({**a, "index": index})
+                    else:
+                        yield sse({**_native_out(msg), "index": index})
+            except BadRequest as e:
+                if not yielded:
+                    raise  # nothing sent yet: the client gets a plain error response
+                yield _stream_error(e)
+            yield SSE_DONE
+
+        return StreamingResponse(await _first_then(sub, events()), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    async def model_info(request: Request) -> Response:
+        info = front.model_info
+        return JSONResponse({
+            "model_path": info.get("model_path"),
+            "served_model_name": front.args.model_name,
+            "architecture": info.get("architecture"),
+            "context_len": front.context_len,
+            "vocab_size": front.vocab_size,
+            "eos_token_ids": info.get("eos_token_ids"),
+            "is_generation": True,
+            "chat_template": bool(getattr(front.tokenizer, "chat_template", None)),
+        })
+
+    async def health(request: Request) -> Response:
+        if front.engine_alive:
+            return JSONResponse({"status": "ok"})
+        return error_response(f"the engine process is not running (exit code {front.engine_exit})", 503,
+                              None, "server_error")
+
+    async def health_generate(request: Request) -> Response:
+        sub = Submission(front)
+        sub.submit([P.GenerateRequest(front.new_rid("health"), input_ids=[0],
+                                      sampling_params={"max_new_tokens": 1, "temperature": 0.0})])
+        await sub.results(request)
+        return JSONResponse({"status": "ok"})
+
+    async def server_info(request: Request) -> Response:
+        return JSONResponse(await front.server_info())
+
+    async def flush_cache(request: Request) -> Response:
+        reply = await front.control(P.FlushCacheRequest(""))
+        if isinstance(reply, P.ErrorResponse):
+            raise _from_error(reply)
+        if not reply.ok:
+            return error_response(f"cache not flushed: {reply.message}", 400, None)
+        return JSONResponse({"success": True, "message": "Cache flushed."})
+
+    async def abort_request(request: Request) -> Response:
+        body = await read_json(request)
+        abort_all = oa.get_field(body, "abort_all", "bool", False)
+        if abort_all:
+            return JSONResponse({"aborted": front.abort_all(everyone=True)})
+        rid = oa.get_field(body, "rid", "str")
+        if rid is None:
+            raise BadRequest("rid is required (or abort_all: true)", "rid")
+        return JSONResponse({"aborted": [rid] if front.abort(rid) else []})
+
+    async def version(request: Request) -> Response:
+        import plait
+
+        return JSONResponse({"version": plait.__version__, "protocol_version": P.PROTOCOL_VERSION})
+
+    async def metrics(request: Request) -> Response:
+        return Response(front.metrics.render(), media_type=CONTENT_TYPE)
+
+    # -- OpenAI -------------------------------------------------------------------------------
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": front.args.model_name, "object": "model", "created": 0, "owned_by": "plait",
+            "root": front.model_info.get("model_path"), "max_model_len": front.context_len,
+        }]})
+
+    async def completions(request: Request) -> Response:
+        return await _openai(request, oa.parse_completion)
+
+    async def chat_completions(request: Request) -> Response:
+        return await _openai(request, oa.parse_chat)
+
+    async def _openai(request: Request, parse: Any) -> Response:
+        body = await read_json(request)
+        job = parse(front, body)
+        sub = Submission(front)
+        sub.submit(job.reqs, "messages" if job.chat else "prompt")
+        if not job.stream:
+            return JSONResponse(oa.response(front, job, await sub.results(request)))
+        return StreamingResponse(await _first_then(sub, _openai_stream(front, job, sub)),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+
+    routes = [
+        Route("/generate", generate, methods=["POST"]),
+        Route("/model_info", model_info, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health_generate, methods=["GET"]),
+        Route("/server_info", server_info, methods=["GET"]),
+        Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
+        Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
+
+    async def on_bad_request(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, BadRequest)
+        return error_response(exc.message, exc.code, exc.param, exc.error_type)
+
+    async def on_http_exception(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code, None, kind)
+
+    async def on_timeout(request: Request, exc: Exception) -> Response:
+        return error_response("the engine did not answer in time", 504, None, "server_error")
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        logger.exception("internal error on %s", request.url.path)
+        return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500, None, "server_error")
+
+    app: ASGIApp = Starlette(routes=routes, exception_handlers={
+        BadRequest: on_bad_request, HTTPException: on_http_exception, asyncio.TimeoutError: on_timeout,
+        Exception: on_error,
+    })
+    if front.args.api_key:
+        app = ApiKeyMiddleware(app, front.args.api_key)
+    return app
+
+
+# -- native /generate -------------------------------------------------------------------------
+def _per_item(body: dict[str, Any], name: str, count: int, kind: str, default: Any) -> list[Any]:
+    """A field given once for all prompts, or as a list with one entry per prompt."""
+    v = body.get(name)
+    if isinstance(v, list) and kind != "list":
+        if len(v) != count:
+            raise BadRequest(f"{name} has {len(v)} entries for {count} prompts; they must match", name)
+        return [oa.get_field({name: x}, name, kind, default) for x in v]
+    return [oa.get_field(body, name, kind, default)] * count
+
+
+NATIVE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                 "return_text_in_logprobs", "stream", "rid", "cache_salt", "model"}
+
+
+def parse_native(front: Front, body: dict[str, Any]) -> tuple[list[P.GenerateRequest], bool, bool]:
+    """Native ``/generate`` body -> engine requests, whether it was a single prompt,
+    and whether to stream."""
+    oa.check_fields(body, NATIVE_FIELDS)
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequest("exactly one of text and input_ids is required", "text" if text is None else "input_ids")
+    if text is not None:
+        if isinstance(text, str):
+            prompts: list[Any] = [text]
+            single = True
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            prompts, single = text, False
+        else:
+            raise BadRequest("text is invalid; allowed: a string or a non-empty array of strings", "text")
+        for t in prompts:
+            check_text(t, "text")
+    else:
+        if isinstance(ids, list) and ids and all(oa._is_int(t) for t in ids):
+            prompts, single = [ids], True
+        elif isinstance(ids, list) and ids and all(isinstance(p, list) and all(oa._is_int(t) for t in p) for p in ids):
+            prompts, single = ids, False
+        else:
+            raise BadRequest("input_ids is invalid; allowed: an array of token ids or an array of such arrays",
+                             "input_ids")
+    count = len(prompts)
+    sps = _per_item(body, "sampling_params", count, "dict", {})
+    lp = _per_item(body, "return_logprob", count, "bool", False)
+    start = _per_item(body, "logprob_start_len", count, "int", -1)
+    top = _per_item(body, "top_logprobs_num", count, "int", 0)
+    rids = _per_item(body, "rid", count, "str", None)
+    if not single and body.get("rid") is not None and not isinstance(body.get("rid"), list):
+        rids = [f"{body['rid']}-{i}" for i in range(count)]
+    salt = oa.get_field(body, "cache_salt", "str")
+    text_lp = oa.get_field(body, "return_text_in_logprobs", "bool", False)
+    stream = oa.get_field(body, "stream", "bool", False)
+    reqs = []
+    for i, p in enumerate(prompts):
+        reqs.append(P.GenerateRequest(
+            rid=rids[i] if rids[i] is not None else front.new_rid("gen"),
+            text=p if text is not None else None, input_ids=None if text is not None else list(p),
+            sampling_params=dict(sps[i]), stream=stream, return_logprob=lp[i], logprob_start_len=start[i],
+            top_logprobs_num=top[i], return_text_in_logprobs=text_lp, cache_salt=salt,
+        ))
+    return reqs, single, stream
+
+
+def _native_out(r: P.GenerateResult) -> dict[str, Any]:
+    return {"text": r.text, "output_ids": r.output_ids, "meta_info": r.meta_info}
+
+
+async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIterator[bytes]:
+    fmt = oa.LogprobFormatter(front)
+    offsets: dict[int, int] = {}
+    completion = cached = 0
+    started: set[int] = set()
+    yielded = False
+    try:
+        if job.echo_texts:
+            for pi, text in enumerate(job.echo_texts):
+                for idx in range(job.n):
+                    yield sse(oa.stream_chunk(job, oa.choice_index(job, pi, idx), text, None))
+        async for msg in sub.events():
+            yielded = True
+            index = oa.choice_index(job, sub.prompt_of[msg.rid], msg.index)
+            role = job.chat and index not in started
+            started.add(index)
+            if isinstance(msg, P.StreamChunk):
+                lp = None
+                if job.logprobs is not None:
+                    pairs = msg.meta.get("output_token_logprobs", [])
+                    tops = msg.meta.get("output_top_logprobs") if job.logprobs else None
+                    if job.chat:
+                        lp = {"content": fmt.chat(pairs, tops)}
+                    else:
+                        lp = fmt.completion(pairs, tops, offsets.get(index, 0))
+                        offsets[index] = offsets.get(index, 0) + len(msg.text)
+                if msg.text or lp is not None or role:
+                    yield sse(oa.stream_chunk(job, index, msg.text, None, role=role, logprobs=lp))
+            else:
+                meta = msg.meta_info
+                completion += meta.get("completion_tokens", 0)
+                if msg.index == 0:
+                    cached += meta.get("cached_tokens", 0)
+                yield sse(oa.stream_chunk(job, index, "" if not job.chat else None, oa.finish_reason(meta),
+                                          role=role, matched_stop=(meta.get("finish_reason") or {}).get("matched")))
+        if job.include_usage:
+            yield sse(oa.usage_chunk(job, completion, cached))
+    except BadRequest as e:
+        if not yielded and not job.echo_texts:
+            raise
+        yield _stream_error(e)
+    yield SSE_DONE

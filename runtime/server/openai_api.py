@@ -1,0 +1,429 @@
+"""OpenAI-compatible request parsing and response shapes (completions and chat).
+
+Parsing turns a JSON body into :class:`Job` (the engine requests plus what the
+response needs); every rejection is a :class:`BadRequest` naming the OpenAI field.
+Formatting turns engine outputs into OpenAI's objects and stream chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from plait import protocol as P
+from plait.runtime.sampling_params import SamplingParams
+from plait.runtime.server.engine_proc import param_of
+from plait.runtime.server.front import BadRequest, Front, check_text
+
+MAX_TOP_LOGPROBS = 20
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+
+# Fields accepted and ignored (they change nothing here).
+_IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options",
+            "prompt_cache_key", "safety_identifier"}
+# Extensions passed to the sampler under the same name (vLLM / SGLang extras).
+_SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens")
+_COMMON = {"model", "n", "stop", "stream", "temperature", "top_p", "seed", "frequency_penalty", "presence_penalty",
+           "max_tokens", "min_tokens", "logit_bias", "cache_salt", "rid", "regex", "json_schema", *_SAMPLING_EXTRAS}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+                         "tools", "tool_choice", "functions", "function_call", "reasoning_effort", "modalities"}
+# engine name -> OpenAI name, for messages from SamplingParams' validation
+_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+@dataclass
+class Job:
+    """One OpenAI request: ``len(reqs)`` prompts times ``n`` choices each."""
+
+    chat: bool
+    id: str
+    model: str
+    created: int
+    reqs: list[P.GenerateRequest]
+    n: int
+    stream: bool
+    include_usage: bool = False
+    echo_texts: list[str] = field(default_factory=list)  # completions with echo=True
+    logprobs: int | None = None  # number of top logprobs (0: chosen token only); None: off
+    prompt_tokens: list[int] = field(default_factory=list)
+
+
+# -- field checks ---------------------------------------------------------------------------
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def get_field(body: dict[str, Any], name: str, kind: str, default: Any = None, lo: float | None = None,
+              hi: float | None = None) -> Any:
+    """``body[name]`` checked to be of ``kind`` (bool, int, number, str, dict, list) and
+    within ``[lo, hi]``; ``default`` when absent or null."""
+    v = body.get(name)
+    if v is None:
+        return default
+    ok = {
+        "bool": isinstance(v, bool),
+        "int": isinstance(v, int) and not isinstance(v, bool),
+        "number": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+        "str": isinstance(v, str),
+        "dict": isinstance(v, dict),
+        "list": isinstance(v, list),
+    }[kind]
+    if ok and lo is not None and v < lo:
+        ok = False
+    if ok and hi is not None and v > hi:
+        ok = False
+    if not ok:
+        what = {"bool": "true or false", "int": "an integer", "number": "a finite number", "str": "a string",
+                "dict": "an object", "list": "an array"}[kind]
+        if lo is not None or hi is not None:
+            what += f" in [{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+        raise BadRequest(f"{name}={_short(v)} is invalid; allowed: {what}", name)
+    if kind == "str":
+        check_text(v, name)
+    return v
+
+
+def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(k for k in body if k not in allowed and k not in _IGNORED)
+    if unknown:
+        raise BadRequest(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+
+
+def check_model(front: Front, body: dict[str, Any]) -> str:
+    model = get_field(body, "model", "str")
+    names = {front.args.model_name}
+    if front.args.model is not None:
+        names.add(front.args.model)
+    if model is not None and model not in names:
+        raise BadRequest(
+            f"model={_short(model)} is not served here; allowed: {front.args.model_name!r} (see GET /v1/models)",
+            "model", 400, "invalid_request_error",
+        )
+    return front.args.model_name
+
+
+def sampling_params(front: Front, body: dict[str, Any], prompt_len: int, default_max: int | None,
+                    max_name: str = "max_tokens") -> dict[str, Any]:
+    """The engine's sampling params from OpenAI's fields, validated."""
+    sp: dict[str, Any] = {}
+    max_tokens = get_field(body, max_name, "int", None, 0)
+    if max_tokens is None:
+        max_tokens = default_max if default_max is not None else front.context_len - prompt_len
+    elif prompt_len + max_tokens > front.context_len:
+        raise BadRequest(
+            f"{max_name}={max_tokens} is too large: the prompt has {prompt_len} tokens and this model's context "
+            f"length is {front.context_len}, so at most {front.context_len - prompt_len} tokens can be generated",
+            max_name,
+        )
+    sp["max_new_tokens"] = max_tokens
+    min_tokens = get_field(body, "min_tokens", "int", None, 0)
+    if min_tokens is not None:
+        sp["min_new_tokens"] = min_tokens
+    for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty", "seed", "n", *_SAMPLING_EXTRAS):
+        if body.get(name) is not None:
+            sp[name] = body[name]
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise BadRequest(f"stop={_short(stop)} is invalid; allowed: a string or an array of strings", "stop")
+        for s in stop:
+            check_text(s, "stop")
+        sp["stop"] = stop
+    if get_field(body, "logit_bias", "dict"):
+        raise BadRequest("logit_bias is not supported by this server", "logit_bias")
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    for name in ("regex", "json_schema"):  # constrained decoding, when the engine has it
+        if body.get(name) is not None:
+            if name not in names:
+                raise BadRequest(f"{name} is not supported by this server yet", name)
+            sp[name] = body[name]
+    try:
+        SamplingParams.from_dict(sp)
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        head = param_of(msg)
+        if head in _RENAMES:
+            msg = _RENAMES[head] + msg[len(head):]
+        raise BadRequest(msg, _RENAMES.get(head, head) if head else None) from None
+    return sp
+
+
+def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = get_field(body, "stream", "bool", False)
+    opts = get_field(body, "stream_options", "dict")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+        include_usage = get_field(opts, "include_usage", "bool", False)
+    return stream, include_usage
+
+
+def _rid_base(front: Front, body: dict[str, Any], prefix: str) -> str:
+    rid = get_field(body, "rid", "str")
+    return rid if rid is not None else front.new_rid(prefix)
+
+
+# -- completions ----------------------------------------------------------------------------
+def parse_completion(front: Front, body: dict[str, Any]) -> Job:
+    check_fields(body, COMPLETION_FIELDS)
+    model = check_model(front, body)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise BadRequest("prompt is required", "prompt")
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = prompt
+    elif isinstance(prompt, list) and prompt and all(
+        isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt
+    ):
+        prompts = prompt
+    else:
+        raise BadRequest(
+            "prompt is invalid; allowed: a string, an array of strings, an array of token ids, "
+            "or an array of arrays of token ids (non-empty)", "prompt",
+        )
+    if get_field(body, "suffix", "str"):
+        raise BadRequest("suffix is not supported by this server", "suffix")
+    n = get_field(body, "n", "int", 1)
+    best_of = get_field(body, "best_of", "int")
+    if best_of is not None and best_of != n:
+        raise BadRequest(f"best_of={best_of} is not supported; allowed: equal to n ({n})", "best_of")
+    stream, include_usage = _stream_fields(body)
+    echo = get_field(body, "echo", "bool", False)
+    logprobs = get_field(body, "logprobs", "int", None, 0, MAX_TOP_LOGPROBS)
+    salt = get_field(body, "cache_salt", "str")
+    base = _rid_base(front, body, "cmpl")
+    job = Job(False, base, model, int(time.time()), [], 1, stream, include_usage, logprobs=logprobs)
+    for i, p in enumerate(prompts):
+        ids = front.encode(p, "prompt") if isinstance(p, str) else list(p)
+        front.check_prompt(ids, "prompt")
+        sp = sampling_params(front, body, len(ids), 16)
+        job.n = sp.get("n", 1)
+        job.prompt_tokens.append(len(ids))
+        if echo:
+            job.echo_texts.append(p if isinstance(p, str) else front.tokenizer.decode(ids))
+        job.reqs.append(P.GenerateRequest(
+            rid=base if len(prompts) == 1 else f"{base}-{i}", input_ids=ids, sampling_params=sp, stream=stream,
+            return_logprob=logprobs is not None, top_logprobs_num=logprobs or 0,
+            logprob_start_len=0 if echo and logprobs is not None else -1, cache_salt=salt,
+        ))
+    return job
+
+
+# -- chat -----------------------------------------------------------------------------------
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages is required: a non-empty array of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"{where} must be an object with role and content", "messages")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise BadRequest(f"{where}.role={_short(role)} is invalid; allowed: {', '.join(_ROLES)}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise BadRequest(f"{where}.content parts must be {{\"type\": \"text\", \"text\": str}}; "
+                                     "other content types are not supported", "messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise BadRequest(f"{where}.content must be a string or an array of text parts", "messages")
+        check_text(content, "messages")
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def parse_chat(front: Front, body: dict[str, Any]) -> Job:
+    check_fields(body, CHAT_FIELDS)
+    model = check_model(front, body)
+    messages = _messages(body)
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise BadRequest(f"{name} is not supported by this server", name)
+    fmt = get_field(body, "response_format", "dict")
+    sp_extra: dict[str, Any] = {}
+    if fmt is not None and fmt.get("type") != "text":
+        names = {f.name for f in dataclasses.fields(SamplingParams)}
+        schema = (fmt.get("json_schema") or {}).get("schema") if fmt.get("type") == "json_schema" else None
+        if fmt.get("type") == "json_object":
+            schema = {"type": "object"}
+        if schema is None or "json_schema" not in names:
+            raise BadRequest(f"response_format={_short(fmt)} is not supported by this server yet", "response_format")
+        import json
+
+        sp_extra["json_schema"] = json.dumps(schema)
+    template = getattr(front.tokenizer, "chat_template", None)
+    if not template:
+        raise BadRequest("this model has no chat template; use /v1/completions", "messages")
+    try:
+        text = front.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001  (a template may reject a message order)
+        raise BadRequest(f"the chat template rejected the messages: {e}", "messages") from None
+    ids = front.encode(text, "messages")
+    front.check_prompt(ids, "messages")
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    sp = {**sampling_params(front, body, len(ids), None, max_name), **sp_extra}
+    want_lp = get_field(body, "logprobs", "bool", False)
+    top = get_field(body, "top_logprobs", "int", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not want_lp:
+        raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+    stream, include_usage = _stream_fields(body)
+    base = _rid_base(front, body, "chatcmpl")
+    req = P.GenerateRequest(
+        rid=base, input_ids=ids, sampling_params=sp, stream=stream, return_logprob=want_lp,
+        top_logprobs_num=top or 0, cache_salt=get_field(body, "cache_salt", "str"),
+    )
+    return Job(True, base, model, int(time.time()), [req], sp.get("n", 1), stream, include_usage,
+               logprobs=(top or 0) if want_lp else None, prompt_tokens=[len(ids)])
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# -- responses ------------------------------------------------------------------------------
+def finish_reason(meta: dict[str, Any]) -> str | None:
+    fr = meta.get("finish_reason")
+    return None if fr is None else fr.get("type")
+
+
+def _lp(v: float | None) -> float:
+    return LOGPROB_FLOOR if v is None or not math.isfinite(v) else max(v, LOGPROB_FLOOR)
+
+
+class LogprobFormatter:
+    """Turns the engine's ``[logprob, token_id]`` lists into OpenAI's shapes."""
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+
+    def completion(self, pairs: list[list[Any]], tops: list[Any] | None, offset: int) -> dict[str, Any]:
+        tokens, lps, top_out, offsets = [], [], [], []
+        for i, (lp, tid, *_) in enumerate(pairs):
+            tok = self.front.token_text(tid)
+            tokens.append(tok)
+            lps.append(None if lp is None else _lp(lp))
+            offsets.append(offset)
+            offset += len(tok)
+            row = tops[i] if tops is not None and i < len(tops) else None
+            top_out.append(None if row is None else {self.front.token_text(t): _lp(v) for v, t, *_ in row})
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_out if tops is not None else None,
+                "text_offset": offsets}
+
+    def chat(self, pairs: list[list[Any]], tops: list[Any] | None) -> list[dict[str, Any]]:
+        out = []
+        for i, (lp, tid, *_) in enumerate(pairs):
+            tok = self.front.token_text(tid)
+            row = tops[i] if tops is not None and i < len(tops) else None
+            out.append({
+                "token": tok, "logprob": _lp(lp), "bytes": list(tok.encode("utf-8", "replace")),
+                "top_logprobs": [
+                    {"token": self.front.token_text(t), "logprob": _lp(v),
+                     "bytes": list(self.front.token_text(t).encode("utf-8", "replace"))}
+                    for v, t, *_ in (row or [])
+                ],
+            })
+        return out
+
+
+def usage(job: Job, completion_tokens: int, cached: int) -> dict[str, Any]:
+    prompt = sum(job.prompt_tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def choice_index(job: Job, prompt_i: int, index: int) -> int:
+    return prompt_i * job.n + index
+
+
+def response(front: Front, job: Job, results: dict[tuple[int, int], P.GenerateResult]) -> dict[str, Any]:
+    """The non-streaming response of ``job`` from its results keyed by (prompt, index)."""
+    fmt = LogprobFormatter(front)
+    choices = []
+    completion = cached = 0
+    for (pi, idx), r in sorted(results.items()):
+        meta = r.meta_info
+        completion += meta.get("completion_tokens", 0)
+        if idx == 0:
+            cached += meta.get("cached_tokens", 0)
+        choice: dict[str, Any] = {"index": choice_index(job, pi, idx), "finish_reason": finish_reason(meta),
+                                  "matched_stop": (meta.get("finish_reason") or {}).get("matched")}
+        pairs = meta.get("output_token_logprobs", [])
+        tops = meta.get("output_top_logprobs") if job.logprobs else None
+        if job.chat:
+            choice["message"] = {"role": "assistant", "content": r.text}
+            choice["logprobs"] = None if job.logprobs is None else {"content": fmt.chat(pairs, tops)}
+        else:
+            text = r.text
+            lp = None
+            if job.logprobs is not None:
+                if job.echo_texts:
+                    ipairs = meta.get("input_token_logprobs", [])
+                    itops = meta.get("input_top_logprobs") if job.logprobs else None
+                    if itops is not None and tops is not None:
+                        tops = list(itops) + list(tops)
+                    pairs = list(ipairs) + list(pairs)
+                lp = fmt.completion(pairs, tops, 0)
+            if job.echo_texts:
+                text = job.echo_texts[pi] + text
+            choice["text"] = text
+            choice["logprobs"] = lp
+        choices.append(choice)
+    return {
+        "id": job.id,
+        "object": "chat.completion" if job.chat else "text_completion",
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+        "usage": usage(job, completion, cached),
+    }
+
+
+def stream_chunk(job: Job, index: int, text: str | None, finish: str | None, *, role: bool = False,
+                 logprobs: Any = None, matched_stop: Any = None) -> dict[str, Any]:
+    if job.chat:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+    if finish is not None:
+        choice["matched_stop"] = matched_stop
+    out = {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion", "created": job.created,
+           "model": job.model, "choices": [choice]}
+    if job.include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(job: Job, completion_tokens: int, cached: int) -> dict[str, Any]:
+    return {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
+            "created": job.created, "model": job.model, "choices": [], "usage": usage(job, completion_tokens, cached)}

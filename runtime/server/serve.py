@@ -1,0 +1,221 @@
+"""The front process's main: bind sockets, start the engine process, serve until told
+to stop, then shut everything down (the engine process included).
+
+Run as ``python -m plait.runtime.server [flags]`` (what ``launch()`` does) or through
+``plait serve``. With ``--ready-fd`` it writes one JSON line to that file descriptor:
+``{"url", "zmq_address", "pid", "engine_pid"}`` once it serves, or ``{"error"}`` if it
+cannot start. With ``--parent-pid`` it exits when that process is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from typing import Any
+
+import msgspec
+import uvicorn
+import zmq
+import zmq.asyncio
+
+from plait import protocol as P
+from plait.runtime.server.args import ServerArgs, setup_logging
+from plait.runtime.server.front import Front, start_engine
+from plait.runtime.server.http_api import build_app
+
+logger = logging.getLogger("plait.serve")
+
+ENGINE_STOP_TIMEOUT_S = 5.0
+PARENT_CHECK_INTERVAL_S = 0.5
+
+
+class StartupError(Exception):
+    pass
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: this process handles signals itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise StartupError(f"cannot bind the HTTP server to {host}:{port}: {e}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def http_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def bind_zmq(router: zmq.Socket, address: str | None, tmpdir: str) -> str:
+    if address is None:
+        address = f"ipc://{tmpdir}/client.sock"
+    elif address.startswith("tcp://") and address.rsplit(":", 1)[-1] in ("0", "*"):
+        address = address.rsplit(":", 1)[0] + ":*"
+    try:
+        router.bind(address)
+    except zmq.ZMQError as e:
+        raise StartupError(f"cannot bind the language-client socket to {address}: {e}") from None
+    return router.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+async def _wait_engine(pull: zmq.asyncio.Socket, proc: Any) -> dict[str, Any]:
+    decoder = msgspec.msgpack.Decoder(P.EngineMessage)
+    while True:
+        if await pull.poll(100):
+            msg = decoder.decode(await pull.recv())
+            if isinstance(msg, P.EngineReady):
+                return msg.info
+            if isinstance(msg, P.EngineStartupError):
+                raise StartupError(f"the engine failed to start: {msg.message}")
+        elif proc.poll() is not None:
+            raise StartupError(f"the engine process exited with code {proc.returncode} while starting (see its log above)")
+
+
+async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | None) -> int:
+    from plait.runtime.model_loader import resolve_model
+
+    try:
+        source = resolve_model(args.model)
+    except (OSError, ValueError) as e:
+        raise StartupError(f"model {args.model!r}: {e}") from None
+    ctx = zmq.asyncio.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.setsockopt(zmq.LINGER, 0)
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.setsockopt(zmq.LINGER, 0)
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDHWM, 100_000)
+    router.setsockopt(zmq.LINGER, 0)
+    in_addr, out_addr = f"ipc://{tmpdir}/engine-in.sock", f"ipc://{tmpdir}/engine-out.sock"
+    push.bind(in_addr)
+    pull.bind(out_addr)
+    proc = None
+    tasks: list[asyncio.Task] = []
+    try:
+        zmq_address = bind_zmq(router, args.zmq_address, tmpdir)
+        sock = bind_http(args.host, args.port)
+        proc = start_engine(args, source.path, in_addr, out_addr)
+        tokenizer_task = asyncio.ensure_future(asyncio.to_thread(source.load_tokenizer))
+        try:
+            info = await _wait_engine(pull, proc)
+        except BaseException:
+            tokenizer_task.cancel()
+            raise
+        try:
+            tokenizer = await tokenizer_task
+        except Exception as e:  # noqa: BLE001
+            raise StartupError(f"cannot load the tokenizer of {source.path}: {type(e).__name__}: {e}") from None
+        front = Front(args, tokenizer, info)
+        front.engine_proc, front.push, front.router, front.zmq_address = proc, push, router, zmq_address
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        tasks = [asyncio.ensure_future(c) for c in (front.engine_reader(pull), front.client_loop(), front.watchdog())]
+        if parent_pid is not None:
+            tasks.append(asyncio.ensure_future(_watch_parent(parent_pid, stop)))
+        config = uvicorn.Config(build_app(front), log_level=args.log_level, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=3, timeout_keep_alive=30)
+        server = _Server(config)
+        serve_task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started:
+            if serve_task.done():
+                serve_task.result()
+                raise StartupError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        url = http_url(sock)
+        report({"url": url, "zmq_address": zmq_address, "pid": os.getpid(), "engine_pid": proc.pid})
+        logger.info("plait server ready: %s (language clients: %s)", url, zmq_address)
+        stop_task = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({stop_task, serve_task}, return_when=asyncio.FIRST_COMPLETED)
+        # shut down: end in-flight requests, stop HTTP, then the engine
+        front.abort_all(everyone=True)
+        await asyncio.sleep(0.05)
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(serve_task, 10)
+        return 0
+    finally:
+        for t in tasks:
+            t.cancel()
+        if proc is not None:
+            await _stop_engine(push, proc)
+        for s in (push, pull, router):
+            s.close(linger=0)
+        ctx.term()
+
+
+async def _stop_engine(push: zmq.asyncio.Socket, proc: Any) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(zmq.ZMQError):
+            push.send(P.encode(P.EngineShutdown()), zmq.NOBLOCK)
+        for _ in range(int(ENGINE_STOP_TIMEOUT_S / 0.05)):
+            if proc.poll() is not None:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            logger.warning("the engine process did not stop in %.0f s; killing it", ENGINE_STOP_TIMEOUT_S)
+            proc.kill()
+    proc.wait()
+
+
+async def _watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(PARENT_CHECK_INTERVAL_S)
+    logger.warning("the launching process %d is gone; shutting down", parent_pid)
+    stop.set()
+
+
+def run(args: ServerArgs, ready_fd: int | None = None, parent_pid: int | None = None,
+        announce: bool = False) -> int:
+    """Serve until SIGTERM/SIGINT (or the parent's death). Returns the exit code."""
+    setup_logging(args.log_level)
+
+    def report(obj: dict[str, Any]) -> None:
+        if announce and "url" in obj:
+            print(f"plait server ready at {obj['url']}  (language clients: {obj['zmq_address']})", flush=True)
+        if ready_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(ready_fd, (json.dumps(obj) + "\n").encode())
+                os.close(ready_fd)
+
+    tmpdir = tempfile.mkdtemp(prefix="plait-")  # 0700: only this user reaches the ipc sockets
+    try:
+        return asyncio.run(_serve(args, tmpdir, report, parent_pid))
+    except StartupError as e:
+        logger.error("%s", e)
+        if ready_fd is None:
+            print(f"error: {e}", file=sys.stderr)
+        report({"error": str(e)})
+        return 1
+    except Exception as e:  # noqa: BLE001  (report anything that stops start-up to the launcher)
+        logger.exception("the server failed")
+        report({"error": f"{type(e).__name__}: {e}"})
+        return 1
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)

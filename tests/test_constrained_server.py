@@ -1,0 +1,77 @@
+"""Constraints over HTTP: OpenAI ``response_format`` through the ``openai`` client, the
+native ``/generate`` with ``regex`` / ``json_schema``, and 400s for bad constraints
+(the server keeps serving)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from plait.runtime.server import launch
+
+API_KEY = "sk-plait-test"
+MODEL = "tiny"
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                   "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2}},
+    "required": ["name", "age", "pets"],
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_factory):
+    with launch(str(tiny_model_factory("llama")), num_threads=1, kv_cache_tokens=8192, max_running_requests=16,
+                api_key=API_KEY, served_model_name=MODEL) as rt:
+        yield rt
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_openai_response_format_json_schema(oai):
+    for temperature in (0.0, 1.0):
+        r = oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+            max_tokens=200, temperature=temperature, seed=4,
+        )
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+
+def test_native_generate_with_regex_and_schema(http):
+    rx = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+    r = http.post("/generate", json={"text": "Date:", "sampling_params": {"regex": rx, "temperature": 0.0}})
+    assert r.status_code == 200, r.text
+    assert re.fullmatch(rx, r.json()["text"])
+    r = http.post("/generate", json={"text": "Person:", "sampling_params": {
+        "json_schema": json.dumps(PERSON), "temperature": 0.0, "max_new_tokens": 200}})
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["text"]), PERSON)
+
+
+def test_bad_constraints_get_400_and_the_server_keeps_serving(oai, http):
+    with pytest.raises(openai.BadRequestError, match="uniqueItems"):
+        oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {
+                "type": "array", "uniqueItems": True}}},
+        )
+    r = http.post("/generate", json={"text": "x", "sampling_params": {"regex": "(unclosed"}})
+    assert r.status_code == 400 and "regex" in r.text
+    r = http.post("/generate", json={"text": "Ok?", "sampling_params": {"regex": "(yes|no)", "temperature": 0.0}})
+    assert r.status_code == 200 and r.json()["text"] in ("yes", "no")

@@ -1,0 +1,396 @@
+"""Constrained decoding without a model: vocabulary bytes, JSON Schema -> regex (with
+its keyword rules), the jump-forward automaton, index compilation with limits, the
+per-request matcher (healing, jump-forward) and the batched mask."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from plait.runtime.constrained.compiler import GrammarCompiler
+from plait.runtime.constrained.json_schema import SchemaError, int_range_regex, number_range_regex, schema_to_regex
+from plait.runtime.constrained.jump_forward import CharAutomaton
+from plait.runtime.constrained.mask import apply_grammar_masks, unpack_bits
+from plait.runtime.constrained.matcher import GrammarMatcher
+from plait.runtime.constrained.regexes import check_regex, choices_regex, escape
+from constrained_cases import REGEXES, SCHEMAS
+from plait.runtime.constrained.vocab import (
+    BYTE_LEVEL,
+    SENTENCEPIECE,
+    TokenVocab,
+    detect_kind,
+    gpt2_byte_table,
+)
+
+EOS = (0, 2)  # SmolLM2: <|endoftext|>, <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def vocab(tokenizer):
+    return TokenVocab.from_tokenizer(tokenizer, EOS, 49152)
+
+
+@pytest.fixture(scope="module")
+def compiler(vocab):
+    c = GrammarCompiler(vocab, timeout_s=60)
+    yield c
+    c.close()
+
+
+def build(c: GrammarCompiler, regex: str):
+    fut = c.request(regex)
+    while not fut.done:
+        c.wait(0.5)
+    return fut
+
+
+def sample_strings(regex: str, n: int, seed: int = 0, cap: int = 60) -> list[str]:
+    """Random strings of the regex's language (random walks on its automaton that head
+    for a final state once ``cap`` characters are written)."""
+    auto = CharAutomaton.from_regex(regex)
+    assert auto is not None, regex
+    rng = random.Random(seed)
+    by_class: dict[int, list[str]] = {}
+    for ch, k in auto.classes.items():
+        by_class.setdefault(k, []).append(ch)
+    others = [c for c in "qZé日~ 7" if c not in auto.classes]
+    # distance to a final state, for finishing walks
+    dist = {s: 0 for s in auto.finals}
+    changed = True
+    while changed:
+        changed = False
+        for s, row in auto.transitions.items():
+            best = min((dist[t] + 1 for t in row.values() if t in dist), default=None)
+            if best is not None and dist.get(s, 1 << 30) > best:
+                dist[s] = best
+                changed = True
+    out = []
+    for _ in range(n):
+        s, text = auto.initial, []
+        while True:
+            row = auto.transitions[s]
+            if s in auto.finals and (not row or rng.random() < (0.5 if len(text) > cap else 0.15)):
+                break
+            if len(text) > cap:
+                k, t = min(row.items(), key=lambda kv: dist[kv[1]])
+            else:
+                k, t = rng.choice(sorted(row.items()))
+            text.append(rng.choice(by_class[k]) if k in by_class else rng.choice(others))
+            s = t
+        out.append("".join(text))
+    return out
+
+
+# -- vocabulary -----------------------------------------------------------------------------
+def test_gpt2_byte_table_is_a_bijection():
+    table = gpt2_byte_table()
+    assert sorted(table.values()) == list(range(256))
+    assert table["\u0120"] == 0x20 and table["\u010a"] == 0x0A and table["A"] == 0x41
+
+
+def test_byte_level_vocabulary_of_the_real_tokenizer(tokenizer, vocab):
+    assert detect_kind(tokenizer) == BYTE_LEVEL and vocab.kind == BYTE_LEVEL
+    (yes,) = tokenizer.encode(" yes", add_special_tokens=False)
+    assert tokenizer.convert_ids_to_tokens(yes) == "\u0120yes" and vocab.token_bytes[yes] == b" yes"
+    for i, tok in tokenizer.added_tokens_decoder.items():
+        if tok.special:
+            assert vocab.token_bytes[i] is None, tok.content  # <|im_end|> can never be written
+    text = 'Héllo 日本語 {"a": [1, 2.5]}\n\tend'
+    assert vocab.join(tokenizer.encode(text, add_special_tokens=False)) == text.encode()
+    printable = bytes([9, 10, *range(0x20, 0x7F)])
+    assert vocab.join([vocab.byte_token(b) for b in printable]) == printable
+    assert all(vocab.token_bytes[t].startswith(b' "') and len(vocab.token_bytes[t]) > 2 for t in vocab.tokens_with_prefix(b' "'))
+
+
+def test_sentencepiece_vocabulary():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = {"<unk>": 0, "<s>": 1, "</s>": 2, "<0x0A>": 3, "<0xC3>": 4, "<0xA9>": 5, "\u2581": 6,
+              "\u2581yes": 7, "y": 8, "es": 9, "yes": 10}
+    tok = Tokenizer(models.BPE(vocab=pieces, merges=[("y", "es")], byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    v = TokenVocab.from_tokenizer(hf, [2])
+    assert detect_kind(hf) == SENTENCEPIECE
+    assert v.token_bytes[:8] == [None, None, None, b"\n", b"\xc3", b"\xa9", b" ", b" yes"]
+    assert v.join([4, 5]).decode() == "é"
+    assert v.outlines_eos_id == 2 and b"</s>" not in v.outlines_map()
+
+
+# -- regex helpers and JSON Schema -------------------------------------------------------------
+def test_regex_helpers():
+    for text in ["a.b*c", "(x|y)?", "$100 [ok] {1,2} ^ \\ +", "naïve 日本"]:
+        assert re.fullmatch(escape(text), text)
+    rx = choices_regex(["yes", "no", "a.b"])
+    assert re.fullmatch(rx, "a.b") and not re.fullmatch(rx, "axb") and not re.fullmatch(rx, "yesno")
+    with pytest.raises(ValueError, match="choices"):
+        choices_regex([])
+    with pytest.raises(ValueError, match="regex"):
+        check_regex("(ab")
+    with pytest.raises(ValueError, match="regex"):
+        check_regex("")
+    assert check_regex(r"\p{L}+") == r"\p{L}+"  # judged by outlines-core, not refused here
+
+
+def test_integer_ranges_are_exact():
+    for lo, hi in [(0, 0), (0, 120), (7, 7), (13, 987), (-45, 3), (-300, -12), (1, None), (250, None),
+                   (None, 77), (None, -5), (None, None), (-9, 1000)]:
+        rx = re.compile(int_range_regex(lo, hi))
+        for v in range(-1100, 1100):
+            ok = (lo is None or v >= lo) and (hi is None or v <= hi)
+            assert bool(rx.fullmatch(str(v))) == ok, (lo, hi, v)
+        assert not rx.fullmatch("007") and not rx.fullmatch("-0")
+        if hi is None:
+            assert rx.fullmatch("1234567890123456") and not rx.fullmatch("12345678901234567")
+    rx = re.compile(number_range_regex(-2, 5))
+    for v, ok in [("-2", True), ("-2.0", True), ("-2.5", False), ("-1.99", True), ("0.5", True), ("4.999", True),
+                  ("5", True), ("5.00", True), ("5.01", False), ("6", False), ("-0.3", True)]:
+        assert bool(rx.fullmatch(v)) == ok, v
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_schema_regex_admits_only_valid_json(name):
+    schema = SCHEMAS[name]
+    for ws in (None, r"[ ]?"):
+        rx = schema_to_regex(schema, ws)
+        for text in sample_strings(rx, 25, seed=hash(name) % 1000):
+            jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+
+
+def test_optional_properties_appear_and_disappear():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}, "c": {"type": "null"}}, "required": ["b"]}
+    seen = {tuple(json.loads(t)) for t in sample_strings(schema_to_regex(schema), 200, seed=3)}
+    assert {("b",), ("a", "b"), ("b", "c"), ("a", "b", "c")} <= seen
+
+
+def test_whitespace_is_compact_by_default_and_configurable():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "integer"}}}, "required": ["a", "b"]}
+    rx = schema_to_regex(schema)
+    assert re.fullmatch(rx, '{"a":1,"b":[2,3]}') and not re.fullmatch(rx, '{"a": 1,"b":[2,3]}')
+    rx = schema_to_regex(schema, r"[ ]?")
+    assert re.fullmatch(rx, '{ "a": 1, "b": [2, 3] }') and not re.fullmatch(rx, '{"a":  1,"b":[]}')
+    with pytest.raises(ValueError, match="whitespace_pattern"):
+        schema_to_regex(schema, r"[ x]*")
+
+
+@pytest.mark.parametrize(
+    "schema, keyword",
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+        ({"type": "object", "patternProperties": {"^x": {"type": "string"}}}, "patternProperties"),
+        ({"type": "number", "minimum": 0.5}, "minimum"),
+        ({"type": "number", "exclusiveMaximum": 3}, "exclusiveMaximum"),
+        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf"),
+        ({"allOf": [{"type": "string", "pattern": "^a+$"}, {"type": "string", "pattern": "^b+$"}]}, "allOf"),
+        ({"type": "integer", "multipleOf": 3}, "multipleOf"),
+        ({"not": {"type": "string"}}, "not"),
+        ({"type": "object", "minProperties": 2}, "minProperties"),
+        ({"type": "string", "format": "hostname"}, "format"),
+        ({"type": "string", "pattern": "^[A-Z].*$"}, "pattern"),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+        ({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}, "$ref"),
+        ({"$ref": "#/$defs/missing"}, "$ref"),
+        ({"type": "object", "frobnicate": 1}, "frobnicate"),
+        ({"type": "strin"}, "type"),
+        ({"type": "object", "required": ["x"], "additionalProperties": False}, "additionalProperties"),
+    ],
+)
+def test_unenforceable_keywords_are_rejected_by_name(schema, keyword):
+    with pytest.raises(SchemaError, match=re.escape(keyword)):
+        schema_to_regex(schema)
+
+
+def test_schema_errors_are_value_errors_with_the_path():
+    with pytest.raises(ValueError, match=r"#/properties/tags"):
+        schema_to_regex({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        schema_to_regex("{nope")
+
+
+# -- jump-forward automaton ----------------------------------------------------------------------
+def test_char_automaton_forced_text():
+    auto = CharAutomaton.from_regex(r'\{"name":"[a-z]{1,3}","age":[0-9]\}')
+    assert auto.forced[auto.initial] == '{"name":"'
+    s = auto.walk(auto.initial, '{"name":"ab')
+    assert s not in auto.forced  # a letter or the closing quote may follow
+    s = auto.walk(auto.initial, '{"name":"abc')
+    assert auto.forced[s] == '","age":'
+    s = auto.walk(auto.initial, '{"name":"abc","age":7')
+    assert auto.forced[s] == "}"
+    assert auto.walk(auto.initial, '{"nome"') is None
+    auto = CharAutomaton.from_regex(r"(yes|no)")
+    assert auto.initial not in auto.forced and auto.forced[auto.walk(auto.initial, "y")] == "es"
+
+
+# -- compilation -------------------------------------------------------------------------------------
+def test_compiler_caches_by_pattern_and_tokenizer(compiler, vocab):
+    a = build(compiler, r"(yes|no)")
+    assert a.grammar is not None and a.key == (vocab.fingerprint, r"(yes|no)")
+    hits = compiler.cache_hits
+    assert compiler.request(r"(yes|no)") is a and compiler.cache_hits == hits + 1
+    bad = build(compiler, r"a{3,1}")
+    assert bad.error is not None and "cannot be compiled" in bad.error
+    assert build(compiler, r"(?<=a)b").error is not None
+    assert build(compiler, r"[0-9]{2}").grammar is not None  # the worker goes on
+
+
+def test_compiler_time_and_memory_limits(vocab):
+    c = GrammarCompiler(vocab, timeout_s=0.3, memory_mb=300)
+    try:
+        slow = build(c, r'"[^"\\]{0,300}"')
+        assert "grammar_compile_timeout" in slow.error and "0.3 s" in slow.error
+        big = GrammarCompiler(vocab, timeout_s=60, memory_mb=300)
+        try:
+            huge = build(big, r"[a-z]*a[a-z]{14}")  # a DFA of 2^15 states times the vocabulary
+            assert "grammar_compile_memory_mb" in huge.error and "300 MiB" in huge.error
+            assert build(big, r"(yes|no)").grammar is not None  # a fresh worker takes the next build
+        finally:
+            big.close()
+        assert build(c, r"[a-c]").grammar is not None
+        assert c.request(r'"[^"\\]{0,300}"').error == slow.error  # failures are cached too
+    finally:
+        c.close()
+
+
+# -- matcher ---------------------------------------------------------------------------------------
+def allowed_ids(m: GrammarMatcher, eos_ok: bool = True) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(m.allowed(eos_ok).view(np.uint8), bitorder="little"))
+
+
+@pytest.mark.parametrize("name", sorted(REGEXES))
+def test_random_decoding_matches_the_regex(compiler, vocab, name):
+    rx = REGEXES[name]
+    g = build(compiler, rx)
+    rng = random.Random(7)
+    for trial in range(6):
+        m = GrammarMatcher(g, jump_forward=trial % 2 == 0)
+        assert m.start([5000]) == 0
+        out: list[int] = []
+        while not m.terminated:
+            ids = allowed_ids(m)
+            assert len(ids) and all(vocab.token_bytes[i] is not None or i in EOS for i in ids)
+            t = int(rng.choice(ids))
+            if t in EOS:
+                assert m.is_final
+                break
+            assert m.advance(t)
+            out.append(t)
+            jumped = m.jump_forward(t, 100)
+            if jumped:
+                out[-1:] = jumped
+        text = vocab.join(out).decode()
+        assert re.fullmatch(rx, text), (name, text)
+
+
+def test_final_states_allow_every_eos_id(compiler):
+    g = build(compiler, r"[0-9]{1,2}")
+    m = GrammarMatcher(g)
+    m.start([5000])
+    assert not set(EOS) & set(allowed_ids(m))
+    (one,) = g.grammar.vocab.ids_of(b"1")
+    assert m.advance(one) and m.is_final and not m.terminated
+    assert set(EOS) <= set(allowed_ids(m)) and not set(EOS) & set(allowed_ids(m, eos_ok=False))
+
+
+def test_healing_lets_the_model_write_its_own_token(compiler, tokenizer):
+    g = build(compiler, r"(yes|no)")
+    yes, no = (tokenizer.encode(w, add_special_tokens=False)[0] for w in (" yes", " no"))
+    plain_yes = tokenizer.encode("yes", add_special_tokens=False)[0]
+    prompt = tokenizer.encode("Is it raining? Answer: ", add_special_tokens=False)
+    assert tokenizer.convert_ids_to_tokens(prompt[-1]) == "\u0120"  # the prompt ends on a lone space
+    m = GrammarMatcher(g)
+    assert m.start(prompt) == 1 and m.healed_text == " "
+    ids = set(allowed_ids(m))
+    assert {yes, no} <= ids and plain_yes not in ids  # ' yes' is allowed, 'yes' after a lone ' ' is not
+    assert m.advance(yes) and m.terminated
+    # no token crosses 'Answer:' + (yes|no) other than by itself: nothing is healed
+    m2 = GrammarMatcher(g)
+    assert m2.start(tokenizer.encode("Answer:", add_special_tokens=False)) == 0
+    assert plain_yes in set(allowed_ids(m2))
+
+
+def test_jump_forward_retokenizes_at_the_boundary(compiler, tokenizer, vocab):
+    rx = r'\{"name":"[A-Za-z]{1,8}","city":"(Paris|Rome)"\}'
+    g = build(compiler, rx)
+    m = GrammarMatcher(g)
+    m.start([5000])
+    (brace,) = vocab.ids_of(b"{")
+    assert m.advance(brace)
+    jumped = m.jump_forward(brace, 100)
+    # '{' + '"name":"' written as the tokenizer writes it, minus the last token when a longer
+    # one could continue into the value
+    text = vocab.join(jumped).decode()
+    assert '{"name":"'.startswith(text) and len(text) > 1
+    assert jumped == tokenizer.encode(text, add_special_tokens=False)
+    assert m.jump_forward(brace, 0) is None
+
+
+# -- masks -------------------------------------------------------------------------------------------
+def test_mask_unpacking_and_mixed_batches(compiler):
+    rng = np.random.default_rng(0)
+    bits = rng.random((3, 100)) < 0.3
+    words = np.packbits(np.pad(bits, ((0, 0), (0, 28))), axis=1, bitorder="little").view(np.int32)
+    assert torch.equal(unpack_bits(torch.from_numpy(words), 100), torch.from_numpy(bits))
+
+    class R:  # the two attributes apply_grammar_masks reads
+        def __init__(self, grammar, ignore_eos=False):
+            self.grammar = grammar
+            self.params = type("P", (), {"ignore_eos": ignore_eos})()
+
+    g = build(compiler, r"(yes|no)")
+    m = GrammarMatcher(g)
+    m.start([5000])
+    logits = torch.randn(3, 49152)
+    before = logits.clone()
+    apply_grammar_masks(logits, [R(None), R(m), R(None)])
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    finite = set(torch.isfinite(logits[1]).nonzero().flatten().tolist())
+    assert finite == set(allowed_ids(m).tolist()) and len(finite) >= 2
+
+
+
+def test_forced_opening_text_is_written_before_the_first_step(compiler, tokenizer, vocab):
+    g = build(compiler, r'\{"name":"[A-Za-z]{1,8}"\}')
+    m = GrammarMatcher(g)
+    m.start([5000])
+    opening = m.jump_start(100)
+    text = vocab.join(opening).decode()
+    assert text and '{"name":"'.startswith(text) and opening == tokenizer.encode(text, add_special_tokens=False)
+    rest = '{"name":"'[len(text):] + "Ada"
+    for t in tokenizer.encode(rest, add_special_tokens=False):
+        assert m.advance(t)
+    assert not m.is_final and m.advance(vocab.ids_of(b'"}')[0]) and m.terminated
+    m2 = GrammarMatcher(g, jump_forward=False)
+    m2.start([5000])
+    assert m2.jump_start(100) == []
+
+
+def test_sampling_params_validate_constraints_naming_the_field():
+    from plait.runtime.sampling_params import SamplingParams
+
+    p = SamplingParams.from_dict({"json_schema": json.dumps({"type": "integer", "minimum": 1, "maximum": 9})})
+    assert p.constraint_regex == "[1-9]" and SamplingParams.from_dict(p).constraint_regex == "[1-9]"
+    assert SamplingParams.from_dict({"regex": "a+"}).constraint_regex == "a+"
+    assert SamplingParams().constraint_regex is None
+    for bad, field in [({"regex": "(a"}, "regex"), ({"regex": 5}, "regex"), ({"json_schema": 5}, "json_schema"),
+                       ({"json_schema": {"type": "object", "not": {}}}, "'not'"),
+                       ({"regex": "a", "json_schema": {}}, "json_schema"),
+                       ({"whitespace_pattern": "[ ]?"}, "whitespace_pattern"),
+                       ({"json_schema": {}, "whitespace_pattern": r"\s*"}, "whitespace_pattern")]:
+        with pytest.raises(ValueError, match=re.escape(field)):
+            SamplingParams.from_dict(bad)

@@ -1,0 +1,175 @@
+"""Failure handling of the server: start-up errors raise in the caller, a dead engine
+fails in-flight requests (never hangs) and turns /health unhealthy, a dead front takes
+its engine with it, and two servers on one machine never collide."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+
+from plait import protocol as P
+from plait.runtime.server import launch
+
+SMALL = {"num_threads": 1, "kv_cache_tokens": 4096, "max_running_requests": 16}
+LONG = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 900}
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def wait_dead(pid: int, seconds: float = 15.0) -> bool:
+    for _ in range(int(seconds / 0.05)):
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# -- start-up ------------------------------------------------------------------------------------
+def test_bad_options_raise_before_any_process_starts():
+    with pytest.raises(ValueError, match="kv_cache_tokens"):
+        launch(None, kv_cache_tokens=-1)
+    with pytest.raises(ValueError, match="port"):
+        launch(None, port=70000)
+    with pytest.raises(ValueError, match="no_such_option"):
+        launch(None, no_such_option=1)
+
+
+def test_bad_model_path_raises_with_the_childs_error(tmp_path):
+    with pytest.raises(RuntimeError, match="does not exist"):
+        launch(str(tmp_path / "missing-model"), startup_timeout=120, echo_logs=False, **SMALL)
+
+
+def test_engine_start_failure_raises_with_the_engines_error(tmp_path, tiny_model_factory):
+    broken = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_factory("llama"), broken)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(RuntimeError, match="engine failed to start"):
+        launch(str(broken), startup_timeout=120, echo_logs=False, **SMALL)
+
+
+# -- engine death ---------------------------------------------------------------------------------
+def _read_stream(url: str, body: dict[str, Any], seen_first: Any) -> list[str]:
+    """Stream /generate; after the first event call ``seen_first``; return all events."""
+    events = []
+    with httpx.stream("POST", url + "/generate", json=body, timeout=5.0) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 1:
+                    seen_first()
+    return events
+
+
+def test_engine_death_fails_requests_and_leaves_other_servers_alone(tiny_model_factory):
+    model = str(tiny_model_factory("llama"))
+    with launch(model, echo_logs=False, **SMALL) as a, launch(model, echo_logs=False, **SMALL) as b:
+        assert a.url != b.url and a.zmq_address != b.zmq_address and a.engine_pid != b.engine_pid
+        zc = zmq.Context()
+        dealer = zc.socket(zmq.DEALER)
+        dealer.connect(a.zmq_address)
+        try:
+            dealer.send(P.encode(P.GenerateRequest("z", text="the long one", sampling_params=LONG, stream=True)))
+            assert dealer.poll(30000)
+            killed = []
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                # an in-flight non-streaming request; the stream below kills the engine
+                plain = pool.submit(httpx.post, a.url + "/generate", timeout=30.0,
+                                    json={"text": "another", "sampling_params": LONG})
+                events = _read_stream(a.url, {"text": "a stream", "stream": True, "sampling_params": LONG},
+                                      lambda: killed.append(os.kill(a.engine_pid, signal.SIGKILL)))
+                # the stream ended (httpx's 5 s read timeout would have raised otherwise)
+                assert killed and events[-1] == "[DONE]"
+                err = json.loads(events[-2])["error"]
+                assert err["code"] == 503 and "engine process exited" in err["message"]
+                r = plain.result()
+                assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+            msg = None
+            while dealer.poll(5000):
+                msg = P.decode_response(dealer.recv())
+                if not isinstance(msg, P.StreamChunk):
+                    break
+            assert isinstance(msg, P.ErrorResponse) and msg.code == 503
+        finally:
+            dealer.close(linger=0)
+            zc.term()
+        health = httpx.get(a.url + "/health", timeout=5.0)
+        assert health.status_code == 503 and health.json()["error"]["type"] == "server_error"
+        r = httpx.post(a.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=5.0)
+        assert r.status_code == 503
+        assert "plait_requests_total" in httpx.get(a.url + "/metrics", timeout=5.0).text
+        # the other server is untouched
+        ok = httpx.post(b.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3}}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 3
+        b_front, b_engine = b.pid, b.engine_pid
+    # leaving the block shut both down, engine processes included
+    assert wait_dead(b_front) and wait_dead(b_engine) and not pid_alive(a.pid)
+
+
+# -- front death and the CLI ---------------------------------------------------------------------------
+def test_cli_serve_and_engine_exits_with_its_front(tiny_model_factory):
+    cmd = [sys.executable, "-c", "import sys; from plait.cli import main; sys.exit(main())", "serve",
+           "--model", str(tiny_model_factory("llama")), "--port", "0", "--num-threads", "1",
+           "--kv-cache-tokens", "4096", "--api-key", "k"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    engine_pid = None
+    ipc_dir = ""
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("plait server ready at http://127.0.0.1:"), line
+        url = line.split()[4]
+        auth = {"Authorization": "Bearer k"}
+        r = httpx.post(url + "/v1/completions", headers=auth, timeout=30,
+                       json={"prompt": "hello", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+        info = httpx.get(url + "/server_info", headers=auth, timeout=30).json()
+        engine_pid = info["engine_pid"]
+        ipc_dir = os.path.dirname(info["zmq_address"][len("ipc://"):])
+        assert pid_alive(engine_pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert wait_dead(engine_pid), "the engine outlived its front process"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if engine_pid is not None and pid_alive(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)
+        proc.stdout.close()
+        if ipc_dir:  # a killed front cannot remove its private socket folder
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def test_serve_help_explains_every_option():
+    from plait.runtime.config import EngineConfig
+    from plait.runtime.server.args import ENGINE_HELP
+    import dataclasses
+
+    out = subprocess.run([sys.executable, "-c", "import sys; from plait.cli import main; sys.exit(main())",
+                          "serve", "--help"], capture_output=True, text=True, check=True).stdout
+    for f in dataclasses.fields(EngineConfig):
+        assert "--" + f.name.replace("_", "-") in out
+        assert f.name in ENGINE_HELP, f"no help text for engine option {f.name}"
+    for flag in ("--model", "--host", "--port", "--api-key", "--served-model-name", "--zmq-address", "--log-level"):
+        assert flag in out
