@@ -2,16 +2,16 @@
 
 Life of a matcher: created with the request (its index may still be compiling);
 ``start(prompt_ids)`` once the index is ready, which may back off the last prompt
-token (healing); then for every token the scheduler appends, ``advance``; after it,
-``jump_forward`` may propose the forced text as tokens to put in its place.
+token (healing), then ``jump_start`` (forced opening text); then for every token the
+scheduler appends, ``advance``, after which ``jump_forward`` may propose the forced
+text as tokens to put in place of that token.
 
-Healing: a prompt ending in ``Answer:`` followed by a constraint ``( yes| no)`` would
-force the model onto ``" yes"`` as a token after ``:``; but a prompt ending in
-``Answer: `` (a space token) with ``(yes|no)`` would force ``yes`` after a lone space,
-which the model never saw in training (it writes ``" yes"``). So when a token can
-cross the boundary, the last prompt token is removed and its bytes become the first
-thing the output must write: the model may pick ``" yes"``. The healed text is not
-part of the returned text (``Req.text_skip``).
+Healing: with the prompt ``Answer: `` (ending in a lone space token) and the constraint
+``(yes|no)``, the model would have to write ``yes`` after a lone space, a tokenization
+it never saw in training: its own continuation of ``Answer:`` is the token ``" yes"``.
+So when some token can cross the boundary, the last prompt token is removed and its
+bytes become the first thing the output must write; the model may then pick
+``" yes"``. The healed text is not part of the returned text (``Req.text_skip``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from plait.runtime.constrained.jump_forward import CharTracker
 
 
 class GrammarMatcher:
+    """Per-request state over a shared ``CompiledGrammar``: the index state, the heal
+    bytes still to write, and the character tracker jump-forward reads."""
+
     def __init__(self, future: GrammarFuture, *, jump_forward: bool = True, heal: bool = True) -> None:
         self.future = future
         self.use_jump_forward = jump_forward
