@@ -75,3 +75,18 @@ def test_bad_constraints_get_400_and_the_server_keeps_serving(oai, http):
     assert r.status_code == 400 and "regex" in r.text
     r = http.post("/generate", json={"text": "Ok?", "sampling_params": {"regex": "(yes|no)", "temperature": 0.0}})
     assert r.status_code == 200 and r.json()["text"] in ("yes", "no")
+
+
+def test_index_build_over_its_time_limit_is_a_400(tiny_model_factory):
+    slow = r'"[^"\\]{0,800}"'  # an index too large to build within the limit below
+    with launch(str(tiny_model_factory("llama")), num_threads=1, kv_cache_tokens=2048,
+                grammar_compile_timeout=1.0) as rt, httpx.Client(base_url=rt.url, timeout=120) as c:
+        r = c.post("/generate", json={"text": "Name:", "sampling_params": {"regex": slow, "max_new_tokens": 4}})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "grammar_compile_timeout" in err["message"] and err["param"] == "regex"
+        ok = c.post("/generate", json={"text": "Ok?", "sampling_params": {"regex": "(yes|no)", "temperature": 0.0}})
+        assert ok.status_code == 200 and ok.json()["text"] in ("yes", "no")
+        info = c.get("/server_info").json()
+        assert info["invariant_ok"], info["invariant_error"]
+        assert info["pool"]["locked"] == 0

@@ -190,6 +190,15 @@ class EngineLoop:
             if r.finished:
                 del self.live[rid]
                 res = self.engine.pop_result(r)
+                reason = r.finish_reason or {}
+                if reason.get("status_code") == 400:
+                    # the request failed after admission (its constraint's index did not
+                    # build within the limits): a client error, not a result
+                    out.errors.append(P.ErrorResponse(
+                        t.base, reason.get("message", "invalid request"), 400, "invalid_request_error",
+                        "json_schema" if r.params.json_schema is not None else "regex",
+                    ))
+                    continue
                 if t.stream:
                     chunk = self._chunk(t, res["text"], final=True)
                     if chunk is not None:
