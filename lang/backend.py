@@ -9,6 +9,7 @@ written once, here, on top of that.
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 import threading
 import uuid
 from collections.abc import Callable
@@ -119,7 +120,7 @@ class CancelScope:
             backend.abort(rid)
 
 
-class BaseBackend:
+class BaseBackend(ABC):
     """A place programs run. Subclasses implement the transport: :meth:`submit`,
     :meth:`abort`, :meth:`pin`, :meth:`unpin`, :meth:`flush_cache`,
     :meth:`get_server_info`, :meth:`get_chat_template`, :meth:`shutdown`."""
@@ -128,31 +129,36 @@ class BaseBackend:
     supports_pinning = True
 
     # -- transport (subclasses) -------------------------------------------------------
+    @abstractmethod
     def submit(self, req: Request, on_chunk: OnChunk | None = None) -> Pending:
-        raise NotImplementedError
+        """Send ``req``; chunks go to ``on_chunk`` when streaming."""
 
+    @abstractmethod
     def abort(self, rid: str) -> None:
-        raise NotImplementedError
+        """Abort request ``rid`` if it is still running."""
 
     def pin(self, text: str, ttl_s: float) -> str:
         """Prefill ``text`` and hold its KV until :meth:`unpin` or ``ttl_s``; returns
         the pin id. Raises :class:`BackendError` when refused (e.g. over budget)."""
-        raise NotImplementedError
+        raise self._unsupported("pin")
 
     def unpin(self, pin_id: str) -> bool:
-        raise NotImplementedError
+        raise self._unsupported("unpin")
 
     def flush_cache(self) -> bool:
-        raise NotImplementedError
+        raise self._unsupported("flush_cache")
 
     def get_server_info(self) -> dict[str, Any]:
-        raise NotImplementedError
+        raise self._unsupported("get_server_info")
 
     def get_chat_template(self) -> ChatTemplate | None:
-        raise NotImplementedError
+        raise self._unsupported("get_chat_template")
 
     def shutdown(self) -> None:
         pass
+
+    def _unsupported(self, what: str) -> BackendError:
+        return BackendError(f"{type(self).__name__} does not support {what}()")
 
     def end_program(self, state: Any) -> None:
         """Called when a program ends (SGLang's hook); nothing to do here."""

@@ -18,6 +18,7 @@ It returns a :class:`ChoicesDecision`.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,16 +29,17 @@ class ChoicesDecision:
     meta_info: dict[str, Any] | None = None
 
 
-class ChoicesSamplingMethod:
+class ChoicesSamplingMethod(ABC):
     """Base of the choice methods. ``scores`` (optional) gives one number per choice,
     higher is better; ``select(temperature > 0)`` samples from their softmax."""
 
     requires_unconditional_logprobs: bool = False
 
+    @abstractmethod
     def __call__(self, *, choices: list[str], normalized_prompt_logprobs: list[float],
                  input_token_logprobs: list[list[Any]], output_token_logprobs: list[list[Any]],
                  unconditional_token_logprobs: list[list[Any]] | None = None) -> ChoicesDecision:
-        raise NotImplementedError
+        """Pick one of ``choices`` from their logprobs."""
 
     def scores(self, **kwargs: Any) -> list[float] | None:
         return None
