@@ -40,14 +40,25 @@ class KVPool:
         # attention weights are 0, and 0 * NaN would still poison the output).
         self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._zeroed = bytearray(num_slots // page_size)  # pages zeroed since allocation
         self.zero_pages([0])
 
     def zero_pages(self, pages: list[int]) -> None:
-        """Zero ``pages`` in every layer. Freshly allocated pages are zeroed so that a
-        page's not-yet-written slots, which page-granular reads see (masked), are finite."""
+        """Zero the pages among ``pages`` that were never zeroed, in every layer.
+
+        Page-granular reads see (masked) the not-yet-written slots of a request's last
+        page; those must be finite. A page is zeroed on its first use; afterwards it holds
+        only zeros or K/V that a model wrote, so reuse needs no second pass.
+        """
+        fresh = [p for p in pages if not self._zeroed[p]]
+        if not fresh:
+            return
+        for p in fresh:
+            self._zeroed[p] = 1
         ps = self.page_size
+        idx = torch.tensor(fresh, device=self.device)
         for buf in self.k_buffers + self.v_buffers:
-            buf.view(-1, ps, *buf.shape[1:]).index_fill_(0, torch.tensor(pages, device=buf.device), 0)
+            buf.view(-1, ps, *buf.shape[1:]).index_fill_(0, idx, 0)
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from plait.runtime.attention.base import AttentionBackend
 from plait.runtime.forward_batch import ForwardBatch
+from plait.runtime.memory import KVPool
 
 # Decode batches are split by context length into at most this many groups, each of at
 # least MIN_DECODE_GROUP requests.
@@ -23,6 +24,32 @@ class TorchAttentionBackend(AttentionBackend):
     an offset); decode requests run as a few padded batches grouped by context length,
     whose index and mask tensors are built once per step and shared by all layers.
     """
+
+    def __init__(self, pool: KVPool, num_heads: int, scale: float) -> None:
+        super().__init__(pool, num_heads, scale)
+        # Reused gather destinations for decode K/V (grown on demand, shared by all
+        # layers and steps): writing into warm memory instead of a fresh allocation per
+        # layer halves the gather's cost on CPU, where big allocations come back as
+        # untouched pages that fault on first write.
+        self._k_ws = torch.empty(0, dtype=pool.dtype, device=pool.device)
+        self._v_ws = torch.empty(0, dtype=pool.dtype, device=pool.device)
+        self._new_k: torch.Tensor | None = None
+        self._new_v: torch.Tensor | None = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch
+    ) -> torch.Tensor:
+        self._new_k, self._new_v = k, v  # a chunk with no cached prefix attends to these directly
+        try:
+            return super().forward(q, k, v, layer, fb)
+        finally:
+            self._new_k = self._new_v = None
+
+    def _workspace(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._k_ws.numel() < numel:
+            self._k_ws = torch.empty(numel, dtype=self.pool.dtype, device=self.pool.device)
+            self._v_ws = torch.empty(numel, dtype=self.pool.dtype, device=self.pool.device)
+        return self._k_ws, self._v_ws
 
     def init_forward(self, fb: ForwardBatch) -> None:
         table = fb.req_to_token
@@ -64,8 +91,11 @@ class TorchAttentionBackend(AttentionBackend):
                 unit_ok = torch.arange(n_units, device=table.device) * ps < glens.unsqueeze(1)
                 units = torch.where(unit_ok, first, 0)
                 valid = torch.arange(n_units * ps, device=table.device) < glens.unsqueeze(1)  # [G, L]
+                # an additive float mask is cheaper for SDPA than a boolean one
+                bias = torch.zeros(valid.shape, dtype=self.pool.dtype, device=table.device)
+                bias.masked_fill_(~valid, float("-inf"))
                 self._dec_groups.append(
-                    _DecodeGroup(pos, units.reshape(-1), (len(members), n_units * ps), valid[:, None, None, :])
+                    _DecodeGroup(pos, units.reshape(-1), (len(members), n_units * ps), bias[:, None, None, :])
                 )
 
     def forward_extend(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
@@ -73,11 +103,15 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         start = 0
         for i, n in enumerate(fb.extend_seq_lens):
-            idx = self._ext_idx[i]
             qi = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            ki = k_buf.index_select(0, idx).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-            vi = v_buf.index_select(0, idx).transpose(0, 1).unsqueeze(0)
             mask = self._ext_mask[i]
+            if mask is None and self._new_k is not None:  # no prefix: K/V are the chunk's own
+                ki = self._new_k[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, KVH, n, D]
+                vi = self._new_v[start : start + n].transpose(0, 1).unsqueeze(0)
+            else:
+                idx = self._ext_idx[i]
+                ki = k_buf.index_select(0, idx).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+                vi = v_buf.index_select(0, idx).transpose(0, 1).unsqueeze(0)
             oi = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
             )
@@ -91,10 +125,17 @@ class TorchAttentionBackend(AttentionBackend):
         k_pages = k_buf.view(-1, self.pool.page_size, *heads)
         v_pages = v_buf.view(-1, self.pool.page_size, *heads)
         out = torch.empty_like(q)
+        page_numel = k_pages[0].numel()
+        k_ws, v_ws = self._workspace(max(g.flat_idx.numel() for g in self._dec_groups) * page_numel)
         for g in self._dec_groups:
             # index_select on a flat index is several times faster than 2-D fancy indexing
-            k = k_pages.index_select(0, g.flat_idx).view(*g.shape, *heads).transpose(1, 2)  # [G, KVH, L, dim]
-            v = v_pages.index_select(0, g.flat_idx).view(*g.shape, *heads).transpose(1, 2)
+            n = g.flat_idx.numel()
+            k = k_ws[: n * page_numel].view(n, *k_pages.shape[1:])
+            v = v_ws[: n * page_numel].view(n, *v_pages.shape[1:])
+            torch.index_select(k_pages, 0, g.flat_idx, out=k)
+            torch.index_select(v_pages, 0, g.flat_idx, out=v)
+            k = k.view(*g.shape, *heads).transpose(1, 2)  # [G, KVH, L, dim]
+            v = v.view(*g.shape, *heads).transpose(1, 2)
             # GQA without expanding K/V: the query heads that share a KV head become that
             # head's "query positions" (HF order: q head h uses kv head h // group)
             qg = q.index_select(0, g.positions).view(len(g.positions), heads[0], -1, heads[1])  # [G, KVH, group, dim]
@@ -108,4 +149,4 @@ class _DecodeGroup:
     positions: torch.Tensor  # [G] indices of the group's requests among the decodes
     flat_idx: torch.Tensor  # [G * L / page_size] pages, padded with page 0
     shape: tuple[int, int]  # (G, L)
-    mask: torch.Tensor  # [G, 1, 1, L] bool
+    mask: torch.Tensor  # [G, 1, 1, L] additive: 0 or -inf
