@@ -9,13 +9,13 @@ import inspect
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from plait.backend import BaseBackend
 from plait.choices import ChoicesSamplingMethod, token_length_normalized
 from plait.errors import BackendError
-from plait.interpreter import ProgramState, run_program, run_program_batch
+from plait.interpreter import ProgramState, iter_program_batch, run_program
 from plait.ir import (
     ExprList, Gen, RoleBegin, RoleEnd, Select, check_choices, check_json_schema, check_name, check_regex,
     check_stop, dtype_regex,
@@ -149,11 +149,14 @@ class Function:
                   logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
                   return_text_in_logprobs: bool | None = None, backend: Any = None,
                   num_threads: int | str = "auto", progress_bar: bool = False, pin_prefixes: bool = True,
-                  **kwargs: Any) -> list[ProgramState]:
+                  generator_style: bool = False, **kwargs: Any) -> Any:
         """Run one instance per item (a dict of arguments, or a list of positional
         ones). The instances are traced first: the prefixes they share are pinned in
         the runtime for the batch's lifetime (``pin_prefixes``) and they are submitted
-        grouped by shared prefix. States come back in input order."""
+        grouped by shared prefix. States come back in input order: as a list, or with
+        ``generator_style=True`` as an iterator that yields each state as soon as it
+        (and every one before it) is done; the pins are released when the iterator
+        is exhausted or closed."""
         if not isinstance(batch_kwargs, (list, tuple)):
             raise TypeError("run_batch takes a list of argument dicts (or of argument lists)")
         if not batch_kwargs:
@@ -166,6 +169,12 @@ class Function:
         batch = [self._kwargs(tuple(a), {}) if isinstance(a, (list, tuple)) else self._kwargs((), dict(a))
                  for a in batch_kwargs]
         b = _resolve_backend(backend)
+        if generator_style:
+            return self._iter_batch(b, batch, defaults, num_threads, progress_bar, pin_prefixes)
+        return list(self._iter_batch(b, batch, defaults, num_threads, progress_bar, pin_prefixes))
+
+    def _iter_batch(self, b: Any, batch: list[dict[str, Any]], defaults: dict[str, Any], num_threads: int | str,
+                    progress_bar: bool, pin_prefixes: bool) -> Iterator[ProgramState]:
         plan = self.plan(batch, b)
         pins: list[str] = []
         if pin_prefixes and len(batch) > 1 and plan.pins and b.supports_pinning:
@@ -175,7 +184,7 @@ class Function:
                 found = list(pool.map(lambda p: _pin(b, p[0], len(p[1])), plan.pins))
             pins = [p for p in found if p is not None]
         try:
-            return run_program_batch(self.func, b, batch, defaults, num_threads, progress_bar, plan.order)
+            yield from iter_program_batch(self.func, b, batch, defaults, num_threads, progress_bar, plan.order)
         finally:
             for pin_id in pins:
                 _unpin(b, pin_id)

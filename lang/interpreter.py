@@ -523,11 +523,12 @@ def run_program(fn: Callable[..., Any], backend: BaseBackend, args: tuple[Any, .
     return state
 
 
-def run_program_batch(fn: Callable[..., Any], backend: BaseBackend, batch: list[dict[str, Any]],
-                      defaults: dict[str, Any], num_threads: int | str, progress_bar: bool,
-                      order: list[int] | None = None) -> list[ProgramState]:
-    """Run one program per dict of ``batch``; states come back in ``batch`` order.
-    ``order`` is the submission order (sharers of a prefix adjacent)."""
+def iter_program_batch(fn: Callable[..., Any], backend: BaseBackend, batch: list[dict[str, Any]],
+                       defaults: dict[str, Any], num_threads: int | str, progress_bar: bool,
+                       order: list[int] | None = None) -> Iterator[ProgramState]:
+    """Run one program per dict of ``batch`` and yield the states in ``batch`` order,
+    each as soon as it and the ones before it are done. All instances are submitted at
+    once (in ``order``); closing the iterator early cancels the ones not started."""
     order = list(range(len(batch))) if order is None else order
     if num_threads == "auto":
         num_threads = AUTO_THREADS
@@ -539,25 +540,32 @@ def run_program_batch(fn: Callable[..., Any], backend: BaseBackend, batch: list[
         import tqdm
 
         bar = tqdm.tqdm(total=len(batch))
-    states: list[ProgramState | None] = [None] * len(batch)
 
-    def one(i: int) -> None:
+    def one(i: int) -> ProgramState:
         try:
-            states[i] = run_program(fn, backend, (), batch[i], defaults, False)
+            return run_program(fn, backend, (), batch[i], defaults, False)
         finally:
             if bar is not None:
                 bar.update()
 
     try:
         if num_threads == 1:
+            # sequential: in submission order, yielded in batch order once ready
+            done: dict[int, ProgramState] = {}
+            nxt = 0
             for i in order:
-                one(i)
-        else:
-            with ThreadPoolExecutor(num_threads, thread_name_prefix="plait-batch") as pool:
-                futures = [pool.submit(one, i) for i in order]
-                for f in futures:
-                    f.result()
+                done[i] = one(i)
+                while nxt in done:
+                    yield done.pop(nxt)
+                    nxt += 1
+            return
+        pool = ThreadPoolExecutor(num_threads, thread_name_prefix="plait-batch")
+        try:
+            futures = {i: pool.submit(one, i) for i in order}
+            for i in range(len(batch)):
+                yield futures[i].result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
     finally:
         if bar is not None:
             bar.close()
-    return [s for s in states if s is not None]

@@ -52,6 +52,9 @@ class EngineConfig:
     grammar_compile_timeout: float = 30.0
     grammar_compile_memory_mb: int = 4096
     grammar_cache_size: int = 64
+    # Prefixes the language pins for a batch (plait.runtime.pinning) may hold at most
+    # this share of the KV pool together, so pins can never starve running requests.
+    pin_budget_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         _require(self.device in DEVICES, "device", self.device, ", ".join(DEVICES))
@@ -88,6 +91,8 @@ class EngineConfig:
                  "grammar_compile_memory_mb", self.grammar_compile_memory_mb, "an integer >= 256 (MiB)")
         _require(_is_int(self.grammar_cache_size) and self.grammar_cache_size >= 1,
                  "grammar_cache_size", self.grammar_cache_size, "a positive integer")
+        _require(_is_num(self.pin_budget_fraction) and 0 <= self.pin_budget_fraction <= 0.9,
+                 "pin_budget_fraction", self.pin_budget_fraction, "a number in [0, 0.9] (0 disables pinning)")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -21,7 +21,7 @@ from plait.runtime.model_loader import ModelSource, resolve_model
 from plait.runtime.model_runner import ModelRunner
 from plait.runtime.models.config import ModelConfig
 from plait.runtime.models.llama import CausalLM, RotaryEmbedding
-from plait.runtime.pinning import PIN_BUDGET_FRACTION, PinTable
+from plait.runtime.pinning import PinTable
 from plait.runtime.radix_cache import RadixCache
 from plait.runtime.request import Req
 from plait.runtime.sampling_params import SamplingParams
@@ -75,6 +75,8 @@ class Engine:
         self.allocator = PageAllocator(num_pages, ps)
         self.req_to_token = ReqToToken(cfg.max_running_requests, self.context_len, self.device)
         self.cache = RadixCache(self.allocator, disable=cfg.disable_radix_cache)
+        # prefixes pinned for the language's batches (plait.runtime.pinning)
+        self.pins = PinTable(self.cache, int((num_pages - 1) * ps * cfg.pin_budget_fraction))
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.scheduler = Scheduler(
             cfg, self.allocator, self.req_to_token, self.cache, self.context_len,
@@ -242,7 +244,7 @@ class Engine:
 
     def step(self) -> list[Req]:
         """Run one scheduler step; returns the requests that finished in it."""
-        pins = self.__dict__.get("_pins")
+        pins = bool(self.pins)
         if pins:
             self.expire_pins()
         failed = self._activate_grammars() if self._grammar_pending else []
@@ -365,16 +367,6 @@ class Engine:
         return True
 
     # -- pinned prefixes (see plait.runtime.pinning) ------------------------------------
-    @property
-    def pins(self) -> PinTable:
-        """The pin table, created on first use; its budget is PIN_BUDGET_FRACTION of
-        the KV pool (set ``engine.pins.budget_tokens`` to change it)."""
-        table = self.__dict__.get("_pins")
-        if table is None:
-            pool_tokens = self.allocator.total_pages * self.config.page_size
-            table = self._pins = PinTable(self.cache, int(pool_tokens * PIN_BUDGET_FRACTION))
-        return table
-
     def pin_prefix(self, input_ids: list[int], ttl_s: float = 600.0, cache_salt: str | None = None) -> str:
         """Prefill ``input_ids`` and hold its KV in the prefix cache until
         :meth:`unpin` or until ``ttl_s`` seconds pass. Returns the pin id at once; the

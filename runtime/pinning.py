@@ -25,8 +25,6 @@ from typing import Any
 
 from plait.runtime.radix_cache import RadixCache, TreeNode
 
-# Default share of the KV pool that pins may hold together.
-PIN_BUDGET_FRACTION = 0.5
 MAX_PIN_TTL_S = 24 * 3600.0
 
 

@@ -612,6 +612,24 @@ def test_run_batch_returns_input_order(fake):
     assert [s["answer"] for s in states] == [f"{c}{i}" for i, c in enumerate("zyxwvu")]
 
 
+def test_run_batch_generator_style_yields_in_order_and_unpins_at_the_end(fake):
+    fake.reply = lambda prompt, params: prompt.split("Q: ")[-1].split("?")[0]
+    qs = [{"question": f"{c}{i}?"} for i, c in enumerate("zyxwvu")]
+    it = few_shot.run_batch(qs, backend=fake, num_threads=3, generator_style=True)
+    assert not isinstance(it, list)
+    first = next(it)
+    assert first["answer"] == "z0"
+    assert fake.unpins == []  # the pin is held while the batch is still being consumed
+    rest = list(it)
+    assert [s["answer"] for s in [first, *rest]] == [f"{c}{i}" for i, c in enumerate("zyxwvu")]
+    assert fake.unpins == ["pin1"]
+    # closing early releases the pin too; sequential mode yields the same order
+    it = few_shot.run_batch(qs, backend=fake, num_threads=1, generator_style=True)
+    assert next(it)["answer"] == "z0"
+    it.close()
+    assert fake.unpins == ["pin1", "pin2"]
+
+
 def test_function_surface(fake):
     with pytest.raises(ValueError, match="named 's'"):
         sgl.function(lambda state: None)

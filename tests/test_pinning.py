@@ -161,6 +161,20 @@ def test_flush_cache_releases_pins(engine):
     engine.check_invariants()
 
 
+def test_pin_budget_fraction_is_a_config_field(folder):
+    with Engine(folder, kv_cache_tokens=256, page_size=16, num_threads=1, pin_budget_fraction=0.25) as e:
+        pool_tokens = e.allocator.total_pages * 16
+        assert e.pins.budget_tokens == pool_tokens // 4
+        with pytest.raises(ValueError, match="pin budget"):
+            e.pin_prefix(rand_ids(pool_tokens // 4 + 16, 30), ttl_s=60)
+    with Engine(folder, kv_cache_tokens=256, page_size=16, num_threads=1, pin_budget_fraction=0) as e:
+        with pytest.raises(ValueError, match="pin budget"):  # 0 turns pinning off
+            e.pin_prefix(rand_ids(16, 31), ttl_s=60)
+    for bad in (-0.1, 0.95, "half", True):
+        with pytest.raises(ValueError, match="pin_budget_fraction"):
+            Engine(folder, kv_cache_tokens=256, pin_budget_fraction=bad)
+
+
 def test_pin_prefill_that_cannot_fit_fails_cleanly(folder):
     with Engine(folder, kv_cache_tokens=64, page_size=16, num_threads=1, context_length=256) as e:
         e.pins.budget_tokens = 10_000
