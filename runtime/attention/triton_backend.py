@@ -57,6 +57,13 @@ class TritonAttentionBackend(AttentionBackend):
         self._dec_rows = fb.req_rows[fb.num_extends :]
         self._dec_lens = i32(fb.decode_seq_lens)
 
+    def bind_decode(self, req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Decode-only steps read their metadata from these device tensors, which the
+        caller refills in place before each step: what a CUDA graph recorded over this
+        backend replays (see :mod:`plait.runtime.cuda_graph`). seq_lens: int32."""
+        self._req_to_token = req_to_token
+        self._dec_rows, self._dec_lens = req_rows, seq_lens
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch
     ) -> torch.Tensor:
