@@ -17,13 +17,19 @@ Systems:
 Reported: programs per second, its ratio to ``plait``, and the prefix-cache hit rate
 (runtime counters). Timings are reported, never asserted.
 
+``--churn N --kv-cache-tokens T`` adds N streams of other traffic (unique prompts) to
+the runtime during the plait runs, in a pool small enough that the churn evicts what is
+not held: the situation pinning is for.
+
     python benchmarks/bench_programs.py --instances 64
     python benchmarks/bench_programs.py --instances 16 --workloads qa,mc --skip-hf --num-threads 2
+    python benchmarks/bench_programs.py --workloads agent --churn 2 --kv-cache-tokens 4096 --skip-http --skip-hf
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -148,23 +154,75 @@ class Recorder:
         del self.endpoint.submit
 
 
-def hit_rate(before: dict[str, Any], after: dict[str, Any]) -> float:
+def hit_rate(before: dict[str, Any], after: dict[str, Any], churn: Churn | None = None) -> float:
+    """Share of the batch's prompt tokens served from the prefix cache (runtime
+    counters; the churn's own tokens are taken out)."""
     q = after["cache_queried_tokens"] - before["cache_queried_tokens"]
     h = after["cache_hit_tokens"] - before["cache_hit_tokens"]
-    return h / q if q else 0.0
+    if churn is not None:
+        q, h = q - churn.prompt_tokens, h - churn.cached_tokens
+    return h / q if q > 0 else 0.0
 
 
-def run_plait(fn: Any, batch: list[dict[str, Any]], endpoint: Any, pin: bool) -> tuple[float, float, list[Request]]:
+class Churn:
+    """Other traffic on the same runtime while a batch runs: ``streams`` clients, each
+    sending unique random-word prompts of about ``words`` words (one output token) one
+    after another. Their prompts fill the prefix cache and evict what nobody holds."""
+
+    def __init__(self, url: str, streams: int, words: int = 300) -> None:
+        self.url, self.streams, self.words = url, streams, words
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self.sent = self.prompt_tokens = self.cached_tokens = 0  # since the last __enter__
+
+    def _loop(self, seed: int) -> None:
+        rng = random.Random(seed)
+        vocab = ["river", "stone", "amber", "cloud", "gear", "violet", "pine", "harbor", "signal", "maple",
+                 "copper", "lantern", "meadow", "orbit", "quartz", "willow", "canyon", "ember", "falcon", "glacier"]
+        while not self._stop.is_set():
+            text = " ".join(rng.choice(vocab) + str(rng.randrange(1000)) for _ in range(self.words))
+            body = json.dumps({"text": text, "sampling_params": {"max_new_tokens": 1}}).encode()
+            req = urllib.request.Request(self.url + "/generate", data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as resp:
+                meta = json.loads(resp.read())["meta_info"]
+            with self._lock:
+                self.sent += 1
+                self.prompt_tokens += meta["prompt_tokens"]
+                self.cached_tokens += meta["cached_tokens"]
+
+    def __enter__(self) -> Churn:
+        self.sent = self.prompt_tokens = self.cached_tokens = 0
+        for i in range(self.streams):
+            t = threading.Thread(target=self._loop, args=(1000 + i + 100 * len(self._threads),), daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+        self._threads.clear()
+
+
+def run_plait(fn: Any, batch: list[dict[str, Any]], endpoint: Any, pin: bool,
+              churn: Churn | None = None) -> tuple[float, float, list[Request]]:
     endpoint.flush_cache()
     before = endpoint.get_server_info()
-    with Recorder(endpoint) as rec:
+    with Recorder(endpoint) as rec, churn or _nothing():
         t = time.perf_counter()
         states = fn.run_batch(batch, temperature=0, backend=endpoint, pin_prefixes=pin, num_threads=64)
         elapsed = time.perf_counter() - t
     errors = [s.error() for s in states if s.error() is not None]
     if errors:
         raise RuntimeError(f"{len(errors)} programs failed, first: {errors[0]}")
-    return elapsed, hit_rate(before, endpoint.get_server_info()), rec.requests
+    return elapsed, hit_rate(before, endpoint.get_server_info(), churn), rec.requests
+
+
+@contextlib.contextmanager
+def _nothing() -> Any:
+    yield
 
 
 def http_payload(r: Request) -> dict[str, Any]:
@@ -243,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="plait runs per system (the best is reported)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-http", action="store_true")
+    p.add_argument("--churn", type=int, default=0,
+                   help="streams of other traffic (unique ~300-word prompts) on the runtime during the plait runs; "
+                        "with a small --kv-cache-tokens they evict what is not pinned")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -265,10 +326,11 @@ def main(argv: list[str] | None = None) -> int:
             batch = make(args.instances, random.Random(0))
             fn.run_batch(batch[:2], temperature=0, backend=rt)  # warm-up
             t_pin = t_nopin = float("inf")
+            churn = Churn(rt.url, args.churn) if args.churn else None
             for _ in range(args.repeats):  # alternate, keep the best of each
-                t, hr_pin, reqs = run_plait(fn, batch, rt.endpoint, pin=True)
+                t, hr_pin, reqs = run_plait(fn, batch, rt.endpoint, pin=True, churn=churn)
                 t_pin = min(t_pin, t)
-                t, hr_nopin, _ = run_plait(fn, batch, rt.endpoint, pin=False)
+                t, hr_nopin, _ = run_plait(fn, batch, rt.endpoint, pin=False, churn=churn)
                 t_nopin = min(t_nopin, t)
             recorded[w] = reqs
             results.append({"workload": w, "system": "plait", "seconds": t_pin, "hit_rate": hr_pin,
