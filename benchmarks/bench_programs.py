@@ -193,6 +193,7 @@ class Churn:
 
     def __enter__(self) -> Churn:
         self.sent = self.prompt_tokens = self.cached_tokens = 0
+        self._stop.clear()
         for i in range(self.streams):
             t = threading.Thread(target=self._loop, args=(1000 + i + 100 * len(self._threads),), daemon=True)
             t.start()
