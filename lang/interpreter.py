@@ -22,7 +22,7 @@ from plait.backend import BaseBackend, CancelScope
 from plait.chat_template import ChatTemplate, ChatTemplateError, Transcript
 from plait.errors import ProgramCancelled, ProgramError, UnknownVariableError
 from plait.ir import (
-    Expr, ExprList, Gen, RoleBegin, RoleEnd, Select, Text, VarScopeBegin, VarScopeEnd,
+    Expr, Gen, RoleBegin, RoleEnd, RoleScopes, Select, Text, VarScopeBegin, VarScopeEnd,
     as_expr, defined_names, dtype_regex, flatten, resolve_params,
 )
 
@@ -275,7 +275,7 @@ class Executor:
         return kids
 
 
-class ProgramState:
+class ProgramState(RoleScopes):
     """The state ``s`` of a running program: ``s += ...`` appends, ``s["name"]`` reads
     a variable (waiting for it), ``s.fork(n)`` branches."""
 
@@ -288,33 +288,8 @@ class ProgramState:
         self.executor.submit(as_expr(other))
         return self
 
-    def _role(self, role: str, expr: Any = None) -> Any:
-        if expr is not None:
-            self.executor.submit(ExprList([RoleBegin(role), as_expr(expr), RoleEnd(role)]))
-            return None
-        return self._role_scope(role)
-
-    @contextlib.contextmanager
-    def _role_scope(self, role: str) -> Iterator[None]:
-        self.executor.submit(RoleBegin(role))
-        yield
-        self.executor.submit(RoleEnd(role))
-
-    def system(self, expr: Any = None) -> Any:
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None) -> Any:
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None) -> Any:
-        return self._role("assistant", expr)
-
-    @contextlib.contextmanager
-    def var_scope(self, name: str) -> Iterator[None]:
-        """Everything appended inside the block becomes variable ``name``."""
-        self.executor.submit(VarScopeBegin(name))
-        yield
-        self.executor.submit(VarScopeEnd(name))
+    def _append(self, expr: Expr) -> None:
+        self.executor.submit(expr)
 
     def fork(self, size: int = 1, position_ids_offset: Any = None) -> ProgramStateGroup:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:

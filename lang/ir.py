@@ -7,8 +7,10 @@ executes them against a backend; the tracer records them into a program graph.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +120,42 @@ def as_expr(x: Any) -> Expr:
         f"cannot append a {type(x).__name__} to a program state; allowed: a string or a plait "
         f"expression (gen, select, a role); convert it with str() first"
     )
+
+
+class RoleScopes:
+    """Roles and variable scopes of a program state, written once for the running state
+    and the tracing one: both only differ in what appending an expression does."""
+
+    def _append(self, expr: Expr) -> None:
+        raise NotImplementedError
+
+    def _role(self, role: str, expr: Any = None) -> Any:
+        if expr is not None:
+            self._append(ExprList([RoleBegin(role), as_expr(expr), RoleEnd(role)]))
+            return None
+        return self._role_scope(role)
+
+    @contextlib.contextmanager
+    def _role_scope(self, role: str) -> Iterator[None]:
+        self._append(RoleBegin(role))
+        yield
+        self._append(RoleEnd(role))
+
+    def system(self, expr: Any = None) -> Any:
+        return self._role("system", expr)
+
+    def user(self, expr: Any = None) -> Any:
+        return self._role("user", expr)
+
+    def assistant(self, expr: Any = None) -> Any:
+        return self._role("assistant", expr)
+
+    @contextlib.contextmanager
+    def var_scope(self, name: str) -> Iterator[None]:
+        """Everything appended inside the block becomes variable ``name``."""
+        self._append(VarScopeBegin(name))
+        yield
+        self._append(VarScopeEnd(name))
 
 
 def flatten(x: Expr) -> list[Expr]:

@@ -25,7 +25,7 @@ from typing import Any, Union
 
 from plait.chat_template import ChatTemplate, Transcript
 from plait.ir import (
-    Expr, Gen, RoleBegin, RoleEnd, Select, Text, VarScopeBegin, VarScopeEnd, as_expr, flatten,
+    Expr, Gen, RoleBegin, RoleEnd, RoleScopes, Select, Text, VarScopeBegin, VarScopeEnd, as_expr, flatten,
 )
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters around an unbound argument's name
@@ -258,7 +258,7 @@ class _ArgPlaceholder(str):
         return super().__new__(cls, f"{_OPEN}{name}{_CLOSE}")
 
 
-class TracingState:
+class TracingState(RoleScopes):
     """Stands in for ``s`` while tracing: records instead of running."""
 
     def __init__(self, nodes: list[Node], known: dict[str, Any] | None = None) -> None:
@@ -296,33 +296,9 @@ class TracingState:
             self.outputs.add(name)
             self.known.pop(name, None)
 
-    # roles, scopes, forks: the same surface as ProgramState
-    def _role(self, role: str, expr: Any = None) -> Any:
-        if expr is not None:
-            self += RoleBegin(role) + as_expr(expr) + RoleEnd(role)
-            return None
-        return self._role_scope(role)
-
-    @contextlib.contextmanager
-    def _role_scope(self, role: str) -> Iterator[None]:
-        self += RoleBegin(role)
-        yield
-        self += RoleEnd(role)
-
-    def system(self, expr: Any = None) -> Any:
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None) -> Any:
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None) -> Any:
-        return self._role("assistant", expr)
-
-    @contextlib.contextmanager
-    def var_scope(self, name: str) -> Iterator[None]:
-        self += VarScopeBegin(name)
-        yield
-        self += VarScopeEnd(name)
+    # roles and scopes come from RoleScopes; forks: the same surface as ProgramState
+    def _append(self, expr: Expr) -> None:
+        self += expr
 
     def fork(self, size: int = 1, position_ids_offset: Any = None) -> TracingGroup:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
