@@ -220,3 +220,17 @@ def test_a_runtime_that_dies_mid_program(folder):
         remote.shutdown()
     finally:
         rt.shutdown()
+
+
+def test_server_info_carries_the_chat_template_for_remote_clients(runtime, folder):
+    from plait.runtime_endpoint import _template_from_info, _template_from_files
+
+    info = runtime.endpoint.get_server_info()
+    assert info["chat_template"] is True and "{%" in info["chat_template_text"]
+    # a client on another machine: the model path means nothing there
+    remote = _template_from_info({**info, "model_path": "/nonexistent/model"})
+    local = _template_from_info({"model_path": folder, "chat_template": True})
+    text, _ = _template_from_files(folder)
+    assert info["chat_template_text"] == text
+    for role, history in [("system", ()), ("user", ("system",)), ("assistant", ("system", "user"))]:
+        assert remote.markers(role, history) == local.markers(role, history)

@@ -202,7 +202,7 @@ class Front:
             protocol_version=P.PROTOCOL_VERSION,
             in_flight=len(self.table),
             healthy=self.engine_alive,
-            chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
+            **chat_template_info(self.tokenizer),
         )
         return info
 
@@ -392,3 +392,17 @@ def start_engine(args: ServerArgs, model_path: str | None, in_addr: str, out_add
         "log_level": args.log_level,
     }
     return subprocess.Popen([sys.executable, "-m", "plait.runtime.server.engine_proc", json.dumps(spec)])
+
+
+def chat_template_info(tokenizer: Any) -> dict[str, Any]:
+    """The chat template as clients need it to render roles without the model files:
+    ``chat_template`` (present or not), its Jinja text and the special tokens it uses."""
+    text = getattr(tokenizer, "chat_template", None)
+    if isinstance(text, dict):  # named templates: the default one renders chats
+        text = text.get("default")
+    special = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    return {
+        "chat_template": isinstance(text, str) and bool(text),
+        "chat_template_text": text if isinstance(text, str) and text else None,
+        "special_tokens": {k: v for k, v in special.items() if isinstance(v, str)},
+    }
