@@ -10,7 +10,7 @@ The peer, in the same process with the same weights, dtype and threads: transfor
 `generate` with static batching (requests taken in order, left-padded, each batch run
 until its longest output). Prints a table; asserts nothing.
 
-    python benchmarks/bench_offline.py [--threads 2] [--quick]
+    python benchmarks/bench_offline.py [--threads 2] [--quick] [--breakdown]
 """
 
 from __future__ import annotations
@@ -115,6 +115,59 @@ def run_hf(model, wl: Workload, batch_size: int) -> dict:
     return {"seconds": dt, "prefill_computed": computed, "hit_rate": 0.0}
 
 
+class Breakdown:
+    """Wall time of plait's forward by part (GEMMs by row count, LM head, extend and
+    decode attention), by wrapping the modules' methods; the rest of a step is what
+    remains of the total. Costs a few timer calls per op: for explaining, not timing."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self.flops: dict[str, float] = {}
+        self._undo: list = []
+
+    def _wrap(self, owner, name: str, label, flops=None) -> None:
+        orig = getattr(owner, name)
+
+        def timed(obj, *args):
+            t = time.perf_counter()
+            out = orig(obj, *args)
+            key = label(obj, *args)
+            self.parts[key] = self.parts.get(key, 0.0) + time.perf_counter() - t
+            if flops is not None:
+                self.flops[key] = self.flops.get(key, 0.0) + flops(obj, *args)
+            return out
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, orig))
+
+    def __enter__(self) -> "Breakdown":
+        from plait.runtime.attention.torch_backend import TorchAttentionBackend
+        from plait.runtime.models.llama import CausalLM
+
+        def rows(x):
+            m = x.shape[0]
+            return "GEMM, decode-sized (<= 64 rows)" if m <= 64 else "GEMM, prefill-sized (> 64 rows)"
+
+        self._wrap(torch.nn.Linear, "forward", lambda mod, x: rows(x), lambda mod, x: 2 * x.shape[0] * mod.weight.numel())
+        self._wrap(CausalLM, "compute_logits", lambda m, h: "LM head",
+                   lambda m, h: 2 * h.shape[0] * m.model.embed_tokens.weight.numel())
+        self._wrap(TorchAttentionBackend, "forward_extend", lambda *a: "attention, extend")
+        self._wrap(TorchAttentionBackend, "forward_decode", lambda *a: "attention, decode")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, orig in reversed(self._undo):
+            setattr(owner, name, orig)
+
+    def report(self, total: float) -> str:
+        lines = []
+        for key in sorted(self.parts, key=self.parts.get, reverse=True):
+            rate = f", {self.flops[key] / self.parts[key] / 1e9:.0f} GFLOP/s" if key in self.flops else ""
+            lines.append(f"  {key}: {self.parts[key]:.1f} s{rate}")
+        lines.append(f"  everything else: {total - sum(self.parts.values()):.1f} s")
+        return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="plait model (default: SmolLM2-135M-Instruct GGUF)")
@@ -123,6 +176,8 @@ def main() -> None:
     # 32 was transformers' fastest on workload (a) in a sweep of 8/16/32/64 (README)
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only run (a) on plait and print where its time goes (torch attention backend)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -137,6 +192,13 @@ def main() -> None:
     from plait.runtime.model_loader import resolve_model
 
     common = dict(num_threads=args.threads, kv_cache_tokens=65536, max_running_requests=128)
+    if args.breakdown:
+        with Engine(args.model, attention_backend="torch", **common) as engine:
+            run_plait(engine, random_workload(4, (16, 32), (4, 8), seed=99))  # warm-up
+            with Breakdown() as bd:
+                res = run_plait(engine, wl_a)
+        print(f"(a) plait: {res['seconds']:.1f} s\n{bd.report(res['seconds'])}")
+        return
     rows = []
     with Engine(args.model, **common) as engine:
         run_plait(engine, random_workload(4, (16, 32), (4, 8), seed=99))  # warm-up
