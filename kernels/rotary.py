@@ -78,8 +78,9 @@ def rope_cos_sin_cache(
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
 
 
-def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, dim]; cos, sin: [T, 1, dim // 2] fp32
+def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, heads, dim] by ``cos``, ``sin`` [T, 1, dim // 2] (fp32, HF
+    ``rotate_half`` layout); computed in fp32, returned in ``x``'s dtype."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
@@ -93,7 +94,7 @@ def apply_rotary_ref(
     half = q.shape[-1] // 2
     cs = cos_sin_cache[positions.long()].float()
     cos, sin = cs[:, None, :half], cs[:, None, half:]
-    return _rotate_ref(q, cos, sin), _rotate_ref(k, cos, sin)
+    return rotate_ref(q, cos, sin), rotate_ref(k, cos, sin)
 
 
 def apply_rotary(

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.kernels.rotary import apply_rotary_ref, rope_cos_sin_cache
+from plait.kernels.rotary import apply_rotary_ref, rope_cos_sin_cache, rotate_ref
 from plait.runtime.attention.base import AttentionBackend
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.models.config import ModelConfig
@@ -31,6 +31,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(head_dim, max_pos, theta, rope_scaling), persistent=False)
         self.triton_ops = triton_ops
+        self._positions: torch.Tensor | None = None  # the step whose cos/sin are cached
+        self._cos = self._sin = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, heads, dim], k: [T, kv_heads, dim]
@@ -39,6 +41,15 @@ class RotaryEmbedding(nn.Module):
 
             return apply_rotary(q, k, positions, self.cos_sin_cache)
         return apply_rotary_ref(q, k, positions, self.cos_sin_cache)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Torch path for q and k side by side (``x``: [T, heads + kv_heads, dim]), with
+        cos/sin looked up once per step: every layer passes the same ``positions``."""
+        if positions is not self._positions:
+            half = x.shape[-1] // 2
+            cs = self.cos_sin_cache[positions.long()].float()
+            self._positions, self._cos, self._sin = positions, cs[:, None, :half], cs[:, None, half:]
+        return rotate_ref(x, self._cos, self._sin)
 
 
 class RMSNorm(nn.Module):
@@ -87,7 +98,15 @@ class Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend, fb: ForwardBatch
     ) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if not (self.qk_norm or rope.triton_ops):
+            # q and k are adjacent in the fused output: rotate them as one tensor
+            qk = rope.rotate(positions, qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim))
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
+            o = attn.forward(q, k, v, self.layer_id, fb)  # [T, heads, dim]
+            return self.o_proj(o.reshape(T, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -112,8 +131,9 @@ class MLP(nn.Module):
             from plait.kernels.activation import silu_and_mul
 
             return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # in place, in the GEMM's output: no fresh [tokens, intermediate] buffers
+        gate = F.silu(gate_up[:, : self.inter], inplace=True)
+        return self.down_proj(gate.mul_(gate_up[:, self.inter :]))
 
 
 class DecoderLayer(nn.Module):
