@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable, Sequence
 
 import torch
 
@@ -49,8 +48,8 @@ class DecodeGraphRunner:
     """Records and replays decode steps for bucketed batch sizes.
 
     ``attn`` must offer ``bind_decode(req_to_token, req_rows, seq_lens)``. After
-    :meth:`capture`, :meth:`run` takes the decode requests' ids, positions, slots, rows
-    and lengths and returns the logits ``[B, vocab]`` (float32) of the real rows.
+    :meth:`capture`, :meth:`run` takes a decode-only :class:`ForwardBatch` and returns
+    the logits ``[B, vocab]`` (float32) of its rows.
     """
 
     def __init__(
@@ -79,8 +78,6 @@ class DecodeGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
-        self._eager: dict[int, Callable[[], torch.Tensor]] = {}
-        self._pool = None
         self.replays = 0  # steps served by a graph (or its eager stand-in)
 
     @property
@@ -113,10 +110,8 @@ class DecodeGraphRunner:
         """Record one graph per bucket, largest first (the others reuse its memory)."""
         self._pad(0)
         if self.mode == "eager":
-            for bs in self.buckets:
-                self._eager[bs] = lambda bs=bs: self._step(bs)
             return
-        self._pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -124,7 +119,7 @@ class DecodeGraphRunner:
                 for _ in range(2):  # warm-up: Triton compiles, allocator settles
                     self._step(bs)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self._logits[bs] = self._step(bs)
                 self._graphs[bs] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -138,28 +133,24 @@ class DecodeGraphRunner:
         self.req_rows[start:].zero_()
         self.seq_lens[start:].fill_(1)
 
-    def run(
-        self,
-        input_ids: Sequence[int],
-        positions: Sequence[int],
-        out_slots: torch.Tensor,
-        req_rows: Sequence[int],
-        seq_lens: Sequence[int],
-    ) -> torch.Tensor:
-        bs = len(input_ids)
-        if not 1 <= bs <= self.max_bs:
-            raise ValueError(f"decode batch of {bs} requests is outside the recorded sizes 1..{self.max_bs}")
+    def run(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits of the decode-only step ``fb``, from the graph of its bucket."""
+        bs = fb.num_decodes
+        if fb.num_extends or not 1 <= bs <= self.max_bs:
+            raise ValueError(
+                f"a graph replays decode-only steps of 1..{self.max_bs} requests; got {fb.num_extends} extends "
+                f"and {bs} decodes"
+            )
         g = self.bucket(bs)
-        dev = self.device
-        self.input_ids[:bs].copy_(torch.tensor(input_ids, dtype=torch.long), non_blocking=dev.type == "cuda")
-        self.positions[:bs].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=dev.type == "cuda")
-        self.out_slots[:bs].copy_(out_slots)
-        self.req_rows[:bs].copy_(torch.tensor(req_rows, dtype=torch.long), non_blocking=dev.type == "cuda")
-        self.seq_lens[:bs].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=dev.type == "cuda")
+        self.input_ids[:bs].copy_(fb.input_ids)
+        self.positions[:bs].copy_(fb.positions)
+        self.out_slots[:bs].copy_(fb.out_slots)
+        self.req_rows[:bs].copy_(fb.req_rows)
+        self.seq_lens[:bs].copy_(torch.tensor(fb.decode_seq_lens, dtype=torch.int32))
         if g > bs:
             self._pad(bs)
         self.replays += 1
         if self.mode == "eager":
-            return self._eager[g]()[:bs]
+            return self._step(g)[:bs]
         self._graphs[g].replay()
         return self._logits[g][:bs]

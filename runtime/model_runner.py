@@ -70,9 +70,9 @@ class ModelRunner:
         every request that catches up this step (keyed by request id)."""
         if batch.new_pages:
             self.attn.pool.zero_pages(batch.new_pages)
-        if self.graphs is not None and not batch.extends and len(batch.decodes) <= self.graphs.max_bs:
-            return self._sample(self._decode_with_graph(batch), list(batch.decodes))
         fb = self.build_forward_batch(batch)
+        if self.graphs is not None and not batch.extends and fb.num_decodes <= self.graphs.max_bs:
+            return self._sample(self.graphs.run(fb), list(batch.decodes))
         self.attn.init_forward(fb)
         hidden = self.model(fb, self.attn)
 
@@ -114,15 +114,6 @@ class ModelRunner:
         if lp_rows:
             self._record_input_logprobs(logits[: len(lp_rows)], lp_spans)
         return self._sample(logits[len(lp_rows) :], sample_reqs)
-
-    def _decode_with_graph(self, batch: ScheduleBatch) -> torch.Tensor:
-        """Logits of a decode-only step, replayed from the recorded graph of its size."""
-        decs = batch.decodes
-        table = self.req_to_token.table
-        rows = [r.row for r in decs]
-        pos = [r.num_computed for r in decs]
-        slots = table[torch.tensor(rows, device=table.device), torch.tensor(pos, device=table.device)]
-        return self.graphs.run([r.all_ids[-1] for r in decs], pos, slots, rows, [p + 1 for p in pos])
 
     def _sample(self, sample_logits: torch.Tensor, sample_reqs: list[Req]) -> dict[str, int]:
         """Grammar masks, sampling and output logprobs for one row per request."""

@@ -36,6 +36,7 @@ def test_decode_graph_path_pads_to_buckets_and_matches(tiny_model_factory):
     """The static-buffer, bucket-padded decode path that CUDA graphs replay, run eagerly
     on CPU: same greedy tokens as the torch backend, with batches that need padding."""
     from plait.runtime.cuda_graph import DecodeGraphRunner, graph_buckets
+    from plait.runtime.forward_batch import ForwardBatch
 
     folder = str(tiny_model_factory("llama"))
     g = torch.Generator().manual_seed(11)
@@ -55,8 +56,10 @@ def test_decode_graph_path_pads_to_buckets_and_matches(tiny_model_factory):
             engine.check_invariants()
             if backend == "triton":
                 assert graphs.replays >= 8  # every decode-only step went through the padded path
-                with pytest.raises(ValueError, match="outside the recorded sizes"):
-                    graphs.run([1] * 6, [0] * 6, torch.zeros(6, dtype=torch.long), [0] * 6, [1] * 6)
+                zeros = torch.zeros(6, dtype=torch.long)
+                too_big = ForwardBatch(zeros, zeros, zeros, zeros, engine.req_to_token.table, 0, [], [], [1] * 6)
+                with pytest.raises(ValueError, match="decode-only steps of 1..5 requests"):
+                    graphs.run(too_big)
     assert outs["triton"] == outs["torch"]
     assert graph_buckets(1) == [1] and graph_buckets(20)[-3:] == [12, 16, 20]
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):

@@ -34,17 +34,20 @@ class AttentionBackend(ABC):
         self.pool.set_kv(layer, fb.out_slots, k, v)
         n_ext = fb.num_extend_tokens
         if fb.num_decodes == 0:
-            return self.forward_extend(q, layer, fb)
+            return self.forward_extend(q, layer, fb, k, v)
         if fb.num_extends == 0:
             return self.forward_decode(q, layer, fb)
         return torch.cat(
-            [self.forward_extend(q[:n_ext], layer, fb), self.forward_decode(q[n_ext:], layer, fb)]
+            [self.forward_extend(q[:n_ext], layer, fb, k[:n_ext], v[:n_ext]), self.forward_decode(q[n_ext:], layer, fb)]
         )
 
     @abstractmethod
-    def forward_extend(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
+    def forward_extend(
+        self, q: torch.Tensor, layer: int, fb: ForwardBatch, k: torch.Tensor | None = None, v: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Extend requests: each chunk attends to its cached prefix and causally to itself.
-        q: [extend_tokens, heads, dim] -> [extend_tokens, heads, dim]."""
+        q: [extend_tokens, heads, dim] -> [extend_tokens, heads, dim]. ``k``, ``v``: the
+        chunks' own new K/V (already in the pool), when the caller has them at hand."""
 
     @abstractmethod
     def forward_decode(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:

@@ -36,17 +36,6 @@ class TorchAttentionBackend(AttentionBackend):
         # untouched pages that fault on first write.
         self._k_ws = torch.empty(0, dtype=pool.dtype, device=pool.device)
         self._v_ws = torch.empty(0, dtype=pool.dtype, device=pool.device)
-        self._new_k: torch.Tensor | None = None
-        self._new_v: torch.Tensor | None = None
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch
-    ) -> torch.Tensor:
-        self._new_k, self._new_v = k, v  # a chunk with no cached prefix attends to these directly
-        try:
-            return super().forward(q, k, v, layer, fb)
-        finally:
-            self._new_k = self._new_v = None
 
     def _workspace(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._k_ws.numel() < numel:
@@ -104,16 +93,18 @@ class TorchAttentionBackend(AttentionBackend):
                     _DecodeGroup(pos, units.reshape(-1), (len(members), n_units * ps), bias[:, None, None, :])
                 )
 
-    def forward_extend(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
+    def forward_extend(
+        self, q: torch.Tensor, layer: int, fb: ForwardBatch, k: torch.Tensor | None = None, v: torch.Tensor | None = None
+    ) -> torch.Tensor:
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
         out = torch.empty_like(q)
         start = 0
         for i, n in enumerate(fb.extend_seq_lens):
             qi = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             mask = self._ext_mask[i]
-            if mask is None and self._new_k is not None:  # no prefix: K/V are the chunk's own
-                ki = self._new_k[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, KVH, n, D]
-                vi = self._new_v[start : start + n].transpose(0, 1).unsqueeze(0)
+            if mask is None and k is not None:  # no prefix: K/V are the chunk's own
+                ki = k[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, KVH, n, D]
+                vi = v[start : start + n].transpose(0, 1).unsqueeze(0)
             else:
                 idx = self._ext_idx[i]
                 ki = k_buf.index_select(0, idx).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]

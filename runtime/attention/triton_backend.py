@@ -78,7 +78,9 @@ class TritonAttentionBackend(AttentionBackend):
             self._decode(q[n_ext:], layer, out[n_ext:])
         return out
 
-    def forward_extend(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
+    def forward_extend(
+        self, q: torch.Tensor, layer: int, fb: ForwardBatch, k: torch.Tensor | None = None, v: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self._extend(q, layer, torch.empty_like(q))
 
     def forward_decode(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:

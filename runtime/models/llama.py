@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.kernels.rotary import apply_rotary_ref, rope_cos_sin_cache, rotate_ref
+from plait.kernels.rotary import rope_cos_sin_cache, rotate_ref
 from plait.runtime.attention.base import AttentionBackend
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.models.config import ModelConfig
@@ -40,11 +40,11 @@ class RotaryEmbedding(nn.Module):
             from plait.kernels.rotary import apply_rotary
 
             return apply_rotary(q, k, positions, self.cos_sin_cache)
-        return apply_rotary_ref(q, k, positions, self.cos_sin_cache)
+        return self.rotate(positions, q), self.rotate(positions, k)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Torch path for q and k side by side (``x``: [T, heads + kv_heads, dim]), with
-        cos/sin looked up once per step: every layer passes the same ``positions``."""
+        """Torch path: ``x`` [T, heads, dim] (q, k, or both side by side), with cos/sin
+        looked up once per step: every layer passes the same ``positions``."""
         if positions is not self._positions:
             half = x.shape[-1] // 2
             cs = self.cos_sin_cache[positions.long()].float()
@@ -99,20 +99,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        if not (self.qk_norm or rope.triton_ops):
-            # q and k are adjacent in the fused output: rotate them as one tensor
-            qk = rope.rotate(positions, qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim))
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
-            o = attn.forward(q, k, v, self.layer_id, fb)  # [T, heads, dim]
-            return self.o_proj(o.reshape(T, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        if self.qk_norm or rope.triton_ops:
+            q, k = rope(positions, q, k)
+        else:  # q and k are adjacent in the fused output: rotate them as one tensor
+            qk = rope.rotate(positions, qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim))
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         o = attn.forward(q, k, v, self.layer_id, fb)  # [T, heads, dim]
         return self.o_proj(o.reshape(T, self.q_size))
 
