@@ -142,15 +142,17 @@ class Breakdown:
 
     def __enter__(self) -> "Breakdown":
         from plait.runtime.attention.torch_backend import TorchAttentionBackend
+        from plait.runtime.models.linear import Linear
         from plait.runtime.models.llama import CausalLM
 
         def rows(x):
             m = x.shape[0]
             return "GEMM, decode-sized (<= 64 rows)" if m <= 64 else "GEMM, prefill-sized (> 64 rows)"
 
-        self._wrap(torch.nn.Linear, "forward", lambda mod, x: rows(x), lambda mod, x: 2 * x.shape[0] * mod.weight.numel())
+        self._wrap(Linear, "forward", lambda mod, x: rows(x),
+                   lambda mod, x: 2 * x.shape[0] * mod.in_features * mod.out_features)
         self._wrap(CausalLM, "compute_logits", lambda m, h: "LM head",
-                   lambda m, h: 2 * h.shape[0] * m.model.embed_tokens.weight.numel())
+                   lambda m, h: 2 * h.shape[0] * m.config.vocab_size * m.config.hidden_size)
         self._wrap(TorchAttentionBackend, "forward_extend", lambda *a: "attention, extend")
         self._wrap(TorchAttentionBackend, "forward_decode", lambda *a: "attention, decode")
         return self
@@ -178,6 +180,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--breakdown", action="store_true",
                     help="only run (a) on plait and print where its time goes (torch attention backend)")
+    ap.add_argument("--cpu-gemm", default="auto", choices=["auto", "onednn", "torch"],
+                    help="plait's EngineConfig.cpu_gemm; with auto, (a) also runs with torch's GEMMs to show their share")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -191,7 +195,7 @@ def main() -> None:
     from plait.runtime import Engine
     from plait.runtime.model_loader import resolve_model
 
-    common = dict(num_threads=args.threads, kv_cache_tokens=65536, max_running_requests=128)
+    common = dict(num_threads=args.threads, kv_cache_tokens=65536, max_running_requests=128, cpu_gemm=args.cpu_gemm)
     if args.breakdown:
         with Engine(args.model, attention_backend="torch", **common) as engine:
             run_plait(engine, random_workload(4, (16, 32), (4, 8), seed=99))  # warm-up
@@ -208,6 +212,11 @@ def main() -> None:
     with Engine(args.model, disable_radix_cache=True, **common) as engine:
         run_plait(engine, random_workload(4, (16, 32), (4, 8), seed=99))
         res_c = run_plait(engine, wl_b)
+    res_a_torch = None
+    if args.cpu_gemm == "auto" and engine.config.resolved_cpu_gemm() == "onednn":
+        with Engine(args.model, **{**common, "cpu_gemm": "torch"}) as engine:
+            run_plait(engine, random_workload(4, (16, 32), (4, 8), seed=99))
+            res_a_torch = run_plait(engine, wl_a)
 
     res_hf_a = res_hf_b = None
     if not args.skip_hf:
@@ -232,6 +241,8 @@ def main() -> None:
                 f"{res['prefill_computed']}", f"{wl.unique_prompt_tokens()}", f"{res['hit_rate']:.2f}"]
 
     rows.append(row("(a) plait", wl_a, res_a, res_hf_a))
+    if res_a_torch:
+        rows.append(row("(a) plait, cpu_gemm=torch (MKL)", wl_a, res_a_torch, res_hf_a))
     if res_hf_a:
         rows.append(row(f"(a) HF static b={args.hf_batch_size}", wl_a, res_hf_a, None))
     rows.append(row("(b) plait, radix cache", wl_b, res_b, res_hf_b))

@@ -10,6 +10,7 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 ATTENTION_BACKENDS = ("torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_GEMMS = ("auto", "onednn", "torch")
 
 
 def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
@@ -38,6 +39,10 @@ class EngineConfig:
     context_length: int | None = None
     num_threads: int | None = None
     attention_backend: str = "auto"
+    # CPU float32 GEMMs: "onednn" packs the weights once for oneDNN's JIT GEMM
+    # (plait.runtime.models.linear), "torch" keeps F.linear (MKL); "auto" is onednn on
+    # CPU in float32 where the torch build has it, else torch.
+    cpu_gemm: str = "auto"
     seed: int = 0
     # Admission reserves ``new_token_ratio * remaining max_new_tokens`` slots for each
     # running request's future decode; the ratio decays while memory is plentiful and
@@ -81,6 +86,13 @@ class EngineConfig:
                  "num_threads", self.num_threads, "None or a positive integer")
         _require(self.attention_backend in ("auto",) + ATTENTION_BACKENDS, "attention_backend",
                  self.attention_backend, "auto, " + ", ".join(ATTENTION_BACKENDS))
+        _require(self.cpu_gemm in CPU_GEMMS, "cpu_gemm", self.cpu_gemm, ", ".join(CPU_GEMMS))
+        if self.cpu_gemm == "onednn":
+            from plait.runtime.models.linear import onednn_gemm_available
+
+            _require(self.resolved_device() == "cpu" and self.resolved_dtype() == "float32" and onednn_gemm_available(),
+                     "cpu_gemm", self.cpu_gemm,
+                     "onednn only with device cpu, dtype float32 and a torch build with oneDNN; auto or torch otherwise")
         _require(_is_int(self.seed), "seed", self.seed, "an integer")
         _require(_is_num(self.init_new_token_ratio) and 0 <= self.init_new_token_ratio <= 1,
                  "init_new_token_ratio", self.init_new_token_ratio, "a number in [0, 1]")
@@ -125,6 +137,14 @@ class EngineConfig:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if self.resolved_device() == "cuda" else "torch"
+
+    def resolved_cpu_gemm(self) -> str:
+        if self.cpu_gemm != "auto":
+            return self.cpu_gemm
+        from plait.runtime.models.linear import onednn_gemm_available
+
+        on_cpu_fp32 = self.resolved_device() == "cpu" and self.resolved_dtype() == "float32"
+        return "onednn" if on_cpu_fp32 and onednn_gemm_available() else "torch"
 
 
 def _is_int(v: Any) -> bool:

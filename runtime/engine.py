@@ -116,6 +116,8 @@ class Engine:
         model.model.rotary = RotaryEmbedding(
             mc.head_dim, self.context_len, mc.rope_theta, mc.rope_scaling, self._triton_ops
         ).to(self.device)
+        if self.config.resolved_cpu_gemm() == "onednn":
+            model.pack_for_cpu()
         return model.eval()
 
     def _kv_cache_tokens(self) -> int:

@@ -181,6 +181,8 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(engine, baseline, kwargs
         ({"mem_fraction": 2.0}, "mem_fraction"),
         ({"num_threads": 0}, "num_threads"),
         ({"bogus": 1}, "bogus"),
+        ({"cpu_gemm": "blas"}, "cpu_gemm"),
+        ({"cpu_gemm": "onednn", "dtype": "bfloat16"}, "cpu_gemm"),
     ],
 )
 def test_bad_config_is_rejected(kwargs, field):

@@ -18,6 +18,7 @@ from torch import nn
 from plait.kernels.rotary import rope_cos_sin_cache, rotate_ref
 from plait.runtime.attention.base import AttentionBackend
 from plait.runtime.forward_batch import ForwardBatch
+from plait.runtime.models.linear import Linear, pack_weight, packed_linear
 from plait.runtime.models.config import ModelConfig
 
 
@@ -87,8 +88,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, triton_ops)
@@ -119,8 +120,8 @@ class MLP(nn.Module):
         super().__init__()
         self.triton_ops = triton_ops
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -184,7 +185,8 @@ class CausalLM(nn.Module):
         self.triton_ops = triton_ops
         self.model = DecoderModel(cfg, max_pos or cfg.context_length, triton_ops)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.packed_lm_head: torch.Tensor | None = None  # tied embeddings, packed for oneDNN
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -196,8 +198,21 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        if not self.config.tie_word_embeddings:
+            return self.lm_head(hidden).float()
+        if self.packed_lm_head is not None:
+            return packed_linear(hidden, self.packed_lm_head, None).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def pack_for_cpu(self) -> None:
+        """Run every projection and the LM head on oneDNN with weights packed now
+        (:mod:`plait.runtime.models.linear`); call after :meth:`load_weights`. The
+        embedding table stays as it is for the lookup, so tied embeddings are held twice."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack()
+        if self.config.tie_word_embeddings:
+            self.packed_lm_head = pack_weight(self.model.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load from Hugging Face names; q/k/v and gate/up are fused on the way in.

@@ -37,6 +37,7 @@ ENGINE_HELP: dict[str, str] = {
     "grammar_compile_timeout": "constrained decoding: seconds one regex/JSON-schema index build may take",
     "grammar_compile_memory_mb": "constrained decoding: memory limit (MiB) of an index build",
     "grammar_cache_size": "constrained decoding: compiled indexes kept (LRU)",
+    "cpu_gemm": "CPU float32 GEMMs: auto (onednn where available), onednn (weights packed once for oneDNN's JIT GEMM) or torch (F.linear, MKL)",
     "disable_cuda_graph": "CUDA: run decode steps eagerly instead of replaying recorded CUDA graphs",
     "cuda_graph_max_bs": "CUDA: largest decode batch that replays a recorded graph (bucketed sizes up to it)",
     "pin_budget_fraction": "share of the KV pool that pinned prefixes (run_batch) may hold together; 0 disables pinning",
