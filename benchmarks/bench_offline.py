@@ -120,7 +120,8 @@ class Breakdown:
     decode attention), by wrapping the modules' methods; the rest of a step is what
     remains of the total. Costs a few timer calls per op: for explaining, not timing."""
 
-    def __init__(self) -> None:
+    def __init__(self, attn_cls: type) -> None:
+        self.attn_cls = attn_cls  # the engine's attention backend class
         self.parts: dict[str, float] = {}
         self.flops: dict[str, float] = {}
         self._undo: list = []
@@ -141,7 +142,6 @@ class Breakdown:
         self._undo.append((owner, name, orig))
 
     def __enter__(self) -> "Breakdown":
-        from plait.runtime.attention.torch_backend import TorchAttentionBackend
         from plait.runtime.models.linear import Linear
         from plait.runtime.models.llama import CausalLM
 
@@ -153,8 +153,8 @@ class Breakdown:
                    lambda mod, x: 2 * x.shape[0] * mod.in_features * mod.out_features)
         self._wrap(CausalLM, "compute_logits", lambda m, h: "LM head",
                    lambda m, h: 2 * h.shape[0] * m.config.vocab_size * m.config.hidden_size)
-        self._wrap(TorchAttentionBackend, "forward_extend", lambda *a: "attention, extend")
-        self._wrap(TorchAttentionBackend, "forward_decode", lambda *a: "attention, decode")
+        self._wrap(self.attn_cls, "forward_extend", lambda *a: "attention, extend")
+        self._wrap(self.attn_cls, "forward_decode", lambda *a: "attention, decode")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -179,7 +179,10 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--breakdown", action="store_true",
-                    help="only run (a) on plait and print where its time goes (torch attention backend)")
+                    help="only run (a) on plait and print where its time goes")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"],
+                    help="plait's attention backend; with auto, (a) also runs with the torch backend to show the "
+                         "native decode kernel's share")
     ap.add_argument("--cpu-gemm", default="auto", choices=["auto", "onednn", "torch"],
                     help="plait's EngineConfig.cpu_gemm; with auto, (a) also runs with torch's GEMMs to show their share")
     args = ap.parse_args()
@@ -195,11 +198,12 @@ def main() -> None:
     from plait.runtime import Engine
     from plait.runtime.model_loader import resolve_model
 
-    common = dict(num_threads=args.threads, kv_cache_tokens=65536, max_running_requests=128, cpu_gemm=args.cpu_gemm)
+    common = dict(num_threads=args.threads, kv_cache_tokens=65536, max_running_requests=128, cpu_gemm=args.cpu_gemm,
+                  attention_backend=args.attention_backend)
     if args.breakdown:
-        with Engine(args.model, attention_backend="torch", **common) as engine:
+        with Engine(args.model, **common) as engine:
             run_plait(engine, random_workload(4, (16, 32), (4, 8), seed=99))  # warm-up
-            with Breakdown() as bd:
+            with Breakdown(type(engine.runner.attn)) as bd:
                 res = run_plait(engine, wl_a)
         print(f"(a) plait: {res['seconds']:.1f} s\n{bd.report(res['seconds'])}")
         return
@@ -212,11 +216,17 @@ def main() -> None:
     with Engine(args.model, disable_radix_cache=True, **common) as engine:
         run_plait(engine, random_workload(4, (16, 32), (4, 8), seed=99))
         res_c = run_plait(engine, wl_b)
-    res_a_torch = None
+    # plait's own parts switched off one at a time on (a), to show what each brings
+    ablations = []
+    if args.attention_backend == "auto" and type(engine.runner.attn).__name__ == "CpuAttentionBackend":
+        ablations.append(("attention_backend", "torch"))
     if args.cpu_gemm == "auto" and engine.config.resolved_cpu_gemm() == "onednn":
-        with Engine(args.model, **{**common, "cpu_gemm": "torch"}) as engine:
+        ablations.append(("cpu_gemm", "torch"))
+    res_ablations = []
+    for field, value in ablations:
+        with Engine(args.model, **{**common, field: value}) as engine:
             run_plait(engine, random_workload(4, (16, 32), (4, 8), seed=99))
-            res_a_torch = run_plait(engine, wl_a)
+            res_ablations.append((f"{field}={value}", run_plait(engine, wl_a)))
 
     res_hf_a = res_hf_b = None
     if not args.skip_hf:
@@ -241,8 +251,8 @@ def main() -> None:
                 f"{res['prefill_computed']}", f"{wl.unique_prompt_tokens()}", f"{res['hit_rate']:.2f}"]
 
     rows.append(row("(a) plait", wl_a, res_a, res_hf_a))
-    if res_a_torch:
-        rows.append(row("(a) plait, cpu_gemm=torch (MKL)", wl_a, res_a_torch, res_hf_a))
+    for label, res in res_ablations:
+        rows.append(row(f"(a) plait, {label}", wl_a, res, res_hf_a))
     if res_hf_a:
         rows.append(row(f"(a) HF static b={args.hf_batch_size}", wl_a, res_hf_a, None))
     rows.append(row("(b) plait, radix cache", wl_b, res_b, res_hf_b))

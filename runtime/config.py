@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_GEMMS = ("auto", "onednn", "torch")
@@ -136,7 +136,11 @@ class EngineConfig:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "triton" if self.resolved_device() == "cuda" else "torch"
+        if self.resolved_device() == "cuda":
+            return "triton"
+        # the native decode kernel is float32-only; the engine falls back to torch when
+        # it cannot be built (no C compiler)
+        return "cpu" if self.resolved_dtype() == "float32" else "torch"
 
     def resolved_cpu_gemm(self) -> str:
         if self.cpu_gemm != "auto":

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from plait.runtime.attention.base import create_attention_backend
+from plait.runtime.attention.base import AttentionBackend, create_attention_backend
 from plait.runtime.config import EngineConfig
 from plait.runtime.constrained.compiler import GrammarCompiler
 from plait.runtime.constrained.matcher import GrammarMatcher
@@ -83,9 +83,7 @@ class Engine:
             cfg, self.allocator, self.req_to_token, self.cache, self.context_len,
             eos_ids=self.eos_ids, stop_checker=self._on_new_token,
         )
-        attn = create_attention_backend(
-            cfg.resolved_attention_backend(), self.pool, mc.num_heads, mc.head_dim**-0.5
-        )
+        attn = self._attention_backend()
         self.runner = ModelRunner(self.model, attn, self.req_to_token, self.device, sorted(self.eos_ids))
         if self.device.type == "cuda" and self._triton_ops and not cfg.disable_cuda_graph:
             graphs = DecodeGraphRunner(
@@ -119,6 +117,18 @@ class Engine:
         if self.config.resolved_cpu_gemm() == "onednn":
             model.pack_for_cpu()
         return model.eval()
+
+    def _attention_backend(self) -> AttentionBackend:
+        cfg, mc = self.config, self.model_config
+        name = cfg.resolved_attention_backend()
+        args = (self.pool, mc.num_heads, mc.head_dim**-0.5)
+        if name == "cpu" and cfg.attention_backend == "auto":
+            try:
+                return create_attention_backend(name, *args)
+            except (RuntimeError, ValueError) as e:  # chosen, not asked for: keep the reference
+                logger.warning("%s; decode attention uses the torch backend", e)
+                return create_attention_backend("torch", *args)
+        return create_attention_backend(name, *args)
 
     def _kv_cache_tokens(self) -> int:
         cfg, mc = self.config, self.model_config

@@ -40,3 +40,25 @@ def test_every_subpackage_is_listed_in_pyproject():
             rel = init.parent.relative_to(root / folder)
             found.add(".".join([pkg, *rel.parts]) if rel.parts else pkg)
     assert found <= listed, f"subpackages missing from pyproject.toml packages: {sorted(found - listed)}"
+
+
+def test_non_python_files_ship_as_package_data():
+    """kernels/paged_decode_cpu.c is compiled from the installed package at run time; a
+    file missing from package-data would exist in the checkout only."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    data = tool.get("package-data", {})
+    shipped = []
+    for pkg, folder in tool["package-dir"].items():
+        for f in (root / folder).rglob("*"):
+            rel = f.relative_to(root / folder)
+            if f.is_dir() or f.suffix in (".py", ".pyc") or "__pycache__" in rel.parts:
+                continue
+            owner = ".".join([pkg, *rel.parent.parts])
+            assert any(fnmatch.fnmatch(f.name, p) for p in data.get(owner, [])), f"{f} is not in package-data"
+            shipped.append(f.name)
+    assert "paged_decode_cpu.c" in shipped

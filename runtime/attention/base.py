@@ -1,4 +1,4 @@
-"""The attention backend interface shared by the torch and triton implementations."""
+"""The attention backend interface shared by the torch, cpu and triton implementations."""
 
 from __future__ import annotations
 
@@ -61,8 +61,12 @@ def create_attention_backend(name: str, pool: KVPool, num_heads: int, scale: flo
         from plait.runtime.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(pool, num_heads, scale)
+    if name == "cpu":
+        from plait.runtime.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend(pool, num_heads, scale)
     if name == "triton":
         from plait.runtime.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(pool, num_heads, scale)
-    raise ValueError(f"attention_backend must be one of 'torch', 'triton'; got {name!r}")
+    raise ValueError(f"attention_backend must be one of 'torch', 'cpu', 'triton'; got {name!r}")

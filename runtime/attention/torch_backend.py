@@ -44,6 +44,10 @@ class TorchAttentionBackend(AttentionBackend):
         return self._k_ws, self._v_ws
 
     def init_forward(self, fb: ForwardBatch) -> None:
+        self._init_extends(fb)
+        self._init_decodes(fb)
+
+    def _init_extends(self, fb: ForwardBatch) -> None:
         table = fb.req_to_token
         rows = fb.req_rows.tolist()
         self._ext_idx: list[torch.Tensor] = []
@@ -58,6 +62,9 @@ class TorchAttentionBackend(AttentionBackend):
                 q_pos = torch.arange(prefix, prefix + n, device=table.device).unsqueeze(1)
                 k_pos = torch.arange(prefix + n, device=table.device).unsqueeze(0)
                 self._ext_mask.append(k_pos <= q_pos)
+
+    def _init_decodes(self, fb: ForwardBatch) -> None:
+        table = fb.req_to_token
         self._dec_groups: list[_DecodeGroup] = []
         if fb.num_decodes:
             dec_rows = fb.req_rows[fb.num_extends :]

@@ -28,7 +28,8 @@ ENGINE_HELP: dict[str, str] = {
     "disable_radix_cache": "turn the prefix cache off (every prompt is prefilled in full)",
     "context_length": "cap the context length below the model's own",
     "num_threads": "CPU threads torch may use in the engine process",
-    "attention_backend": "attention implementation: auto (triton on CUDA, torch on CPU), torch, triton",
+    "attention_backend": "attention implementation: auto (triton on CUDA; cpu on CPU in float32, torch if it cannot be built), "
+                         "torch (pure PyTorch, the reference), cpu (torch with a native decode kernel compiled on first use), triton",
     "seed": "base seed of sampling when a request gives none",
     "init_new_token_ratio": "admission reserves this share of each running request's remaining max_new_tokens",
     "min_new_token_ratio": "the reserved share decays to this while memory is plentiful",

@@ -1,0 +1,279 @@
+/* Paged decode attention for CPUs (float32), the native half of plait.kernels.cpu_attention.
+ *
+ * One query token per request attends to the request's whole context, read in place
+ * from the paged K/V pool through the page table: no gathered copy of the K/V is made.
+ * Work items are requests, or (request, KV head) pairs when there are too few requests
+ * for the threads, spread over OpenMP threads; an item scores its query heads against
+ * BLOCK keys at a time and folds the block into an online softmax, so every K and V row
+ * is read once. Pages are scattered in memory, so the reads of the key PREFETCH_AHEAD
+ * positions on are started early.
+ *
+ * Where the compiler targets AVX-512 and the head dim is a multiple of 16, items run an
+ * intrinsics path (one horizontal sum per score, exp on 16 lanes, V accumulated in
+ * registers); elsewhere the portable C path (one KV head per item), which compilers
+ * vectorize less well. On the 2-core development machine the AVX-512 path reads the
+ * K/V at ~30 GB/s, 2.5x the torch backend's gather + SDPA.
+ *
+ * Built by plait.kernels.cpu_attention with the system's C compiler and loaded with
+ * ctypes; shapes are checked on the Python side.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define BLOCK 64       /* keys scored before each online-softmax update */
+#define MAX_GROUP 16   /* query heads per KV head */
+#define MAX_DIM 256    /* head dim */
+#define PREFETCH_AHEAD 32  /* keys: two 16-token pages */
+#define MAX_ITEM_HEADS 64  /* query heads of one AVX-512 item (all of a request's, when it takes them all) */
+
+/* exp(x) for x <= 0 without a libm call: x = n ln2 + r
+ * with |r| <= ln2 / 2, exp(r) by its degree-7 Taylor polynomial (relative error < 1e-7),
+ * 2^n by building the float's exponent bits. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693145751953125f;  /* ln2, split for an exact product */
+    r = r - n * 1.428606765330187045e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Online-softmax update of one query head's block of scores: turns sg[0..n) into
+ * exp(score - new max) in place, updates the running max and sum, and returns the
+ * factor the accumulated output must be scaled by. */
+static inline float softmax_block(float *sg_, int64_t n, float *m, float *l) {
+    float *sg = __builtin_assume_aligned(sg_, 64);  /* rows of the callers' aligned score blocks */
+    float block_max = sg[0];
+#pragma omp simd reduction(max : block_max)
+    for (int64_t j = 1; j < n; ++j) block_max = sg[j] > block_max ? sg[j] : block_max;
+    const float new_m = block_max > *m ? block_max : *m;
+    const float correction = *m == -INFINITY ? 0.0f : exp_nonpositive(*m - new_m);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+        const float p = exp_nonpositive(sg[j] - new_m);
+        sg[j] = p;
+        sum += p;
+    }
+    *l = *l * correction + sum;
+    *m = new_m;
+    return correction;
+}
+
+/* One (request, KV head) item, portable C. q: the group's queries [group, D];
+ * k/v: the buffers offset to this KV head, rows row_stride apart; out: [group, D]. */
+static void attend_generic(const float *q, const float *k, const float *v, int64_t row_stride, const int32_t *slots,
+                           int64_t len, int64_t group, int64_t D, float scale, float *out) {
+    float qs[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM], s[MAX_GROUP * BLOCK] __attribute__((aligned(64)));
+    float m[MAX_GROUP], l[MAX_GROUP];
+    for (int64_t g = 0; g < group; ++g) {
+        for (int64_t d = 0; d < D; ++d) {
+            qs[g * D + d] = q[g * D + d] * scale;
+            acc[g * D + d] = 0.0f;
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {
+        const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;
+        for (int64_t j = 0; j < n; ++j) {
+            const float *kr = k + (int64_t)slots[j0 + j] * row_stride;
+            for (int64_t g = 0; g < group; ++g) {
+                const float *qg = qs + g * D;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; ++d) dot += qg[d] * kr[d];
+                s[g * BLOCK + j] = dot;
+            }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+            const float correction = softmax_block(s + g * BLOCK, n, m + g, l + g);
+            float *ag = acc + g * D;
+            for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const float *vr = v + (int64_t)slots[j0 + j] * row_stride;
+            for (int64_t g = 0; g < group; ++g) {
+                const float p = s[g * BLOCK + j];
+                float *ag = acc + g * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) ag[d] += p * vr[d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        const float inv = 1.0f / l[g];
+        for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
+    }
+}
+
+#if defined(__AVX512F__)
+/* exp_nonpositive on 16 lanes. */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* softmax_block on 16 lanes at a time; lanes past n are masked off. */
+static inline float softmax_block16(float *sg, int64_t n, float *m, float *l) {
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, sg + j));
+    }
+    const float block_max = _mm512_reduce_max_ps(vmax);
+    const float new_m = block_max > *m ? block_max : *m;
+    const float correction = *m == -INFINITY ? 0.0f : exp_nonpositive(*m - new_m);
+    const __m512 vm = _mm512_set1_ps(new_m);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 p = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + j), vm));
+        _mm512_mask_storeu_ps(sg + j, k, p);
+        vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(k, p));
+    }
+    *l = *l * correction + _mm512_reduce_add_ps(vsum);
+    *m = new_m;
+    return correction;
+}
+
+/* The same work with AVX-512 intrinsics, for `nh` consecutive KV heads at once (each
+ * key's rows for all of them are read together); D a multiple of 16 (a constant where
+ * inlined for the common head dims, so the loops over D unroll and the accumulators
+ * stay in registers). q and out: [nh * group, D]; k, v offset to the first KV head. */
+static inline __attribute__((always_inline)) void attend_avx512(
+    const float *q, const float *k, const float *v, int64_t row_stride, const int32_t *slots, int64_t len,
+    int64_t nh, int64_t group, const int64_t D, float scale, float *out) {
+    const int64_t nv = D / 16, nq = nh * group;
+    __m512 qv[MAX_ITEM_HEADS * MAX_DIM / 16], acc[MAX_ITEM_HEADS * MAX_DIM / 16];
+    float s[MAX_ITEM_HEADS * BLOCK] __attribute__((aligned(64)));
+    float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS], corr[MAX_ITEM_HEADS];
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t r = 0; r < nq; ++r) {
+        for (int64_t i = 0; i < nv; ++i) {
+            qv[r * nv + i] = _mm512_mul_ps(_mm512_loadu_ps(q + r * D + 16 * i), vscale);
+            acc[r * nv + i] = _mm512_setzero_ps();
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {
+        const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;
+        for (int64_t j = 0; j < n; ++j) {
+            const float *krow = k + (int64_t)slots[j0 + j] * row_stride;
+            if (j0 + j + PREFETCH_AHEAD < len) {
+                /* pages are scattered: start the memory reads of a key two pages ahead */
+                const int64_t ahead = (int64_t)slots[j0 + j + PREFETCH_AHEAD] * row_stride;
+                for (int64_t o = 0; o < nh * D; o += 16) {
+                    _mm_prefetch((const char *)(k + ahead + o), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(v + ahead + o), _MM_HINT_T0);
+                }
+            }
+            for (int64_t h = 0; h < nh; ++h) {
+                __m512 kv[MAX_DIM / 16];
+                for (int64_t i = 0; i < nv; ++i) kv[i] = _mm512_loadu_ps(krow + h * D + 16 * i);
+                for (int64_t g = 0; g < group; ++g) {
+                    const __m512 *qr = qv + (h * group + g) * nv;
+                    __m512 a = _mm512_mul_ps(qr[0], kv[0]);
+                    for (int64_t i = 1; i < nv; ++i) a = _mm512_fmadd_ps(qr[i], kv[i], a);
+                    s[(h * group + g) * BLOCK + j] = _mm512_reduce_add_ps(a);
+                }
+            }
+        }
+        for (int64_t r = 0; r < nq; ++r) corr[r] = softmax_block16(s + r * BLOCK, n, m + r, l + r);
+        for (int64_t r = 0; r < nq; ++r) {
+            const float *vh = v + r / group * D;
+            __m512 a[MAX_DIM / 16];
+            const __m512 c = _mm512_set1_ps(corr[r]);
+            for (int64_t i = 0; i < nv; ++i) a[i] = _mm512_mul_ps(acc[r * nv + i], c);
+            for (int64_t j = 0; j < n; ++j) {
+                const float *vr = vh + (int64_t)slots[j0 + j] * row_stride;
+                const __m512 p = _mm512_set1_ps(s[r * BLOCK + j]);
+                for (int64_t i = 0; i < nv; ++i) a[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * i), a[i]);
+            }
+            for (int64_t i = 0; i < nv; ++i) acc[r * nv + i] = a[i];
+        }
+    }
+    for (int64_t r = 0; r < nq; ++r) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(out + r * D + 16 * i, _mm512_mul_ps(acc[r * nv + i], inv));
+    }
+}
+#endif
+
+int plait_paged_decode_f32(
+    const float *q,            /* [B, H, D]; heads and dims contiguous */
+    int64_t q_row_stride,      /* elements between two requests' queries */
+    const float *k_buf,        /* [slots, KVH, D] */
+    const float *v_buf,        /* [slots, KVH, D] */
+    const int32_t *table,      /* page table [rows, table_stride]: position -> slot */
+    int64_t table_stride,
+    const int64_t *rows,       /* [B] page-table row of each request */
+    const int64_t *seq_lens,   /* [B] context length, the new token included */
+    float *out,                /* [B, H, D] */
+    int64_t B, int64_t H, int64_t KVH, int64_t D, float scale, int num_threads) {
+    if (KVH <= 0 || H % KVH != 0 || H / KVH > MAX_GROUP || D > MAX_DIM) return 1;
+    const int64_t group = H / KVH, row_stride = KVH * D;
+
+    /* With enough requests to keep the threads busy, an item is one request with all
+     * its KV heads (AVX-512 path): each key's K and V rows are then read whole, KVH * D
+     * contiguous floats, which the memory system streams better than one head's slice
+     * at a time. Otherwise an item is one (request, KV head) pair. */
+    int64_t heads_per_item = 1;
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && H <= MAX_ITEM_HEADS && B >= 4 * (int64_t)num_threads) heads_per_item = KVH;
+#endif
+    const int64_t per_req = KVH / heads_per_item;
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < B * per_req; ++item) {
+        const int64_t b = item / per_req, h = item % per_req * heads_per_item;
+        const float *qh = q + b * q_row_stride + h * group * D;
+        const float *k = k_buf + h * D, *v = v_buf + h * D;
+        const int32_t *slots = table + rows[b] * table_stride;
+        float *oh = out + (b * H + h * group) * D;
+#if defined(__AVX512F__)
+        if (D == 64) {
+            attend_avx512(qh, k, v, row_stride, slots, seq_lens[b], heads_per_item, group, 64, scale, oh);
+            continue;
+        }
+        if (D == 128) {
+            attend_avx512(qh, k, v, row_stride, slots, seq_lens[b], heads_per_item, group, 128, scale, oh);
+            continue;
+        }
+        if (D % 16 == 0) {
+            attend_avx512(qh, k, v, row_stride, slots, seq_lens[b], heads_per_item, group, D, scale, oh);
+            continue;
+        }
+#endif
+        attend_generic(qh, k, v, row_stride, slots, seq_lens[b], group, D, scale, oh);
+    }
+    return 0;
+}

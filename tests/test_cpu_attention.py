@@ -1,0 +1,169 @@
+"""The native CPU decode kernel (plait.kernels.cpu_attention) against the torch
+reference, the `cpu` attention backend against the torch backend, and the engine's
+choice of backend (including its fallback when the kernel cannot be built).
+
+Tolerance: fp32, atol 2e-5 / rtol 1e-4 (the kernel sums in a different order and uses
+its own exp, relative error < 1e-7)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.kernels import cpu_attention
+from plait.kernels.decode_attention import decode_attention_ref
+from plait.runtime import Engine
+from plait.runtime.attention.cpu_backend import CpuAttentionBackend
+from plait.runtime.attention.torch_backend import TorchAttentionBackend
+from plait.runtime.forward_batch import ForwardBatch
+from plait.runtime.memory import KVPool, PageAllocator, ReqToToken
+
+TOL = dict(atol=2e-5, rtol=1e-4)
+
+
+def paged_contexts(lens: list[int], page_size: int, kv_heads: int, head_dim: int, num_layers: int = 1, seed: int = 0):
+    """A KVPool with random K/V and a page table whose requests' pages are shuffled and
+    whose rows are scattered: (pool, table, rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_req = [-(-n // page_size) for n in lens]
+    num_pages = sum(pages_per_req) + 3
+    pool = KVPool(num_pages * page_size, num_layers, kv_heads, head_dim, torch.float32, "cpu", page_size=page_size)
+    for buf in pool.k_buffers + pool.v_buffers:
+        buf.copy_(torch.randn(buf.shape, generator=gen))
+    alloc = PageAllocator(num_pages, page_size)
+    pages = alloc.alloc(sum(pages_per_req))
+    pages = [pages[i] for i in torch.randperm(len(pages), generator=gen).tolist()]
+    table = ReqToToken(2 * len(lens) + 1, max(lens) + 8, "cpu")
+    rows = list(range(2 * len(lens), 0, -2))[: len(lens)]
+    for row, n, k in zip(rows, lens, pages_per_req):
+        mine, pages = pages[:k], pages[k:]
+        table.write(row, 0, alloc.pages_to_slots(mine)[:n])
+    return pool, table.table, torch.tensor(rows, dtype=torch.int64)
+
+
+@pytest.fixture
+def two_threads():
+    """The kernel runs on torch's thread count; 2 makes FEW split by head, MANY by request."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+# one-token, short, block-boundary (64), page-boundary and long contexts; the kernel
+# splits work by KV head for few requests and by request for many (>= 4 per thread)
+FEW = [1, 5, 16, 64, 65, 131, 300]
+MANY = FEW + [2, 33, 128, 129, 200, 17, 90, 250, 3]
+
+
+@pytest.mark.parametrize("lens", [FEW, MANY], ids=["few", "many"])
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 128])  # 40: not a multiple of 16, the portable path
+@pytest.mark.parametrize("gqa,kv_heads", [(1, 4), (3, 3), (8, 1), (16, 2)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_kernel_matches_reference(page_size, gqa, kv_heads, head_dim, lens, two_threads):
+    pool, table, rows = paged_contexts(lens, page_size, kv_heads, head_dim, seed=page_size + gqa + head_dim)
+    heads = gqa * kv_heads
+    # q as rows of a fused projection output: strided between requests
+    q = torch.randn(len(lens), heads + 2 * kv_heads, head_dim)[:, :heads]
+    seq_lens = torch.tensor(lens)
+    scale = head_dim**-0.5
+    ref = decode_attention_ref(q, pool.k_buffers[0], pool.v_buffers[0], table, rows, seq_lens, scale)
+    out = cpu_attention.paged_decode(q, pool.k_buffers[0], pool.v_buffers[0], table, rows, seq_lens, scale)
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_kernel_handles_extreme_scores():
+    # large logits: the online softmax must rescale, not overflow
+    pool, table, rows = paged_contexts([200], 16, 1, 64, seed=3)
+    pool.k_buffers[0].mul_(30.0)
+    q = torch.randn(1, 2, 64) * 30
+    ref = decode_attention_ref(q, pool.k_buffers[0], pool.v_buffers[0], table, rows, torch.tensor([200]), 0.125)
+    out = cpu_attention.paged_decode(q, pool.k_buffers[0], pool.v_buffers[0], table, rows, torch.tensor([200]), 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_kernel_rejects_what_it_cannot_run():
+    pool, table, rows = paged_contexts([4], 1, 1, 64)
+    with pytest.raises(ValueError, match="heads=17"):  # 17 query heads per KV head > MAX_GROUP
+        cpu_attention.paged_decode(torch.randn(1, 17, 64), pool.k_buffers[0], pool.v_buffers[0], table, rows,
+                                   torch.tensor([4]), 0.125)
+    with pytest.raises(ValueError, match="dtype"):
+        cpu_attention.paged_decode(torch.randn(1, 2, 64, dtype=torch.float64), pool.k_buffers[0], pool.v_buffers[0],
+                                   table, rows, torch.tensor([4]), 0.125)
+    bf16 = KVPool(16, 1, 1, 64, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="attention_backend='cpu'"):
+        CpuAttentionBackend(bf16, 2, 0.125)
+
+
+@pytest.mark.parametrize("extends,decode_lens", [([(0, 7), (33, 12)], [1, 20, 77, 150]), ([], [3, 64, 200])])
+def test_backend_matches_torch_backend(extends, decode_lens):
+    kv_heads, heads, dim, layers = 3, 9, 64, 2
+    lens = [p + n for p, n in extends] + decode_lens
+    pool, table, rows = paged_contexts(lens, 16, kv_heads, dim, num_layers=layers, seed=7)
+    positions, slots = [], []
+    for row, (prefix, n) in zip(rows.tolist(), extends):
+        positions += range(prefix, prefix + n)
+        slots += table[row, prefix : prefix + n].tolist()
+    for row, n in zip(rows.tolist()[len(extends) :], decode_lens):
+        positions.append(n - 1)
+        slots.append(int(table[row, n - 1]))
+    fb = ForwardBatch(
+        input_ids=torch.zeros(len(positions), dtype=torch.int64), positions=torch.tensor(positions),
+        out_slots=torch.tensor(slots), req_rows=rows, req_to_token=table, num_extends=len(extends),
+        extend_prefix_lens=[p for p, _ in extends], extend_seq_lens=[n for _, n in extends],
+        decode_seq_lens=decode_lens,
+    )
+    reference, backend = TorchAttentionBackend(pool, heads, dim**-0.5), CpuAttentionBackend(pool, heads, dim**-0.5)
+    reference.init_forward(fb)
+    backend.init_forward(fb)
+    for layer in range(layers):
+        q = torch.randn(fb.num_tokens, heads + 2 * kv_heads, dim)[:, :heads]
+        kv = torch.randn(fb.num_tokens, 2 * kv_heads, dim)
+        expected = reference.forward(q, kv[:, :kv_heads], kv[:, kv_heads:], layer, fb)
+        torch.testing.assert_close(backend.forward(q, kv[:, :kv_heads], kv[:, kv_heads:], layer, fb), expected, **TOL)
+
+
+def test_engine_picks_cpu_backend_and_falls_back_without_compiler(tiny_model_factory, monkeypatch):
+    folder = str(tiny_model_factory("llama"))
+    greedy = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    prompts = ["The quick brown fox", "Once upon a time in a land far away there lived"]
+    with Engine(folder, kv_cache_tokens=512) as e:
+        assert type(e.runner.attn) is CpuAttentionBackend
+        native = e.generate(prompts, greedy)
+    with Engine(folder, kv_cache_tokens=512, attention_backend="torch") as e:
+        assert type(e.runner.attn) is TorchAttentionBackend
+        reference = e.generate(prompts, greedy)
+    assert [o["output_ids"] for o in native] == [o["output_ids"] for o in reference]
+
+    # a machine where the kernel cannot be built: auto keeps the torch backend, an
+    # explicit request says why it cannot be met
+    monkeypatch.setattr(cpu_attention, "_lib", None)
+    monkeypatch.setattr(cpu_attention, "_error", None)
+    monkeypatch.setattr(cpu_attention, "_compiler", lambda: None)
+    with Engine(folder, kv_cache_tokens=512) as e:
+        assert type(e.runner.attn) is TorchAttentionBackend
+        assert [o["output_ids"] for o in e.generate(prompts, greedy)] == [o["output_ids"] for o in reference]
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        Engine(folder, kv_cache_tokens=512, attention_backend="cpu")
+
+
+def test_build_is_cached_and_failures_are_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_attention, "_lib", None)
+    monkeypatch.setattr(cpu_attention, "_error", None)
+    cpu_attention.load()
+    built = list((tmp_path / "cache").glob("paged_decode_cpu-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(cpu_attention, "_lib", None)
+    cpu_attention.load()  # a second process (or call) reuses the library
+    assert built[0].stat().st_mtime_ns == mtime and len(list((tmp_path / "cache").iterdir())) == 1
+
+    monkeypatch.setattr(cpu_attention, "_lib", None)
+    monkeypatch.setattr(cpu_attention, "SOURCE", tmp_path / "broken.c")
+    (tmp_path / "broken.c").write_text("this is not C\n")
+    with pytest.raises(RuntimeError, match="compiling the CPU decode kernel failed"):
+        cpu_attention.load()
+    with pytest.raises(RuntimeError, match="unavailable"):  # remembered, not retried
+        cpu_attention.load()
