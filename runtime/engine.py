@@ -101,7 +101,10 @@ class Engine:
         self._compiler: GrammarCompiler | None = None  # created with the first constraint
         self._grammar_pending: list[Req] = []  # queued requests whose index is not ready
         self._closed = False
-        logger.info("engine ready: %s, %d KV pages of %d tokens", mc.architecture, num_pages - 1, ps)
+        logger.info(
+            "engine ready: %s, %d KV pages of %d tokens, attention %s, GEMMs %s", mc.architecture, num_pages - 1, ps,
+            type(attn).__name__, cfg.resolved_cpu_gemm() if self.device.type == "cpu" else "torch",
+        )
 
     # -- set-up -----------------------------------------------------------------------
     def _load_model(self) -> CausalLM:

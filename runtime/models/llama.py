@@ -18,8 +18,8 @@ from torch import nn
 from plait.kernels.rotary import rope_cos_sin_cache, rotate_ref
 from plait.runtime.attention.base import AttentionBackend
 from plait.runtime.forward_batch import ForwardBatch
-from plait.runtime.models.linear import Linear, pack_weight, packed_linear
 from plait.runtime.models.config import ModelConfig
+from plait.runtime.models.linear import Linear, pack_weight, packed_linear
 
 
 class RotaryEmbedding(nn.Module):
