@@ -220,6 +220,9 @@ def test_a_runtime_that_dies_mid_program(folder):
         remote.shutdown()
     finally:
         rt.shutdown()
+    # the killed server could not remove its private socket folder; the launcher did
+    ipc_dir = os.path.dirname(rt.zmq_address[len("ipc://"):])
+    assert os.path.basename(ipc_dir).startswith("plait-") and not os.path.exists(ipc_dir)
 
 
 def test_server_info_carries_the_chat_template_for_remote_clients(runtime, folder):

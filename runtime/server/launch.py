@@ -6,8 +6,10 @@ import collections
 import json
 import os
 import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -40,7 +42,7 @@ class _LogPump(threading.Thread):
         self.stream.close()
 
 
-def _stop(proc: subprocess.Popen, timeout: float) -> None:
+def _stop(proc: subprocess.Popen, timeout: float, private_dir: str | None = None) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -48,6 +50,19 @@ def _stop(proc: subprocess.Popen, timeout: float) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    if private_dir is not None:  # the server removes it itself, unless it was killed
+        shutil.rmtree(private_dir, ignore_errors=True)
+
+
+def _private_ipc_dir(zmq_address: str) -> str | None:
+    """The folder of the server's own ipc sockets (``serve`` makes one per run under the
+    temp dir, named ``plait-*``), or None for an address the user chose."""
+    if not zmq_address.startswith("ipc://"):
+        return None
+    folder = os.path.dirname(zmq_address[len("ipc://"):])
+    if os.path.basename(folder).startswith("plait-") and os.path.dirname(folder) == tempfile.gettempdir():
+        return folder
+    return None
 
 
 class RuntimeProcess:
@@ -63,7 +78,8 @@ class RuntimeProcess:
         self.zmq_address: str = info["zmq_address"]
         self.pid: int = info["pid"]
         self.engine_pid: int = info["engine_pid"]
-        self._finalizer = weakref.finalize(self, _stop, proc, 15.0)
+        self._private_dir = None if args.zmq_address else _private_ipc_dir(self.zmq_address)
+        self._finalizer = weakref.finalize(self, _stop, proc, 15.0, self._private_dir)
 
     @property
     def alive(self) -> bool:
@@ -75,7 +91,7 @@ class RuntimeProcess:
     def shutdown(self, timeout: float = 15.0) -> int | None:
         """Stop the server (SIGTERM, then SIGKILL after ``timeout`` s); returns its exit code."""
         self._finalizer.detach()
-        _stop(self._proc, timeout)
+        _stop(self._proc, timeout, self._private_dir)
         self._pump.join(timeout=2)
         return self._proc.returncode
 
