@@ -5,9 +5,10 @@ SDPA over it: the K/V cross memory twice, and SDPA's CPU kernel is slow with one
 row per head. ``paged_decode_cpu.c`` reads every K/V row once, in place, through the
 page table, with an AVX-512 path where the CPU has it (see its header): on the 2-core
 development machine decode attention in the offline benchmark took 4.0 s instead of
-12.5 s. It is compiled with the system's C compiler on first use
-into a per-user cache (``$PLAIT_CACHE_DIR``, else ``~/.cache/plait``), keyed by the
-source, the flags, the compiler and the CPU's feature flags, and loaded with ctypes.
+12.5 s. It is compiled with the system's C compiler on first use into a per-user cache
+(``$PLAIT_CACHE_DIR``, else ``~/.cache/plait``; a folder under the temp dir where that
+cannot be written), keyed by the source, the flags, the compiler and the CPU's feature
+flags, and loaded with ctypes.
 Importing plait never needs a compiler; :func:`load` raises ``RuntimeError`` saying why
 when the kernel cannot be built, and the engine then keeps the torch backend.
 """
@@ -62,16 +63,29 @@ def _cpu_flags() -> str:
         return ""
 
 
+def _writable_cache_dir() -> Path:
+    """:func:`cache_dir`, or a per-user folder under the temp dir where it cannot be
+    created (a read-only home)."""
+    for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"plait-cache-{os.getuid()}"):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(folder, os.W_OK):
+            return folder
+    raise RuntimeError(f"no writable folder for the compiled kernel (tried {cache_dir()} and the temp dir)")
+
+
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     source = SOURCE.read_bytes()
+    folder = _writable_cache_dir()
     errors = []
     for flags in _FLAG_SETS:
         key = hashlib.sha256(source + "\0".join([version, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
-        target = cache_dir() / f"paged_decode_cpu-{key}.so"
+        target = folder / f"paged_decode_cpu-{key}.so"
         if target.exists():
             return target
-        target.parent.mkdir(parents=True, exist_ok=True)
         # build beside the target and rename: concurrent builders never see half a file
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)

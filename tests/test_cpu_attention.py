@@ -167,3 +167,14 @@ def test_build_is_cached_and_failures_are_reported(tmp_path, monkeypatch):
         cpu_attention.load()
     with pytest.raises(RuntimeError, match="unavailable"):  # remembered, not retried
         cpu_attention.load()
+
+
+def test_unwritable_cache_dir_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(blocker / "cache"))  # under a file: cannot be created
+    monkeypatch.setattr(cpu_attention.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(cpu_attention, "_lib", None)
+    monkeypatch.setattr(cpu_attention, "_error", None)
+    cpu_attention.load()
+    assert list(tmp_path.glob("plait-cache-*/paged_decode_cpu-*.so"))
