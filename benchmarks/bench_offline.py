@@ -196,6 +196,7 @@ def main() -> None:
         wl_b = shared_prefix_workload(4, 16, 512, 32, 32)
 
     from plait.runtime import Engine
+    from plait.runtime.attention.cpu_backend import CpuAttentionBackend
     from plait.runtime.model_loader import resolve_model
 
     common = dict(num_threads=args.threads, kv_cache_tokens=65536, max_running_requests=128, cpu_gemm=args.cpu_gemm,
@@ -213,15 +214,15 @@ def main() -> None:
         res_a = run_plait(engine, wl_a)
         engine.flush_cache()
         res_b = run_plait(engine, wl_b)
+        # plait's own parts switched off one at a time on (a), to show what each brings
+        ablations = []
+        if args.attention_backend == "auto" and isinstance(engine.runner.attn, CpuAttentionBackend):
+            ablations.append(("attention_backend", "torch"))
+        if args.cpu_gemm == "auto" and engine.config.resolved_cpu_gemm() == "onednn":
+            ablations.append(("cpu_gemm", "torch"))
     with Engine(args.model, disable_radix_cache=True, **common) as engine:
         run_plait(engine, random_workload(4, (16, 32), (4, 8), seed=99))
         res_c = run_plait(engine, wl_b)
-    # plait's own parts switched off one at a time on (a), to show what each brings
-    ablations = []
-    if args.attention_backend == "auto" and type(engine.runner.attn).__name__ == "CpuAttentionBackend":
-        ablations.append(("attention_backend", "torch"))
-    if args.cpu_gemm == "auto" and engine.config.resolved_cpu_gemm() == "onednn":
-        ablations.append(("cpu_gemm", "torch"))
     res_ablations = []
     for field, value in ablations:
         with Engine(args.model, **{**common, field: value}) as engine:

@@ -105,6 +105,8 @@ def load() -> ctypes.CDLL:
     """The compiled kernel (built on the first call). Raises RuntimeError saying why it
     cannot be built or loaded; the failure is remembered for the process."""
     global _lib, _error
+    if _lib is not None:  # every decode layer calls this: no lock once loaded
+        return _lib
     with _lock:
         if _lib is not None:
             return _lib

@@ -9,9 +9,9 @@ written once, here, on top of that.
 from __future__ import annotations
 
 import random
-from abc import ABC, abstractmethod
 import threading
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any

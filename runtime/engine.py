@@ -103,7 +103,7 @@ class Engine:
         self._closed = False
         logger.info(
             "engine ready: %s, %d KV pages of %d tokens, attention %s, GEMMs %s", mc.architecture, num_pages - 1, ps,
-            type(attn).__name__, cfg.resolved_cpu_gemm() if self.device.type == "cpu" else "torch",
+            type(attn).__name__, cfg.resolved_cpu_gemm(),
         )
 
     # -- set-up -----------------------------------------------------------------------
