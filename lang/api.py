@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,9 +16,9 @@ from plait.choices import ChoicesSamplingMethod, token_length_normalized
 from plait.errors import BackendError
 from plait.interpreter import ProgramState, iter_program_batch, run_program
 from plait.ir import (
-    ExprList, Gen, RoleBegin, RoleEnd, Select, check_choices, check_json_schema, check_name, check_regex,
-    check_stop, dtype_regex,
+    ExprList, Gen, RoleBegin, RoleEnd, Select, check_choices, check_json_schema, check_name, check_stop, dtype_regex,
 )
+from plait.regex import check_regex
 from plait.tracer import BatchPlan, ProgramGraph, TracingState, plan_batch, trace_program
 
 logger = logging.getLogger("plait")
@@ -31,7 +30,6 @@ PIN_TTL_S = 600.0
 class _Globals:
     def __init__(self) -> None:
         self.default_backend: BaseBackend | None = None
-        self.lock = threading.Lock()
 
 
 _globals = _Globals()
@@ -189,7 +187,7 @@ class Function:
             for pin_id in pins:
                 _unpin(b, pin_id)
 
-    def trace(self, *, backend: Any = None, **kwargs: Any) -> ProgramGraph:
+    def trace(self, **kwargs: Any) -> ProgramGraph:
         """Trace the program with the given arguments (others become placeholders)."""
         return trace_program(self.func, self.__name__, self.arg_names, self.arg_defaults,
                              {**self.bind_arguments, **kwargs})

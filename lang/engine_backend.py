@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.backend import BaseBackend, OnChunk, Pending, Request
 from plait.chat_template import ChatTemplate
-from plait.errors import BackendError, RuntimeUnavailableError
+from plait.errors import RequestError, RuntimeUnavailableError
+
+if TYPE_CHECKING:
+    from plait.runtime.engine import Engine
+    from plait.runtime.output_processor import RequestOutput
 
 IDLE_WAIT_S = 0.1
 
@@ -26,14 +31,12 @@ _UNSET: Any = object()
 
 @dataclass
 class _Live:
-    """One engine sequence and what its stream has delivered."""
+    """One submitted request (all its ``n`` sequences) and where its outputs go."""
 
-    req: Any  # plait.runtime.request.Req
     pending: Pending
-    index: int
     stream: bool
     text_in_logprobs: bool
-    sent: int = 0
+    left: int  # sequences not finished yet
 
 
 class EngineBackend(BaseBackend):
@@ -41,7 +44,6 @@ class EngineBackend(BaseBackend):
 
     def __init__(self, model: Any = None, **config: Any) -> None:
         from plait.runtime.engine import Engine
-        from plait.runtime.server.engine_proc import safe_text_len
 
         if isinstance(model, Engine):
             if config:
@@ -49,7 +51,6 @@ class EngineBackend(BaseBackend):
             self.engine, self._owns_engine = model, False
         else:
             self.engine, self._owns_engine = Engine(model, **config), True
-        self._safe_text_len = safe_text_len
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._dead: BaseException | None = None
@@ -79,7 +80,7 @@ class EngineBackend(BaseBackend):
         return self._call(lambda e: e.flush_cache())
 
     def get_server_info(self) -> dict[str, Any]:
-        return self._call(self._info)
+        return self._call(lambda e: e.server_info())
 
     def get_chat_template(self) -> ChatTemplate | None:
         with self._lock:
@@ -117,25 +118,24 @@ class EngineBackend(BaseBackend):
             raise RuntimeUnavailableError("the backend was shut down")
         self._inbox.put(cmd)
 
-    def _call(self, fn: Any) -> Any:
+    def _call(self, fn: Callable[[Engine], Any]) -> Any:
         fut: Future[Any] = Future()
         self._post(("call", fn, fut))
         try:
             return fut.result()
-        except ValueError as e:
-            raise BackendError(str(e), code=400, param=_param_of(str(e)), error_type="invalid_request_error") from None
+        except RequestError as e:
+            raise e.to_backend_error() from None
 
     # -- driver ------------------------------------------------------------------------------------
     def _loop(self) -> None:
         engine = self.engine
         try:
             while not self._closed:
-                busy = engine.scheduler.has_work()
+                busy = engine.has_work()
                 if not self._drain(block=not busy) and not busy:
                     engine.expire_pins()
-                if engine.scheduler.has_work():
-                    engine.step()
-                self._collect()
+                if engine.has_work():
+                    self._collect(engine.step())
         except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
             self._dead = e
             self._fail_all(RuntimeUnavailableError(f"the in-process engine failed: {type(e).__name__}: {e}"))
@@ -156,16 +156,12 @@ class EngineBackend(BaseBackend):
         if kind == "submit":
             _, req, pending = cmd
             try:
-                ids = req.input_ids if req.input_ids is not None else self._encode(req.text or "")
-                reqs = self.engine.add_request(
-                    ids, req.sampling_params, rid=req.rid, return_logprob=req.return_logprob,
-                    logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num,
-                )
-            except ValueError as e:
-                pending.fail(BackendError(str(e), code=400, param=_param_of(str(e)), error_type="invalid_request_error"))
+                inp = self._validate(req)
+                self.engine.submit(inp)
+            except RequestError as e:
+                pending.fail(e.to_backend_error())
                 return
-            for i, r in enumerate(reqs):
-                self._live[r.rid] = _Live(r, pending, i, req.stream, req.return_text_in_logprobs)
+            self._live[req.rid] = _Live(pending, req.stream, req.return_text_in_logprobs, inp.params.n)
         elif kind == "abort":
             self.engine.abort(cmd[1])
         elif kind == "call":
@@ -175,22 +171,26 @@ class EngineBackend(BaseBackend):
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
 
-    def _collect(self) -> None:
-        for rid, lv in list(self._live.items()):
-            r = lv.req
-            if r.finished:
-                del self._live[rid]
-                out = self.engine.pop_result(r)
-                if lv.stream:
-                    lv.pending.chunk(lv.index, out["text"][lv.sent:])
+    def _collect(self, outputs: list[RequestOutput]) -> None:
+        from plait.runtime.output_processor import add_token_text
+
+        for o in outputs:
+            lv = self._live.get(o.group)
+            if lv is None:
+                continue
+            if o.error is not None:
+                del self._live[o.group]
+                lv.pending.fail(o.error.to_backend_error())
+                continue
+            if lv.stream and o.text:
+                lv.pending.chunk(o.index, o.text)
+            if o.result is not None:
                 if lv.text_in_logprobs:
-                    self._add_token_text(out["meta_info"])
-                lv.pending.result(lv.index, out)
-            elif lv.stream:
-                end = max(self._safe_text_len(r.text, r.params.stop), lv.sent)
-                if end > lv.sent:
-                    piece, lv.sent = r.text[lv.sent:end], end
-                    lv.pending.chunk(lv.index, piece)
+                    add_token_text(o.result["meta_info"], self._token_text)
+                lv.left -= 1
+                if lv.left == 0:
+                    del self._live[o.group]
+                lv.pending.result(o.index, o.result)
 
     def _fail_all(self, error: BaseException) -> None:
         live, self._live = self._live, {}
@@ -210,27 +210,16 @@ class EngineBackend(BaseBackend):
     def _encode(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text, add_special_tokens=False) if text else []
 
-    def _add_token_text(self, meta: dict[str, Any]) -> None:
-        tok = self.engine.tokenizer
-        for key in ("input_token_logprobs", "output_token_logprobs"):
-            if key in meta:
-                meta[key] = [[lp, tid, tok.decode([tid])] for lp, tid, *_ in meta[key]]
+    def _validate(self, req: Request) -> Any:  # plait.runtime.validation.GenerateInput
+        from plait.runtime.validation import validate_generate
 
-    def _info(self, e: Any) -> dict[str, Any]:
-        mc = e.model_config
-        return {
-            "model_path": str(e.source.path),
-            "architecture": mc.architecture,
-            "context_len": e.context_len,
-            "vocab_size": mc.vocab_size,
-            "eos_token_ids": sorted(e.eos_ids),
-            "pool": e.pool_usage(),
-            "pins": e.pin_stats(),
-            "chat_template": bool(getattr(e.tokenizer, "chat_template", None)),
-            **e.stats(),
-        }
+        ids = req.input_ids if req.input_ids is not None else self._encode(req.text or "")
+        return validate_generate(
+            req.rid, ids, req.sampling_params, self.engine.limits,
+            prompt_param="input_ids" if req.input_ids is not None else "text",
+            return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
+            top_logprobs_num=req.top_logprobs_num, stream=req.stream,
+        )
 
-
-def _param_of(message: str) -> str | None:
-    head = message.split("=", 1)[0] if "=" in message else ""
-    return head if head.isidentifier() else None
+    def _token_text(self, tid: int) -> str:
+        return self.engine.tokenizer.decode([tid])

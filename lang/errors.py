@@ -20,6 +20,40 @@ class BackendError(PlaitError, RuntimeError):
         self.error_type = error_type
 
 
+class RequestError(PlaitError, ValueError):
+    """A request is invalid. Raised where the problem is found (validation of sampling
+    parameters, prompts, constraints, pins) and turned into an HTTP error body, a ZMQ
+    :class:`~plait.protocol.ErrorResponse` or a :class:`BackendError` in one place
+    (:func:`plait.protocol.error_response` / :meth:`from_response`).
+
+    ``param`` names the request field at fault (``None`` when the request as a whole
+    is at fault); ``status`` follows HTTP (400 invalid, 404 unknown, 413 too large)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 error_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.error_type = error_type
+
+    def with_param(self, param: str | None, message: str | None = None) -> "RequestError":
+        """The same error under another field name (an API that renames fields)."""
+        return RequestError(self.message if message is None else message, param, self.status, self.error_type)
+
+    def to_backend_error(self) -> BackendError:
+        """The error a language program sees."""
+        return BackendError(self.message, code=self.status, param=self.param, error_type=self.error_type)
+
+    def __reduce__(self) -> tuple:
+        return (RequestError, (self.message, self.param, self.status, self.error_type))
+
+
+def is_int(v: object) -> bool:
+    """An integer that is not a bool (JSON's true/false arrive as Python bools)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 class RuntimeUnavailableError(BackendError):
     """The runtime cannot be reached, did not answer in time, or died."""
 

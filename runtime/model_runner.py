@@ -26,6 +26,7 @@ class ModelRunner:
         req_to_token: ReqToToken,
         device: torch.device,
         eos_ids: Sequence[int],
+        graphs: DecodeGraphRunner | None = None,
     ) -> None:
         self.model = model
         self.attn = attn
@@ -34,7 +35,7 @@ class ModelRunner:
         self.eos_ids = list(eos_ids)
         self.mask_time_s = 0.0  # grammar masking, for benchmarks
         self.mask_steps = 0
-        self.graphs: DecodeGraphRunner | None = None  # set by the engine on CUDA
+        self.graphs = graphs  # decode CUDA graphs (CUDA + triton backend), or None
 
     def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
         ids: list[int] = []
@@ -43,11 +44,11 @@ class ModelRunner:
         table = self.req_to_token.table
         for r, n in batch.extends:
             start = r.num_computed
-            ids.extend(r.all_ids[start : start + n])
+            ids.extend(r.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             slot_rows.append(table[r.row, start : start + n])
         for r in batch.decodes:
-            ids.append(r.all_ids[-1])
+            ids.append(r.last_token)
             positions.append(r.num_computed)
         dec_rows = torch.tensor([r.row for r in batch.decodes], dtype=torch.long, device=table.device)
         dec_pos = torch.tensor([r.num_computed for r in batch.decodes], dtype=torch.long, device=table.device)
@@ -84,20 +85,21 @@ class ModelRunner:
         offset = 0
         for r, n in batch.extends:
             start = r.num_computed
-            if not r.input_logprobs_done:
-                if start == 0 and r.logprob_start_len == 0 and not r.input_token_logprobs:
+            lp = r.logprobs
+            if lp is not None and not lp.input_done:
+                if start == 0 and lp.start_len == 0 and not lp.input_token:
                     # the first prompt token has no context to be predicted from
-                    r.input_token_logprobs.append([None, r.prompt_ids[0]])
-                    r.input_top_logprobs.append(None)
+                    lp.input_token.append([None, r.token_ids[0]])
+                    lp.input_top.append(None)
                 # hidden at position p predicts token p + 1; tokens from logprob_start_len
                 # (>= 1) to the end of the prompt
-                lo = max(start, r.input_logprob_pos - 1)
+                lo = max(start, lp.input_pos - 1)
                 hi = min(start + n, r.prompt_len - 1)
                 if hi > lo:
                     lp_rows.extend(range(offset + lo - start, offset + hi - start))
                     lp_spans.append((r, lo + 1, hi - lo))
                 if start + n >= r.prompt_len:
-                    r.input_logprobs_done = True
+                    lp.input_done = True
             if start + n == r.seq_len and r.params.max_new_tokens > 0:
                 sample_rows.append(offset + n - 1)
                 sample_reqs.append(r)
@@ -126,23 +128,24 @@ class ModelRunner:
             self.mask_steps += 1
         next_ids = sample(sample_logits, sample_reqs, self.eos_ids)
         if raw_lp is not None:
-            top_n = max(sample_reqs[i].top_logprobs_num for i in want_lp)
+            states = [sample_reqs[i].logprobs for i in want_lp]
+            top_n = max(lp.top_n for lp in states)
             chosen, top = token_logprobs(raw_lp, [next_ids[i] for i in want_lp], top_n)
-            for j, i in enumerate(want_lp):
-                r = sample_reqs[i]
-                r.output_token_logprobs.append([chosen[j], next_ids[i]])
-                if r.top_logprobs_num > 0:
-                    r.output_top_logprobs.append(top[j][: r.top_logprobs_num])
+            for j, (i, lp) in enumerate(zip(want_lp, states)):
+                lp.output_token.append([chosen[j], next_ids[i]])
+                if lp.top_n > 0:
+                    lp.output_top.append(top[j][: lp.top_n])
         return {r.rid: t for r, t in zip(sample_reqs, next_ids)}
 
     def _record_input_logprobs(self, logits: torch.Tensor, spans: list[tuple[Req, int, int]]) -> None:
         lp = logits.log_softmax(-1)
         off = 0
         for r, first, count in spans:
-            toks = r.prompt_ids[first : first + count]
-            chosen, top = token_logprobs(lp[off : off + count], toks, r.top_logprobs_num)
-            r.input_token_logprobs.extend([c, t] for c, t in zip(chosen, toks))
+            state = r.logprobs
+            toks = r.token_ids[first : first + count]
+            chosen, top = token_logprobs(lp[off : off + count], toks, state.top_n)
+            state.input_token.extend([c, t] for c, t in zip(chosen, toks))
             if top is not None:
-                r.input_top_logprobs.extend(top)
-            r.input_logprob_pos = first + count
+                state.input_top.extend(top)
+            state.input_pos = first + count
             off += count

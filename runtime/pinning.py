@@ -17,13 +17,14 @@ exceed ``budget_tokens``, so pins can never starve running requests of KV memory
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from plait.errors import RequestError
 from plait.runtime.radix_cache import RadixCache, TreeNode
+from plait.runtime.request import Req
 
 MAX_PIN_TTL_S = 24 * 3600.0
 
@@ -37,7 +38,7 @@ class Pin:
     input_ids: list[int]
     cache_salt: str | None
     expires_at: float
-    prefill_rid: str | None = None
+    prefill: Req | None = None  # the internal prefill request while pending
     node: TreeNode | None = None
     num_tokens: int = 0  # tokens held locked once active (page aligned)
     state: str = "pending"
@@ -67,7 +68,6 @@ class PinTable:
         self.budget_tokens = budget_tokens
         self.clock = clock
         self._pins: dict[str, Pin] = {}
-        self._by_prefill: dict[str, str] = {}  # prefill rid -> pin id
         self._ids = itertools.count()
 
     # -- queries ----------------------------------------------------------------------
@@ -81,19 +81,27 @@ class PinTable:
     def get(self, pin_id: str) -> Pin | None:
         return self._pins.get(pin_id)
 
-    def is_prefill(self, rid: str) -> bool:
-        return rid in self._by_prefill
+    def pending(self) -> list[Pin]:
+        """Pins whose prefill has not finished yet."""
+        return [p for p in self._pins.values() if p.prefill is not None]
+
+    def stats(self) -> dict[str, int]:
+        """Pins held, tokens they cover, and the budget."""
+        states = [p.state for p in self._pins.values()]
+        return {
+            "active": states.count("active"),
+            "pending": states.count("pending"),
+            "pinned_tokens": self.used_tokens,
+            "budget_tokens": self.budget_tokens,
+        }
 
     # -- lifecycle --------------------------------------------------------------------
     def new(self, input_ids: list[int], ttl_s: float, cache_salt: str | None) -> Pin:
-        """Register a pin (state ``pending``); raises ``ValueError`` for a bad TTL or
-        when the pin would exceed the budget."""
-        if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not math.isfinite(ttl_s) \
-                or not 0 < ttl_s <= MAX_PIN_TTL_S:
-            raise ValueError(f"ttl_s={ttl_s!r} is invalid; allowed: a number of seconds in (0, {MAX_PIN_TTL_S:g}]")
+        """Register a pin (state ``pending``) for a validated prefix and TTL; raises
+        :class:`RequestError` when the pin would exceed the budget."""
         used = self.used_tokens
         if used + len(input_ids) > self.budget_tokens:
-            raise ValueError(
+            raise RequestError(
                 f"pinning {len(input_ids)} tokens exceeds the pin budget: {used} of {self.budget_tokens} "
                 f"tokens are pinned already; unpin something or pin a shorter prefix"
             )
@@ -101,44 +109,34 @@ class PinTable:
         self._pins[pin.pin_id] = pin
         return pin
 
-    def attach_prefill(self, pin: Pin, rid: str) -> None:
-        pin.prefill_rid = rid
-        self._by_prefill[rid] = pin.pin_id
+    def attach_prefill(self, pin: Pin, req: Req) -> None:
+        pin.prefill = req
 
     def activate(self, pin: Pin) -> None:
         """Lock the cached prefix of ``pin`` (its prefill has finished, or the prefix
         was cached already). Must run before the next eviction can happen."""
-        if pin.prefill_rid is not None:
-            self._by_prefill.pop(pin.prefill_rid, None)
-            pin.prefill_rid = None
+        pin.prefill = None
         match = self.cache.match_prefix(pin.input_ids, pin.cache_salt)
         self.cache.lock(match.node)
         pin.node, pin.num_tokens, pin.state = match.node, match.length, "active"
 
-    def on_prefill_finished(self, rid: str, finish_reason: dict[str, Any] | None) -> Pin | None:
-        """The prefill request ``rid`` finished: activate its pin, or mark it failed."""
-        pin_id = self._by_prefill.get(rid)
-        pin = self._pins.get(pin_id) if pin_id is not None else None
-        if pin is None:
-            return None
-        if finish_reason is not None and finish_reason.get("type") == "abort":
-            self._by_prefill.pop(rid, None)
-            pin.prefill_rid, pin.state = None, "failed"
-            pin.error = str(finish_reason.get("message", "prefill aborted"))
-            return pin
+    def on_prefill_finished(self, pin: Pin) -> None:
+        """``pin``'s prefill request finished: activate the pin, or mark it failed."""
+        reason = pin.prefill.finish_reason if pin.prefill is not None else None
+        if reason is not None and reason.type == "abort":
+            pin.prefill, pin.state = None, "failed"
+            pin.error = reason.message or "prefill aborted"
+            return
         self.activate(pin)
-        return pin
 
     def release(self, pin_id: str) -> Pin | None:
         """Drop a pin; unlocks its node if active. Returns it (the caller aborts a
-        pending prefill, ``pin.prefill_rid``), or None if unknown."""
+        pending prefill, ``pin.prefill``), or None if unknown."""
         pin = self._pins.pop(pin_id, None)
         if pin is None:
             return None
         if pin.state == "active" and pin.node is not None:
             self.cache.unlock(pin.node)
-        if pin.prefill_rid is not None:
-            self._by_prefill.pop(pin.prefill_rid, None)
         pin.node, pin.state = None, "released"
         return pin
 

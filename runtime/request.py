@@ -1,14 +1,28 @@
-"""A request inside the engine: one plain class with counters."""
+"""A request inside the engine: one plain class with counters, split by owner.
+
+- :class:`Req` — tokens and scheduling/KV state, written by the scheduler (and the
+  engine when a constraint heals the prompt's last token).
+- :class:`LogprobState` — requested logprobs and the lists being filled, written by
+  the model runner.
+- Text, stop strings and stream cursors live in the output processor
+  (:mod:`plait.runtime.output_processor`), not here.
+"""
 
 from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from plait.errors import RequestError
 from plait.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from plait.runtime.constrained.matcher import GrammarMatcher
+    from plait.runtime.radix_cache import TreeNode
 
 
 class ReqStatus(enum.Enum):
@@ -17,11 +31,74 @@ class ReqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class ReqKind(enum.Enum):
+    GENERATE = "generate"  # a client's request: its outputs are reported
+    PIN_PREFILL = "pin_prefill"  # internal prefill of a pinned prefix: never reported
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a sequence ended. ``stop``: EOS, a stop token id or a stop string
+    (``matched``; None when a constraint completed); ``length``: ``max_new_tokens`` or
+    the context; ``abort``: aborted, did not fit, or failed — ``error`` is set when the
+    request failed as a client error after admission (its constraint did not compile),
+    which is reported as an error, not a result."""
+
+    type: str  # "stop" | "length" | "abort"
+    matched: str | int | None = None
+    length: int = 0
+    message: str = ""
+    error: RequestError | None = None
+
+    @classmethod
+    def stop(cls, matched: str | int | None) -> FinishReason:
+        return cls("stop", matched=matched)
+
+    @classmethod
+    def of_length(cls, n: int) -> FinishReason:
+        return cls("length", length=n)
+
+    @classmethod
+    def abort(cls, message: str, error: RequestError | None = None) -> FinishReason:
+        return cls("abort", message=message, error=error)
+
+    @property
+    def by_token(self) -> bool:
+        """Ended by EOS or a stop token id (the token stays in the output)."""
+        return self.type == "stop" and isinstance(self.matched, int)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form (``meta_info["finish_reason"]``)."""
+        if self.type == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.type == "length":
+            return {"type": "length", "length": self.length}
+        return {"type": "abort", "message": self.message}
+
+
+@dataclass
+class LogprobState:
+    """Logprobs asked for by one request and the entries recorded so far (model runner)."""
+
+    start_len: int = -1  # -1: no prompt logprobs; k: prompt tokens from position k on
+    top_n: int = 0
+    output_token: list[list[Any]] = field(default_factory=list)  # [logprob, token id]
+    output_top: list[list[list[Any]]] = field(default_factory=list)
+    input_token: list[list[Any]] = field(default_factory=list)
+    input_top: list[list[list[Any]] | None] = field(default_factory=list)
+    input_done: bool = True
+    input_pos: int = 1  # next prompt position to score
+
+    def __post_init__(self) -> None:
+        self.input_done = self.start_len < 0
+        self.input_pos = max(self.start_len, 1)
+
+
 class Req:
     """State of one sequence. Scheduling is "computed tokens catch up to total tokens":
-    ``num_computed`` tokens of ``all_ids`` have KV in the pool; each step feeds
-    ``all_ids[num_computed:]`` (a prefill chunk, or the one last sampled token) and,
-    once caught up, samples the next token.
+    ``num_computed`` tokens of ``token_ids`` (prompt then output, one list) have KV in
+    the pool; each step feeds ``token_ids[num_computed:]`` (a prefill chunk, or the one
+    last sampled token) and, once caught up, samples the next token.
 
     KV ownership: positions ``[0, cache_len)`` belong to radix-tree nodes locked through
     ``last_node``; positions from ``cache_len`` on live in ``private_pages`` (page
@@ -34,70 +111,85 @@ class Req:
         prompt_ids: list[int],
         params: SamplingParams,
         *,
+        group: str | None = None,
+        index: int = 0,
+        kind: ReqKind = ReqKind.GENERATE,
         cache_salt: str | None = None,
-        return_logprob: bool = False,
-        logprob_start_len: int = -1,
-        top_logprobs_num: int = 0,
+        logprobs: LogprobState | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
         self.rid = rid
-        self.prompt_ids = list(prompt_ids)
-        self.output_ids: list[int] = []
+        self.group = rid if group is None else group  # the client's rid (shared by n > 1 copies)
+        self.index = index  # which of the n copies
+        self.kind = kind
+        self.token_ids = list(prompt_ids)
+        self.prompt_len = len(self.token_ids)
         self.params = params
         self.cache_salt = cache_salt
-        self.return_logprob = return_logprob
-        self.logprob_start_len = logprob_start_len
-        self.top_logprobs_num = top_logprobs_num
+        self.logprobs = logprobs  # None: no logprobs asked for
         self.generator = generator
         self.status = ReqStatus.WAITING
         self.arrival = time.monotonic()
+        self.finish_reason: FinishReason | None = None
 
-        # KV state
+        # KV state (scheduler)
         self.num_computed = 0
         self.cache_len = 0
-        self.last_node: Any = None
+        self.last_node: TreeNode | None = None
         self.private_pages: list[int] = []
         self.row: int | None = None
         self.cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.admitted_once = False
         self.num_retractions = 0
+        self.grammar: GrammarMatcher | None = None  # constrained decoding
 
-        # outputs
-        self.finish_reason: dict[str, Any] | None = None
-        self.output_token_logprobs: list[list[Any]] = []
-        self.output_top_logprobs: list[list[list[Any]]] = []
-        self.input_token_logprobs: list[list[Any]] = []
-        self.input_top_logprobs: list[list[list[Any]] | None] = []
-        self.input_logprobs_done = not (return_logprob and logprob_start_len >= 0)
-        self.input_logprob_pos = max(logprob_start_len, 1)  # next prompt position to score
-        self.text = ""  # detokenized output, maintained incrementally when stop strings are set
-        # constrained decoding (plait.runtime.constrained.matcher.GrammarMatcher)
-        self.grammar: Any = None
-        self.text_skip = 0  # leading output characters not returned: a healed prompt token's text
-        self.detok_prefix_offset = 0
-        self.detok_read_offset = 0
+    # -- tokens -----------------------------------------------------------------------
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.prompt_len]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    def append_token(self, tid: int) -> None:
+        self.token_ids.append(tid)
+
+    def replace_last_token(self, ids: list[int]) -> None:
+        """Jump-forward: the newest output token becomes ``ids`` (re-tokenized with it)."""
+        self.token_ids[-1:] = ids
+
+    def set_output(self, ids: list[int]) -> None:
+        del self.token_ids[self.prompt_len :]
+        self.token_ids.extend(ids)
+
+    def drop_last_prompt_token(self) -> None:
+        """Token healing backs off the prompt's last token (before any output)."""
+        assert self.output_len == 0, "the prompt can only change before the output starts"
+        self.token_ids.pop()
+        self.prompt_len -= 1
 
     # -- derived counters -------------------------------------------------------------
     @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
+    def return_logprob(self) -> bool:
+        return self.logprobs is not None
 
     @property
     def output_len(self) -> int:
-        return len(self.output_ids)
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        return len(self.token_ids) - self.prompt_len
 
     @property
     def seq_len(self) -> int:
-        return self.prompt_len + self.output_len
+        return len(self.token_ids)
 
     @property
     def num_pending(self) -> int:
         """Tokens still to feed before the next sample."""
-        return self.seq_len - self.num_computed
+        return len(self.token_ids) - self.num_computed
 
     @property
     def is_decoding(self) -> bool:
@@ -119,8 +211,9 @@ class Req:
         """Longest prefix that may come from the cache: at least one token must be fed
         to get logits, and input logprobs need the hidden states before their tokens."""
         limit = self.seq_len - 1
-        if not self.input_logprobs_done:
-            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        lp = self.logprobs
+        if lp is not None and not lp.input_done:
+            limit = min(limit, max(lp.start_len - 1, 0))
         return limit
 
     def __repr__(self) -> str:

@@ -25,11 +25,11 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> None:
             continue
         row = logits[i]
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.all_ids)), dtype=torch.long, device=row.device)
+            seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long, device=row.device)
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if r.output_ids and (p.frequency_penalty or p.presence_penalty):
-            ids = torch.tensor(r.output_ids, dtype=torch.long, device=row.device)
+        if r.output_len and (p.frequency_penalty or p.presence_penalty):
+            ids = torch.tensor(r.token_ids[r.prompt_len :], dtype=torch.long, device=row.device)
             counts = torch.zeros_like(row).index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
             row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
 

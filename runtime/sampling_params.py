@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from plait.errors import RequestError, is_int
+
 MAX_N = 128
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
@@ -50,17 +52,15 @@ class SamplingParams:
         if d is None:
             return cls()
         if isinstance(d, SamplingParams):
-            out = dataclasses.replace(d)
-            if "_constraint" in d.__dict__:  # the translated constraint (checked against the fields)
-                out.__dict__["_constraint"] = d.__dict__["_constraint"]
-            return out
+            return dataclasses.replace(d)
         if not isinstance(d, dict):
-            raise ValueError(f"sampling_params must be a dict, got {type(d).__name__}")
+            raise RequestError(f"sampling_params must be a dict, got {type(d).__name__}", "sampling_params")
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(k for k in d if k not in names)
         if unknown:
-            raise ValueError(
-                f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(names)}"
+            raise RequestError(
+                f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(names)}",
+                "sampling_params",
             )
         kwargs = dict(d)
         if isinstance(kwargs.get("stop"), str):
@@ -73,71 +73,83 @@ class SamplingParams:
         params.validate()
         return params
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every field (what the front sends the engine, which rebuilds it unchecked)."""
+        return dataclasses.asdict(self)
+
     def validate(self) -> None:
+        """Raise :class:`RequestError` naming the first bad field. The constraint's
+        fields are type-checked here and translated by :meth:`constraint`."""
         _int(self.max_new_tokens, "max_new_tokens", 0, None)
         _int(self.min_new_tokens, "min_new_tokens", 0, None)
         if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(
-                f"min_new_tokens={self.min_new_tokens} is invalid; allowed: at most max_new_tokens ({self.max_new_tokens})"
+            raise RequestError(
+                f"min_new_tokens={self.min_new_tokens} is invalid; allowed: at most max_new_tokens ({self.max_new_tokens})",
+                "min_new_tokens",
             )
         _num(self.temperature, "temperature", 0.0, 100.0, "a number in [0, 100]")
         _num(self.top_p, "top_p", 0.0, 1.0, "a number in (0, 1]")
         if self.top_p <= 0.0:
-            raise ValueError(f"top_p={self.top_p!r} is invalid; allowed: a number in (0, 1]")
+            raise RequestError(f"top_p={self.top_p!r} is invalid; allowed: a number in (0, 1]", "top_p")
         _int(self.top_k, "top_k", -1, None)
         _num(self.min_p, "min_p", 0.0, 1.0, "a number in [0, 1]")
         _num(self.frequency_penalty, "frequency_penalty", -2.0, 2.0, "a number in [-2, 2]")
         _num(self.presence_penalty, "presence_penalty", -2.0, 2.0, "a number in [-2, 2]")
         _num(self.repetition_penalty, "repetition_penalty", 0.0, 2.0, "a number in (0, 2]")
         if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty!r} is invalid; allowed: a number in (0, 2]")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop={self.stop!r} is invalid; allowed: a non-empty string or a list of non-empty strings")
-        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_LEN for s in self.stop):
-            raise ValueError(
-                f"stop is invalid: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_LEN} characters are allowed"
+            raise RequestError(
+                f"repetition_penalty={self.repetition_penalty!r} is invalid; allowed: a number in (0, 2]",
+                "repetition_penalty",
             )
-        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} is invalid; allowed: a list of non-negative token ids")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise RequestError(
+                f"stop={self.stop!r} is invalid; allowed: a non-empty string or a list of non-empty strings", "stop"
+            )
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_LEN for s in self.stop):
+            raise RequestError(
+                f"stop is invalid: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_LEN} characters are allowed",
+                "stop",
+            )
+        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise RequestError(
+                f"stop_token_ids={self.stop_token_ids!r} is invalid; allowed: a list of non-negative token ids",
+                "stop_token_ids",
+            )
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; allowed: true or false")
+                raise RequestError(f"{name}={getattr(self, name)!r} is invalid; allowed: true or false", name)
         if self.seed is not None:
             _int(self.seed, "seed", 0, 2**63 - 1)
         _int(self.n, "n", 1, MAX_N)
-        self._check_constraint()
-
-    def _check_constraint(self) -> None:
         if self.regex is not None and self.json_schema is not None:
-            raise ValueError("regex and json_schema are both set; allowed: at most one constraint per request")
+            raise RequestError("regex and json_schema are both set; allowed: at most one constraint per request", "regex")
         if self.whitespace_pattern is not None and self.json_schema is None:
-            raise ValueError("whitespace_pattern is set without json_schema; it only applies to JSON output")
-        if self.regex is not None or self.json_schema is not None:
-            _ = self.constraint_regex
+            raise RequestError(
+                "whitespace_pattern is set without json_schema; it only applies to JSON output", "whitespace_pattern"
+            )
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise RequestError(f"regex={self.regex!r} is invalid; allowed: a string", "regex")
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
+            raise RequestError(
+                f"json_schema={self.json_schema!r} is invalid; allowed: a JSON Schema object or its JSON text",
+                "json_schema",
+            )
 
-    @property
-    def constraint_regex(self) -> str | None:
-        """The regex every output must fully match (``json_schema`` translated), or
-        None. Raises ``ValueError`` naming the field or schema keyword at fault."""
+    def constraint(self) -> Constraint | None:
+        """The constraint translated to the regex every output must fully match, or
+        None. Raises :class:`RequestError` naming the field (and schema keyword) at
+        fault. Done once per request, where the request enters."""
         from plait.runtime.constrained.json_schema import schema_to_regex
         from plait.runtime.constrained.regexes import check_regex
 
-        key = (self.regex, repr(self.json_schema), self.whitespace_pattern)
-        cached = self.__dict__.get("_constraint")
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        if self.regex is not None:
-            out: str | None = check_regex(self.regex, "regex")
-        elif self.json_schema is not None:
-            if not isinstance(self.json_schema, (dict, str)):
-                raise ValueError(
-                    f"json_schema={self.json_schema!r} is invalid; allowed: a JSON Schema object or its JSON text"
-                )
-            out = schema_to_regex(self.json_schema, self.whitespace_pattern)
-        else:
-            out = None
-        self.__dict__["_constraint"] = (key, out)
-        return out
+        try:
+            if self.regex is not None:
+                return Constraint("regex", check_regex(self.regex, "regex"))
+            if self.json_schema is not None:
+                return Constraint("json_schema", schema_to_regex(self.json_schema, self.whitespace_pattern))
+        except ValueError as e:  # the translators' messages name the keyword and its location
+            raise RequestError(str(e), "regex" if self.regex is not None else "json_schema") from None
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -148,16 +160,22 @@ class SamplingParams:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+@dataclass(frozen=True)
+class Constraint:
+    """A request's constraint after translation: ``kind`` is the field it came from
+    (``regex`` or ``json_schema``: what an error names), ``regex`` what the output
+    must fully match."""
+
+    kind: str
+    regex: str
 
 
 def _int(v: Any, name: str, lo: int, hi: int | None) -> None:
     allowed = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
-    if not _is_int(v) or v < lo or (hi is not None and v > hi):
-        raise ValueError(f"{name}={v!r} is invalid; allowed: {allowed}")
+    if not is_int(v) or v < lo or (hi is not None and v > hi):
+        raise RequestError(f"{name}={v!r} is invalid; allowed: {allowed}", name)
 
 
 def _num(v: Any, name: str, lo: float, hi: float, allowed: str) -> None:
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < lo or v > hi:
-        raise ValueError(f"{name}={v!r} is invalid; allowed: {allowed}")
+        raise RequestError(f"{name}={v!r} is invalid; allowed: {allowed}", name)

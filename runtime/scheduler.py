@@ -13,13 +13,11 @@ import math
 import os
 from collections import deque
 from dataclasses import dataclass, field
-from collections.abc import Callable
-from typing import Any
 
 from plait.runtime.config import EngineConfig
 from plait.runtime.memory import PageAllocator, ReqToToken
-from plait.runtime.radix_cache import RadixCache
-from plait.runtime.request import Req, ReqStatus
+from plait.runtime.radix_cache import MatchResult, RadixCache
+from plait.runtime.request import FinishReason, Req, ReqStatus
 from plait.runtime.schedule_policy import order_waiting
 
 # A waiting request that shares this many more tokens with a request prefilled in
@@ -53,7 +51,6 @@ class Scheduler:
         cache: RadixCache,
         context_len: int,
         eos_ids: frozenset[int] = frozenset(),
-        stop_checker: Callable[[Req], str | None] | None = None,
     ) -> None:
         self.config = config
         self.allocator = allocator
@@ -62,7 +59,6 @@ class Scheduler:
         self.page_size = allocator.page_size
         self.context_len = context_len
         self.eos_ids = eos_ids
-        self.stop_checker = stop_checker  # matched stop string of a request, or None
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.new_token_ratio = config.init_new_token_ratio
@@ -71,6 +67,8 @@ class Scheduler:
         # counters (exported as metrics): tokens fed as prefill/extend vs as decode
         self.prefill_tokens_computed = 0
         self.decode_tokens_computed = 0
+        # requests finished outside process_batch (aborted, never fit) since take_finished
+        self._finished_outside: list[Req] = []
 
     # -- queue ----------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -78,22 +76,41 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
+        """Requests waiting or running."""
         return bool(self.waiting or self.running)
 
-    def abort(self, rid: str, message: str = "aborted by request") -> Req | None:
-        """Abort a waiting or running request; its KV returns to the pool/cache."""
-        for r in self.waiting:
-            if r.rid == rid:
-                self.waiting.remove(r)
-                self._finish(r, {"type": "abort", "message": message})
-                return r
-        for r in self.running:
-            if r.rid == rid:
+    def has_finished(self) -> bool:
+        """Requests finished outside a step, not yet taken with :meth:`take_finished`."""
+        return bool(self._finished_outside)
+
+    def abort(self, r: Req, reason: FinishReason | str = "aborted by request") -> bool:
+        """Abort ``r`` if it is waiting or running (its KV returns to the pool/cache);
+        it is reported by the next :meth:`take_finished`. False if it had finished."""
+        if r.finished:
+            return False
+        if isinstance(reason, str):
+            reason = FinishReason.abort(reason)
+        self.finish(r, reason)
+        self._finished_outside.append(r)
+        return True
+
+    def finish(self, r: Req, reason: FinishReason) -> None:
+        """End ``r`` with ``reason`` (the output processor ends a request whose stop
+        string matched); a request that had already finished this step gets the new
+        reason (a stop string outranks the length limit and a constraint's end)."""
+        if not r.finished:
+            if r in self.running:
                 self.running.remove(r)
                 self._release(r)
-                self._finish(r, {"type": "abort", "message": message})
-                return r
-        return None
+            elif r in self.waiting:
+                self.waiting.remove(r)
+        r.status = ReqStatus.FINISHED
+        r.finish_reason = reason
+
+    def take_finished(self) -> list[Req]:
+        """Requests that finished outside :meth:`process_batch` since the last call."""
+        out, self._finished_outside = self._finished_outside, []
+        return out
 
     # -- one step -------------------------------------------------------------------
     def schedule(self) -> ScheduleBatch | None:
@@ -108,8 +125,7 @@ class Scheduler:
 
     def _schedule_once(self) -> ScheduleBatch | None:
         batch = ScheduleBatch()
-        self._new_pages = batch.new_pages
-        decodes = self._schedule_decodes()
+        decodes = self._schedule_decodes(batch)
         batch.decodes = decodes
         budget = max(self.config.chunked_prefill_size - len(decodes), 0)
         budget = self._continue_prefills(batch, budget)
@@ -122,7 +138,7 @@ class Scheduler:
             )
         return batch
 
-    def _schedule_decodes(self) -> list[Req]:
+    def _schedule_decodes(self, batch: ScheduleBatch) -> list[Req]:
         while True:
             decodes = [r for r in self.running if r.is_decoding]
             need = sum(self._pages_needed(r, 1) for r in decodes)
@@ -130,7 +146,7 @@ class Scheduler:
                 break
             self._retract_one()
         for r in decodes:
-            self._grow(r, 1)
+            self._grow(r, 1, batch)
         return decodes
 
     def _continue_prefills(self, batch: ScheduleBatch, budget: int) -> int:
@@ -140,7 +156,7 @@ class Scheduler:
             n = min(r.num_pending, budget)
             if self._pages_needed(r, n) > self.allocator.num_free + self.cache.evictable_pages:
                 continue  # wait for memory; decodes keep running and finishing
-            self._grow(r, n)
+            self._grow(r, n, batch)
             batch.extends.append((r, n))
             budget -= n
         return budget
@@ -155,9 +171,9 @@ class Scheduler:
                 break
             if r.grammar is not None and not r.grammar.started:
                 continue  # its index is still being built; the others go on
-            match = self.cache.match_prefix(r.all_ids, r.cache_salt, max_len=r.max_prefix_len())
+            match = self.cache.match_prefix(r.token_ids, r.cache_salt, max_len=r.max_prefix_len())
             if not self.cache.disable and any(
-                _common_prefix_len(r.all_ids, o.all_ids) - match.length >= IN_BATCH_PREFIX_DEFER for o in in_batch
+                _common_prefix_len(r.token_ids, o.token_ids) - match.length >= IN_BATCH_PREFIX_DEFER for o in in_batch
             ):
                 continue  # wait one step: its shared prefix is being prefilled now
             extend = r.seq_len - match.length
@@ -169,13 +185,12 @@ class Scheduler:
                     break  # wait for memory to come back
                 if extend + 1 > available - self._evictable_in(match):
                     # nothing running and it still does not fit: it never will
-                    self.waiting.remove(r)
-                    self._finish(r, {"type": "abort", "message": "request does not fit in the KV cache"})
+                    self.abort(r, "request does not fit in the KV cache")
                     continue
             self.waiting.remove(r)
             self._start(r, match)
             n = min(extend, budget)
-            self._grow(r, n)
+            self._grow(r, n, batch)
             batch.extends.append((r, n))
             in_batch.append(r)
             budget -= n
@@ -184,38 +199,37 @@ class Scheduler:
     # -- results --------------------------------------------------------------------
     def process_batch(self, batch: ScheduleBatch, next_ids: dict[str, int]) -> list[Req]:
         """Advance counters after the forward pass; append sampled tokens; finish.
-        Returns the requests that finished this step."""
+        Returns the requests that caught up this step (a new token, or finished):
+        the ones whose outputs changed."""
         for r, n in batch.extends:
             r.num_computed += n
         for r in batch.decodes:
             r.num_computed += 1
         self.prefill_tokens_computed += batch.num_tokens - len(batch.decodes)
         self.decode_tokens_computed += len(batch.decodes)
-        finished = []
+        advanced = []
         for r in batch.reqs:
             if r.num_pending == 0:
                 if r.rid in next_ids:
-                    r.output_ids.append(next_ids[r.rid])
+                    r.append_token(next_ids[r.rid])
                     if r.grammar is not None:
                         self._advance_grammar(r)
                 reason = self.check_finish(r)
                 if reason is not None:
-                    self.running.remove(r)
-                    self._release(r)
-                    self._finish(r, reason)
-                    finished.append(r)
+                    self.finish(r, reason)
+                advanced.append(r)
         # share freshly prefilled KV with requests admitted from the next step on
         if not self.cache.disable:
             for r, _ in batch.extends:
                 if not r.finished:
                     self._cache_unfinished(r)
-        return finished
+        return advanced
 
     def _advance_grammar(self, r: Req) -> None:
         """Move ``r``'s grammar over its newest token; then jump forward: put the
         forced text after it (re-tokenized with it) in place of it, without a model
         step. Jumped tokens are fed as a prefill chunk next step."""
-        tok = r.output_ids[-1]
+        tok = r.last_token
         if tok in r.params.stop_token_ids or (tok in self.eos_ids and not r.params.ignore_eos):
             return
         if not r.grammar.advance(tok) or self.config.disable_jump_forward:
@@ -223,33 +237,26 @@ class Scheduler:
         budget = min(r.params.max_new_tokens - r.output_len + 1, self.context_len - r.seq_len)
         jumped = r.grammar.jump_forward(tok, budget)
         if jumped:
-            r.output_ids[-1:] = jumped
+            r.replace_last_token(jumped)
             self.jump_forward_tokens += len(jumped) - 1
 
-    def check_finish(self, r: Req) -> dict[str, Any] | None:
+    def check_finish(self, r: Req) -> FinishReason | None:
         """Finish reason for ``r`` after its newest token, or None. Stop strings are
-        checked by the engine, which owns the tokenizer (see ``stop_checker``)."""
+        matched on text by the output processor, which may still end the request or
+        replace this reason (see :meth:`finish`)."""
         p = r.params
         if r.output_len == 0:
-            return {"type": "length", "length": 0} if p.max_new_tokens == 0 else None
-        last = r.output_ids[-1]
-        if last in p.stop_token_ids:
-            return {"type": "stop", "matched": last}
-        if not p.ignore_eos and last in self.eos_ids:
-            return {"type": "stop", "matched": last}
-        if self.stop_checker is not None:
-            matched = self.stop_checker(r)
-            if matched is not None:
-                return {"type": "stop", "matched": matched}
+            return FinishReason.of_length(0) if p.max_new_tokens == 0 else None
+        last = r.last_token
+        if last in p.stop_token_ids or (not p.ignore_eos and last in self.eos_ids):
+            return FinishReason.stop(last)
         if r.grammar is not None:
             if r.grammar.rejected is not None:
-                return {"type": "abort", "message": f"token {r.grammar.rejected} is not allowed by the constraint"}
+                return FinishReason.abort(f"token {r.grammar.rejected} is not allowed by the constraint")
             if r.grammar.terminated:
-                return {"type": "stop", "matched": None}  # the constrained output is complete
-        if r.output_len >= p.max_new_tokens:
-            return {"type": "length", "length": r.output_len}
-        if r.seq_len >= self.context_len:
-            return {"type": "length", "length": r.output_len}
+                return FinishReason.stop(None)  # the constrained output is complete
+        if r.output_len >= p.max_new_tokens or r.seq_len >= self.context_len:
+            return FinishReason.of_length(r.output_len)
         return None
 
     # -- KV bookkeeping ------------------------------------------------------------------
@@ -265,18 +272,19 @@ class Scheduler:
             raise RuntimeError(f"KV pool exhausted: needed {n} pages, {self.allocator.num_free} free")
         return pages
 
-    def _grow(self, r: Req, n: int) -> None:
-        """Give ``r`` slots for ``n`` more tokens and write them into its page-table row."""
+    def _grow(self, r: Req, n: int, batch: ScheduleBatch) -> None:
+        """Give ``r`` slots for ``n`` more tokens and write them into its page-table
+        row; the new pages are recorded in ``batch`` (the runner zeroes them)."""
         k = self._pages_needed(r, n)
         if k == 0:
             return
         start = r.capacity(self.page_size)
         pages = self._alloc_pages(k)
-        self._new_pages.extend(pages)
+        batch.new_pages.extend(pages)
         r.private_pages.extend(pages)
         self.req_to_token.write(r.row, start, self.allocator.pages_to_slots(pages))
 
-    def _start(self, r: Req, match: Any) -> None:
+    def _start(self, r: Req, match: MatchResult) -> None:
         if not r.admitted_once:
             # the cache's hit statistics count each request once, at first admission
             self.cache.queried_tokens += r.seq_len
@@ -298,7 +306,7 @@ class Scheduler:
         if aligned <= r.cache_len:
             return
         self._insert(r, aligned)
-        match = self.cache.match_prefix(r.all_ids[:aligned], r.cache_salt)
+        match = self.cache.match_prefix(r.token_ids[:aligned], r.cache_salt)
         self.cache.lock(match.node)
         self.cache.unlock(r.last_node)
         r.last_node = match.node
@@ -311,7 +319,7 @@ class Scheduler:
         """Hand positions ``[cache_len, length)`` (page aligned) to the tree; free the
         pages it already had."""
         slots = self.req_to_token.table[r.row, :length].long()
-        dup = self.cache.insert(r.all_ids[:length], slots, r.cache_salt)
+        dup = self.cache.insert(r.token_ids[:length], slots, r.cache_salt)
         self.allocator.free(self.allocator.slots_to_pages(dup))
 
     def _release(self, r: Req) -> None:
@@ -337,9 +345,7 @@ class Scheduler:
         longest prompt, whose prefix most likely stays cached) and requeue it. A lone
         request that still does not fit never will: it is aborted instead."""
         if len(self.running) == 1:
-            r = self.running.pop()
-            self._release(r)
-            self._finish(r, {"type": "abort", "message": "request does not fit in the KV cache"})
+            self.abort(self.running[0], "request does not fit in the KV cache")
             return
         victim = min(self.running, key=lambda r: (r.output_len, -r.prompt_len))
         self.running.remove(victim)
@@ -363,13 +369,9 @@ class Scheduler:
         """Tokens ``r`` may still generate: ``max_new_tokens`` capped by the context."""
         return max(min(r.remaining_new_tokens, self.context_len - r.seq_len), 0)
 
-    def _evictable_in(self, match: Any) -> int:
+    def _evictable_in(self, match: MatchResult) -> int:
         """Evictable tokens that locking ``match`` would pin (an upper bound)."""
         return match.length if match.node is not None and match.node.lock_ref == 0 else 0
-
-    def _finish(self, r: Req, reason: dict[str, Any]) -> None:
-        r.status = ReqStatus.FINISHED
-        r.finish_reason = reason
 
     # -- accounting -----------------------------------------------------------------
     def pool_usage(self) -> dict[str, int]:

@@ -94,9 +94,12 @@ def test_bad_constraints_are_rejected_and_the_engine_keeps_serving(engine):
         engine.generate("x", {"json_schema": {"type": "array", "uniqueItems": True}})
     with pytest.raises(ValueError, match="at most one constraint"):
         engine.generate("x", {"regex": "a", "json_schema": {"type": "integer"}})
-    # a regex only the index builder refuses: the error comes back from generate()
-    with pytest.raises(ValueError, match="regex is invalid: it cannot be compiled"):
+    with pytest.raises(ValueError, match="out of order"):
         engine.generate("x", {"regex": "[0-9]{5,2}"})
+    # a regex only the index builder refuses (an unknown Unicode property): the error
+    # comes back from generate()
+    with pytest.raises(ValueError, match="regex is invalid: it cannot be compiled"):
+        engine.generate("x", {"regex": r"\p{NoSuchProperty}"})
     out = engine.generate("Still serving?", {"regex": "(yes|no)", "temperature": 0.0})
     assert out["text"] in ("yes", "no")
     assert engine.generate("Hello", FREE)["meta_info"]["completion_tokens"] == 10
@@ -112,10 +115,11 @@ def test_slow_index_builds_fail_cleanly_while_others_decode(tiny_model_factory):
         free = e.add_request(e.tokenizer.encode("Hello", add_special_tokens=False), FREE)[0]
         order = []
         while not (slow.finished and free.finished):
-            order += [r.rid for r in e.step()]
+            order += [o.rid for o in e.step() if o.finished]
         assert order == [free.rid, slow.rid]  # the free request decoded while the index was building
-        assert slow.finish_reason["type"] == "abort" and slow.finish_reason["status_code"] == 400
-        assert "grammar_compile_timeout" in slow.finish_reason["message"]
+        assert slow.finish_reason.type == "abort" and slow.finish_reason.error.status == 400
+        assert slow.finish_reason.error.param == "regex"
+        assert "grammar_compile_timeout" in slow.finish_reason.message
         assert free.output_len == 10
         with pytest.raises(ValueError, match="grammar_compile_timeout"):
             e.generate("Name:", {"regex": SLOW})  # the failure is cached: immediate
@@ -138,7 +142,7 @@ class Oracle:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         self.steps += 1
         (r,) = self.engine.scheduler.running
-        ids = r.all_ids
+        ids = r.token_ids
         logits = torch.zeros(hidden.shape[0], self.engine.model_config.vocab_size)
         if len(ids) < len(self.full) and self.full[: len(ids)] == ids:
             logits[:, self.full[len(ids)]] = 50.0

@@ -18,7 +18,7 @@ from plait.runtime.constrained.json_schema import SchemaError, int_range_regex, 
 from plait.runtime.constrained.jump_forward import CharAutomaton
 from plait.runtime.constrained.mask import apply_grammar_masks, unpack_bits
 from plait.runtime.constrained.matcher import GrammarMatcher
-from plait.runtime.constrained.regexes import check_regex, choices_regex, escape
+from plait.runtime.constrained.regexes import escape
 from constrained_cases import REGEXES, SCHEMAS
 from plait.runtime.constrained.vocab import (
     BYTE_LEVEL,
@@ -133,18 +133,14 @@ def test_sentencepiece_vocabulary():
 
 
 # -- regex helpers and JSON Schema -------------------------------------------------------------
-def test_regex_helpers():
+def test_escape_and_enum_regexes():
     for text in ["a.b*c", "(x|y)?", "$100 [ok] {1,2} ^ \\ +", "naïve 日本"]:
         assert re.fullmatch(escape(text), text)
-    rx = choices_regex(["yes", "no", "a.b"])
-    assert re.fullmatch(rx, "a.b") and not re.fullmatch(rx, "axb") and not re.fullmatch(rx, "yesno")
-    with pytest.raises(ValueError, match="choices"):
-        choices_regex([])
-    with pytest.raises(ValueError, match="regex"):
-        check_regex("(ab")
-    with pytest.raises(ValueError, match="regex"):
-        check_regex("")
-    assert check_regex(r"\p{L}+") == r"\p{L}+"  # judged by outlines-core, not refused here
+    # one of a list of literals: an enum, whose members are escaped
+    rx = schema_to_regex({"enum": ["yes", "no", "a.b"]})
+    assert re.fullmatch(rx, '"a.b"') and not re.fullmatch(rx, '"axb"') and not re.fullmatch(rx, '"yes""no"')
+    with pytest.raises(SchemaError, match="'enum'"):
+        schema_to_regex({"enum": []})
 
 
 def test_integer_ranges_are_exact():
@@ -381,16 +377,19 @@ def test_forced_opening_text_is_written_before_the_first_step(compiler, tokenize
 
 
 def test_sampling_params_validate_constraints_naming_the_field():
-    from plait.runtime.sampling_params import SamplingParams
+    from plait.errors import RequestError
+    from plait.runtime.sampling_params import Constraint, SamplingParams
 
     p = SamplingParams.from_dict({"json_schema": json.dumps({"type": "integer", "minimum": 1, "maximum": 9})})
-    assert p.constraint_regex == "[1-9]" and SamplingParams.from_dict(p).constraint_regex == "[1-9]"
-    assert SamplingParams.from_dict({"regex": "a+"}).constraint_regex == "a+"
-    assert SamplingParams().constraint_regex is None
+    assert p.constraint().regex == "[1-9]" and SamplingParams.from_dict(p).constraint().regex == "[1-9]"
+    assert p.constraint().kind == "json_schema"
+    assert SamplingParams.from_dict({"regex": "a+"}).constraint() == Constraint("regex", "a+")
+    assert SamplingParams().constraint() is None
     for bad, field in [({"regex": "(a"}, "regex"), ({"regex": 5}, "regex"), ({"json_schema": 5}, "json_schema"),
                        ({"json_schema": {"type": "object", "not": {}}}, "'not'"),
                        ({"regex": "a", "json_schema": {}}, "json_schema"),
                        ({"whitespace_pattern": "[ ]?"}, "whitespace_pattern"),
                        ({"json_schema": {}, "whitespace_pattern": r"\s*"}, "whitespace_pattern")]:
-        with pytest.raises(ValueError, match=re.escape(field)):
-            SamplingParams.from_dict(bad)
+        with pytest.raises(RequestError, match=re.escape(field)) as info:
+            SamplingParams.from_dict(bad).constraint()  # fields checked, then translated once
+        assert info.value.param in ("regex", "json_schema", "whitespace_pattern")

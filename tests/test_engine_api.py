@@ -106,12 +106,12 @@ def test_top_k_one_is_greedy_and_filters_restrict(engine, baseline):
 def test_penalties_follow_their_definitions():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
     r = Req("x", [0], SamplingParams(repetition_penalty=2.0))
-    r.output_ids = [3]
+    r.set_output([3])
     apply_penalties(logits, [r])
     assert logits.tolist() == [[1.0, -1.0, 0.5, 1.5]]  # seen ids 0 and 3: positive / 2
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
     r = Req("y", [0], SamplingParams(frequency_penalty=0.5, presence_penalty=0.25))
-    r.output_ids = [3, 3, 1]
+    r.set_output([3, 3, 1])
     apply_penalties(logits, [r])
     assert logits.tolist() == [[2.0, -1.75, 0.5, 3.0 - 1.0 - 0.25]]
 

@@ -112,11 +112,11 @@ def test_abort_waiting_and_running_frees_everything(folder):
         assert engine.abort(running[0].rid) and engine.abort(waiting[0].rid)
         assert not engine.abort("no-such-request")
         for r in (running[0], waiting[0]):
-            assert r.finished and r.finish_reason["type"] == "abort"
+            assert r.finished and r.finish_reason.type == "abort"
         engine.check_invariants()
         rest = [r for r in reqs if not r.finished]
         engine.run_until_done(rest)
-        assert all(r.finish_reason == {"type": "length", "length": 50} for r in rest)
+        assert all(r.finish_reason.to_dict() == {"type": "length", "length": 50} for r in rest)
         engine.check_invariants()
         usage = engine.pool_usage()
         assert usage["locked"] == 0 and usage["free"] + usage["evictable"] == usage["total"]

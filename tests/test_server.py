@@ -505,7 +505,7 @@ def test_zmq_pin_is_routed(http, zclient):
 
 # -- pieces without a server ---------------------------------------------------------------------
 def test_stream_holds_back_possible_stop_strings():
-    from plait.runtime.server.engine_proc import safe_text_len
+    from plait.runtime.detokenizer import safe_text_len
 
     assert safe_text_len("hello wor", ["world"]) == len("hello ")
     assert safe_text_len("hello w", ["world", "xyz"]) == len("hello ")
@@ -514,13 +514,54 @@ def test_stream_holds_back_possible_stop_strings():
     assert safe_text_len("anything", []) == len("anything")
 
 
-def test_validation_messages_name_their_field():
-    from plait.runtime.server.engine_proc import param_of
+ERRORS_EVERYWHERE = [  # (text, sampling params, other fields, param the error names)
+    ("hi", {"max_new_tokens": -1}, {}, "max_new_tokens"),
+    ("hi", {"top_p": 0.0}, {}, "top_p"),
+    ("hi", {"bogus": 1}, {}, "sampling_params"),
+    ("hi", {"stop": [1, 2]}, {}, "stop"),
+    ("hi", {"regex": "(unclosed"}, {}, "regex"),
+    ("hi", {"json_schema": {"type": "array", "uniqueItems": True}}, {}, "json_schema"),
+    ("hi", {"regex": "a", "json_schema": {}}, {}, "regex"),
+    ("hi", {}, {"return_logprob": True, "logprob_start_len": 99}, "logprob_start_len"),
+    ("hi", {}, {"top_logprobs_num": 1000}, "top_logprobs_num"),
+    ("", {}, {}, "text"),
+    ("word " * 1100, {}, {}, "text"),
+]
 
-    assert param_of("max_new_tokens=-1 is invalid; allowed: an integer >= 0") == "max_new_tokens"
-    assert param_of("stop is invalid: at most 64 strings") == "stop"
-    assert param_of("unknown sampling parameter(s) 'x'; allowed: ...") == "sampling_params"
-    assert param_of("exactly one of prompt and input_ids must be given") is None
+
+def test_one_validation_error_reaches_every_client_alike(server, http, zclient, tiny_model_factory):
+    """The same RequestError (message and param) reaches an HTTP client, a ZMQ client,
+    an in-process Engine caller and a language program on the in-process backend."""
+    from plait.engine_backend import EngineBackend
+    from plait.errors import BackendError, RequestError
+    from plait.backend import Request
+    from plait.runtime.engine import Engine
+
+    engine = Engine(str(tiny_model_factory("llama")), kv_cache_tokens=2048, num_threads=1)
+    backend = EngineBackend(engine)
+    try:
+        for i, (text, sp, fields, param) in enumerate(ERRORS_EVERYWHERE):
+            r = http.post("/generate", json={"text": text, "sampling_params": sp, **fields})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            zclient.send(P.GenerateRequest(f"e{i}", text=text, sampling_params=sp, **fields))
+            z = zclient.recv()
+            assert isinstance(z, P.ErrorResponse) and z.rid == f"e{i}"
+            with pytest.raises(RequestError) as local:
+                engine.generate(text, sp, **fields)
+            with pytest.raises(BackendError) as program:
+                backend.submit(Request(rid=f"p{i}", text=text, sampling_params=sp, **fields)).wait()
+            # Engine.generate names its own argument: `prompt` where the wire says `text`
+            local_param, local_msg = param, err["message"]
+            if param == "text":
+                local_param, local_msg = "prompt", err["message"].replace("text", "prompt", 1)
+            assert (err["param"], z.param, program.value.param) == (param,) * 3, (text[:10], sp, fields)
+            assert err["message"] == z.message == program.value.message, (err, z, program.value)
+            assert (local.value.param, local.value.message) == (local_param, local_msg)
+            assert err["code"] == z.code == local.value.status == program.value.code == 400
+    finally:
+        backend.shutdown()
+        engine.shutdown()
 
 
 def test_protocol_is_torch_free_and_round_trips():

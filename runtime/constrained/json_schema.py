@@ -25,6 +25,7 @@ import json
 import math
 from typing import Any
 
+from plait.regex import check_regex
 from plait.runtime.constrained.regexes import (
     BOOLEAN,
     INTEGER,
@@ -33,7 +34,6 @@ from plait.runtime.constrained.regexes import (
     JSON_STRING,
     NULL,
     NUMBER,
-    check_regex,
     escape,
 )
 

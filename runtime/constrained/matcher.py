@@ -26,8 +26,10 @@ class GrammarMatcher:
     """Per-request state over a shared ``CompiledGrammar``: the index state, the heal
     bytes still to write, and the character tracker jump-forward reads."""
 
-    def __init__(self, future: GrammarFuture, *, jump_forward: bool = True, heal: bool = True) -> None:
+    def __init__(self, future: GrammarFuture, kind: str = "regex", *, jump_forward: bool = True,
+                 heal: bool = True) -> None:
         self.future = future
+        self.kind = kind  # the request field the constraint came from (what a failure names)
         self.use_jump_forward = jump_forward
         self.use_heal = heal
         self.g: CompiledGrammar | None = None

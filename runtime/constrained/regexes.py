@@ -2,17 +2,16 @@
 
 Every regex here is written in the dialect both outlines-core (Rust ``regex``) and
 interegular read: no look-around, no back-references, no ``\\p{..}``. Torch-free.
+Patterns from users are checked by :func:`plait.regex.check_regex` (re-exported here).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from plait.regex import check_regex  # noqa: F401  (runtime/sampling_params.py imports it from here)
 
 # Characters with a meaning in a regex outside a class. Only these are escaped:
 # Rust's regex treats some escaped punctuation as assertions (``\\<``, ``\\>``).
 _META = set("\\.+*?()|[]{}^$")
-
-MAX_PATTERN_CHARS = 100_000
 
 # JSON numbers have at most 16 integer and 16 fraction digits (more is past float
 # precision anyway): a model cannot loop on digits.
@@ -27,41 +26,7 @@ NULL = r"null"
 JSON_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])'
 JSON_STRING = rf'"{JSON_CHAR}*"'
 
+
 def escape(text: str) -> str:
     """A regex matching exactly ``text``."""
     return "".join("\\" + c if c in _META else c for c in text)
-
-
-def choices_regex(choices: Sequence[str]) -> str:
-    """A regex matching exactly one of ``choices`` (``gen(choices=...)``)."""
-    if not choices or not all(isinstance(c, str) for c in choices):
-        raise ValueError(f"choices={choices!r} is invalid; allowed: a non-empty list of strings")
-    return "(?:" + "|".join(escape(c) for c in choices) + ")"
-
-
-def check_regex(pattern: object, name: str = "regex") -> str:
-    """Raise ``ValueError`` naming ``name`` if ``pattern`` is not a usable regex.
-
-    A syntax check with interegular's parser (pure Python, linear time). Constructs it
-    cannot read (``\\p{..}`` classes) pass here and are judged when the index is built.
-    """
-    import interegular
-    from interegular.patterns import InvalidSyntax, Unsupported
-
-    if not isinstance(pattern, str) or not pattern:
-        raise ValueError(f"{name}={pattern!r} is invalid; allowed: a non-empty regular expression string")
-    if len(pattern) > MAX_PATTERN_CHARS:
-        raise ValueError(f"{name} is invalid: {len(pattern)} characters; allowed: at most {MAX_PATTERN_CHARS}")
-    try:
-        interegular.parse_pattern(pattern)
-    except InvalidSyntax as e:
-        raise ValueError(f"{name}={_short(pattern)} is not a valid regular expression: {str(e) or 'syntax error'}") from None
-    except Unsupported:
-        pass
-    except Exception as e:  # interegular raises assorted errors on odd input
-        raise ValueError(f"{name}={_short(pattern)} is not a valid regular expression: {type(e).__name__}: {e}") from None
-    return pattern
-
-
-def _short(s: str, n: int = 80) -> str:
-    return repr(s if len(s) <= n else s[:n] + "...")

@@ -30,10 +30,17 @@ class RotaryEmbedding(nn.Module):
         self, head_dim: int, max_pos: int, theta: float, rope_scaling: dict | None, triton_ops: bool = False
     ) -> None:
         super().__init__()
-        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(head_dim, max_pos, theta, rope_scaling), persistent=False)
+        self._args = (head_dim, max_pos, theta, rope_scaling)
+        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(*self._args), persistent=False)
         self.triton_ops = triton_ops
         self._positions: torch.Tensor | None = None  # the step whose cos/sin are cached
         self._cos = self._sin = None
+
+    def recompute_cache(self) -> None:
+        """Fill the cos/sin cache again (float32) where the buffer now lives: a module
+        built on the meta device and materialised with ``to_empty`` has no values."""
+        device = self.cos_sin_cache.device
+        self.cos_sin_cache = rope_cos_sin_cache(*self._args).to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, heads, dim], k: [T, kv_heads, dim]
@@ -187,6 +194,13 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.packed_lm_head: torch.Tensor | None = None  # tied embeddings, packed for oneDNN
+
+    def materialize(self, device: torch.device, dtype: torch.dtype) -> CausalLM:
+        """Allocate a model built on the meta device on ``device`` in ``dtype``
+        (parameters uninitialised until :meth:`load_weights`; buffers recomputed)."""
+        self.to_empty(device=device).to(dtype)
+        self.model.rotary.recompute_cache()
+        return self
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:

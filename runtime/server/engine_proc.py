@@ -11,22 +11,23 @@ the front process is gone (parent-death signal, and a parent-pid check as backup
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import zmq
 
 from plait import protocol as P
+from plait.errors import RequestError
+from plait.runtime.config import EngineConfig
+from plait.runtime.engine import Engine
+from plait.runtime.output_processor import RequestOutput
+from plait.runtime.validation import GenerateInput
 
 logger = logging.getLogger("plait.engine")
 
@@ -36,63 +37,37 @@ IDLE_POLL_MS = 100
 _STAT_FIELDS = set(P.EngineStats.__struct_fields__)
 
 
-@dataclass
-class _Track:
-    """Per-sequence streaming state: what has already been sent to the front."""
-
-    req: Any  # plait.runtime.request.Req
-    base: str
-    index: int
-    stream: bool
-    sent_ids: int = 0
-    sent_text: int = 0
-    sent_logprobs: int = 0
-    first_token_time: float | None = None
-
-
-def safe_text_len(text: str, stops: list[str]) -> int:
-    """Length of the prefix of ``text`` that can be streamed: it holds back the longest
-    suffix that is a proper prefix of a stop string (it may still complete to one and
-    then be trimmed)."""
-    if not stops or not text:
-        return len(text)
-    longest = min(max(len(s) for s in stops) - 1, len(text))
-    for k in range(longest, 0, -1):
-        tail = text[-k:]
-        if any(s.startswith(tail) for s in stops):
-            return len(text) - k
-    return len(text)
-
-
 class EngineLoop:
-    def __init__(self, engine: Any, pull: zmq.Socket, push: zmq.Socket, parent_pid: int) -> None:
+    """Receive validated messages from the front, step the engine, send each step's
+    outputs (:class:`~plait.runtime.output_processor.RequestOutput`) as one
+    :class:`~plait.protocol.EngineOutputs` message."""
+
+    def __init__(self, engine: Engine, pull: zmq.Socket, push: zmq.Socket, parent_pid: int) -> None:
         self.engine = engine
         self.pull = pull
         self.push = push
         self.parent_pid = parent_pid
-        self.live: dict[str, _Track] = {}  # engine rid -> track
-        self.pins: dict[str, Any] = {}  # wire pin id -> the engine's pin id
+        self.streams: dict[str, int] = {}  # client rid that streams -> its sequences not finished
         self.decoder = msgspec.msgpack.Decoder(P.EngineInput)
         self.stopping = False
         self._last_stats = 0.0
         self._last_parent_check = 0.0
-        self._expire_pins = getattr(engine, "expire_pins", None)
 
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> None:
+        engine = self.engine
         while not self.stopping:
-            busy = self.engine.scheduler.has_work()
+            busy = engine.has_work()
             if self.pull.poll(0 if busy else IDLE_POLL_MS):
                 self._drain()
             out = P.EngineOutputs()
-            if self.engine.scheduler.has_work():
-                self.engine.step()
-            self._collect(out)
+            if engine.has_work():
+                self._collect(engine.step(), out)
+            else:
+                engine.expire_pins()  # step() expires pins too; an idle loop does not step
             now = time.monotonic()
             if out.chunks or out.results or out.errors or now - self._last_stats >= STATS_INTERVAL_S:
-                if not busy and self._expire_pins is not None:
-                    self._expire_pins()  # step() expires pins too; an idle loop does not step
-                out.stats = P.EngineStats(**{k: v for k, v in self.engine.stats().items() if k in _STAT_FIELDS})
+                out.stats = P.EngineStats(**{k: v for k, v in engine.stats().items() if k in _STAT_FIELDS})
                 self._last_stats = now
                 self._send(out)
             if now - self._last_parent_check >= PARENT_CHECK_INTERVAL_S:
@@ -122,163 +97,55 @@ class EngineLoop:
             self._handle(msg)
 
     # -- inputs -------------------------------------------------------------------------
-    def _handle(self, msg: Any) -> None:
-        if isinstance(msg, P.GenerateRequest):
-            self._add(msg)
-        elif isinstance(msg, P.AbortRequest):
-            self.engine.abort(msg.rid)
-        elif isinstance(msg, P.FlushCacheRequest):
-            ok = self.engine.flush_cache()
-            self._send(P.FlushCacheResult(msg.rid, ok, "" if ok else "requests are running; flush when idle"))
-        elif isinstance(msg, P.ServerInfoRequest):
-            self._send(P.ServerInfo(msg.rid, self.server_info()))
-        elif isinstance(msg, P.PinRequest):
-            self._pin(msg)
-        elif isinstance(msg, P.UnpinRequest):
-            self._unpin(msg)
-        elif isinstance(msg, P.EngineShutdown):
-            self.stopping = True
-
-    def _add(self, msg: P.GenerateRequest) -> None:
+    def _handle(self, msg: P.EngineInput) -> None:
         try:
-            reqs = self.engine.add_request(
-                msg.input_ids or [], msg.sampling_params, rid=msg.rid, cache_salt=msg.cache_salt,
-                return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-                top_logprobs_num=msg.top_logprobs_num,
-            )
-        except (ValueError, TypeError) as e:
-            self._send(P.EngineOutputs(errors=[error_from_exception(msg.rid, e)]))
-            return
+            if isinstance(msg, P.EngineGenerate):
+                inp = GenerateInput.from_wire(msg)
+                self.engine.submit(inp)
+                if msg.stream:
+                    self.streams[msg.rid] = inp.params.n
+            elif isinstance(msg, P.AbortRequest):
+                self.engine.abort(msg.rid)
+            elif isinstance(msg, P.FlushCacheRequest):
+                ok = self.engine.flush_cache()
+                self._send(P.FlushCacheResult(msg.rid, ok, "" if ok else "requests are running; flush when idle"))
+            elif isinstance(msg, P.ServerInfoRequest):
+                self._send(P.ServerInfo(msg.rid, self.engine.server_info()))
+            elif isinstance(msg, P.PinRequest):
+                pin_id = self.engine.pin_prefix(msg.input_ids or [], msg.ttl_s, cache_salt=msg.cache_salt)
+                self._send(P.PinResult(msg.rid, pin_id, len(msg.input_ids or [])))
+            elif isinstance(msg, P.UnpinRequest):
+                self._send(P.UnpinResult(msg.rid, self.engine.unpin(msg.pin_id)))
+            elif isinstance(msg, P.EngineShutdown):
+                self.stopping = True
+        except RequestError as e:
+            error = P.error_response(msg.rid, e)
+            self._send(P.EngineOutputs(errors=[error]) if isinstance(msg, P.EngineGenerate) else error)
         except Exception as e:  # noqa: BLE001  (one bad request must not stop the engine)
-            logger.exception("add_request failed for %s", msg.rid)
-            self._send(P.EngineOutputs(errors=[
-                P.ErrorResponse(msg.rid, f"internal error: {type(e).__name__}: {e}", 500, "server_error")
-            ]))
-            return
-        for i, r in enumerate(reqs):
-            self.live[r.rid] = _Track(r, msg.rid, i, msg.stream)
-
-    def _pin(self, msg: P.PinRequest) -> None:
-        pin = getattr(self.engine, "pin_prefix", None)
-        if pin is None:
-            self._send(P.ErrorResponse(msg.rid, "this engine does not support pinning prefixes", 501, "server_error"))
-            return
-        try:
-            pin_id = pin(msg.input_ids or [], msg.ttl_s, cache_salt=msg.cache_salt)
-        except (ValueError, TypeError, RuntimeError) as e:
-            self._send(error_from_exception(msg.rid, e))
-            return
-        self.pins[str(pin_id)] = pin_id
-        self._send(P.PinResult(msg.rid, str(pin_id), len(msg.input_ids or [])))
-
-    def _unpin(self, msg: P.UnpinRequest) -> None:
-        unpin = getattr(self.engine, "unpin", None)
-        if unpin is None:
-            self._send(P.ErrorResponse(msg.rid, "this engine does not support pinning prefixes", 501, "server_error"))
-            return
-        pin_id = self.pins.pop(msg.pin_id, None)
-        ok = bool(unpin(pin_id)) if pin_id is not None else False
-        self._send(P.UnpinResult(msg.rid, ok))
+            logger.exception("handling %s failed", type(msg).__name__)
+            error = P.ErrorResponse(msg.rid, f"internal error: {type(e).__name__}: {e}", 500, "server_error")
+            self._send(P.EngineOutputs(errors=[error]) if isinstance(msg, P.EngineGenerate) else error)
 
     # -- outputs ------------------------------------------------------------------------
-    def _collect(self, out: P.EngineOutputs) -> None:
-        now = time.monotonic()
-        for rid, t in list(self.live.items()):
-            r = t.req
-            if t.first_token_time is None and r.output_len > 0:
-                t.first_token_time = now
-            if r.finished:
-                del self.live[rid]
-                res = self.engine.pop_result(r)
-                reason = r.finish_reason or {}
-                if reason.get("status_code") == 400:
-                    # the request failed after admission (its constraint's index did not
-                    # build within the limits): a client error, not a result
-                    out.errors.append(P.ErrorResponse(
-                        t.base, reason.get("message", "invalid request"), 400, "invalid_request_error",
-                        "json_schema" if r.params.json_schema is not None else "regex",
-                    ))
-                    continue
-                if t.stream:
-                    chunk = self._chunk(t, res["text"], final=True)
-                    if chunk is not None:
-                        out.chunks.append(chunk)
-                meta = res["meta_info"]
-                meta["id"] = t.base
-                meta["first_token_time"] = t.first_token_time
-                out.results.append(P.GenerateResult(t.base, t.index, res["text"], res["output_ids"], meta))
-            elif t.stream and r.output_len > t.sent_ids:
-                chunk = self._chunk(t, r.text, final=False)
+    def _collect(self, outputs: list[RequestOutput], out: P.EngineOutputs) -> None:
+        for o in outputs:
+            if o.error is not None:
+                out.errors.append(P.error_response(o.group, o.error))
+                self.streams.pop(o.group, None)
+                continue
+            left = self.streams.get(o.group)
+            if left is not None:
+                chunk = o.chunk()
                 if chunk is not None:
                     out.chunks.append(chunk)
-
-    def _chunk(self, t: _Track, text: str, final: bool) -> P.StreamChunk | None:
-        r = t.req
-        end = len(text) if final else max(safe_text_len(text, r.params.stop), t.sent_text)
-        piece = text[t.sent_text : end]
-        ids = r.output_ids[t.sent_ids :]
-        if not piece and not ids:
-            return None
-        t.sent_text, t.sent_ids = end, r.output_len
-        meta: dict[str, Any] = {"completion_tokens": r.output_len}
-        if r.return_logprob:
-            meta["output_token_logprobs"] = r.output_token_logprobs[t.sent_logprobs :]
-            if r.top_logprobs_num > 0:
-                meta["output_top_logprobs"] = r.output_top_logprobs[t.sent_logprobs :]
-            t.sent_logprobs = len(r.output_token_logprobs)
-        return P.StreamChunk(t.base, t.index, piece, ids, meta)
-
-    def server_info(self) -> dict[str, Any]:
-        e = self.engine
-        invariant_error = ""
-        try:
-            e.check_invariants()
-        except AssertionError as err:
-            invariant_error = str(err)
-        mc = e.model_config
-        info: dict[str, Any] = {
-            "engine_pid": os.getpid(),
-            "model_path": e.source.path,
-            "architecture": mc.architecture,
-            "context_len": e.context_len,
-            "vocab_size": mc.vocab_size,
-            "eos_token_ids": sorted(e.eos_ids),
-            "config": dataclasses.asdict(e.config),
-            "device": str(e.device),
-            "pool": e.pool_usage(),
-            "invariant_ok": not invariant_error,
-            "invariant_error": invariant_error,
-            "live_requests": len(self.live),
-            **e.stats(),
-        }
-        pin_stats = getattr(e, "pin_stats", None)
-        if pin_stats is not None:
-            info["pins"] = pin_stats()
-        return info
-
-
-_REQUEST_FIELDS = {"input_ids", "prompt", "return_logprob", "logprob_start_len", "top_logprobs_num", "cache_salt",
-                   "rid", "sampling_params"}
-
-
-def param_of(message: str) -> str | None:
-    """The field a validation message starts with (``max_new_tokens=-1 is invalid``,
-    ``stop is invalid: ...``), or None."""
-    from plait.runtime.sampling_params import SamplingParams
-
-    m = re.match(r"([A-Za-z_]\w*)", message)
-    head = m.group(1) if m else ""
-    if head in _REQUEST_FIELDS or head in {f.name for f in dataclasses.fields(SamplingParams)}:
-        return "input_ids" if head == "prompt" else head
-    if message.startswith("unknown sampling parameter"):
-        return "sampling_params"
-    return None
-
-
-def error_from_exception(rid: str, e: BaseException) -> P.ErrorResponse:
-    """A 400 naming the field the engine's validation message names."""
-    text = str(e)
-    return P.ErrorResponse(rid, text, 400, "invalid_request_error", param_of(text))
+            if o.result is not None:
+                out.results.append(P.GenerateResult(o.group, o.index, o.result["text"], o.result["output_ids"],
+                                                    {**o.result["meta_info"], "id": o.group}))
+                if left is not None:
+                    if left > 1:
+                        self.streams[o.group] = left - 1
+                    else:
+                        del self.streams[o.group]
 
 
 def _raw_rid(data: bytes) -> str:
@@ -316,9 +183,7 @@ def main(spec_json: str) -> int:
     push.setsockopt(zmq.SNDHWM, 0)
     push.connect(spec["out_addr"])
     try:
-        from plait.runtime.engine import Engine
-
-        engine = Engine(spec["model"], **spec["engine"])
+        engine = Engine(spec["model"], config=EngineConfig(**spec["engine"]))
     except Exception as e:  # noqa: BLE001  (any load failure is reported to the front)
         logger.error("engine failed to start:\n%s", traceback.format_exc())
         push.send(P.encode(P.EngineStartupError(f"{type(e).__name__}: {e}")))
@@ -326,7 +191,7 @@ def main(spec_json: str) -> int:
         ctx.term()
         return 1
     loop = EngineLoop(engine, pull, push, parent_pid)
-    push.send(P.encode(P.EngineReady(loop.server_info())))
+    push.send(P.encode(P.EngineReady(engine.server_info())))
     code = 0
     try:
         loop.run()
@@ -335,8 +200,8 @@ def main(spec_json: str) -> int:
         msg = traceback.format_exc()
         logger.error("engine loop crashed:\n%s", msg)
         errors = [
-            P.ErrorResponse(t.base, f"engine error: {msg.strip().splitlines()[-1]}", 500, "server_error")
-            for t in loop.live.values()
+            P.ErrorResponse(rid, f"engine error: {msg.strip().splitlines()[-1]}", 500, "server_error")
+            for rid in engine.live_rids()
         ]
         push.send(P.encode(P.EngineOutputs(errors=errors)))
         code = 1

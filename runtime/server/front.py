@@ -26,10 +26,11 @@ import zmq
 import zmq.asyncio
 
 from plait import protocol as P
-from plait.runtime.sampling_params import SamplingParams
+from plait.errors import RequestError
+from plait.runtime.output_processor import add_token_text
 from plait.runtime.server.args import ServerArgs
-from plait.runtime.server.engine_proc import error_from_exception
 from plait.runtime.server.metrics import Metrics
+from plait.runtime.validation import ModelLimits, check_text, validate_generate
 
 logger = logging.getLogger("plait.front")
 
@@ -38,21 +39,6 @@ CONTROL_TIMEOUT_S = 60.0
 CLIENT_SNDHWM = 100_000
 
 Sink = Callable[[Any], None]
-
-
-class BadRequest(Exception):
-    """A request the server refuses; becomes an OpenAI-shaped error with ``code``."""
-
-    def __init__(self, message: str, param: str | None = None, code: int = 400,
-                 error_type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-        self.error_type = error_type
-
-    def to_response(self, rid: str) -> P.ErrorResponse:
-        return P.ErrorResponse(rid, self.message, self.code, self.error_type, self.param)
 
 
 @dataclass
@@ -72,22 +58,29 @@ class ReqState:
 
 
 class Front:
-    def __init__(self, args: ServerArgs, tokenizer: Any, model_info: dict[str, Any]) -> None:
+    """Validates and routes requests. ``push`` sends to the engine process
+    ``engine_proc``; ``router`` is the language clients' socket, bound at
+    ``zmq_address`` (both made by :mod:`plait.runtime.server.serve`)."""
+
+    def __init__(self, args: ServerArgs, tokenizer: Any, model_info: dict[str, Any], *,
+                 engine_proc: subprocess.Popen, push: zmq.asyncio.Socket, router: zmq.asyncio.Socket,
+                 zmq_address: str) -> None:
         self.args = args
         self.tokenizer = tokenizer
         self.model_info = model_info  # context_len, vocab_size, ... from the engine
         self.context_len: int = model_info["context_len"]
         self.vocab_size: int = model_info["vocab_size"]
+        self.limits = ModelLimits(self.vocab_size, self.context_len)
         self.table: dict[str, ReqState] = {}
         self.pending: dict[str, tuple[asyncio.Future, str]] = {}  # control id -> (future, client rid)
         self.stats = P.EngineStats()
         self.metrics = Metrics(args.model_name, lambda: self.stats)
         self.engine_alive = True
         self.engine_exit: int | None = None
-        self.engine_proc: subprocess.Popen | None = None
-        self.push: zmq.asyncio.Socket | None = None
-        self.router: zmq.asyncio.Socket | None = None
-        self.zmq_address = ""
+        self.engine_proc = engine_proc
+        self.push = push
+        self.router = router
+        self.zmq_address = zmq_address
         self._engine_decoder = msgspec.msgpack.Decoder(P.EngineMessage)
         self._token_text: dict[int, str] = {}
         self._ids = itertools.count()
@@ -97,18 +90,6 @@ class Front:
     def encode(self, text: str, param: str) -> list[int]:
         check_text(text, param)
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
-
-    def check_prompt(self, ids: list[int], param: str) -> None:
-        if not ids:
-            raise BadRequest(f"{param} is empty; allowed: a prompt of at least one token", param)
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise BadRequest(f"{param} contains token id {bad}, outside the vocabulary [0, {self.vocab_size})", param)
-        if len(ids) >= self.context_len:
-            raise BadRequest(
-                f"{param} has {len(ids)} tokens; this model's context length is {self.context_len}, "
-                f"so a prompt may have at most {self.context_len - 1} tokens", param,
-            )
 
     def token_text(self, tid: int) -> str:
         s = self._token_text.get(tid)
@@ -122,45 +103,35 @@ class Front:
 
     def _check_up(self) -> None:
         if not self.engine_alive:
-            raise BadRequest(
+            raise RequestError(
                 f"the engine process is not running (exit code {self.engine_exit}); the server cannot serve requests",
                 None, 503, "server_error",
             )
 
     def submit(self, req: P.GenerateRequest, sink: Sink, owner: bytes | None = None,
                prompt_param: str | None = None) -> ReqState:
-        """Validate, tokenize and send one generate request to the engine. Raises
-        :class:`BadRequest`; outputs go to ``sink`` as they arrive."""
+        """Validate, tokenize and send one generate request to the engine: the one
+        place a served request is checked (:func:`validate_generate`; the engine trusts
+        the result). Raises :class:`RequestError`; outputs go to ``sink``."""
         self._check_up()
         check_rid(req.rid, self.table)
         if (req.text is None) == (req.input_ids is None):
-            raise BadRequest("exactly one of text and input_ids must be given", prompt_param or "text")
+            raise RequestError("exactly one of text and input_ids must be given", prompt_param or "text")
         if req.text is not None:
             ids = self.encode(req.text, prompt_param or "text")
         else:
             ids = req.input_ids or []
-        param = prompt_param or ("text" if req.text is not None else "input_ids")
-        self.check_prompt(ids, param)
+        inp = validate_generate(
+            req.rid, ids, req.sampling_params, self.limits,
+            prompt_param=prompt_param or ("text" if req.text is not None else "input_ids"),
+            cache_salt=req.cache_salt, return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
+            top_logprobs_num=req.top_logprobs_num, stream=req.stream,
+        )
         try:
-            params = SamplingParams.from_dict(req.sampling_params)
-        except (ValueError, TypeError) as e:
-            err = error_from_exception(req.rid, e)
-            raise BadRequest(err.message, err.param or "sampling_params") from None
-        check_int64(req.sampling_params)
-        if req.cache_salt is not None:
-            check_text(req.cache_salt, "cache_salt")
-        sp = req.sampling_params
-        room = self.context_len - len(ids)
-        if params.max_new_tokens > room:
-            # the engine stops at the context length anyway; a smaller reservation keeps
-            # admission from holding back other requests for tokens that cannot exist
-            sp = {**sp, "max_new_tokens": room, "min_new_tokens": min(params.min_new_tokens, room)}
-        fwd = msgspec.structs.replace(req, text=None, input_ids=ids, sampling_params=sp)
-        try:
-            data = P.encode(fwd)
+            data = P.encode(inp.to_wire())
         except (OverflowError, TypeError, msgspec.EncodeError) as e:
-            raise BadRequest(f"the request holds a value that cannot be sent to the engine: {e}", "sampling_params") from None
-        st = ReqState(req.rid, params.n, req.stream, sink, owner, len(ids), req.return_text_in_logprobs)
+            raise RequestError(f"the request holds a value that cannot be sent to the engine: {e}", "sampling_params") from None
+        st = ReqState(req.rid, inp.params.n, req.stream, sink, owner, len(ids), req.return_text_in_logprobs)
         self.table[req.rid] = st
         self.push.send(data, zmq.NOBLOCK)
         return st
@@ -236,7 +207,7 @@ class Front:
                     self.metrics.inter_token((now - last) / len(c.token_ids))
                 st.last_token[c.index] = now
             if st.text_in_logprobs:
-                self._add_token_text(c.meta)
+                add_token_text(c.meta, self.token_text)
             st.sink(c)
         for r in out.results:
             st = self.table.get(r.rid)
@@ -250,7 +221,7 @@ class Front:
             self.metrics.finished(reason, meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0),
                                   e2e, None if first is None else max(first - st.created, 0.0))
             if st.text_in_logprobs:
-                self._add_token_text(meta)
+                add_token_text(meta, self.token_text)
             st.done.add(r.index)
             if len(st.done) == st.n:
                 del self.table[r.rid]
@@ -261,17 +232,6 @@ class Front:
                 continue
             self.metrics.requests.labels(self.metrics.model, "error").inc()
             st.sink(e)
-
-    def _add_token_text(self, meta: dict[str, Any]) -> None:
-        for key in ("output_token_logprobs", "input_token_logprobs"):
-            if key in meta:
-                meta[key] = [[lp, tid, self.token_text(tid)] for lp, tid, *_ in meta[key]]
-        for key in ("output_top_logprobs", "input_top_logprobs"):
-            if key in meta:
-                meta[key] = [
-                    None if row is None else [[lp, tid, self.token_text(tid)] for lp, tid, *_ in row]
-                    for row in meta[key]
-                ]
 
     # -- engine process -------------------------------------------------------------------
     async def watchdog(self) -> None:
@@ -327,47 +287,31 @@ class Front:
             elif isinstance(msg, P.PinRequest):
                 self._check_up()
                 if (msg.text is None) == (msg.input_ids is None):
-                    raise BadRequest("exactly one of text and input_ids must be given", "text")
+                    raise RequestError("exactly one of text and input_ids must be given", "text")
+                # the prefix, TTL and budget are checked where pins live (Engine.pin_prefix)
                 ids = self.encode(msg.text, "text") if msg.text is not None else msg.input_ids
-                self.check_prompt(ids, "text" if msg.text is not None else "input_ids")
                 reply = await self.control(msgspec.structs.replace(msg, text=None, input_ids=ids), msg.rid)
             elif isinstance(msg, P.ServerInfoRequest):
                 reply = P.ServerInfo(msg.rid, await self.server_info())
             else:  # flush_cache, unpin
                 reply = await self.control(msg, msg.rid)
-        except BadRequest as e:
-            reply = e.to_response(getattr(msg, "rid", ""))
+        except RequestError as e:
+            reply = P.error_response(getattr(msg, "rid", ""), e)
         except asyncio.TimeoutError:
             reply = P.ErrorResponse(msg.rid, "the engine did not answer in time", 504, "server_error")
         if reply is not None:
             self._send_client(ident, reply)
 
 
-def check_text(text: str, param: str) -> None:
-    """Reject strings that are not valid Unicode (lone surrogates from JSON escapes)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise BadRequest(f"{param} is not valid UTF-8 (it contains a lone surrogate)", param) from None
-
-
-def check_int64(params: dict[str, Any]) -> None:
-    """Integers travel as msgpack int64: reject larger ones naming their field."""
-    for key, v in params.items():
-        for x in v if isinstance(v, list) else [v]:
-            if isinstance(x, int) and not -(2**63) <= x < 2**63:
-                raise BadRequest(f"{key}={x} is out of range; allowed: at most {2**63 - 1}", key)
-
-
 def check_rid(rid: Any, table: dict[str, ReqState]) -> None:
     if not isinstance(rid, str) or not rid or len(rid) > P.MAX_RID_LEN or "#" in rid:
-        raise BadRequest(
+        raise RequestError(
             f"rid={rid!r} is invalid; allowed: a non-empty string of at most {P.MAX_RID_LEN} characters without '#'",
             "rid",
         )
     check_text(rid, "rid")
     if rid in table:
-        raise BadRequest(f"rid={rid!r} is already in use by a running request", "rid")
+        raise RequestError(f"rid={rid!r} is already in use by a running request", "rid")
 
 
 def _rid_of(payload: bytes) -> str:

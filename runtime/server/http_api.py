@@ -24,7 +24,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from plait import protocol as P
 from plait.runtime.server import openai_api as oa
-from plait.runtime.server.front import BadRequest, Front, ReqState, check_text
+from plait.errors import RequestError, is_int
+from plait.runtime.server.front import Front, ReqState
+from plait.runtime.validation import check_text
 from plait.runtime.server.metrics import CONTENT_TYPE
 
 logger = logging.getLogger("plait.http")
@@ -33,17 +35,14 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 _json = msgspec.json.Encoder()
 
 
-def error_body(message: str, error_type: str, param: str | None, code: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
 def error_response(message: str, code: int = 400, param: str | None = None,
                    error_type: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(error_body(message, error_type, param, code), status_code=code)
+    return error_json(RequestError(message, param, code, error_type))
 
 
-def _from_error(e: P.ErrorResponse) -> BadRequest:
-    return BadRequest(e.message, e.param, e.code, e.error_type)
+def error_json(e: RequestError) -> JSONResponse:
+    """The one place a typed error becomes an HTTP response."""
+    return JSONResponse(P.error_body(e), status_code=e.status)
 
 
 def sse(obj: Any) -> bytes:
@@ -75,17 +74,17 @@ class ApiKeyMiddleware:
 async def read_json(request: Request) -> dict[str, Any]:
     body = await request.body()
     if len(body) > MAX_BODY_BYTES:
-        raise BadRequest(f"the request body has {len(body)} bytes; at most {MAX_BODY_BYTES} are allowed", None, 413)
+        raise RequestError(f"the request body has {len(body)} bytes; at most {MAX_BODY_BYTES} are allowed", None, 413)
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BadRequest(f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})", None) from None
+        raise RequestError(f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})", None) from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise BadRequest(f"the request body is not valid JSON: {e}", None) from None
+        raise RequestError(f"the request body is not valid JSON: {e}", None) from None
     if not isinstance(obj, dict):
-        raise BadRequest("the request body must be a JSON object", None)
+        raise RequestError("the request body must be a JSON object", None)
     return obj
 
 
@@ -103,7 +102,7 @@ class Submission:
             for i, r in enumerate(reqs):
                 self.states.append(self.front.submit(r, self.queue.put_nowait, prompt_param=prompt_param))
                 self.prompt_of[r.rid] = i
-        except BadRequest:
+        except RequestError:
             self.abort()
             raise
 
@@ -123,7 +122,7 @@ class Submission:
             msg = await self.queue.get()
             if isinstance(msg, P.ErrorResponse):
                 self.abort()
-                raise _from_error(msg)
+                raise P.request_error(msg)
             if isinstance(msg, P.GenerateResult):
                 remaining -= 1
             yield msg
@@ -147,7 +146,7 @@ class Submission:
                 self.abort()
             watch.cancel()
         if task.cancelled():
-            raise BadRequest("the client disconnected", None, 499)
+            raise RequestError("the client disconnected", None, 499)
         return task.result()
 
 
@@ -179,8 +178,8 @@ async def _first_then(sub: Submission, gen: AsyncIterator[bytes]) -> AsyncIterat
     return rest()
 
 
-def _stream_error(e: BadRequest) -> bytes:
-    return sse(error_body(e.message, e.error_type, e.param, e.code))
+def _stream_error(e: RequestError) -> bytes:
+    return sse(P.error_body(e))
 
 
 def build_app(front: Front) -> ASGIApp:
@@ -221,7 +220,7 @@ def build_app(front: Front) -> ASGIApp:
                         yield sse({**a, "index": index})
                     else:
                         yield sse({**_native_out(msg), "index": index})
-            except BadRequest as e:
+            except RequestError as e:
                 if not yielded:
                     raise  # nothing sent yet: the client gets a plain error response
                 yield _stream_error(e)
@@ -262,7 +261,7 @@ def build_app(front: Front) -> ASGIApp:
     async def flush_cache(request: Request) -> Response:
         reply = await front.control(P.FlushCacheRequest(""))
         if isinstance(reply, P.ErrorResponse):
-            raise _from_error(reply)
+            raise P.request_error(reply)
         if not reply.ok:
             return error_response(f"cache not flushed: {reply.message}", 400, None)
         return JSONResponse({"success": True, "message": "Cache flushed."})
@@ -274,7 +273,7 @@ def build_app(front: Front) -> ASGIApp:
             return JSONResponse({"aborted": front.abort_all(everyone=True)})
         rid = oa.get_field(body, "rid", "str")
         if rid is None:
-            raise BadRequest("rid is required (or abort_all: true)", "rid")
+            raise RequestError("rid is required (or abort_all: true)", "rid")
         return JSONResponse({"aborted": [rid] if front.abort(rid) else []})
 
     async def version(request: Request) -> Response:
@@ -302,7 +301,10 @@ def build_app(front: Front) -> ASGIApp:
         body = await read_json(request)
         job = parse(front, body)
         sub = Submission(front)
-        sub.submit(job.reqs, "messages" if job.chat else "prompt")
+        try:
+            sub.submit(job.reqs, "messages" if job.chat else "prompt")
+        except RequestError as e:
+            raise oa.openai_error(e) from None
         if not job.stream:
             return JSONResponse(oa.response(front, job, await sub.results(request)))
         return StreamingResponse(await _first_then(sub, _openai_stream(front, job, sub)),
@@ -326,8 +328,8 @@ def build_app(front: Front) -> ASGIApp:
     ]
 
     async def on_bad_request(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, BadRequest)
-        return error_response(exc.message, exc.code, exc.param, exc.error_type)
+        assert isinstance(exc, RequestError)
+        return error_json(exc)
 
     async def on_http_exception(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -342,7 +344,7 @@ def build_app(front: Front) -> ASGIApp:
         return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500, None, "server_error")
 
     app: ASGIApp = Starlette(routes=routes, exception_handlers={
-        BadRequest: on_bad_request, HTTPException: on_http_exception, asyncio.TimeoutError: on_timeout,
+        RequestError: on_bad_request, HTTPException: on_http_exception, asyncio.TimeoutError: on_timeout,
         Exception: on_error,
     })
     if front.args.api_key:
@@ -356,7 +358,7 @@ def _per_item(body: dict[str, Any], name: str, count: int, kind: str, default: A
     v = body.get(name)
     if isinstance(v, list) and kind != "list":
         if len(v) != count:
-            raise BadRequest(f"{name} has {len(v)} entries for {count} prompts; they must match", name)
+            raise RequestError(f"{name} has {len(v)} entries for {count} prompts; they must match", name)
         return [oa.get_field({name: x}, name, kind, default) for x in v]
     return [oa.get_field(body, name, kind, default)] * count
 
@@ -371,7 +373,7 @@ def parse_native(front: Front, body: dict[str, Any]) -> tuple[list[P.GenerateReq
     oa.check_fields(body, NATIVE_FIELDS)
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
-        raise BadRequest("exactly one of text and input_ids is required", "text" if text is None else "input_ids")
+        raise RequestError("exactly one of text and input_ids is required", "text" if text is None else "input_ids")
     if text is not None:
         if isinstance(text, str):
             prompts: list[Any] = [text]
@@ -379,16 +381,16 @@ def parse_native(front: Front, body: dict[str, Any]) -> tuple[list[P.GenerateReq
         elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
             prompts, single = text, False
         else:
-            raise BadRequest("text is invalid; allowed: a string or a non-empty array of strings", "text")
+            raise RequestError("text is invalid; allowed: a string or a non-empty array of strings", "text")
         for t in prompts:
             check_text(t, "text")
     else:
-        if isinstance(ids, list) and ids and all(oa._is_int(t) for t in ids):
+        if isinstance(ids, list) and ids and all(is_int(t) for t in ids):
             prompts, single = [ids], True
-        elif isinstance(ids, list) and ids and all(isinstance(p, list) and all(oa._is_int(t) for t in p) for p in ids):
+        elif isinstance(ids, list) and ids and all(isinstance(p, list) and all(is_int(t) for t in p) for p in ids):
             prompts, single = ids, False
         else:
-            raise BadRequest("input_ids is invalid; allowed: an array of token ids or an array of such arrays",
+            raise RequestError("input_ids is invalid; allowed: an array of token ids or an array of such arrays",
                              "input_ids")
     count = len(prompts)
     sps = _per_item(body, "sampling_params", count, "dict", {})
@@ -453,7 +455,7 @@ async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIte
                                           role=role, matched_stop=(meta.get("finish_reason") or {}).get("matched")))
         if job.include_usage:
             yield sse(oa.usage_chunk(job, completion, cached))
-    except BadRequest as e:
+    except RequestError as e:
         if not yielded and not job.echo_texts:
             raise
         yield _stream_error(e)

@@ -1,22 +1,22 @@
 """OpenAI-compatible request parsing and response shapes (completions and chat).
 
 Parsing turns a JSON body into :class:`Job` (the engine requests plus what the
-response needs); every rejection is a :class:`BadRequest` naming the OpenAI field.
+response needs); every rejection is a :class:`RequestError` naming the OpenAI field.
 Formatting turns engine outputs into OpenAI's objects and stream chunks.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from plait import protocol as P
-from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.server.engine_proc import param_of
-from plait.runtime.server.front import BadRequest, Front, check_text
+from plait.errors import RequestError, is_int
+from plait.runtime.server.front import Front
+from plait.runtime.validation import check_prompt, check_text
 
 MAX_TOP_LOGPROBS = 20
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
@@ -82,7 +82,7 @@ def get_field(body: dict[str, Any], name: str, kind: str, default: Any = None, l
                 "dict": "an object", "list": "an array"}[kind]
         if lo is not None or hi is not None:
             what += f" in [{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
-        raise BadRequest(f"{name}={_short(v)} is invalid; allowed: {what}", name)
+        raise RequestError(f"{name}={_short(v)} is invalid; allowed: {what}", name)
     if kind == "str":
         check_text(v, name)
     return v
@@ -91,7 +91,7 @@ def get_field(body: dict[str, Any], name: str, kind: str, default: Any = None, l
 def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
     unknown = sorted(k for k in body if k not in allowed and k not in _IGNORED)
     if unknown:
-        raise BadRequest(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+        raise RequestError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
 
 
 def check_model(front: Front, body: dict[str, Any]) -> str:
@@ -100,7 +100,7 @@ def check_model(front: Front, body: dict[str, Any]) -> str:
     if front.args.model is not None:
         names.add(front.args.model)
     if model is not None and model not in names:
-        raise BadRequest(
+        raise RequestError(
             f"model={_short(model)} is not served here; allowed: {front.args.model_name!r} (see GET /v1/models)",
             "model", 400, "invalid_request_error",
         )
@@ -109,13 +109,14 @@ def check_model(front: Front, body: dict[str, Any]) -> str:
 
 def sampling_params(front: Front, body: dict[str, Any], prompt_len: int, default_max: int | None,
                     max_name: str = "max_tokens") -> dict[str, Any]:
-    """The engine's sampling params from OpenAI's fields, validated."""
+    """The engine's sampling params from OpenAI's fields (shape-checked here; the
+    values are validated by :meth:`Front.submit`, errors renamed by :func:`openai_error`)."""
     sp: dict[str, Any] = {}
     max_tokens = get_field(body, max_name, "int", None, 0)
     if max_tokens is None:
         max_tokens = default_max if default_max is not None else front.context_len - prompt_len
     elif prompt_len + max_tokens > front.context_len:
-        raise BadRequest(
+        raise RequestError(
             f"{max_name}={max_tokens} is too large: the prompt has {prompt_len} tokens and this model's context "
             f"length is {front.context_len}, so at most {front.context_len - prompt_len} tokens can be generated",
             max_name,
@@ -132,27 +133,26 @@ def sampling_params(front: Front, body: dict[str, Any], prompt_len: int, default
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise BadRequest(f"stop={_short(stop)} is invalid; allowed: a string or an array of strings", "stop")
+            raise RequestError(f"stop={_short(stop)} is invalid; allowed: a string or an array of strings", "stop")
         for s in stop:
             check_text(s, "stop")
         sp["stop"] = stop
     if get_field(body, "logit_bias", "dict"):
-        raise BadRequest("logit_bias is not supported by this server", "logit_bias")
-    names = {f.name for f in dataclasses.fields(SamplingParams)}
-    for name in ("regex", "json_schema"):  # constrained decoding, when the engine has it
+        raise RequestError("logit_bias is not supported by this server", "logit_bias")
+    for name in ("regex", "json_schema"):  # constrained decoding (SGLang's extra fields)
         if body.get(name) is not None:
-            if name not in names:
-                raise BadRequest(f"{name} is not supported by this server yet", name)
             sp[name] = body[name]
-    try:
-        SamplingParams.from_dict(sp)
-    except (ValueError, TypeError) as e:
-        msg = str(e)
-        head = param_of(msg)
-        if head in _RENAMES:
-            msg = _RENAMES[head] + msg[len(head):]
-        raise BadRequest(msg, _RENAMES.get(head, head) if head else None) from None
-    return sp
+    return sp  # validated once, with the rest of the request, by Front.submit
+
+
+def openai_error(e: RequestError) -> RequestError:
+    """A validation error under OpenAI's field names (``max_new_tokens`` is
+    ``max_tokens`` here)."""
+    new = _RENAMES.get(e.param or "")
+    if new is None:
+        return e
+    message = new + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
+    return e.with_param(new, message)
 
 
 def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -161,7 +161,7 @@ def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
     include_usage = False
     if opts is not None:
         if not stream:
-            raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+            raise RequestError("stream_options is only allowed when stream is true", "stream_options")
         include_usage = get_field(opts, "include_usage", "bool", False)
     return stream, include_usage
 
@@ -177,28 +177,28 @@ def parse_completion(front: Front, body: dict[str, Any]) -> Job:
     model = check_model(front, body)
     prompt = body.get("prompt")
     if prompt is None:
-        raise BadRequest("prompt is required", "prompt")
+        raise RequestError("prompt is required", "prompt")
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = prompt
     elif isinstance(prompt, list) and prompt and all(
-        isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt
+        isinstance(p, list) and all(is_int(t) for t in p) for p in prompt
     ):
         prompts = prompt
     else:
-        raise BadRequest(
+        raise RequestError(
             "prompt is invalid; allowed: a string, an array of strings, an array of token ids, "
             "or an array of arrays of token ids (non-empty)", "prompt",
         )
     if get_field(body, "suffix", "str"):
-        raise BadRequest("suffix is not supported by this server", "suffix")
+        raise RequestError("suffix is not supported by this server", "suffix")
     n = get_field(body, "n", "int", 1)
     best_of = get_field(body, "best_of", "int")
     if best_of is not None and best_of != n:
-        raise BadRequest(f"best_of={best_of} is not supported; allowed: equal to n ({n})", "best_of")
+        raise RequestError(f"best_of={best_of} is not supported; allowed: equal to n ({n})", "best_of")
     stream, include_usage = _stream_fields(body)
     echo = get_field(body, "echo", "bool", False)
     logprobs = get_field(body, "logprobs", "int", None, 0, MAX_TOP_LOGPROBS)
@@ -207,7 +207,7 @@ def parse_completion(front: Front, body: dict[str, Any]) -> Job:
     job = Job(False, base, model, int(time.time()), [], 1, stream, include_usage, logprobs=logprobs)
     for i, p in enumerate(prompts):
         ids = front.encode(p, "prompt") if isinstance(p, str) else list(p)
-        front.check_prompt(ids, "prompt")
+        check_prompt(ids, front.limits, "prompt")  # before max_tokens is checked against its length
         sp = sampling_params(front, body, len(ids), 16)
         job.n = sp.get("n", 1)
         job.prompt_tokens.append(len(ids))
@@ -228,28 +228,28 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages is required: a non-empty array of {role, content} objects", "messages")
+        raise RequestError("messages is required: a non-empty array of {role, content} objects", "messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise BadRequest(f"{where} must be an object with role and content", "messages")
+            raise RequestError(f"{where} must be an object with role and content", "messages")
         role = m.get("role")
         if role not in _ROLES:
-            raise BadRequest(f"{where}.role={_short(role)} is invalid; allowed: {', '.join(_ROLES)}", "messages")
+            raise RequestError(f"{where}.role={_short(role)} is invalid; allowed: {', '.join(_ROLES)}", "messages")
         content = m.get("content")
         if isinstance(content, list):
             parts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise BadRequest(f"{where}.content parts must be {{\"type\": \"text\", \"text\": str}}; "
+                    raise RequestError(f"{where}.content parts must be {{\"type\": \"text\", \"text\": str}}; "
                                      "other content types are not supported", "messages")
                 parts.append(part["text"])
             content = "".join(parts)
         elif content is None and role == "assistant":
             content = ""
         if not isinstance(content, str):
-            raise BadRequest(f"{where}.content must be a string or an array of text parts", "messages")
+            raise RequestError(f"{where}.content must be a string or an array of text parts", "messages")
         check_text(content, "messages")
         msg = {"role": "system" if role == "developer" else role, "content": content}
         if isinstance(m.get("name"), str):
@@ -264,34 +264,35 @@ def parse_chat(front: Front, body: dict[str, Any]) -> Job:
     messages = _messages(body)
     for name in ("tools", "functions"):
         if body.get(name):
-            raise BadRequest(f"{name} is not supported by this server", name)
+            raise RequestError(f"{name} is not supported by this server", name)
     fmt = get_field(body, "response_format", "dict")
     sp_extra: dict[str, Any] = {}
     if fmt is not None and fmt.get("type") != "text":
-        names = {f.name for f in dataclasses.fields(SamplingParams)}
-        schema = (fmt.get("json_schema") or {}).get("schema") if fmt.get("type") == "json_schema" else None
+        spec = fmt.get("json_schema") if fmt.get("type") == "json_schema" else None
+        schema = spec.get("schema") if isinstance(spec, dict) else None
         if fmt.get("type") == "json_object":
             schema = {"type": "object"}
-        if schema is None or "json_schema" not in names:
-            raise BadRequest(f"response_format={_short(fmt)} is not supported by this server yet", "response_format")
-        import json
-
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError(
+                f"response_format={_short(fmt)} is invalid; allowed: {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} "
+                f"or {{\"type\": \"json_schema\", \"json_schema\": {{\"schema\": {{...}}}}}}", "response_format",
+            )
         sp_extra["json_schema"] = json.dumps(schema)
     template = getattr(front.tokenizer, "chat_template", None)
     if not template:
-        raise BadRequest("this model has no chat template; use /v1/completions", "messages")
+        raise RequestError("this model has no chat template; use /v1/completions", "messages")
     try:
         text = front.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001  (a template may reject a message order)
-        raise BadRequest(f"the chat template rejected the messages: {e}", "messages") from None
+        raise RequestError(f"the chat template rejected the messages: {e}", "messages") from None
     ids = front.encode(text, "messages")
-    front.check_prompt(ids, "messages")
+    check_prompt(ids, front.limits, "messages")
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sp = {**sampling_params(front, body, len(ids), None, max_name), **sp_extra}
     want_lp = get_field(body, "logprobs", "bool", False)
     top = get_field(body, "top_logprobs", "int", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want_lp:
-        raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
     stream, include_usage = _stream_fields(body)
     base = _rid_base(front, body, "chatcmpl")
     req = P.GenerateRequest(
@@ -300,10 +301,6 @@ def parse_chat(front: Front, body: dict[str, Any]) -> Job:
     )
     return Job(True, base, model, int(time.time()), [req], sp.get("n", 1), stream, include_usage,
                logprobs=(top or 0) if want_lp else None, prompt_tokens=[len(ids)])
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 # -- responses ------------------------------------------------------------------------------

@@ -130,8 +130,7 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
             tokenizer = await tokenizer_task
         except Exception as e:  # noqa: BLE001
             raise StartupError(f"cannot load the tokenizer of {source.path}: {type(e).__name__}: {e}") from None
-        front = Front(args, tokenizer, info)
-        front.engine_proc, front.push, front.router, front.zmq_address = proc, push, router, zmq_address
+        front = Front(args, tokenizer, info, engine_proc=proc, push=push, router=router, zmq_address=zmq_address)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,172 @@
+"""One output path: after each step, the requests that changed become typed outputs.
+
+:class:`OutputProcessor` owns everything a request's output needs beyond its tokens:
+detokenized text, stop-string matching (it ends a request whose stop string appears,
+through :meth:`Scheduler.finish`), what has been reported so far, and the final result.
+:meth:`Engine.step` hands it the requests that changed in that step and returns its
+:class:`RequestOutput` list; the server's engine loop and the language's in-process
+backend both consume those, and nothing else turns requests into outputs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from plait import protocol as P
+from plait.errors import RequestError
+from plait.runtime.detokenizer import IncrementalDetokenizer, TextState, match_stop, safe_text_len
+from plait.runtime.request import FinishReason, Req
+from plait.runtime.scheduler import Scheduler
+
+
+@dataclass
+class _Cursor:
+    """One sequence's output state: its text and what has been reported."""
+
+    text: TextState
+    sent_text: int = 0
+    sent_ids: int = 0
+    sent_logprobs: int = 0
+    first_token_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one sequence produced since its previous output. ``text`` and
+    ``token_ids`` are new (the streamed pieces concatenate to the final text; text
+    that may still turn into a stop string is held back); ``meta`` has
+    ``completion_tokens`` and the new logprob entries. When the sequence finished,
+    ``finish_reason`` is set and ``result`` is the whole output (``text``,
+    ``output_ids``, ``meta_info``), unless it failed as a client error: then
+    ``error`` is set instead."""
+
+    rid: str  # the engine's id of this sequence
+    group: str  # the client's rid (all n copies share it)
+    index: int
+    text: str
+    token_ids: list[int]
+    meta: dict[str, Any]
+    finish_reason: FinishReason | None = None
+    result: dict[str, Any] | None = None
+    error: RequestError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def chunk(self) -> P.StreamChunk | None:
+        """This output as a stream message, or None when it carries nothing new."""
+        if not self.text and not self.token_ids:
+            return None
+        return P.StreamChunk(self.group, self.index, self.text, self.token_ids, self.meta)
+
+
+@dataclass
+class OutputProcessor:
+    tokenizer: Any
+    scheduler: Scheduler
+    detokenizer: IncrementalDetokenizer = field(init=False)
+    _cursors: dict[str, _Cursor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.detokenizer = IncrementalDetokenizer(self.tokenizer)
+
+    def start(self, r: Req, skip: int = 0) -> None:
+        """Track ``r`` (again, with ``skip`` characters of healed prompt text, when token
+        healing changed its prompt before the output began)."""
+        old = self._cursors.get(r.rid)
+        cur = _Cursor(self.detokenizer.start(r, skip))
+        if old is not None:
+            cur.first_token_time = old.first_token_time
+        self._cursors[r.rid] = cur
+
+    def forget(self, r: Req) -> None:
+        self._cursors.pop(r.rid, None)
+
+    def process(self, reqs: Iterable[Req]) -> list[RequestOutput]:
+        """Outputs of the requests that changed this step (new tokens, or finished)."""
+        now = time.monotonic()
+        outs = []
+        for r in reqs:
+            cur = self._cursors.get(r.rid)
+            if cur is None:
+                continue
+            if cur.first_token_time is None and r.output_len > 0:
+                cur.first_token_time = now
+            out = self._output(r, cur)
+            if out is not None:
+                outs.append(out)
+            if r.finished:
+                del self._cursors[r.rid]
+        return outs
+
+    def _output(self, r: Req, cur: _Cursor) -> RequestOutput | None:
+        st, stops = cur.text, r.params.stop
+        reason = r.finish_reason
+        ended_by_token = reason is not None and reason.by_token
+        if r.token_ids and st.read < r.seq_len and not ended_by_token:
+            piece = self.detokenizer.step(r, st)
+            matched = match_stop(st, stops, piece)
+            if matched is not None:
+                self.scheduler.finish(r, FinishReason.stop(matched))
+                reason = r.finish_reason
+        if reason is not None and not (reason.type == "stop" and isinstance(reason.matched, str)):
+            self.detokenizer.flush(r, st)
+        if reason is not None and reason.error is not None:
+            return RequestOutput(r.rid, r.group, r.index, "", [], {}, reason, error=reason.error)
+
+        text = st.text
+        end = len(text) if reason is not None else max(safe_text_len(text, stops), cur.sent_text)
+        piece, ids = text[cur.sent_text : end], r.token_ids[r.prompt_len + cur.sent_ids :]
+        if reason is None and not piece and not ids:
+            return None
+        meta: dict[str, Any] = {"completion_tokens": r.output_len}
+        lp = r.logprobs
+        if lp is not None:
+            meta["output_token_logprobs"] = lp.output_token[cur.sent_logprobs :]
+            if lp.top_n > 0:
+                meta["output_top_logprobs"] = lp.output_top[cur.sent_logprobs :]
+            cur.sent_logprobs = len(lp.output_token)
+        cur.sent_text, cur.sent_ids = end, r.output_len
+        out = RequestOutput(r.rid, r.group, r.index, piece, ids, meta, reason)
+        if reason is not None:
+            out.result = self._result(r, cur, reason)
+        return out
+
+    def _result(self, r: Req, cur: _Cursor, reason: FinishReason) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": r.rid,
+            "prompt_tokens": r.prompt_len,
+            "completion_tokens": r.output_len,
+            "cached_tokens": r.cached_tokens,
+            "finish_reason": reason.to_dict(),
+            "first_token_time": cur.first_token_time,
+        }
+        lp = r.logprobs
+        if lp is not None:
+            meta["output_token_logprobs"] = lp.output_token
+            meta["input_token_logprobs"] = lp.input_token
+            if lp.top_n > 0:
+                meta["output_top_logprobs"] = lp.output_top
+                meta["input_top_logprobs"] = lp.input_top
+        return {"text": cur.text.text, "output_ids": r.output_ids, "meta_info": meta}
+
+
+_LOGPROB_KEYS = ("output_token_logprobs", "input_token_logprobs")
+_TOP_LOGPROB_KEYS = ("output_top_logprobs", "input_top_logprobs")
+
+
+def add_token_text(meta: dict[str, Any], token_text: Callable[[int], str]) -> None:
+    """In place: ``[logprob, id]`` entries (and top-logprob rows) become
+    ``[logprob, id, text]`` (``return_text_in_logprobs``)."""
+    for key in _LOGPROB_KEYS:
+        if key in meta:
+            meta[key] = [[lp, tid, token_text(tid)] for lp, tid, *_ in meta[key]]
+    for key in _TOP_LOGPROB_KEYS:
+        if key in meta:
+            meta[key] = [
+                None if row is None else [[lp, tid, token_text(tid)] for lp, tid, *_ in row] for row in meta[key]
+            ]
