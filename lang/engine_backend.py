@@ -42,7 +42,7 @@ class _Live:
 class EngineBackend(BaseBackend):
     """``EngineBackend(model=None, **engine_config)`` or ``EngineBackend(engine)``."""
 
-    def __init__(self, model: Any = None, **config: Any) -> None:
+    def __init__(self, model: str | Engine | None = None, **config: Any) -> None:
         from plait.runtime.engine import Engine
 
         if isinstance(model, Engine):

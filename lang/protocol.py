@@ -107,7 +107,7 @@ from typing import Any, Union
 
 import msgspec
 
-from plait.errors import BackendError, RequestError
+from plait.errors import BackendError, RequestError, RuntimeUnavailableError
 
 PROTOCOL_VERSION = 1
 
@@ -201,7 +201,10 @@ def request_error(e: ErrorResponse) -> RequestError:
 
 
 def backend_error(e: ErrorResponse) -> BackendError:
-    """What a language program raises for an :class:`ErrorResponse`."""
+    """What a language program raises for an :class:`ErrorResponse` (a 503, the runtime
+    being gone, is a :class:`RuntimeUnavailableError`)."""
+    if e.code == 503:
+        return RuntimeUnavailableError(e.message)
     return BackendError(e.message, code=e.code, param=e.param, error_type=e.error_type)
 
 

@@ -36,7 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 from plait import protocol as P
 from plait.backend import BaseBackend, OnChunk, Pending, Request
 from plait.chat_template import ChatTemplate, ChatTemplateError, jinja_render
-from plait.errors import BackendError, RuntimeUnavailableError
+from plait.errors import RuntimeUnavailableError
 
 logger = logging.getLogger("plait")
 
@@ -270,7 +270,7 @@ class RuntimeEndpoint(BaseBackend):
             elif isinstance(m, P.GenerateResult):
                 pending.result(m.index, {"text": m.text, "output_ids": m.output_ids, "meta_info": m.meta_info})
             elif isinstance(m, P.ErrorResponse):
-                pending.fail(_error(m))
+                pending.fail(P.backend_error(m))
             if pending.done:
                 self._client.forget(req.rid)
 
@@ -327,14 +327,8 @@ class RuntimeEndpoint(BaseBackend):
             self._client.forget(msg.rid)
             raise RuntimeUnavailableError(f"the runtime at {self.zmq_address} did not answer within {timeout:g} s") from None
         if isinstance(reply, P.ErrorResponse):
-            raise _error(reply)
+            raise P.backend_error(reply)
         return reply
-
-
-def _error(m: P.ErrorResponse) -> BackendError:
-    if m.code == 503:
-        return RuntimeUnavailableError(m.message)
-    return BackendError(m.message, code=m.code, param=m.param, error_type=m.error_type)
 
 
 def _zmq_address_from_http(url: str, api_key: str | None, timeout: float) -> str:

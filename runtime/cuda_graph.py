@@ -12,7 +12,7 @@ one token of row 0's context and write their K/V to slot 0, the pool's reserved
 padding page, which no request ever owns; their logits are dropped. This needs an
 attention backend whose decode kernels read their metadata from tensors, with a launch
 shape that depends only on the batch size: the ``triton`` backend
-(:meth:`~plait.runtime.attention.triton_backend.TritonAttentionBackend.bind_decode`).
+(:meth:`~plait.runtime.attention.triton_backend.TritonAttentionBackend.decode_metadata`).
 
 ``mode="eager"`` runs the same padded, static-buffer path without recording a graph:
 it is how the CPU tests check the bucketing and padding that the CUDA graphs replay.
@@ -47,7 +47,7 @@ def graph_buckets(max_bs: int) -> list[int]:
 class DecodeGraphRunner:
     """Records and replays decode steps for bucketed batch sizes.
 
-    ``attn`` must offer ``bind_decode(req_to_token, req_rows, seq_lens)``. After
+    ``attn`` must offer ``decode_metadata(req_to_token, req_rows, seq_lens)``. After
     :meth:`capture`, :meth:`run` takes a decode-only :class:`ForwardBatch` and returns
     the logits ``[B, vocab]`` (float32) of its rows.
     """
@@ -65,8 +65,10 @@ class DecodeGraphRunner:
             raise ValueError(f"mode must be 'cuda' or 'eager', got {mode!r}")
         if mode == "cuda" and device.type != "cuda":
             raise ValueError("CUDA graphs need device='cuda'")
-        if not hasattr(attn, "bind_decode"):
-            raise ValueError(f"{type(attn).__name__} cannot run under CUDA graphs (no bind_decode)")
+        from plait.runtime.attention.triton_backend import TritonAttentionBackend
+
+        if not isinstance(attn, TritonAttentionBackend):
+            raise ValueError(f"{type(attn).__name__} cannot run under CUDA graphs; the triton backend can")
         self.model, self.attn, self.req_to_token = model, attn, req_to_token
         self.device, self.mode = device, mode
         self.buckets = graph_buckets(min(max_bs, req_to_token.table.shape[0]))
@@ -98,12 +100,12 @@ class DecodeGraphRunner:
             extend_prefix_lens=[],
             extend_seq_lens=[],
             decode_seq_lens=[1] * bs,  # placeholders: the kernels read self.seq_lens
+            attn_metadata=self.attn.decode_metadata(self.req_to_token.table, self.req_rows[:bs], self.seq_lens[:bs]),
         )
 
     @torch.inference_mode()
     def _step(self, bs: int) -> torch.Tensor:
         fb = self._forward_batch(bs)
-        self.attn.bind_decode(self.req_to_token.table, self.req_rows[:bs], self.seq_lens[:bs])
         return self.model.compute_logits(self.model(fb, self.attn))
 
     def capture(self) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,6 +32,12 @@ class ForwardBatch:
     extend_prefix_lens: list[int]  # [E] cached tokens before the chunk
     extend_seq_lens: list[int]  # [E] new tokens in the chunk
     decode_seq_lens: list[int]  # [D] context length including the new token
+    # what the attention backend's init_forward (or a CUDA graph's decode_metadata)
+    # built for this step; read by every layer
+    attn_metadata: Any = None
+
+    def with_attn_metadata(self, metadata: Any) -> ForwardBatch:
+        return dataclasses.replace(self, attn_metadata=metadata)
 
     @property
     def num_decodes(self) -> int:

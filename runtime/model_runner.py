@@ -74,7 +74,7 @@ class ModelRunner:
         fb = self.build_forward_batch(batch)
         if self.graphs is not None and not batch.extends and fb.num_decodes <= self.graphs.max_bs:
             return self._sample(self.graphs.run(fb), list(batch.decodes))
-        self.attn.init_forward(fb)
+        fb = fb.with_attn_metadata(self.attn.init_forward(fb))
         hidden = self.model(fb, self.attn)
 
         # rows of `hidden` that need logits: input-logprob rows, then sampling rows

@@ -46,8 +46,8 @@ def test_mixed_batch_with_many_decode_groups(page_size):
         extend_prefix_lens=[p for p, _ in ext], extend_seq_lens=[n for _, n in ext], decode_seq_lens=dec_lens,
     )
     backend = TorchAttentionBackend(pool, H, D**-0.5, decode_group_bytes=64 << 10)  # groups of ~256 tokens
-    backend.init_forward(fb)
-    assert len(backend._dec_groups) > 3
+    fb = fb.with_attn_metadata(backend.init_forward(fb))
+    assert len(fb.attn_metadata.decodes) > 3
     n_ext = sum(n for _, n in ext)
     out = torch.cat([backend.forward_extend(q[:n_ext], 0, fb), backend.forward_decode(q[n_ext:], 0, fb)])
     start = 0

@@ -115,12 +115,11 @@ def test_backend_matches_torch_backend(extends, decode_lens):
         decode_seq_lens=decode_lens,
     )
     reference, backend = TorchAttentionBackend(pool, heads, dim**-0.5), CpuAttentionBackend(pool, heads, dim**-0.5)
-    reference.init_forward(fb)
-    backend.init_forward(fb)
+    fb_ref, fb = fb.with_attn_metadata(reference.init_forward(fb)), fb.with_attn_metadata(backend.init_forward(fb))
     for layer in range(layers):
         q = torch.randn(fb.num_tokens, heads + 2 * kv_heads, dim)[:, :heads]
         kv = torch.randn(fb.num_tokens, 2 * kv_heads, dim)
-        expected = reference.forward(q, kv[:, :kv_heads], kv[:, kv_heads:], layer, fb)
+        expected = reference.forward(q, kv[:, :kv_heads], kv[:, kv_heads:], layer, fb_ref)
         torch.testing.assert_close(backend.forward(q, kv[:, :kv_heads], kv[:, kv_heads:], layer, fb), expected, **TOL)
 
 

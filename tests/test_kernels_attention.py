@@ -213,15 +213,14 @@ def test_triton_backend_matches_torch_backend(
         triton_pool.v_buffers[layer].copy_(torch_pool.v_buffers[layer])
     reference = TorchAttentionBackend(torch_pool, num_heads, scale)
     backend = TritonAttentionBackend(triton_pool, num_heads, scale)
-    reference.init_forward(fb)
-    backend.init_forward(fb)
+    fb_ref, fb = fb.with_attn_metadata(reference.init_forward(fb)), fb.with_attn_metadata(backend.init_forward(fb))
 
     for layer in range(num_layers):  # per-step metadata is shared by all layers
         q = torch.randn(fb.num_tokens, num_heads, head_dim, device=DEVICE)
         # new K/V as a strided view of a fused projection output, like a real model's
         kv = torch.randn(fb.num_tokens, 2 * kv_heads, head_dim, device=DEVICE)
         k, v = kv[:, :kv_heads], kv[:, kv_heads:]
-        expected = reference.forward(q, k, v, layer, fb)
+        expected = reference.forward(q, k, v, layer, fb_ref)
         got = backend.forward(q, k, v, layer, fb)
         _close(got, expected, torch.float32)
         torch.testing.assert_close(triton_pool.k_buffers[layer], torch_pool.k_buffers[layer], atol=0, rtol=0)

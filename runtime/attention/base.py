@@ -13,9 +13,10 @@ from plait.runtime.memory import KVPool
 class AttentionBackend(ABC):
     """Paged attention over a :class:`KVPool` through the page table.
 
-    Per step the runner calls :meth:`init_forward` once, then each layer calls
-    :meth:`forward`, which stores the new K/V and attends for the extend part and the
-    decode part of the batch.
+    Per step the runner calls :meth:`init_forward` once and hands what it returns to
+    every layer as ``fb.attn_metadata`` (nothing per step is kept on the backend); each
+    layer calls :meth:`forward`, which stores the new K/V and attends for the extend
+    part and the decode part of the batch.
     """
 
     def __init__(self, pool: KVPool, num_heads: int, scale: float) -> None:
@@ -23,8 +24,9 @@ class AttentionBackend(ABC):
         self.num_heads = num_heads
         self.scale = scale
 
-    def init_forward(self, fb: ForwardBatch) -> None:
-        """Precompute per-step metadata shared by all layers (index tensors, masks)."""
+    def init_forward(self, fb: ForwardBatch) -> object:
+        """Per-step metadata shared by all layers (index tensors, masks), or None."""
+        return None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch

@@ -29,12 +29,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
             )
         cpu_attention.load()
 
-    def _init_decodes(self, fb: ForwardBatch) -> None:
-        self._dec_rows = fb.req_rows[fb.num_extends :].contiguous()
-        self._dec_lens = torch.tensor(fb.decode_seq_lens, dtype=torch.int64)
+    def _init_decodes(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode part's metadata: page-table rows and context lengths."""
+        return fb.req_rows[fb.num_extends :].contiguous(), torch.tensor(fb.decode_seq_lens, dtype=torch.int64)
 
     def forward_decode(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
+        rows, lens = fb.attn_metadata.decodes
         return cpu_attention.paged_decode(
-            q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], fb.req_to_token,
-            self._dec_rows, self._dec_lens, self.scale,
+            q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], fb.req_to_token, rows, lens, self.scale,
         )

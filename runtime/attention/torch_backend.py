@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,29 +44,31 @@ class TorchAttentionBackend(AttentionBackend):
             self._v_ws = torch.empty(numel, dtype=self.pool.dtype, device=self.pool.device)
         return self._k_ws, self._v_ws
 
-    def init_forward(self, fb: ForwardBatch) -> None:
-        self._init_extends(fb)
-        self._init_decodes(fb)
+    def init_forward(self, fb: ForwardBatch) -> TorchMetadata:
+        idx, masks = self._init_extends(fb)
+        return TorchMetadata(idx, masks, self._init_decodes(fb))
 
-    def _init_extends(self, fb: ForwardBatch) -> None:
+    def _init_extends(self, fb: ForwardBatch) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         table = fb.req_to_token
         rows = fb.req_rows.tolist()
-        self._ext_idx: list[torch.Tensor] = []
-        self._ext_mask: list[torch.Tensor | None] = []
+        ext_idx: list[torch.Tensor] = []
+        ext_mask: list[torch.Tensor | None] = []
         for i in range(fb.num_extends):
             prefix, n = fb.extend_prefix_lens[i], fb.extend_seq_lens[i]
-            self._ext_idx.append(table[rows[i], : prefix + n].long())
+            ext_idx.append(table[rows[i], : prefix + n].long())
             if prefix == 0:
-                self._ext_mask.append(None)  # plain causal
+                ext_mask.append(None)  # plain causal
             else:
                 # query i (absolute position prefix + i) sees keys j <= prefix + i
                 q_pos = torch.arange(prefix, prefix + n, device=table.device).unsqueeze(1)
                 k_pos = torch.arange(prefix + n, device=table.device).unsqueeze(0)
-                self._ext_mask.append(k_pos <= q_pos)
+                ext_mask.append(k_pos <= q_pos)
+        return ext_idx, ext_mask
 
-    def _init_decodes(self, fb: ForwardBatch) -> None:
+    def _init_decodes(self, fb: ForwardBatch) -> Any:
+        """The decode part's metadata: here, requests grouped by context length."""
         table = fb.req_to_token
-        self._dec_groups: list[_DecodeGroup] = []
+        dec_groups: list[_DecodeGroup] = []
         if fb.num_decodes:
             dec_rows = fb.req_rows[fb.num_extends :]
             lens = fb.decode_seq_lens
@@ -96,9 +99,10 @@ class TorchAttentionBackend(AttentionBackend):
                 # an additive float mask is cheaper for SDPA than a boolean one
                 bias = torch.zeros(valid.shape, dtype=self.pool.dtype, device=table.device)
                 bias.masked_fill_(~valid, float("-inf"))
-                self._dec_groups.append(
+                dec_groups.append(
                     _DecodeGroup(pos, units.reshape(-1), (len(members), n_units * ps), bias[:, None, None, :])
                 )
+        return dec_groups
 
     def forward_extend(
         self, q: torch.Tensor, layer: int, fb: ForwardBatch, k: torch.Tensor | None = None, v: torch.Tensor | None = None
@@ -108,12 +112,12 @@ class TorchAttentionBackend(AttentionBackend):
         start = 0
         for i, n in enumerate(fb.extend_seq_lens):
             qi = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            mask = self._ext_mask[i]
+            mask = fb.attn_metadata.ext_mask[i]
             if mask is None and k is not None:  # no prefix: K/V are the chunk's own
                 ki = k[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, KVH, n, D]
                 vi = v[start : start + n].transpose(0, 1).unsqueeze(0)
             else:
-                idx = self._ext_idx[i]
+                idx = fb.attn_metadata.ext_idx[i]
                 ki = k_buf.index_select(0, idx).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
                 vi = v_buf.index_select(0, idx).transpose(0, 1).unsqueeze(0)
             oi = F.scaled_dot_product_attention(
@@ -130,8 +134,9 @@ class TorchAttentionBackend(AttentionBackend):
         v_pages = v_buf.view(-1, self.pool.page_size, *heads)
         out = torch.empty_like(q)
         page_numel = k_pages[0].numel()
-        k_ws, v_ws = self._workspace(max(g.flat_idx.numel() for g in self._dec_groups) * page_numel)
-        for g in self._dec_groups:
+        groups: list[_DecodeGroup] = fb.attn_metadata.decodes
+        k_ws, v_ws = self._workspace(max(g.flat_idx.numel() for g in groups) * page_numel)
+        for g in groups:
             # index_select on a flat index is several times faster than 2-D fancy indexing
             n = g.flat_idx.numel()
             k = k_ws[: n * page_numel].view(n, *k_pages.shape[1:])
@@ -146,6 +151,16 @@ class TorchAttentionBackend(AttentionBackend):
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=self.scale)
             out.index_copy_(0, g.positions, o.reshape(len(g.positions), -1, heads[1]))
         return out
+
+
+@dataclass
+class TorchMetadata:
+    """One step's attention metadata: per extend request its context's slots and mask;
+    the decode part's metadata (decode groups here; the cpu backend's rows and lengths)."""
+
+    ext_idx: list[torch.Tensor]
+    ext_mask: list[torch.Tensor | None]
+    decodes: Any
 
 
 @dataclass

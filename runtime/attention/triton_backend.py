@@ -8,6 +8,8 @@ slow, which is what the CPU tests want.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from plait.kernels.decode_attention import decode_attention
@@ -28,7 +30,7 @@ class TritonAttentionBackend(AttentionBackend):
     (up to float rounding), computed by Triton kernels straight from the page table.
 
     :meth:`init_forward` uploads the per-step metadata once (int32 lengths, rows, token
-    offsets); every layer's :meth:`forward` then launches the KV store, the extend
+    offsets) into a :class:`TritonMetadata`; every layer's :meth:`forward` then launches the KV store, the extend
     kernel and the decode kernel, writing both attention parts into one output tensor.
     """
 
@@ -40,29 +42,28 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
         self.num_kv_splits = num_kv_splits
 
-    def init_forward(self, fb: ForwardBatch) -> None:
+    def init_forward(self, fb: ForwardBatch) -> TritonMetadata:
         device = fb.req_to_token.device
-        self._req_to_token = fb.req_to_token
 
         def i32(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=device)
 
-        # extend part: [E] metadata; lengths also kept on the host for the grid size
-        self._ext_rows = fb.req_rows[: fb.num_extends]
-        self._ext_prefix = i32(fb.extend_prefix_lens)
-        self._ext_lens = i32(fb.extend_seq_lens)
-        self._ext_start = i32(fb.extend_start_loc)
-        self._max_extend = max(fb.extend_seq_lens, default=0)
-        # decode part: [D]
-        self._dec_rows = fb.req_rows[fb.num_extends :]
-        self._dec_lens = i32(fb.decode_seq_lens)
+        return TritonMetadata(
+            fb.req_to_token,
+            # extend part: [E] metadata; lengths also kept on the host for the grid size
+            fb.req_rows[: fb.num_extends], i32(fb.extend_prefix_lens), i32(fb.extend_seq_lens),
+            i32(fb.extend_start_loc), max(fb.extend_seq_lens, default=0),
+            # decode part: [D]
+            fb.req_rows[fb.num_extends :], i32(fb.decode_seq_lens),
+        )
 
-    def bind_decode(self, req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """Decode-only steps read their metadata from these device tensors, which the
-        caller refills in place before each step: what a CUDA graph recorded over this
-        backend replays (see :mod:`plait.runtime.cuda_graph`). seq_lens: int32."""
-        self._req_to_token = req_to_token
-        self._dec_rows, self._dec_lens = req_rows, seq_lens
+    def decode_metadata(self, req_to_token: torch.Tensor, req_rows: torch.Tensor,
+                        seq_lens: torch.Tensor) -> TritonMetadata:
+        """Metadata of a decode-only step over device tensors that the caller refills
+        in place before each step: what a CUDA graph records over this backend and
+        replays (the capture hook of :mod:`plait.runtime.cuda_graph`). seq_lens: int32."""
+        empty = torch.zeros(0, dtype=torch.int32, device=req_to_token.device)
+        return TritonMetadata(req_to_token, req_rows[:0], empty, empty, empty, 0, req_rows, seq_lens)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch
@@ -73,30 +74,44 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         n_ext = fb.num_extend_tokens
         if fb.num_extends:
-            self._extend(q[:n_ext], layer, out[:n_ext])
+            self._extend(q[:n_ext], layer, fb.attn_metadata, out[:n_ext])
         if fb.num_decodes:
-            self._decode(q[n_ext:], layer, out[n_ext:])
+            self._decode(q[n_ext:], layer, fb.attn_metadata, out[n_ext:])
         return out
 
     def forward_extend(
         self, q: torch.Tensor, layer: int, fb: ForwardBatch, k: torch.Tensor | None = None, v: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return self._extend(q, layer, torch.empty_like(q))
+        return self._extend(q, layer, fb.attn_metadata, torch.empty_like(q))
 
     def forward_decode(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
-        return self._decode(q, layer, torch.empty_like(q))
+        return self._decode(q, layer, fb.attn_metadata, torch.empty_like(q))
 
-    def _extend(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> torch.Tensor:
+    def _extend(self, q: torch.Tensor, layer: int, m: TritonMetadata, out: torch.Tensor) -> torch.Tensor:
         # q, out: [extend_tokens, heads, dim]
         return extend_attention(
-            q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self._req_to_token,
-            self._ext_rows, self._ext_prefix, self._ext_lens, self.scale,
-            max_extend_len=self._max_extend, extend_start_loc=self._ext_start, out=out,
+            q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], m.req_to_token,
+            m.ext_rows, m.ext_prefix, m.ext_lens, self.scale,
+            max_extend_len=m.max_extend, extend_start_loc=m.ext_start, out=out,
         )
 
-    def _decode(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, layer: int, m: TritonMetadata, out: torch.Tensor) -> torch.Tensor:
         # q, out: [decodes, heads, dim]
         return decode_attention(
-            q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self._req_to_token,
-            self._dec_rows, self._dec_lens, self.scale, num_kv_splits=self.num_kv_splits, out=out,
+            q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], m.req_to_token,
+            m.dec_rows, m.dec_lens, self.scale, num_kv_splits=self.num_kv_splits, out=out,
         )
+
+
+@dataclass
+class TritonMetadata:
+    """One step's metadata for the kernels: [E] for the extend part, [D] for decodes."""
+
+    req_to_token: torch.Tensor
+    ext_rows: torch.Tensor
+    ext_prefix: torch.Tensor  # int32
+    ext_lens: torch.Tensor  # int32
+    ext_start: torch.Tensor  # int32, first token of each extend in the flat tensors
+    max_extend: int
+    dec_rows: torch.Tensor
+    dec_lens: torch.Tensor  # int32

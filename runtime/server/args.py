@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,10 +162,6 @@ def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     engine = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineConfig)}
     server = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs) if f.name != "engine"}
     return ServerArgs(engine=EngineConfig(**engine), **server)
-
-
-def engine_config_json(config: EngineConfig) -> str:
-    return json.dumps(dataclasses.asdict(config))
 
 
 def setup_logging(level: str) -> None:
