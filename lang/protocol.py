@@ -20,6 +20,11 @@ Sockets and framing
 - Messages are msgpack maps. The field ``"type"`` tags the struct (the ``type`` values
   are listed below). Unknown fields are ignored by both sides, so fields may be added
   in later versions without breaking older peers.
+- Authentication: when the server was started with an API key (``--api-key``), every
+  request must carry it in the ``api_key`` field (the same key as HTTP's Bearer token),
+  on TCP and ipc sockets alike; a request without it is answered with an
+  :class:`ErrorResponse` of code 401 and does nothing. A server refuses to bind a TCP
+  socket on a non-loopback address without a key.
 - Many requests may be in flight on one socket; every response carries the ``rid`` of
   the request it answers. ``rid`` is chosen by the client; it must be unique among the
   server's in-flight requests (a uuid4 hex is a good choice), non-empty, at most 256
@@ -120,7 +125,13 @@ class _Msg(msgspec.Struct, tag_field="type", omit_defaults=True, forbid_unknown_
 
 
 # -- client -> server ------------------------------------------------------------------
-class GenerateRequest(_Msg, tag="generate"):
+class _ClientMsg(_Msg, kw_only=True):
+    """Base of client requests: ``api_key`` authenticates each one (see above)."""
+
+    api_key: str | None = None
+
+
+class GenerateRequest(_ClientMsg, tag="generate"):
     rid: str
     text: str | None = None
     input_ids: list[int] | None = None
@@ -133,20 +144,20 @@ class GenerateRequest(_Msg, tag="generate"):
     cache_salt: str | None = None
 
 
-class AbortRequest(_Msg, tag="abort"):
+class AbortRequest(_ClientMsg, tag="abort"):
     rid: str = ""
     abort_all: bool = False
 
 
-class FlushCacheRequest(_Msg, tag="flush_cache"):
+class FlushCacheRequest(_ClientMsg, tag="flush_cache"):
     rid: str
 
 
-class ServerInfoRequest(_Msg, tag="get_server_info"):
+class ServerInfoRequest(_ClientMsg, tag="get_server_info"):
     rid: str
 
 
-class PinRequest(_Msg, tag="pin"):
+class PinRequest(_ClientMsg, tag="pin"):
     rid: str
     text: str | None = None
     input_ids: list[int] | None = None
@@ -154,7 +165,7 @@ class PinRequest(_Msg, tag="pin"):
     cache_salt: str | None = None
 
 
-class UnpinRequest(_Msg, tag="unpin"):
+class UnpinRequest(_ClientMsg, tag="unpin"):
     rid: str
     pin_id: str
 

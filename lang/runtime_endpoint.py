@@ -53,8 +53,10 @@ CONTROL_TIMEOUT_S = 120.0
 class _ZmqClient:
     """The socket and its I/O thread. Handlers receive decoded responses by rid."""
 
-    def __init__(self, address: str, liveness_timeout_s: float, alive: Callable[[], bool] | None) -> None:
+    def __init__(self, address: str, liveness_timeout_s: float, alive: Callable[[], bool] | None,
+                 api_key: str | None = None) -> None:
         self.address = address
+        self.api_key = api_key  # sent in every message (the server's --api-key)
         self.liveness_timeout_s = liveness_timeout_s
         self.alive = alive
         self.ctx = zmq.Context()
@@ -97,6 +99,8 @@ class _ZmqClient:
         self.send(msg)
 
     def send(self, msg: msgspec.Struct) -> None:
+        if self.api_key is not None:
+            msg = msgspec.structs.replace(msg, api_key=self.api_key)
         data = P.encode(msg)
         with self._send_lock:
             if self._closing:
@@ -209,7 +213,7 @@ class _ZmqClient:
                 f"the runtime at {self.address} has not answered for {silent:.0f} s; is it running?"))
         elif silent > PING_INTERVAL_S and self._ping_rid is None:
             self._ping_rid = f"ping-{uuid.uuid4().hex}"
-            self.sock.send(P.encode(P.ServerInfoRequest(self._ping_rid)), zmq.NOBLOCK)
+            self.sock.send(P.encode(P.ServerInfoRequest(self._ping_rid, api_key=self.api_key)), zmq.NOBLOCK)
 
     def _fail_all(self, error: BaseException, permanent: bool = False) -> None:
         """Fail every waiter; ``permanent``: and every later request."""
@@ -241,7 +245,7 @@ class RuntimeEndpoint(BaseBackend):
         else:
             raise ValueError(f"base_url={base_url!r} is invalid; allowed: http(s)://host:port, tcp://host:port or ipc://path")
         self.zmq_address = address
-        self._client = _ZmqClient(address, liveness_timeout_s, alive)
+        self._client = _ZmqClient(address, liveness_timeout_s, alive, api_key)
         self._template: Any = None
         self._template_lock = threading.Lock()
         try:
@@ -428,7 +432,7 @@ class Runtime:
         self.zmq_address: str = self.handle.zmq_address
         self.pid: int = self.handle.pid
         try:
-            self.endpoint = RuntimeEndpoint(self.zmq_address, alive=lambda: self.handle.alive)
+            self.endpoint = RuntimeEndpoint(self.zmq_address, config.get("api_key"), alive=lambda: self.handle.alive)
         except BaseException:
             self.handle.shutdown()
             raise

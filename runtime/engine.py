@@ -28,7 +28,7 @@ from plait.runtime.pinning import MAX_PIN_TTL_S, PinTable
 from plait.runtime.radix_cache import RadixCache
 from plait.runtime.request import FinishReason, LogprobState, Req, ReqKind
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.scheduler import Scheduler
+from plait.runtime.scheduler import ScheduleBatch, Scheduler
 from plait.runtime.validation import GenerateInput, ModelLimits, check_cache_salt, check_prompt, check_ttl, validate_generate
 
 logger = logging.getLogger(__name__)
@@ -280,7 +280,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None and self._grammar_pending:
             self.grammar_compiler.wait(0.05)  # nothing runnable until an index is ready
-        changed = [] if batch is None else self.scheduler.process_batch(batch, self.runner.forward(batch))
+        changed = [] if batch is None else self._run(batch)
         changed += self.scheduler.take_finished()
         if self.pins:
             # lock finished pin prefills before the next schedule() can evict them
@@ -293,6 +293,22 @@ class Engine:
                     self._kept.discard(o.rid)
                     self._results[o.rid] = o
         return outs
+
+    def _run(self, batch: ScheduleBatch) -> list[Req]:
+        """Forward and advance one batch. An exception here fails the batch's requests
+        (a 500 naming the internal error) and the engine goes on serving the others;
+        only if the KV accounting is then broken does the error propagate."""
+        try:
+            return self.scheduler.process_batch(batch, self.runner.forward(batch))
+        except Exception as e:  # noqa: BLE001  (a bug or a device fault in one step)
+            logger.exception("a step failed; failing its %d requests", len(batch.reqs))
+            error = RequestError(
+                f"internal error while running this request: {type(e).__name__}: {e}", None, 500, "server_error"
+            )
+            for r in batch.reqs:
+                self.scheduler.abort(r, FinishReason.abort(error.message, error))
+            self.check_invariants()
+            return []
 
     def run_until_done(self, reqs: Iterable[Req]) -> list[RequestOutput]:
         """Step until every request in ``reqs`` finished; returns their final outputs

@@ -14,6 +14,10 @@ import torch
 from plait.runtime.request import Req
 
 NEG_INF = float("-inf")
+# Logits are kept finite (penalties and a small temperature can overflow float32): +inf
+# becomes this, NaN becomes -inf. Half of float32's max, so the softmax's max-shift
+# of two such values cannot overflow.
+FINITE_MAX = torch.finfo(torch.float32).max / 2
 
 
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> None:
@@ -39,6 +43,7 @@ def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence
     for i, r in enumerate(reqs):
         if r.output_len < r.params.min_new_tokens:
             banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(eos_ids))
+            banned = [t for t in banned if 0 <= t < logits.shape[1]]  # ids past the LM head never appear
             if banned:
                 logits[i, banned] = NEG_INF
 
@@ -61,16 +66,31 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> tor
     return logits
 
 
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """In place: +inf -> FINITE_MAX, NaN -> -inf (-inf stays: it is a ban)."""
+    return torch.nan_to_num_(logits, nan=NEG_INF, posinf=FINITE_MAX, neginf=NEG_INF)
+
+
 def sample(logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence[int]) -> list[int]:
-    """logits: [B, V] raw float32 (modified in place). Returns one token id per request."""
+    """logits: [B, V] raw float32 (modified in place). Returns one token id per request.
+
+    Numerically safe for every accepted parameter: values kept finite after penalties
+    and after temperature; a row with every token banned (say ``min_new_tokens`` bans
+    EOS while a constraint allows only EOS) is sampled greedily, never passed to
+    ``torch.multinomial``; its token is then refused by the constraint and the request
+    ends with an ``abort`` instead of failing the step."""
     apply_penalties(logits, reqs)
     mask_min_tokens(logits, reqs, eos_ids)
+    _finite(logits)
     out = logits.argmax(-1).tolist()  # greedy for everyone; overwritten for samplers
     for i, r in enumerate(reqs):
         p = r.params
         if p.is_greedy:
             continue
-        row = _filter(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p)
+        row = _finite(logits[i] / p.temperature)
+        if not bool(torch.isfinite(row).any()):
+            continue
+        row = _filter(row, p.top_k, p.top_p, p.min_p)
         probs = row.softmax(-1)
         out[i] = int(torch.multinomial(probs, 1, generator=r.generator).item())
     return out

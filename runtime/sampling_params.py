@@ -12,6 +12,7 @@ from plait.errors import RequestError, is_int
 MAX_N = 128
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -153,7 +154,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Temperature below :data:`GREEDY_TEMPERATURE` samples greedily, as in SGLang and
+        vLLM: dividing logits by a subnormal temperature would overflow."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

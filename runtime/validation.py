@@ -128,6 +128,11 @@ def validate_generate(
     if isinstance(sampling_params, dict):
         check_int64(sampling_params)
     params = SamplingParams.from_dict(sampling_params)
+    bad = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise RequestError(
+            f"stop_token_ids contains token id {bad}, outside the vocabulary [0, {limits.vocab_size})", "stop_token_ids"
+        )
     if not isinstance(return_logprob, bool):
         raise RequestError(f"return_logprob={return_logprob!r} is invalid; allowed: true or false", "return_logprob")
     if not is_int(logprob_start_len) or not -1 <= logprob_start_len < len(ids):

@@ -15,6 +15,7 @@ import uuid
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 import zmq
@@ -400,12 +401,15 @@ def test_flush_cache_and_metrics(http):
 
 # -- the language clients' socket ----------------------------------------------------------------------
 class ZmqClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, api_key: str | None = API_KEY) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.connect(address)
+        self.api_key = api_key
 
     def send(self, msg: Any) -> None:
+        if self.api_key is not None:
+            msg = msgspec.structs.replace(msg, api_key=self.api_key)
         self.sock.send(P.encode(msg))
 
     def recv(self, timeout_ms: int = 30000) -> Any:
@@ -422,6 +426,43 @@ def zclient(server):
     c = ZmqClient(server.zmq_address)
     yield c
     c.close()
+
+
+def test_zmq_socket_requires_the_api_key(server, http, zclient):
+    """With --api-key, every ZMQ message must carry it: without it (or with a wrong one)
+    nothing runs and the answer is a 401 naming api_key."""
+    for key in (None, "wrong"):
+        bad = ZmqClient(server.zmq_address, api_key=key)
+        try:
+            for msg in (P.GenerateRequest(f"nokey-{key}", text="hi", sampling_params={"max_new_tokens": 2}),
+                        P.ServerInfoRequest(f"info-{key}"), P.FlushCacheRequest(f"flush-{key}")):
+                bad.send(msg)
+                reply = bad.recv()
+                assert isinstance(reply, P.ErrorResponse) and reply.rid == msg.rid
+                assert (reply.code, reply.param, reply.error_type) == (401, "api_key", "authentication_error")
+            running = zclient
+            running.send(P.GenerateRequest("keyed", text="hi", sampling_params={**GREEDY, "max_new_tokens": 200}))
+            bad.send(P.AbortRequest(abort_all=True))  # refused: it cannot touch others' requests either
+            bad.send(P.AbortRequest(rid="keyed"))
+            assert bad.recv().code == 401 and bad.recv().code == 401
+            result = running.recv()
+            assert isinstance(result, P.GenerateResult)
+            assert result.meta_info["finish_reason"] == {"type": "length", "length": 200}
+        finally:
+            bad.close()
+    assert http.get("/server_info").json()["in_flight"] == 0
+
+
+def test_runtime_endpoint_sends_the_key(server):
+    from plait.runtime_endpoint import RuntimeEndpoint
+
+    ep = RuntimeEndpoint(server.zmq_address, API_KEY)
+    try:
+        assert ep.get_server_info()["context_len"] > 0
+    finally:
+        ep.shutdown()
+    with pytest.raises(Exception, match="API key"):
+        RuntimeEndpoint(server.zmq_address, connect_timeout_s=10)
 
 
 def test_zmq_generate_stream_and_result(http, zclient):

@@ -86,6 +86,12 @@ FORMATS = {
 }
 FORMATS["date-time"] = FORMATS["date"] + "T" + FORMATS["time"]
 ANY_DEPTH = 2  # nesting of a free-form value ({} or true): objects/arrays this deep
+# Limits checked before and during translation, so a hostile schema costs little:
+MAX_SCHEMA_CHARS = 1 << 20  # the schema's JSON text
+MAX_SCHEMA_DEPTH = 64  # nesting of JSON objects/arrays in the schema document
+MAX_SCHEMA_EXPANSION = 20_000  # subschemas translated, each $ref use counted again
+MAX_REF_DEPTH = 64  # $refs being expanded inside each other
+MAX_REGEX_CHARS = 1 << 20  # the translated regex
 JSON_WHITESPACE = r"[ \t\n\r]*"
 
 
@@ -97,16 +103,46 @@ def schema_to_regex(schema: Any, whitespace: str | None = None) -> str:
     """The regex of the JSON texts that ``schema`` (a dict, bool or JSON string)
     admits, in plait's layout. Raises ``SchemaError`` naming what is unsupported."""
     if isinstance(schema, str):
+        if len(schema) > MAX_SCHEMA_CHARS:
+            raise SchemaError(f"json_schema has {len(schema)} characters; allowed: at most {MAX_SCHEMA_CHARS}")
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise SchemaError(f"json_schema is not valid JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+            raise SchemaError(f"json_schema is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(schema, (dict, bool)):
         raise SchemaError(f"json_schema must be a JSON object (or true), got {type(schema).__name__}")
+    check_schema_size(schema)
     ws = ""
     if whitespace is not None:
         ws = "(?:" + check_whitespace(whitespace) + ")"
-    return _Translator(schema, ws).value(schema, "#")
+    try:
+        out = _Translator(schema, ws).value(schema, "#")
+    except RecursionError:  # a guard: the limits above keep translation shallow
+        raise SchemaError(f"json_schema is nested too deeply; allowed: at most {MAX_SCHEMA_DEPTH} levels") from None
+    if len(out) > MAX_REGEX_CHARS:
+        raise SchemaError(
+            f"json_schema translates to a regex of {len(out)} characters; allowed: at most {MAX_REGEX_CHARS} "
+            f"(fewer optional properties, enums or alternatives)"
+        )
+    return out
+
+
+def check_schema_size(schema: Any) -> None:
+    """Nesting depth and size of the schema document, walked without recursion."""
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    nodes = 0
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise SchemaError(f"json_schema is nested more than {MAX_SCHEMA_DEPTH} levels deep; allowed: at most "
+                              f"{MAX_SCHEMA_DEPTH}")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        for child in children:
+            nodes += 1
+            if nodes > MAX_SCHEMA_CHARS // 4:
+                raise SchemaError(f"json_schema has more than {MAX_SCHEMA_CHARS // 4} values; it is too large")
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
 
 
 def check_whitespace(pattern: Any) -> str:
@@ -130,9 +166,16 @@ class _Translator:
         self.root = root
         self.ws = ws
         self.refs: list[str] = []  # $refs being expanded (recursion check)
+        self.expanded = 0  # subschemas translated so far (MAX_SCHEMA_EXPANSION)
 
     # -- dispatch ---------------------------------------------------------------------
     def value(self, s: Any, path: str) -> str:
+        self.expanded += 1
+        if self.expanded > MAX_SCHEMA_EXPANSION:
+            raise SchemaError(
+                f"json_schema expands to more than {MAX_SCHEMA_EXPANSION} subschemas (each use of a '$ref' counts); "
+                f"allowed: at most {MAX_SCHEMA_EXPANSION}"
+            )
         if s is True:
             return self.any(ANY_DEPTH, path)
         if s is False:
@@ -203,6 +246,9 @@ class _Translator:
         ref = s["$ref"]
         if ref in self.refs:
             raise SchemaError(f"json_schema '$ref' at {path} is recursive ({ref!r}): recursive schemas cannot be a regex")
+        if len(self.refs) >= MAX_REF_DEPTH:
+            raise SchemaError(f"json_schema '$ref' at {path} is expanded inside {MAX_REF_DEPTH} others; allowed: at most "
+                              f"{MAX_REF_DEPTH}")
         target = self.resolve(ref, path)
         rest = {k: v for k, v in s.items() if k != "$ref" and k not in ANNOTATIONS}
         self.refs.append(ref)

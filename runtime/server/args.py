@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,12 @@ class ServerArgs:
             isinstance(self.zmq_address, str) and self.zmq_address.startswith(("tcp://", "ipc://"))
         ):
             raise ValueError(f"zmq_address={self.zmq_address!r} is invalid; allowed: tcp://HOST:PORT, ipc://PATH or None")
+        if self.zmq_address is not None and self.zmq_address.startswith("tcp://") and self.api_key is None \
+                and not _is_loopback(self.zmq_address[len("tcp://"):].rsplit(":", 1)[0]):
+            raise ValueError(
+                f"zmq_address={self.zmq_address!r} binds a non-loopback address without api_key; set api_key "
+                f"(clients send it in every message) or bind tcp://127.0.0.1:PORT"
+            )
 
     @property
     def model_name(self) -> str:
@@ -112,6 +119,16 @@ _SERVER_HELP = {
     "(default: ipc in a private temp folder)",
     "log_level": "logging level of the server processes: " + ", ".join(LOG_LEVELS),
 }
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name, "*" or an interface: assume it is reachable
+        return False
 
 
 def _flag(name: str, value: Any, default: Any) -> list[str]:

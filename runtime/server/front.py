@@ -9,6 +9,7 @@ their outputs come back as messages, routed to each request's ``sink``.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import json
 import logging
@@ -30,13 +31,14 @@ from plait.errors import RequestError
 from plait.runtime.output_processor import add_token_text
 from plait.runtime.server.args import ServerArgs
 from plait.runtime.server.metrics import Metrics
-from plait.runtime.validation import ModelLimits, check_text, validate_generate
+from plait.runtime.validation import GenerateInput, ModelLimits, check_text, validate_generate
 
 logger = logging.getLogger("plait.front")
 
 WATCHDOG_INTERVAL_S = 0.1
 CONTROL_TIMEOUT_S = 60.0
 CLIENT_SNDHWM = 100_000
+COSTLY_TEXT_CHARS = 16_384  # prompts longer than this are tokenized in a worker thread
 
 Sink = Callable[[Any], None]
 
@@ -71,6 +73,9 @@ class Front:
         self.context_len: int = model_info["context_len"]
         self.vocab_size: int = model_info["vocab_size"]
         self.limits = ModelLimits(self.vocab_size, self.context_len)
+        # no token is longer than this many characters: a longer text cannot fit
+        self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer else 1
+        self.max_prompt_chars = self.context_len * max(self.max_token_chars, 1)
         self.table: dict[str, ReqState] = {}
         self.pending: dict[str, tuple[asyncio.Future, str]] = {}  # control id -> (future, client rid)
         self.stats = P.EngineStats()
@@ -88,6 +93,14 @@ class Front:
 
     # -- tokens ---------------------------------------------------------------------------
     def encode(self, text: str, param: str) -> list[int]:
+        """Token ids of ``text``; a text too long to fit the context whatever its
+        tokens is refused before the tokenizer runs."""
+        if len(text) > self.max_prompt_chars:
+            raise RequestError(
+                f"{param} has {len(text)} characters; this model's context length is {self.context_len} tokens "
+                f"of at most {self.max_token_chars} characters, so at most {self.max_prompt_chars} characters fit",
+                param,
+            )
         check_text(text, param)
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
@@ -108,13 +121,34 @@ class Front:
                 None, 503, "server_error",
             )
 
-    def submit(self, req: P.GenerateRequest, sink: Sink, owner: bytes | None = None,
-               prompt_param: str | None = None) -> ReqState:
+    async def submit(self, req: P.GenerateRequest, sink: Sink, owner: bytes | None = None,
+                     prompt_param: str | None = None) -> ReqState:
         """Validate, tokenize and send one generate request to the engine: the one
         place a served request is checked (:func:`validate_generate`; the engine trusts
-        the result). Raises :class:`RequestError`; outputs go to ``sink``."""
+        the result). A request that is costly to prepare (a long text, a constraint to
+        translate) is prepared in a worker thread, off this event loop. Raises
+        :class:`RequestError`; outputs go to ``sink``."""
         self._check_up()
         check_rid(req.rid, self.table)
+        if self._is_costly(req):
+            inp = await asyncio.to_thread(self.prepare, req, prompt_param)
+            self._check_up()
+            check_rid(req.rid, self.table)  # the table changed while it was prepared
+        else:
+            inp = self.prepare(req, prompt_param)
+        return self._send(inp, req, sink, owner)
+
+    @staticmethod
+    def _is_costly(req: P.GenerateRequest) -> bool:
+        sp = req.sampling_params
+        return (
+            (req.text is not None and len(req.text) > COSTLY_TEXT_CHARS)
+            or (req.input_ids is not None and len(req.input_ids) > COSTLY_TEXT_CHARS)
+            or (isinstance(sp, dict) and (sp.get("json_schema") is not None or sp.get("regex") is not None))
+        )
+
+    def prepare(self, req: P.GenerateRequest, prompt_param: str | None = None) -> GenerateInput:
+        """Tokenize and validate (no state touched: safe in a worker thread)."""
         if (req.text is None) == (req.input_ids is None):
             raise RequestError("exactly one of text and input_ids must be given", prompt_param or "text")
         if req.text is not None:
@@ -127,6 +161,10 @@ class Front:
             cache_salt=req.cache_salt, return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
             top_logprobs_num=req.top_logprobs_num, stream=req.stream,
         )
+        return inp
+
+    def _send(self, inp: GenerateInput, req: P.GenerateRequest, sink: Sink, owner: bytes | None) -> ReqState:
+        ids = inp.input_ids
         try:
             data = P.encode(inp.to_wire())
         except (OverflowError, TypeError, msgspec.EncodeError) as e:
@@ -152,7 +190,7 @@ class Front:
         """Send a flush/info/pin/unpin message to the engine and wait for its answer."""
         self._check_up()
         cid = f"ctl-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        msg = msgspec.structs.replace(msg, rid=cid)
+        msg = msgspec.structs.replace(msg, rid=cid, api_key=None)
         fut = asyncio.get_running_loop().create_future()
         self.pending[cid] = (fut, client_rid)
         self.push.send(P.encode(msg), zmq.NOBLOCK)
@@ -270,6 +308,13 @@ class Front:
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 self._send_client(ident, P.ErrorResponse(_rid_of(payload), f"malformed request: {e}", 400))
                 continue
+            key = self.args.api_key
+            if key is not None and not hmac.compare_digest((msg.api_key or "").encode(), key.encode()):
+                self._send_client(ident, P.ErrorResponse(
+                    getattr(msg, "rid", ""), "invalid or missing API key: send it in each message's api_key field",
+                    401, "authentication_error", "api_key",
+                ))
+                continue
             task = asyncio.ensure_future(self._client_request(ident, msg))
             self._tasks.add(task)  # the loop keeps only weak references to tasks
             task.add_done_callback(self._tasks.discard)
@@ -278,7 +323,7 @@ class Front:
         reply: Any = None
         try:
             if isinstance(msg, P.GenerateRequest):
-                self.submit(msg, lambda m: self._send_client(ident, m), owner=ident)
+                await self.submit(msg, lambda m: self._send_client(ident, m), owner=ident)
             elif isinstance(msg, P.AbortRequest):
                 if msg.abort_all:
                     self.abort_all(ident)

@@ -25,13 +25,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from plait import protocol as P
 from plait.runtime.server import openai_api as oa
 from plait.errors import RequestError, is_int
-from plait.runtime.server.front import Front, ReqState
+from plait.runtime.server.front import COSTLY_TEXT_CHARS, Front, ReqState
 from plait.runtime.validation import check_text
 from plait.runtime.server.metrics import CONTENT_TYPE
 
 logger = logging.getLogger("plait.http")
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+PARSE_OFF_LOOP_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread
 _json = msgspec.json.Encoder()
 
 
@@ -72,20 +73,37 @@ class ApiKeyMiddleware:
 
 
 async def read_json(request: Request) -> dict[str, Any]:
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise RequestError(f"the request body has {len(body)} bytes; at most {MAX_BODY_BYTES} are allowed", None, 413)
+    """The JSON object of a request body: size checked before reading (Content-Length)
+    and while reading; a large body is parsed off the event loop. Every malformed body
+    is a 400 (413 when too large)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise RequestError(f"the request body has {declared} bytes; at most {MAX_BODY_BYTES} are allowed", None, 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise RequestError(f"the request body has more than {MAX_BODY_BYTES} bytes; at most {MAX_BODY_BYTES} are "
+                               f"allowed", None, 413)
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    obj = await asyncio.to_thread(parse_json, body) if size > PARSE_OFF_LOOP_BYTES else parse_json(body)
+    if not isinstance(obj, dict):
+        raise RequestError("the request body must be a JSON object", None)
+    return obj
+
+
+def parse_json(body: bytes) -> Any:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         raise RequestError(f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})", None) from None
     try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RequestError(f"the request body is not valid JSON: {e}", None) from None
-    if not isinstance(obj, dict):
-        raise RequestError("the request body must be a JSON object", None)
-    return obj
+        return json.loads(text)
+    except RecursionError:
+        raise RequestError("the request body is not valid JSON: it is nested too deeply", None) from None
+    except ValueError as e:  # JSONDecodeError, or an integer literal with too many digits
+        raise RequestError(f"the request body is not valid JSON: {str(e)[:200]}", None) from None
 
 
 class Submission:
@@ -97,10 +115,10 @@ class Submission:
         self.states: list[ReqState] = []
         self.prompt_of: dict[str, int] = {}  # rid -> prompt position
 
-    def submit(self, reqs: list[P.GenerateRequest], prompt_param: str | None = None) -> None:
+    async def submit(self, reqs: list[P.GenerateRequest], prompt_param: str | None = None) -> None:
         try:
             for i, r in enumerate(reqs):
-                self.states.append(self.front.submit(r, self.queue.put_nowait, prompt_param=prompt_param))
+                self.states.append(await self.front.submit(r, self.queue.put_nowait, prompt_param=prompt_param))
                 self.prompt_of[r.rid] = i
         except RequestError:
             self.abort()
@@ -136,18 +154,26 @@ class Submission:
                     out[(self.prompt_of[msg.rid], msg.index)] = msg
             return out
 
-        task = asyncio.ensure_future(collect())
-        watch = asyncio.ensure_future(_wait_disconnect(request))
-        try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not task.done():
-                task.cancel()
-                self.abort()
-            watch.cancel()
-        if task.cancelled():
-            raise RequestError("the client disconnected", None, 499)
-        return task.result()
+        return await _unless_disconnected(request, collect(), self)
+
+
+async def _unless_disconnected(request: Request, work: Any, sub: Submission) -> Any:
+    """Await ``work`` while watching the client: if it disconnects first, the
+    submission's requests are aborted and a 499 is raised (nothing is computed for a
+    client that is gone, from the moment the request was accepted)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            sub.abort()
+            await asyncio.gather(task, return_exceptions=True)  # let the cancellation land
+    if task.cancelled():
+        raise RequestError("the client disconnected", None, 499)
+    return task.result()
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -157,13 +183,22 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _first_then(sub: Submission, gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _first_then(request: Request, sub: Submission, gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Start a stream only once it is known not to fail at once (so that a request the
-    engine rejects gets a 400, not a 200 stream with an error in it)."""
+    engine rejects gets a 400, not a 200 stream with an error in it); a client that
+    disconnects before its first token aborts its requests."""
+
+    async def first_piece() -> bytes | None:
+        try:
+            return await gen.__anext__()
+        except StopAsyncIteration:
+            return None
+
     try:
-        first = await gen.__anext__()
-    except StopAsyncIteration:
-        first = None
+        first = await _unless_disconnected(request, first_piece(), sub)
+    except RequestError:
+        await gen.aclose()
+        raise
 
     async def rest() -> AsyncIterator[bytes]:
         try:
@@ -188,7 +223,7 @@ def build_app(front: Front) -> ASGIApp:
         body = await read_json(request)
         reqs, single, stream = parse_native(front, body)
         sub = Submission(front)
-        sub.submit(reqs)
+        await sub.submit(reqs)
         if not stream:
             results = await sub.results(request)
             outs = [_native_out(r) for _, r in sorted(results.items())]
@@ -226,7 +261,7 @@ def build_app(front: Front) -> ASGIApp:
                 yield _stream_error(e)
             yield SSE_DONE
 
-        return StreamingResponse(await _first_then(sub, events()), media_type="text/event-stream",
+        return StreamingResponse(await _first_then(request, sub, events()), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
     async def model_info(request: Request) -> Response:
@@ -250,7 +285,7 @@ def build_app(front: Front) -> ASGIApp:
 
     async def health_generate(request: Request) -> Response:
         sub = Submission(front)
-        sub.submit([P.GenerateRequest(front.new_rid("health"), input_ids=[0],
+        await sub.submit([P.GenerateRequest(front.new_rid("health"), input_ids=[0],
                                       sampling_params={"max_new_tokens": 1, "temperature": 0.0})])
         await sub.results(request)
         return JSONResponse({"status": "ok"})
@@ -299,15 +334,18 @@ def build_app(front: Front) -> ASGIApp:
 
     async def _openai(request: Request, parse: Any) -> Response:
         body = await read_json(request)
-        job = parse(front, body)
+        # a long prompt or chat is rendered and tokenized in a worker thread, off this loop
+        size = request.headers.get("content-length", "")
+        costly = size.isdigit() and int(size) > COSTLY_TEXT_CHARS
+        job = await asyncio.to_thread(parse, front, body) if costly else parse(front, body)
         sub = Submission(front)
         try:
-            sub.submit(job.reqs, "messages" if job.chat else "prompt")
+            await sub.submit(job.reqs, "messages" if job.chat else "prompt")
         except RequestError as e:
             raise oa.openai_error(e) from None
         if not job.stream:
             return JSONResponse(oa.response(front, job, await sub.results(request)))
-        return StreamingResponse(await _first_then(sub, _openai_stream(front, job, sub)),
+        return StreamingResponse(await _first_then(request, sub, _openai_stream(front, job, sub)),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     routes = [
