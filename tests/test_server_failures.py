@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -84,7 +85,8 @@ def _read_stream(url: str, body: dict[str, Any], seen_first: Any) -> list[str]:
 
 def test_engine_death_fails_requests_and_leaves_other_servers_alone(tiny_model_factory):
     model = str(tiny_model_factory("llama"))
-    with launch(model, echo_logs=False, **SMALL) as a, launch(model, echo_logs=False, **SMALL) as b:
+    with launch(model, echo_logs=False, restart_engine=False, **SMALL) as a, \
+            launch(model, echo_logs=False, **SMALL) as b:
         assert a.url != b.url and a.zmq_address != b.zmq_address and a.engine_pid != b.engine_pid
         zc = zmq.Context()
         dealer = zc.socket(zmq.DEALER)
@@ -125,6 +127,61 @@ def test_engine_death_fails_requests_and_leaves_other_servers_alone(tiny_model_f
         b_front, b_engine = b.pid, b.engine_pid
     # leaving the block shut both down, engine processes included
     assert wait_dead(b_front) and wait_dead(b_engine) and not pid_alive(a.pid)
+
+
+def _wait_health(url: str, status: int, seconds: float = 60.0) -> httpx.Response:
+    for _ in range(int(seconds / 0.1)):
+        r = httpx.get(url + "/health", timeout=5.0)
+        if r.status_code == status:
+            return r
+        time.sleep(0.1)
+    raise AssertionError(f"/health did not answer {status} within {seconds} s: {r.status_code} {r.text}")
+
+
+def test_engine_restarts_after_death_and_stops_in_a_crash_loop(tiny_model_factory):
+    """--restart-engine (the default): in-flight requests fail fast with 503, /health
+    answers 503 with Retry-After at once, a new engine serves again and /metrics counts
+    the restart; three deaths within a minute leave the server down with the reason."""
+    model = str(tiny_model_factory("llama"))
+    with launch(model, echo_logs=False, **SMALL) as rt:
+        first = rt.engine_pid
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(httpx.post, rt.url + "/generate", timeout=30.0,
+                                json={"text": "in flight", "sampling_params": LONG})
+            for _ in range(400):
+                if httpx.get(rt.url + "/server_info", timeout=5).json()["running"] == 1:
+                    break
+                time.sleep(0.05)
+            os.kill(first, signal.SIGKILL)
+            health = _wait_health(rt.url, 503, seconds=5.0)  # as soon as the process is gone
+            assert health.headers["Retry-After"].isdigit() and "restarting" in health.json()["error"]["message"]
+            r = plain.result()
+            assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+        _wait_health(rt.url, 200)
+        info = httpx.get(rt.url + "/server_info", timeout=5).json()
+        assert info["engine_pid"] != first and info["engine_state"] == "ok"
+        ok = httpx.post(rt.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3}}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 3
+        assert re.search(r"^plait_engine_restarts_total\{[^}]*\} 1\.0$",
+                         httpx.get(rt.url + "/metrics", timeout=5).text, re.M)
+        for _ in range(2):  # two more deaths within the window: a crash loop
+            os.kill(httpx.get(rt.url + "/server_info", timeout=5).json()["engine_pid"], signal.SIGKILL)
+            _wait_health(rt.url, 503, seconds=5.0)
+            settled = _wait_any_health(rt.url)
+        assert settled == 503
+        down = httpx.get(rt.url + "/health", timeout=5.0)
+        assert down.status_code == 503 and "not restarting" in down.json()["error"]["message"]
+        assert httpx.get(rt.url + "/server_info", timeout=5).json()["engine_state"] == "down"
+
+
+def _wait_any_health(url: str, seconds: float = 60.0) -> int:
+    """Wait until /health settles: 200 (restarted) or a 503 that says it stopped."""
+    for _ in range(int(seconds / 0.1)):
+        r = httpx.get(url + "/health", timeout=5.0)
+        if r.status_code == 200 or "not restarting" in r.text:
+            return r.status_code
+        time.sleep(0.1)
+    raise AssertionError("the server neither came back nor stopped restarting")
 
 
 # -- front death and the CLI ---------------------------------------------------------------------------

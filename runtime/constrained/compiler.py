@@ -11,6 +11,7 @@ naming the limit, and the worker is restarted for the next build.
 
 from __future__ import annotations
 
+import os
 import queue
 import subprocess
 import sys
@@ -235,7 +236,7 @@ class GrammarCompiler:
     # -- worker ---------------------------------------------------------------------------
     def _spawn(self) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "plait.runtime.constrained.worker", str(self.memory_mb)],
+            [sys.executable, "-m", "plait.runtime.constrained.worker", str(self.memory_mb), str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         )
         self._replies = queue.Queue()
@@ -262,7 +263,8 @@ class GrammarCompiler:
         self._inflight = fut
         try:
             jf_seconds = 0.8 * self.timeout_s if self.jump_forward else 0.0
-            write_frame(self._proc.stdin, ("build", self._jobs, self.vocab.fingerprint, fut.regex, jf_seconds))
+            write_frame(self._proc.stdin, ("build", self._jobs, self.vocab.fingerprint, fut.regex, jf_seconds,
+                                           self.timeout_s))
         except (BrokenPipeError, OSError):
             self._kill()
             self._fail("the compile worker could not be reached")

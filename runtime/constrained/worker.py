@@ -3,13 +3,17 @@
 Reads length-prefixed pickled requests on stdin, answers on stdout:
 
 - ``("vocab", key, eos_id, {bytes: [ids]})`` -> ``("ready", key)`` (keeps an outlines Vocabulary)
-- ``("build", job, key, regex, jf_seconds)`` -> ``("ok", job, Index, CharAutomaton|None)``
+- ``("build", job, key, regex, jf_seconds, timeout_s)`` -> ``("ok", job, Index, CharAutomaton|None)``
   (the jump-forward automaton only if ``jf_seconds`` > 0 and it is built within the
   time left of them after the index)
   or ``("error", job, message)``
 
 Its address space is capped at MEM_MB (``RLIMIT_AS``): a build that needs more dies,
-and the engine reports the limit. The engine kills it on timeout. Imports no torch.
+and the engine reports the limit. The engine kills it on timeout, and the worker
+enforces its own limits too, so it never outlives a dead engine's bounds: each build
+runs under a CPU-time limit (``RLIMIT_CPU``: the kernel ends the process, even inside
+native code), and the worker dies with its parent (parent-death signal and a pid
+watch). Imports no torch.
 """
 
 from __future__ import annotations
@@ -74,7 +78,23 @@ def _with_alarm(seconds: float, fn: Any, *args: Any) -> Any:
         signal.signal(signal.SIGALRM, old)
 
 
+def _limit_cpu(seconds: float) -> None:
+    """Let this process use ``seconds`` more CPU time, then be killed by SIGXCPU."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    total = used.ru_utime + used.ru_stime + seconds
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    soft = int(total) + 1
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
 def main(argv: list[str]) -> None:
+    from plait.runtime.process import exit_when_parent_is_gone, set_parent_death_signal
+
+    set_parent_death_signal()
+    if len(argv) > 2:
+        exit_when_parent_is_gone(int(argv[2]))
     mem_mb = int(argv[1]) if len(argv) > 1 else 0
     if mem_mb > 0:
         limit = mem_mb * 1024 * 1024
@@ -96,7 +116,8 @@ def main(argv: list[str]) -> None:
             vocabs[key] = outlines_core.Vocabulary(eos_id, mapping)
             write_frame(out, ("ready", key))
             continue
-        _, job, key, regex, jump_forward = msg
+        _, job, key, regex, jump_forward, timeout_s = msg
+        _limit_cpu(timeout_s + 1.0)
         try:
             t0 = time.monotonic()
             index = outlines_core.Index(regex, vocabs[key])

@@ -61,6 +61,7 @@ class ServerArgs:
     served_model_name: str | None = None
     zmq_address: str | None = None
     log_level: str = "warning"
+    restart_engine: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -70,6 +71,8 @@ class ServerArgs:
             raise ValueError(f"host={self.host!r} is invalid; allowed: a host name or IP address")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key is invalid; allowed: a non-empty string or None")
+        if not isinstance(self.restart_engine, bool):
+            raise ValueError(f"restart_engine={self.restart_engine!r} is invalid; allowed: true or false")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level={self.log_level!r} is invalid; allowed: {', '.join(LOG_LEVELS)}")
         if self.zmq_address is not None and not (
@@ -118,6 +121,8 @@ _SERVER_HELP = {
     "zmq_address": "socket of language clients: tcp://HOST:PORT (PORT * or 0 for a free one) or ipc://PATH "
     "(default: ipc in a private temp folder)",
     "log_level": "logging level of the server processes: " + ", ".join(LOG_LEVELS),
+    "restart_engine": "start a new engine process when it dies (503 with Retry-After meanwhile); stops after "
+    "3 deaths within 60 s",
 }
 
 
@@ -159,6 +164,8 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, default_port: int =
             kwargs["choices"] = LOG_LEVELS
         elif f.name == "port":
             kwargs["type"] = int
+        elif f.name == "restart_engine":
+            kwargs["action"] = argparse.BooleanOptionalAction
         srv.add_argument("--" + f.name.replace("_", "-"), **kwargs)
     eng = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):

@@ -10,7 +10,6 @@ the front process is gone (parent-death signal, and a parent-pid check as backup
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from plait.errors import RequestError
 from plait.runtime.config import EngineConfig
 from plait.runtime.engine import Engine
 from plait.runtime.output_processor import RequestOutput
+from plait.runtime.process import set_parent_death_signal
 from plait.runtime.validation import GenerateInput
 
 logger = logging.getLogger("plait.engine")
@@ -157,18 +157,10 @@ def _raw_rid(data: bytes) -> str:
     return rid if isinstance(rid, str) else ""
 
 
-def _set_parent_death_signal() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
 def main(spec_json: str) -> int:
     spec = json.loads(spec_json)
     parent_pid = spec["parent_pid"]
-    _set_parent_death_signal()
+    set_parent_death_signal()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front coordinates shutdown on Ctrl-C
     logging.basicConfig(
         level=getattr(logging, spec.get("log_level", "warning").upper()),

@@ -38,6 +38,8 @@ logger = logging.getLogger("plait.front")
 WATCHDOG_INTERVAL_S = 0.1
 CONTROL_TIMEOUT_S = 60.0
 CLIENT_SNDHWM = 100_000
+CRASH_LOOP_DEATHS = 3  # this many engine deaths ...
+CRASH_LOOP_WINDOW_S = 60.0  # ... within this many seconds stop the restarts
 COSTLY_TEXT_CHARS = 16_384  # prompts longer than this are tokenized in a worker thread
 
 Sink = Callable[[Any], None]
@@ -66,7 +68,7 @@ class Front:
 
     def __init__(self, args: ServerArgs, tokenizer: Any, model_info: dict[str, Any], *,
                  engine_proc: subprocess.Popen, push: zmq.asyncio.Socket, router: zmq.asyncio.Socket,
-                 zmq_address: str) -> None:
+                 zmq_address: str, restart_engine: Callable[[], subprocess.Popen] | None = None) -> None:
         self.args = args
         self.tokenizer = tokenizer
         self.model_info = model_info  # context_len, vocab_size, ... from the engine
@@ -82,6 +84,12 @@ class Front:
         self.metrics = Metrics(args.model_name, lambda: self.stats)
         self.engine_alive = True
         self.engine_exit: int | None = None
+        # engine restarts (--restart-engine): a new process after a death, unless the
+        # deaths form a crash loop (CRASH_LOOP_DEATHS within CRASH_LOOP_WINDOW_S)
+        self.restart_engine = restart_engine
+        self.restarting = False
+        self.last_error = ""
+        self._deaths: list[float] = []
         self.engine_proc = engine_proc
         self.push = push
         self.router = router
@@ -114,10 +122,25 @@ class Front:
     def new_rid(self, prefix: str = "req") -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    def _check_up(self) -> None:
-        if not self.engine_alive:
+    def engine_state(self) -> str:
+        """``ok``, ``restarting`` or ``down``; a dead process is noticed here at once."""
+        if self.engine_alive and self.engine_proc.poll() is not None:
+            self.on_engine_death(self.engine_proc.returncode)
+        if self.engine_alive:
+            return "ok"
+        return "restarting" if self.restarting else "down"
+
+    def check_up(self) -> None:
+        state = self.engine_state()
+        if state == "restarting":
             raise RequestError(
-                f"the engine process is not running (exit code {self.engine_exit}); the server cannot serve requests",
+                f"the engine process exited (code {self.engine_exit}) and is restarting; retry shortly",
+                None, 503, "server_error",
+            )
+        if state == "down":
+            raise RequestError(
+                f"the engine process is not running (exit code {self.engine_exit}); the server cannot serve requests"
+                + (f" ({self.last_error})" if self.last_error else ""),
                 None, 503, "server_error",
             )
 
@@ -128,11 +151,11 @@ class Front:
         the result). A request that is costly to prepare (a long text, a constraint to
         translate) is prepared in a worker thread, off this event loop. Raises
         :class:`RequestError`; outputs go to ``sink``."""
-        self._check_up()
+        self.check_up()
         check_rid(req.rid, self.table)
         if self._is_costly(req):
             inp = await asyncio.to_thread(self.prepare, req, prompt_param)
-            self._check_up()
+            self.check_up()
             check_rid(req.rid, self.table)  # the table changed while it was prepared
         else:
             inp = self.prepare(req, prompt_param)
@@ -188,7 +211,7 @@ class Front:
 
     async def control(self, msg: Any, client_rid: str = "") -> Any:
         """Send a flush/info/pin/unpin message to the engine and wait for its answer."""
-        self._check_up()
+        self.check_up()
         cid = f"ctl-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         msg = msgspec.structs.replace(msg, rid=cid, api_key=None)
         fut = asyncio.get_running_loop().create_future()
@@ -211,6 +234,8 @@ class Front:
             protocol_version=P.PROTOCOL_VERSION,
             in_flight=len(self.table),
             healthy=self.engine_alive,
+            engine_state=self.engine_state(),
+            last_engine_error=self.last_error,
             **chat_template_info(self.tokenizer),
         )
         return info
@@ -226,6 +251,11 @@ class Front:
                 continue
             if isinstance(msg, P.EngineOutputs):
                 self.on_outputs(msg)
+            elif isinstance(msg, P.EngineReady):
+                self._on_engine_ready(msg)
+            elif isinstance(msg, P.EngineStartupError):
+                self.last_error = f"the restarted engine failed to start: {msg.message}"
+                logger.error("%s", self.last_error)
             else:
                 entry = self.pending.get(getattr(msg, "rid", ""))
                 if entry is not None and not entry[0].done():
@@ -273,15 +303,50 @@ class Front:
 
     # -- engine process -------------------------------------------------------------------
     async def watchdog(self) -> None:
-        while self.engine_proc.poll() is None:
+        """Notice the engine's death (and a restarted engine's death while starting)."""
+        while True:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
-        self.on_engine_death(self.engine_proc.returncode)
+            if self.engine_proc.poll() is None:
+                continue
+            if self.engine_alive:
+                self.on_engine_death(self.engine_proc.returncode)
+            elif self.restarting:  # the new process died before it was ready
+                self.restarting = False
+                self._restart(self.engine_proc.returncode)
+            if not self.restarting and not self.engine_alive:
+                return
+
+    def _restart(self, code: int | None) -> None:
+        now = time.monotonic()
+        self._deaths = [t for t in self._deaths if now - t < CRASH_LOOP_WINDOW_S] + [now]
+        if self.restart_engine is None:
+            return
+        if len(self._deaths) >= CRASH_LOOP_DEATHS:
+            self.last_error = (f"the engine died {len(self._deaths)} times within {CRASH_LOOP_WINDOW_S:g} s "
+                               f"(last exit code {code}); not restarting it again"
+                               + (f"; {self.last_error}" if self.last_error else ""))
+            logger.error("%s", self.last_error)
+            return
+        logger.warning("restarting the engine process")
+        self.engine_proc = self.restart_engine()
+        self.restarting = True
+        self.metrics.engine_restarts.labels(self.metrics.model).inc()
+
+    def _on_engine_ready(self, msg: P.EngineReady) -> None:
+        if not self.restarting:
+            return
+        self.restarting = False
+        self.engine_alive = True
+        self.engine_exit = None
+        self.last_error = ""
+        logger.warning("the restarted engine process %s is ready", msg.info.get("engine_pid"))
 
     def on_engine_death(self, code: int | None) -> None:
         if not self.engine_alive:
             return
         self.engine_alive = False
         self.engine_exit = code
+        self._restart(code)
         logger.error("the engine process exited with code %s; failing %d in-flight requests", code, len(self.table))
         message = f"the engine process exited (code {code}) before the request finished"
         table, self.table = self.table, {}
@@ -330,7 +395,7 @@ class Front:
                 elif msg.rid in self.table and self.table[msg.rid].owner == ident:
                     self.abort(msg.rid)
             elif isinstance(msg, P.PinRequest):
-                self._check_up()
+                self.check_up()
                 if (msg.text is None) == (msg.input_ids is None):
                     raise RequestError("exactly one of text and input_ids must be given", "text")
                 # the prefix, TTL and budget are checked where pins live (Engine.pin_prefix)

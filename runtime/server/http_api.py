@@ -32,6 +32,7 @@ from plait.runtime.server.metrics import CONTENT_TYPE
 logger = logging.getLogger("plait.http")
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+RETRY_AFTER_S = 2  # what a 503 (engine restarting or down) tells clients
 PARSE_OFF_LOOP_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread
 _json = msgspec.json.Encoder()
 
@@ -42,8 +43,9 @@ def error_response(message: str, code: int = 400, param: str | None = None,
 
 
 def error_json(e: RequestError) -> JSONResponse:
-    """The one place a typed error becomes an HTTP response."""
-    return JSONResponse(P.error_body(e), status_code=e.status)
+    """The one place a typed error becomes an HTTP response (a 503 says when to retry)."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
+    return JSONResponse(P.error_body(e), status_code=e.status, headers=headers)
 
 
 def sse(obj: Any) -> bytes:
@@ -278,10 +280,11 @@ def build_app(front: Front) -> ASGIApp:
         })
 
     async def health(request: Request) -> Response:
-        if front.engine_alive:
-            return JSONResponse({"status": "ok"})
-        return error_response(f"the engine process is not running (exit code {front.engine_exit})", 503,
-                              None, "server_error")
+        try:
+            front.check_up()
+        except RequestError as e:
+            return error_json(e)
+        return JSONResponse({"status": "ok"})
 
     async def health_generate(request: Request) -> Response:
         sub = Submission(front)

@@ -69,6 +69,8 @@ class Metrics:
                              ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("plait_e2e_request_latency_seconds", "Arrival to last token.",
                              ["model_name"], buckets=_E2E_BUCKETS, registry=r)
+        self.engine_restarts = Counter("plait_engine_restarts", "Engine processes restarted after dying.",
+                                       ["model_name"], registry=r)
         r.register(_EngineCollector(stats, model))
 
     def finished(self, reason: str, prompt_tokens: int, completion_tokens: int,

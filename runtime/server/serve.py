@@ -115,6 +115,7 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
     push.bind(in_addr)
     pull.bind(out_addr)
     proc = None
+    front: Front | None = None
     tasks: list[asyncio.Task] = []
     try:
         zmq_address = bind_zmq(router, args.zmq_address, tmpdir)
@@ -130,7 +131,9 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
             tokenizer = await tokenizer_task
         except Exception as e:  # noqa: BLE001
             raise StartupError(f"cannot load the tokenizer of {source.path}: {type(e).__name__}: {e}") from None
-        front = Front(args, tokenizer, info, engine_proc=proc, push=push, router=router, zmq_address=zmq_address)
+        restart = (lambda: start_engine(args, source.path, in_addr, out_addr)) if args.restart_engine else None
+        front = Front(args, tokenizer, info, engine_proc=proc, push=push, router=router, zmq_address=zmq_address,
+                      restart_engine=restart)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -162,6 +165,8 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
     finally:
         for t in tasks:
             t.cancel()
+        if front is not None:
+            proc = front.engine_proc  # the current one, after any restarts
         if proc is not None:
             await _stop_engine(push, proc)
         for s in (push, pull, router):
