@@ -32,8 +32,8 @@ of a request that overlaps a kill (from the kill until the engine is back) is an
 injected fault, not a failure; after the run ``/health`` must return 200 again and
 check 2 must hold.
 
-Reports requests by kind and outcome, throughput, p50/p99 end-to-end latency and TTFT
-(streams), and the machine. Timings are reported, never asserted. Examples::
+Reports requests by kind and outcome, throughput (over the load phase, until the last
+client finished), p50/p99 end-to-end latency and TTFT (streams), and the machine. Timings are reported, never asserted. Examples::
 
     python benchmarks/soak.py --quick
     python benchmarks/soak.py --clients 200 --duration 60 --model /path/to/model
@@ -140,7 +140,7 @@ class Record:
     output_ids: list[int] | None = None  # native greedy kinds: the final ids
     key: tuple[str, int] | None = None  # greedy kinds: (prompt, max_new_tokens)
     finish: str | None = None  # finish_reason type of a completed native request
-    retry_after: bool = False
+    retry_after: float | None = None  # seconds, from a 503's Retry-After header
     detail: str = ""
 
     @property
@@ -223,10 +223,8 @@ async def send(session: aiohttp.ClientSession, url: str, spec: Spec) -> Record:
             rec.outcome, rec.detail = "cancelled", f"client timeout {spec.timeout:.2f} s"
         else:
             rec.outcome, rec.detail = "hung", f"no answer within {spec.timeout:.0f} s"
-    except (aiohttp.ClientError, ConnectionError) as e:
-        rec.outcome, rec.detail = "failed", f"{type(e).__name__}: {e}"
-    except Exception as e:  # noqa: BLE001  (a bug in this script or a garbled answer: report, don't crash)
-        rec.outcome, rec.detail = "failed", f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001  (a transport error or a garbled answer: report, don't crash)
+        rec.outcome, rec.detail = "failed", f"{type(e).__name__} on {spec.kind} ({spec.path}): {e}"
     rec.end = time.perf_counter()
     return rec
 
@@ -236,7 +234,7 @@ async def _exchange(session: aiohttp.ClientSession, url: str, spec: Spec, rec: R
         if isinstance(spec.body, bytes) else {"json": spec.body}
     async with session.post(url + spec.path, **kwargs) as r:
         rec.status = r.status
-        rec.retry_after = "Retry-After" in r.headers
+        rec.retry_after = _seconds(r.headers.get("Retry-After"))
         if r.status != 200:
             raw = await r.read()
             try:
@@ -277,6 +275,13 @@ async def _exchange(session: aiohttp.ClientSession, url: str, spec: Spec, rec: R
             _check_openai_stream(rec, events)
 
 
+def _seconds(header: str | None) -> float | None:
+    try:
+        return float(header) if header is not None else None
+    except ValueError:
+        return None
+
+
 def _empty_event(obj: Any) -> bool:
     if not isinstance(obj, dict):
         return True
@@ -300,7 +305,8 @@ def _classify_error(spec: Spec, rec: Record, status: int, body: Any, raw: bytes,
         else:
             rec.outcome = "rejected"
         return
-    rec.outcome, rec.detail = "http_5xx", f"{where}: {msg}"  # reclassified as "fault" if it overlaps a kill
+    rec.outcome = "http_5xx"  # reclassified as "fault" if it is a 503 that overlaps a kill
+    rec.detail = f"{where} on {spec.kind} ({spec.path}): {msg}"
 
 
 def _check_result(spec: Spec, rec: Record, out: Any) -> None:
@@ -387,6 +393,7 @@ class Killer:
     engine_pid: int
     every: float
     windows: list[tuple[float, float]] = field(default_factory=list)
+    anomalies: list[str] = field(default_factory=list)  # 5xx other than 503 seen while polling
     failure: str = ""
 
     async def run(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
@@ -401,7 +408,7 @@ class Killer:
                 return
             os.kill(self.engine_pid, signal.SIGKILL)
             killed_at, old = time.perf_counter(), self.engine_pid
-            pid = await wait_healthy(session, self.url, HEALTH_WAIT_S, not_pid=old)
+            pid = await wait_healthy(session, self.url, HEALTH_WAIT_S, not_pid=old, anomalies=self.anomalies)
             if pid is None:
                 self.failure = f"the server was not healthy with a new engine within {HEALTH_WAIT_S:.0f} s of a kill"
                 self.windows.append((killed_at, time.perf_counter()))
@@ -423,15 +430,19 @@ async def get_json(session: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
         return r.status, await r.json(content_type=None)
 
 
-async def wait_healthy(session: aiohttp.ClientSession, url: str, limit: float, not_pid: int | None = None) -> int | None:
+async def wait_healthy(session: aiohttp.ClientSession, url: str, limit: float, not_pid: int | None = None,
+                       anomalies: list[str] | None = None) -> int | None:
     """Poll /health (and /server_info's engine_pid) until the server serves with an
-    engine other than ``not_pid``; its engine pid, or None after ``limit`` seconds."""
+    engine other than ``not_pid``; its engine pid, or None after ``limit`` seconds.
+    Answers of 500 or more other than 503 go to ``anomalies``."""
     deadline = time.perf_counter() + limit
     while time.perf_counter() < deadline:
         try:
             status, _ = await get_json(session, url + "/health")
             if status == 200:
                 status, info = await get_json(session, url + "/server_info")
+                if status >= 500 and status != 503 and anomalies is not None:
+                    anomalies.append(f"GET /server_info: HTTP {status}: {str(info)[:200]}")
                 pid = info.get("engine_pid") if status == 200 else None
                 if pid is not None and pid != not_pid:
                     return pid
@@ -447,6 +458,7 @@ class RunResult:
     records: list[Record]
     elapsed: float
     kills: list[tuple[float, float]]
+    kill_anomalies: list[str]
     kill_failure: str
     healthy: bool
     idle_info: dict[str, Any] | None
@@ -472,8 +484,10 @@ async def soak(url: str, engine_pid: int, front_pid: int, args: argparse.Namespa
             while time.perf_counter() < deadline and issued < args.max_requests:
                 issued += 1
                 kind = crng.choices(kinds, weights)[0]
-                records.append(await send(session, url, make_spec(kind, crng, prompts, vocab_size, model,
-                                                                  args.request_timeout)))
+                rec = await send(session, url, make_spec(kind, crng, prompts, vocab_size, model, args.request_timeout))
+                records.append(rec)
+                if rec.status == 503:  # the engine is restarting: back off as told (bounded)
+                    await asyncio.sleep(min(rec.retry_after if rec.retry_after is not None else 0.5, 2.0))
 
         stop = asyncio.Event()
         killer = None
@@ -497,8 +511,8 @@ async def soak(url: str, engine_pid: int, front_pid: int, args: argparse.Namespa
                 idle_info = info
                 break
             await asyncio.sleep(0.2)
-        return RunResult(records, elapsed, killer.windows if killer else [], killer.failure if killer else "",
-                         healthy, idle_info, time.perf_counter() - t0)
+        return RunResult(records, elapsed, killer.windows if killer else [], killer.anomalies if killer else [],
+                         killer.failure if killer else "", healthy, idle_info, time.perf_counter() - t0)
 
 
 # -- checks and report --------------------------------------------------------------------------
@@ -539,15 +553,17 @@ def checks(res: RunResult, args: argparse.Namespace) -> list[tuple[str, bool, st
         out.append(("KV pages: no leak once idle", ok,
                     f"pool {pool}, invariant_ok={info['invariant_ok']}, idle after {res.idle_wait_s:.1f} s"
                     + ("" if info["invariant_ok"] else f": {info.get('invariant_error')}")))
-    fives = [r for r in recs if r.outcome == "http_5xx"]
+    fives = [r.detail for r in recs if r.outcome == "http_5xx"] + res.kill_anomalies
     out.append(("no 5xx except injected faults", not fives,
-                f"{len(fives)} 5xx, {by['fault']} injected faults" + _first([r.detail for r in fives])))
+                f"{len(fives)} 5xx ({len(res.kill_anomalies)} of them polling after kills), "
+                f"{by['fault']} injected faults" + _first(fives)))
     hung = [r for r in recs if r.outcome == "hung"]
     out.append(("no request hung", not hung, f"{len(hung)} hung of {len(recs)}" + _first([r.detail for r in hung])))
-    bad_reject = [r for r in recs if r.kind in MALFORMED_KINDS and r.outcome != "rejected"]
-    n_bad = sum(1 for r in recs if r.kind in MALFORMED_KINDS)
+    malformed = [r for r in recs if r.kind in MALFORMED_KINDS and r.outcome != "fault"]
+    bad_reject = [r for r in malformed if r.outcome != "rejected"]
     out.append(("malformed requests get an OpenAI-shaped 4xx", not bad_reject,
-                f"{n_bad - len(bad_reject)} of {n_bad}" + _first([r.detail for r in bad_reject])))
+                f"{len(malformed) - len(bad_reject)} of {len(malformed)} (not counting injected faults)"
+                + _first([r.detail for r in bad_reject])))
     other = [r for r in recs if r.outcome in ("failed", "unexpected_4xx") and r.kind not in MALFORMED_KINDS]
     out.append(("no other errors", not other,
                 f"{len(other)} transport errors or unexpected 4xx" + _first([r.detail for r in other])))
@@ -570,7 +586,9 @@ def report(res: RunResult, args: argparse.Namespace) -> None:
     recs = res.records
     outcomes = [o for o in (*OK_OUTCOMES, "invalid", "http_5xx", "unexpected_4xx", "hung", "failed")
                 if any(r.outcome == o for r in recs)]
-    print(f"\n{len(recs)} requests from {args.clients} clients in {res.elapsed:.1f} s (seed {args.seed})")
+    limit = "--max-requests" if len(recs) >= args.max_requests else "--duration"
+    print(f"\n{len(recs)} requests from {args.clients} clients in {res.elapsed:.1f} s (until the last client finished; "
+          f"new requests stopped by {limit}; seed {args.seed})")
     print("| kind | sent | " + " | ".join(outcomes) + " | p50 ms | p99 ms | TTFT p50/p99 ms |")
     print("|---|---|" + "---|" * len(outcomes) + "---|---|---|")
     for kind in KINDS:
@@ -595,7 +613,7 @@ def report(res: RunResult, args: argparse.Namespace) -> None:
         downtime = sum(b - a for a, b in res.kills)
         print(f"engine kills: {len(res.kills)} (every {args.kill_engine_every:g} s of health), "
               f"{downtime:.1f} s down in total; {len(faults)} requests failed because of them "
-              f"({sum(r.retry_after for r in faults)} with Retry-After)")
+              f"({sum(r.retry_after is not None for r in faults)} with Retry-After)")
 
 
 # -- main ---------------------------------------------------------------------------------------

@@ -71,6 +71,13 @@ Requests (client -> server)
 ``unpin`` :class:`UnpinRequest`
     Release a pin. Answered by :class:`UnpinResult` (``ok=False`` if the pin was
     unknown or had already expired).
+``ping`` :class:`PingRequest`
+    Answered by :class:`Pong` from the front (no engine round trip). A client that has
+    sent a ping is *watched*: if it then sends nothing for the server's
+    ``client_timeout_s`` (10 s by default) while it has requests in flight, the server
+    takes it for dead and aborts them. :class:`~plait.runtime_endpoint.RuntimeEndpoint`
+    pings every 2 s while it waits for answers. A client that never pings is not
+    watched (it should send ``abort_all`` before it goes).
 
 Responses (server -> client)
 ----------------------------
@@ -170,8 +177,12 @@ class UnpinRequest(_ClientMsg, tag="unpin"):
     pin_id: str
 
 
+class PingRequest(_ClientMsg, tag="ping"):
+    rid: str
+
+
 ClientRequest = Union[
-    GenerateRequest, AbortRequest, FlushCacheRequest, ServerInfoRequest, PinRequest, UnpinRequest
+    GenerateRequest, AbortRequest, FlushCacheRequest, ServerInfoRequest, PinRequest, UnpinRequest, PingRequest
 ]
 
 
@@ -246,8 +257,12 @@ class UnpinResult(_Msg, tag="unpin_result"):
     ok: bool
 
 
+class Pong(_Msg, tag="pong"):
+    rid: str
+
+
 ServerResponse = Union[
-    StreamChunk, GenerateResult, ErrorResponse, FlushCacheResult, ServerInfo, PinResult, UnpinResult
+    StreamChunk, GenerateResult, ErrorResponse, FlushCacheResult, ServerInfo, PinResult, UnpinResult, Pong
 ]
 
 
@@ -336,6 +351,6 @@ __all__ = [
     "PROTOCOL_VERSION", "MAX_RID_LEN",
     "GenerateRequest", "AbortRequest", "FlushCacheRequest", "ServerInfoRequest", "PinRequest", "UnpinRequest",
     "ClientRequest", "StreamChunk", "GenerateResult", "ErrorResponse", "FlushCacheResult", "ServerInfo",
-    "PinResult", "UnpinResult", "ServerResponse", "encode", "decode_request", "decode_response",
+    "PinResult", "UnpinResult", "PingRequest", "Pong", "ServerResponse", "encode", "decode_request", "decode_response",
     "error_response", "request_error", "backend_error", "error_body",
 ]

@@ -10,9 +10,10 @@ share one connection and streams interleave freely.
 Liveness: ZMQ heartbeats (answered by libzmq itself, so a busy runtime still
 answers) and a socket monitor notice a lost connection: every waiter then fails with
 :class:`RuntimeUnavailableError`, as it does at once when a sidecar's process exits.
-As a last resort against a runtime that is connected but hung, while requests are in
-flight and the runtime has been silent for ``PING_INTERVAL_S`` the client asks for
-server info, and fails its waiters after ``liveness_timeout_s`` of silence.
+While requests are in flight the client sends a ping every ``PING_INTERVAL_S``: the
+runtime answers (a runtime connected but hung fails the waiters after
+``liveness_timeout_s`` of silence), and the runtime knows the client is alive (a
+client that is killed stops pinging, and the runtime aborts its requests).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class _ZmqClient:
         self.dead: BaseException | None = None
         self._closing = False
         self._last_recv = time.monotonic()
-        self._ping_rid: str | None = None
+        self._last_ping = 0.0
         self.connected = False
         self._down_since = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="plait-zmq-client", daemon=True)
@@ -186,8 +187,7 @@ class _ZmqClient:
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 logger.error("undecodable message from the runtime: %s", e)
                 continue
-            if msg.rid == self._ping_rid:
-                self._ping_rid = None
+            if isinstance(msg, P.Pong):
                 continue
             with self._lock:
                 handler = self.handlers.get(msg.rid)
@@ -211,9 +211,11 @@ class _ZmqClient:
         if silent > self.liveness_timeout_s:
             self._fail_all(RuntimeUnavailableError(
                 f"the runtime at {self.address} has not answered for {silent:.0f} s; is it running?"))
-        elif silent > PING_INTERVAL_S and self._ping_rid is None:
-            self._ping_rid = f"ping-{uuid.uuid4().hex}"
-            self.sock.send(P.encode(P.ServerInfoRequest(self._ping_rid, api_key=self.api_key)), zmq.NOBLOCK)
+        elif now - self._last_ping >= PING_INTERVAL_S:
+            # a heartbeat both ways: the Pong shows the runtime is there, the ping shows
+            # the runtime this client is (it aborts a silent client's requests)
+            self._last_ping = now
+            self.sock.send(P.encode(P.PingRequest(f"ping-{uuid.uuid4().hex}", api_key=self.api_key)), zmq.NOBLOCK)
 
     def _fail_all(self, error: BaseException, permanent: bool = False) -> None:
         """Fail every waiter; ``permanent``: and every later request."""

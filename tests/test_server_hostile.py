@@ -136,14 +136,19 @@ def metric(http: httpx.Client, name: str, labels: str = "") -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def test_stream_dropped_before_its_first_token_is_aborted_unstarted(tmp_path, tokenizer_dir):
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory, tokenizer_dir):
+    """A tiny model with a 64k context: a request can decode for longer than a test runs."""
+    from conftest import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("long"), tokenizer_dir, "llama", max_position_embeddings=65536)
+
+
+def test_stream_dropped_before_its_first_token_is_aborted_unstarted(long_model):
     """One running slot: a blocker decodes (a long-context model, so it outlasts the
     test); a stream queued behind it is dropped by its client; it is aborted while still
     waiting (no token is ever generated for it)."""
-    from conftest import build_tiny_model
-
-    model = build_tiny_model(tmp_path / "long", tokenizer_dir, "llama", max_position_embeddings=65536)
-    with launch(str(model), num_threads=1, kv_cache_tokens=66000, max_running_requests=1,
+    with launch(str(long_model), num_threads=1, kv_cache_tokens=66000, max_running_requests=1,
                 echo_logs=False) as rt, httpx.Client(base_url=rt.url, timeout=60) as http:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             blocker = pool.submit(http.post, "/generate", json={
@@ -174,3 +179,69 @@ def test_stream_dropped_before_its_first_token_is_aborted_unstarted(tmp_path, to
             assert metric(http, "plait_generation_tokens_total") == 0  # the dropped one never produced any
             http.post("/abort_request", json={"abort_all": True})
             assert blocker.result().status_code in (200, 499)
+
+
+def test_a_killed_language_client_has_its_requests_aborted(long_model):
+    """A program on RuntimeEndpoint is SIGKILLed mid-gen: its pings stop, and the server
+    aborts what it left decoding (it used to run to max_new_tokens)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with launch(str(long_model), num_threads=1, kv_cache_tokens=66000, client_timeout_s=2.0,
+                echo_logs=False) as rt, httpx.Client(base_url=rt.url, timeout=60) as http:
+        program = (
+            "import plait as sgl\n"
+            f"ep = sgl.RuntimeEndpoint({rt.zmq_address!r})\n"
+            "from plait.backend import Request\n"
+            "p = ep.submit(Request(text='a long one', sampling_params={'max_new_tokens': 60000, 'temperature': 0,"
+            " 'ignore_eos': True}))\n"
+            "print('submitted', flush=True)\n"
+            "p.wait()\n"
+        )
+        proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "submitted"
+            for _ in range(400):
+                if http.get("/server_info").json()["running"] == 1:
+                    break
+                time.sleep(0.05)
+            assert http.get("/server_info").json()["running"] == 1
+            aborts = metric(http, "plait_requests_total", 'finish_reason="abort"')
+            os.kill(proc.pid, signal.SIGKILL)
+            for _ in range(400):  # bounded: 20 s for a 2 s client timeout
+                if http.get("/server_info").json()["in_flight"] == 0:
+                    break
+                time.sleep(0.05)
+            assert http.get("/server_info").json()["in_flight"] == 0
+            assert metric(http, "plait_requests_total", 'finish_reason="abort"') == aborts + 1
+            assert metric(http, "plait_generation_tokens_total") < 60000  # stopped early
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def test_oversized_headers_are_refused(http):
+    r = http.get("/health", headers={"X-Big": "a" * (2 << 20)})
+    assert r.status_code == 431 and "headers" in r.json()["error"]["message"]
+    assert http.get("/health").status_code == 200
+
+
+def test_stale_socket_folders_of_dead_servers_are_swept(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from plait.runtime.server.serve import OWNER_FILE, sweep_stale_socket_dirs
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name, pid in (("plait-dead", dead.pid), ("plait-live", os.getpid())):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / OWNER_FILE).write_text(str(pid))
+    (tmp_path / "plait-foreign").mkdir()  # no owner file: not ours to judge
+    (tmp_path / "other-dead").mkdir()
+    (tmp_path / "other-dead" / OWNER_FILE).write_text(str(dead.pid))
+    assert sweep_stale_socket_dirs(str(tmp_path)) == [str(tmp_path / "plait-dead")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-dead", "plait-foreign", "plait-live"]

@@ -62,6 +62,7 @@ class ServerArgs:
     zmq_address: str | None = None
     log_level: str = "warning"
     restart_engine: bool = True
+    client_timeout_s: float = 10.0
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -71,6 +72,9 @@ class ServerArgs:
             raise ValueError(f"host={self.host!r} is invalid; allowed: a host name or IP address")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key is invalid; allowed: a non-empty string or None")
+        if isinstance(self.client_timeout_s, bool) or not isinstance(self.client_timeout_s, (int, float)) \
+                or not 0 < self.client_timeout_s <= 3600:
+            raise ValueError(f"client_timeout_s={self.client_timeout_s!r} is invalid; allowed: seconds in (0, 3600]")
         if not isinstance(self.restart_engine, bool):
             raise ValueError(f"restart_engine={self.restart_engine!r} is invalid; allowed: true or false")
         if self.log_level not in LOG_LEVELS:
@@ -121,6 +125,7 @@ _SERVER_HELP = {
     "zmq_address": "socket of language clients: tcp://HOST:PORT (PORT * or 0 for a free one) or ipc://PATH "
     "(default: ipc in a private temp folder)",
     "log_level": "logging level of the server processes: " + ", ".join(LOG_LEVELS),
+    "client_timeout_s": "abort the requests of a language client that pings and then goes silent this long",
     "restart_engine": "start a new engine process when it dies (503 with Retry-After meanwhile); stops after "
     "3 deaths within 60 s",
 }
@@ -164,6 +169,8 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, default_port: int =
             kwargs["choices"] = LOG_LEVELS
         elif f.name == "port":
             kwargs["type"] = int
+        elif f.name == "client_timeout_s":
+            kwargs["type"] = float
         elif f.name == "restart_engine":
             kwargs["action"] = argparse.BooleanOptionalAction
         srv.add_argument("--" + f.name.replace("_", "-"), **kwargs)

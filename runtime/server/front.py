@@ -98,6 +98,9 @@ class Front:
         self._token_text: dict[int, str] = {}
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task] = set()
+        # language clients that ping are watched: silent for client_timeout_s = gone
+        self._client_seen: dict[bytes, float] = {}
+        self._watched: set[bytes] = set()
 
     # -- tokens ---------------------------------------------------------------------------
     def encode(self, text: str, param: str) -> list[int]:
@@ -358,6 +361,25 @@ class Front:
                 fut.set_result(P.ErrorResponse(client_rid, message, 503, "server_error"))
 
     # -- language clients (ZMQ ROUTER) ----------------------------------------------------
+    async def client_watchdog(self) -> None:
+        """Abort the requests of watched clients that went silent (killed programs)."""
+        timeout = self.args.client_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            now = time.monotonic()
+            for ident in list(self._watched):
+                if now - self._client_seen.get(ident, now) <= timeout:
+                    continue
+                self._watched.discard(ident)
+                self._client_seen.pop(ident, None)
+                rids = self.abort_all(ident)
+                if rids:
+                    logger.warning("a language client went silent for %.0f s; aborted its %d requests",
+                                   timeout, len(rids))
+            for ident in [i for i, t in self._client_seen.items() if now - t > timeout and i not in self._watched]:
+                del self._client_seen[ident]  # unwatched clients: forget them when idle
+
+
     def _send_client(self, ident: bytes, msg: Any) -> None:
         try:
             self.router.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
@@ -379,6 +401,11 @@ class Front:
                     getattr(msg, "rid", ""), "invalid or missing API key: send it in each message's api_key field",
                     401, "authentication_error", "api_key",
                 ))
+                continue
+            self._client_seen[ident] = time.monotonic()
+            if isinstance(msg, P.PingRequest):
+                self._watched.add(ident)
+                self._send_client(ident, P.Pong(msg.rid))
                 continue
             task = asyncio.ensure_future(self._client_request(ident, msg))
             self._tasks.add(task)  # the loop keeps only weak references to tasks

@@ -32,6 +32,7 @@ from plait.runtime.server.metrics import CONTENT_TYPE
 logger = logging.getLogger("plait.http")
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_HEADER_BYTES = 64 * 1024
 RETRY_AFTER_S = 2  # what a 503 (engine restarting or down) tells clients
 PARSE_OFF_LOOP_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread
 _json = msgspec.json.Encoder()
@@ -69,6 +70,23 @@ class ApiKeyMiddleware:
             if not hmac.compare_digest(got, self.expected):
                 resp = error_response("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
                                       None, "authentication_error")
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class HeaderLimitMiddleware:
+    """431 for requests whose headers exceed MAX_HEADER_BYTES in all."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) for k, v in scope["headers"])
+            if size > MAX_HEADER_BYTES:
+                resp = error_response(f"the request headers have {size} bytes; at most {MAX_HEADER_BYTES} are allowed",
+                                      431)
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -390,7 +408,7 @@ def build_app(front: Front) -> ASGIApp:
     })
     if front.args.api_key:
         app = ApiKeyMiddleware(app, front.args.api_key)
-    return app
+    return HeaderLimitMiddleware(app)
 
 
 # -- native /generate -------------------------------------------------------------------------

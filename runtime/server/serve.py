@@ -69,6 +69,42 @@ def http_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+SOCKET_DIR_PREFIX = "plait-"
+OWNER_FILE = "owner.pid"
+
+
+def sweep_stale_socket_dirs(root: str | None = None) -> list[str]:
+    """Remove this user's socket folders whose server died without cleaning up (a
+    SIGKILLed front): those whose owner pid no longer runs. Returns what it removed."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(root, name)
+        if not name.startswith(SOCKET_DIR_PREFIX):
+            continue
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            continue  # not one of ours (or still being set up)
+        try:
+            os.kill(pid, 0)
+            continue  # its server runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 def bind_zmq(router: zmq.Socket, address: str | None, tmpdir: str) -> str:
     if address is None:
         address = f"ipc://{tmpdir}/client.sock"
@@ -138,7 +174,8 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        tasks = [asyncio.ensure_future(c) for c in (front.engine_reader(pull), front.client_loop(), front.watchdog())]
+        tasks = [asyncio.ensure_future(c) for c in (front.engine_reader(pull), front.client_loop(), front.watchdog(),
+                                                       front.client_watchdog())]
         if parent_pid is not None:
             tasks.append(asyncio.ensure_future(_watch_parent(parent_pid, stop)))
         config = uvicorn.Config(build_app(front), log_level=args.log_level, access_log=False, lifespan="off",
@@ -208,7 +245,10 @@ def run(args: ServerArgs, ready_fd: int | None = None, parent_pid: int | None = 
                 os.write(ready_fd, (json.dumps(obj) + "\n").encode())
                 os.close(ready_fd)
 
-    tmpdir = tempfile.mkdtemp(prefix="plait-")  # 0700: only this user reaches the ipc sockets
+    sweep_stale_socket_dirs()
+    tmpdir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)  # 0700: only this user reaches the ipc sockets
+    with open(os.path.join(tmpdir, OWNER_FILE), "w") as f:
+        f.write(str(os.getpid()))
     try:
         return asyncio.run(_serve(args, tmpdir, report, parent_pid))
     except StartupError as e:
