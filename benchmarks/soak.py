@@ -386,35 +386,64 @@ def _check_openai_stream(rec: Record, events: list[dict[str, Any]]) -> None:
 @dataclass
 class Killer:
     """SIGKILLs the engine every ``every`` seconds of health; records each outage as
-    ``(kill time, back time)`` (perf_counter seconds)."""
+    ``(kill time, back time)`` (perf_counter seconds). It stays under the server's
+    crash-loop rule (``crash_loop``: that many deaths within that many seconds stop the
+    restarts), delaying a kill that would reach it: this tests restarts, not that rule."""
 
     url: str
     front_pid: int
     engine_pid: int
     every: float
+    crash_loop: tuple[int, float] | None
     windows: list[tuple[float, float]] = field(default_factory=list)
     anomalies: list[str] = field(default_factory=list)  # 5xx other than 503 seen while polling
+    delayed: int = 0  # kills put off to stay under the crash-loop rule
     failure: str = ""
 
     async def run(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), self.every)
+            if await _stopped(stop, self.every + self._crash_loop_delay()):
                 return
-            except asyncio.TimeoutError:
-                pass
             if not _is_child(self.engine_pid, self.front_pid):
                 self.failure = f"pid {self.engine_pid} is not the server's engine process; not killing it"
                 return
             os.kill(self.engine_pid, signal.SIGKILL)
             killed_at, old = time.perf_counter(), self.engine_pid
             pid = await wait_healthy(session, self.url, HEALTH_WAIT_S, not_pid=old, anomalies=self.anomalies)
+            self.windows.append((killed_at, time.perf_counter()))
             if pid is None:
                 self.failure = f"the server was not healthy with a new engine within {HEALTH_WAIT_S:.0f} s of a kill"
-                self.windows.append((killed_at, time.perf_counter()))
                 return
             self.engine_pid = pid
-            self.windows.append((killed_at, time.perf_counter()))
+
+    def _crash_loop_delay(self) -> float:
+        """Seconds to wait beyond ``every`` so that the next kill is not the
+        crash-loop's last death (1 s of margin)."""
+        if self.crash_loop is None:
+            return 0.0
+        deaths, window = self.crash_loop
+        at = time.perf_counter() + self.every
+        recent = sorted(k for k, _ in self.windows if at - k < window + 1.0)
+        if len(recent) < deaths - 1:
+            return 0.0
+        self.delayed += 1
+        return recent[len(recent) - (deaths - 1)] + window + 1.0 - at
+
+
+async def _stopped(stop: asyncio.Event, seconds: float) -> bool:
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+        return True
+    except asyncio.TimeoutError:
+        return False
+
+
+def crash_loop_rule() -> tuple[int, float] | None:
+    """The server's crash-loop rule (deaths, window in seconds), if it has one."""
+    from plait.runtime.server import front
+
+    deaths, window = getattr(front, "CRASH_LOOP_DEATHS", None), getattr(front, "CRASH_LOOP_WINDOW_S", None)
+    return (int(deaths), float(window)) if deaths and window else None
 
 
 def _is_child(pid: int, parent: int) -> bool:
@@ -492,7 +521,7 @@ async def soak(url: str, engine_pid: int, front_pid: int, args: argparse.Namespa
         stop = asyncio.Event()
         killer = None
         if args.kill_engine_every:
-            killer = Killer(url, front_pid, engine_pid, args.kill_engine_every)
+            killer = Killer(url, front_pid, engine_pid, args.kill_engine_every, crash_loop_rule())
             kill_task = asyncio.ensure_future(killer.run(session, stop))
         await asyncio.gather(*(client(i) for i in range(args.clients)))
         elapsed = time.perf_counter() - start

@@ -101,8 +101,9 @@ class Req:
     last sampled token) and, once caught up, samples the next token.
 
     KV ownership: positions ``[0, cache_len)`` belong to radix-tree nodes locked through
-    ``last_node``; positions from ``cache_len`` on live in ``private_pages`` (page
-    aligned, since ``cache_len`` is). Both are mirrored in the page-table ``row``.
+    ``last_node`` (their slots, on the host, in ``prefix_slots``); positions from
+    ``cache_len`` on live in ``private_pages`` (page aligned, since ``cache_len`` is).
+    Both are mirrored in the page-table ``row`` (on the device).
     """
 
     def __init__(
@@ -136,6 +137,7 @@ class Req:
         self.num_computed = 0
         self.cache_len = 0
         self.last_node: TreeNode | None = None
+        self.prefix_slots = torch.empty(0, dtype=torch.int64)  # host: slots of [0, cache_len)
         self.private_pages: list[int] = []
         self.row: int | None = None
         self.cached_tokens = 0  # prompt tokens served from the prefix cache at first admission

@@ -14,6 +14,8 @@ import os
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from plait.runtime.config import EngineConfig
 from plait.runtime.memory import PageAllocator, ReqToToken
 from plait.runtime.radix_cache import MatchResult, RadixCache
@@ -23,6 +25,7 @@ from plait.runtime.schedule_policy import order_waiting
 # A waiting request that shares this many more tokens with a request prefilled in
 # the same step than it finds in the cache waits one step, to reuse that KV.
 IN_BATCH_PREFIX_DEFER = 32
+NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass
@@ -294,6 +297,7 @@ class Scheduler:
         r.row = self.req_to_token.alloc_row()
         self.cache.lock(match.node)
         r.last_node = match.node
+        r.prefix_slots = match.slots
         r.cache_len = r.num_computed = match.length
         self.req_to_token.write(r.row, 0, match.slots)
         r.status = ReqStatus.RUNNING
@@ -310,6 +314,7 @@ class Scheduler:
         self.cache.lock(match.node)
         self.cache.unlock(r.last_node)
         r.last_node = match.node
+        r.prefix_slots = match.slots
         self.req_to_token.write(r.row, 0, match.slots)
         taken = (aligned - r.cache_len) // self.page_size
         r.private_pages = r.private_pages[taken:]
@@ -318,7 +323,11 @@ class Scheduler:
     def _insert(self, r: Req, length: int) -> None:
         """Hand positions ``[cache_len, length)`` (page aligned) to the tree; free the
         pages it already had."""
-        slots = self.req_to_token.table[r.row, :length].long()
+        # NOTE: slots handed to the cache live on the host, always: built from what the
+        # scheduler holds (the locked prefix's slots and the private pages), never read
+        # back from the page table, which lives on the device
+        own = self.allocator.pages_to_slots(r.private_pages)
+        slots = torch.cat([r.prefix_slots[: r.cache_len], own])[:length]
         dup = self.cache.insert(r.token_ids[:length], slots, r.cache_salt)
         self.allocator.free(self.allocator.slots_to_pages(dup))
 
@@ -336,6 +345,7 @@ class Scheduler:
         r.private_pages = []
         self.cache.unlock(r.last_node)
         r.last_node = None
+        r.prefix_slots = NO_SLOTS
         self.req_to_token.free_row(r.row)
         r.row = None
         r.cache_len = r.num_computed = 0

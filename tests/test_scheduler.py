@@ -124,3 +124,51 @@ def test_abort_waiting_and_running_frees_everything(folder):
         # everything is returnable: a flush empties the cache completely
         assert engine.flush_cache()
         assert engine.pool_usage()["free"] == engine.pool_usage()["total"]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_cache_gets_host_tensors_when_the_page_table_is_on_another_device(page_size):
+    """The page table lives on the device (CUDA in production; ``meta`` here, which has
+    no data to read back), the radix cache on the host: the scheduler must never hand
+    the cache a device tensor (that crashed the first CUDA prefill of 16+ tokens)."""
+    from plait.runtime.config import EngineConfig
+    from plait.runtime.memory import PageAllocator, ReqToToken
+    from plait.runtime.radix_cache import RadixCache
+    from plait.runtime.scheduler import Scheduler
+
+    cfg = EngineConfig(page_size=page_size, chunked_prefill_size=24, max_running_requests=4)
+    allocator = PageAllocator(512 // page_size + 1, page_size)
+    cache = RadixCache(allocator)
+    handed: list[torch.Tensor] = []
+    real_insert, real_match = cache.insert, cache.match_prefix
+
+    def insert(tokens, slots, salt=None):
+        handed.append(slots)
+        return real_insert(tokens, slots, salt)
+
+    def match(*args, **kwargs):
+        m = real_match(*args, **kwargs)
+        handed.append(m.slots)
+        return m
+
+    cache.insert, cache.match_prefix = insert, match
+    sched = Scheduler(cfg, allocator, ReqToToken(4, 256, "meta"), cache, 256, eos_ids=frozenset({2}))
+    shared = rand_ids(40, 7)
+    reqs = [Req(f"r{i}", shared + rand_ids(5 + i, 50 + i), SamplingParams(max_new_tokens=6, ignore_eos=True))
+            for i in range(6)]
+    for r in reqs[:3]:
+        sched.add_request(r)
+    steps = 0
+    while sched.has_work():
+        batch = sched.schedule()
+        sched.process_batch(batch, {r.rid: 3 + steps % 50 for r in batch.reqs})  # a fake model: fixed ids
+        steps += 1
+        if steps == 2:
+            for r in reqs[3:]:  # queued while the first ones hold the shared prefix
+                sched.add_request(r)
+        sched.check_invariants()
+    assert all(r.finished and r.output_len == 6 for r in reqs)
+    assert sum(r.cached_tokens for r in reqs[3:]) >= 3 * (40 // page_size * page_size)  # the prefix was shared
+    assert handed and all(t.device.type == "cpu" for t in handed)
+    u = sched.pool_usage()
+    assert u["locked"] == 0 and u["free"] + u["evictable"] == u["total"]
