@@ -486,12 +486,15 @@ async def wait_healthy(session: aiohttp.ClientSession, url: str, limit: float, n
 class RunResult:
     records: list[Record]
     elapsed: float
-    kills: list[tuple[float, float]]
-    kill_anomalies: list[str]
-    kill_failure: str
+    killer: Killer | None
     healthy: bool
     idle_info: dict[str, Any] | None
     idle_wait_s: float
+    restarts: float | None  # the server's plait_engine_restarts_total, when it exports it
+
+    @property
+    def kills(self) -> list[tuple[float, float]]:
+        return self.killer.windows if self.killer is not None else []
 
 
 async def soak(url: str, engine_pid: int, front_pid: int, args: argparse.Namespace) -> RunResult:
@@ -540,8 +543,20 @@ async def soak(url: str, engine_pid: int, front_pid: int, args: argparse.Namespa
                 idle_info = info
                 break
             await asyncio.sleep(0.2)
-        return RunResult(records, elapsed, killer.windows if killer else [], killer.anomalies if killer else [],
-                         killer.failure if killer else "", healthy, idle_info, time.perf_counter() - t0)
+        idle_wait = time.perf_counter() - t0
+        return RunResult(records, elapsed, killer, healthy, idle_info, idle_wait, await engine_restarts(session, url))
+
+
+async def engine_restarts(session: aiohttp.ClientSession, url: str) -> float | None:
+    """``plait_engine_restarts_total`` from /metrics (summed over labels), or None."""
+    try:
+        async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=30)) as r:
+            text = await r.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("plait_engine_restarts_total")]
+    return sum(values) if values else None
 
 
 # -- checks and report --------------------------------------------------------------------------
@@ -582,9 +597,10 @@ def checks(res: RunResult, args: argparse.Namespace) -> list[tuple[str, bool, st
         out.append(("KV pages: no leak once idle", ok,
                     f"pool {pool}, invariant_ok={info['invariant_ok']}, idle after {res.idle_wait_s:.1f} s"
                     + ("" if info["invariant_ok"] else f": {info.get('invariant_error')}")))
-    fives = [r.detail for r in recs if r.outcome == "http_5xx"] + res.kill_anomalies
+    anomalies = res.killer.anomalies if res.killer is not None else []
+    fives = [r.detail for r in recs if r.outcome == "http_5xx"] + anomalies
     out.append(("no 5xx except injected faults", not fives,
-                f"{len(fives)} 5xx ({len(res.kill_anomalies)} of them polling after kills), "
+                f"{len(fives)} 5xx ({len(anomalies)} of them polling after kills), "
                 f"{by['fault']} injected faults" + _first(fives)))
     hung = [r for r in recs if r.outcome == "hung"]
     out.append(("no request hung", not hung, f"{len(hung)} hung of {len(recs)}" + _first([r.detail for r in hung])))
@@ -596,10 +612,14 @@ def checks(res: RunResult, args: argparse.Namespace) -> list[tuple[str, bool, st
     other = [r for r in recs if r.outcome in ("failed", "unexpected_4xx") and r.kind not in MALFORMED_KINDS]
     out.append(("no other errors", not other,
                 f"{len(other)} transport errors or unexpected 4xx" + _first([r.detail for r in other])))
-    if args.kill_engine_every:
-        out.append(("engine restarts: healthy after every kill and after the run", res.healthy and not res.kill_failure,
-                    f"{len(res.kills)} kills, health {'ok' if res.healthy else 'not ok'}"
-                    + (f"; {res.kill_failure}" if res.kill_failure else "")))
+    if res.killer is not None:
+        failure = res.killer.failure
+        counted = res.restarts is None or res.restarts == len(res.kills)
+        out.append(("engine restarts: healthy after every kill and after the run",
+                    res.healthy and not failure and counted,
+                    f"{len(res.kills)} kills, plait_engine_restarts_total "
+                    f"{'not exported' if res.restarts is None else f'{res.restarts:g}'}, "
+                    f"health {'ok' if res.healthy else 'not ok'}" + (f"; {failure}" if failure else "")))
     return out
 
 
@@ -637,10 +657,13 @@ def report(res: RunResult, args: argparse.Namespace) -> None:
           f"{tokens / res.elapsed:.1f} output tok/s")
     print(f"latency (completed): e2e p50 {_ms(lat, 50)} ms, p99 {_ms(lat, 99)} ms; "
           f"TTFT (streams) p50 {_ms(ttft, 50)} ms, p99 {_ms(ttft, 99)} ms")
+    print("load average at the end: " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+          + " (other work on this machine skews the timings above)")
     if args.kill_engine_every:
         faults = [r for r in recs if r.outcome == "fault"]
         downtime = sum(b - a for a, b in res.kills)
-        print(f"engine kills: {len(res.kills)} (every {args.kill_engine_every:g} s of health), "
+        print(f"engine kills: {len(res.kills)} (every {args.kill_engine_every:g} s of health; "
+              f"{res.killer.delayed} put off by the crash-loop rule), "
               f"{downtime:.1f} s down in total; {len(faults)} requests failed because of them "
               f"({sum(r.retry_after is not None for r in faults)} with Retry-After)")
 

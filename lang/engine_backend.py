@@ -23,6 +23,7 @@ from plait.errors import RequestError, RuntimeUnavailableError
 if TYPE_CHECKING:
     from plait.runtime.engine import Engine
     from plait.runtime.output_processor import RequestOutput
+    from plait.runtime.validation import GenerateInput
 
 IDLE_WAIT_S = 0.1
 
@@ -210,7 +211,7 @@ class EngineBackend(BaseBackend):
     def _encode(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text, add_special_tokens=False) if text else []
 
-    def _validate(self, req: Request) -> Any:  # plait.runtime.validation.GenerateInput
+    def _validate(self, req: Request) -> GenerateInput:
         from plait.runtime.validation import validate_generate
 
         ids = req.input_ids if req.input_ids is not None else self._encode(req.text or "")

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+from plait.errors import is_int
+
+T = TypeVar("T")
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")
@@ -68,21 +72,21 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require(self.device in DEVICES, "device", self.device, ", ".join(DEVICES))
         _require(self.dtype in DTYPES, "dtype", self.dtype, ", ".join(DTYPES))
-        _require(_is_int(self.page_size) and 1 <= self.page_size <= 256, "page_size", self.page_size, "an integer in [1, 256]")
+        _require(is_int(self.page_size) and 1 <= self.page_size <= 256, "page_size", self.page_size, "an integer in [1, 256]")
         _require(
-            self.kv_cache_tokens is None or (_is_int(self.kv_cache_tokens) and self.kv_cache_tokens >= 1),
+            self.kv_cache_tokens is None or (is_int(self.kv_cache_tokens) and self.kv_cache_tokens >= 1),
             "kv_cache_tokens", self.kv_cache_tokens, "None or a positive integer",
         )
         _require(_is_num(self.mem_fraction) and 0 < self.mem_fraction <= 0.95, "mem_fraction", self.mem_fraction, "a number in (0, 0.95]")
-        _require(_is_int(self.max_running_requests) and 1 <= self.max_running_requests <= 4096,
+        _require(is_int(self.max_running_requests) and 1 <= self.max_running_requests <= 4096,
                  "max_running_requests", self.max_running_requests, "an integer in [1, 4096]")
-        _require(_is_int(self.chunked_prefill_size) and self.chunked_prefill_size >= 1,
+        _require(is_int(self.chunked_prefill_size) and self.chunked_prefill_size >= 1,
                  "chunked_prefill_size", self.chunked_prefill_size, "a positive integer")
         _require(self.schedule_policy in SCHEDULE_POLICIES, "schedule_policy", self.schedule_policy, ", ".join(SCHEDULE_POLICIES))
         _require(isinstance(self.disable_radix_cache, bool), "disable_radix_cache", self.disable_radix_cache, "True or False")
-        _require(self.context_length is None or (_is_int(self.context_length) and self.context_length >= 2),
+        _require(self.context_length is None or (is_int(self.context_length) and self.context_length >= 2),
                  "context_length", self.context_length, "None or an integer >= 2")
-        _require(self.num_threads is None or (_is_int(self.num_threads) and self.num_threads >= 1),
+        _require(self.num_threads is None or (is_int(self.num_threads) and self.num_threads >= 1),
                  "num_threads", self.num_threads, "None or a positive integer")
         _require(self.attention_backend in ("auto",) + ATTENTION_BACKENDS, "attention_backend",
                  self.attention_backend, "auto, " + ", ".join(ATTENTION_BACKENDS))
@@ -93,7 +97,7 @@ class EngineConfig:
             _require(self.resolved_device() == "cpu" and self.resolved_dtype() == "float32" and onednn_gemm_available(),
                      "cpu_gemm", self.cpu_gemm,
                      "onednn only with device cpu, dtype float32 and a torch build with oneDNN; auto or torch otherwise")
-        _require(_is_int(self.seed), "seed", self.seed, "an integer")
+        _require(is_int(self.seed), "seed", self.seed, "an integer")
         _require(_is_num(self.init_new_token_ratio) and 0 <= self.init_new_token_ratio <= 1,
                  "init_new_token_ratio", self.init_new_token_ratio, "a number in [0, 1]")
         _require(_is_num(self.min_new_token_ratio) and 0 <= self.min_new_token_ratio <= self.init_new_token_ratio,
@@ -103,12 +107,12 @@ class EngineConfig:
         _require(isinstance(self.disable_jump_forward, bool), "disable_jump_forward", self.disable_jump_forward, "True or False")
         _require(_is_num(self.grammar_compile_timeout) and self.grammar_compile_timeout > 0,
                  "grammar_compile_timeout", self.grammar_compile_timeout, "a number of seconds > 0")
-        _require(_is_int(self.grammar_compile_memory_mb) and self.grammar_compile_memory_mb >= 256,
+        _require(is_int(self.grammar_compile_memory_mb) and self.grammar_compile_memory_mb >= 256,
                  "grammar_compile_memory_mb", self.grammar_compile_memory_mb, "an integer >= 256 (MiB)")
-        _require(_is_int(self.grammar_cache_size) and self.grammar_cache_size >= 1,
+        _require(is_int(self.grammar_cache_size) and self.grammar_cache_size >= 1,
                  "grammar_cache_size", self.grammar_cache_size, "a positive integer")
         _require(isinstance(self.disable_cuda_graph, bool), "disable_cuda_graph", self.disable_cuda_graph, "True or False")
-        _require(_is_int(self.cuda_graph_max_bs) and 1 <= self.cuda_graph_max_bs <= 4096,
+        _require(is_int(self.cuda_graph_max_bs) and 1 <= self.cuda_graph_max_bs <= 4096,
                  "cuda_graph_max_bs", self.cuda_graph_max_bs, "an integer in [1, 4096]")
         _require(_is_num(self.pin_budget_fraction) and 0 <= self.pin_budget_fraction <= 0.9,
                  "pin_budget_fraction", self.pin_budget_fraction, "a number in [0, 0.9] (0 disables pinning)")
@@ -151,8 +155,20 @@ class EngineConfig:
         return "onednn" if on_cpu_fp32 and onednn_gemm_available() else "torch"
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def build_trusted(cls: type[T], values: dict[str, Any]) -> T:
+    """An instance of the frozen dataclass ``cls`` from ``values`` that were validated
+    where they came from (the launching process): no ``__post_init__`` runs again.
+    Missing fields take their defaults."""
+    obj = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            v = values[f.name]
+        elif f.default is not dataclasses.MISSING:
+            v = f.default
+        else:
+            v = f.default_factory()  # type: ignore[misc]
+        object.__setattr__(obj, f.name, v)
+    return obj
 
 
 def _is_num(v: Any) -> bool:

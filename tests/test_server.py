@@ -605,6 +605,21 @@ def test_one_validation_error_reaches_every_client_alike(server, http, zclient, 
         engine.shutdown()
 
 
+def test_server_options_are_validated_once_on_their_way_to_the_engine(monkeypatch):
+    """launch() validates ServerArgs; the server and engine processes rebuild them from
+    JSON without running the checks again (and get equal values)."""
+    from plait.runtime.config import EngineConfig, build_trusted
+    from plait.runtime.server.args import ServerArgs
+
+    args = ServerArgs.from_kwargs(None, port=0, api_key="k", kv_cache_tokens=4096, page_size=4, restart_engine=False)
+    calls = []
+    for cls in (ServerArgs, EngineConfig):
+        monkeypatch.setattr(cls, "__post_init__", lambda self: calls.append(type(self).__name__))
+    again = ServerArgs.from_validated_json(args.to_json())
+    assert again == args and again.engine == args.engine and calls == []
+    assert build_trusted(EngineConfig, json.loads(args.to_json())["engine"]) == args.engine and calls == []
+
+
 def test_protocol_is_torch_free_and_round_trips():
     import subprocess
     import sys

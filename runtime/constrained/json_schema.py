@@ -25,6 +25,7 @@ import json
 import math
 from typing import Any
 
+from plait.errors import is_int
 from plait.regex import check_regex
 from plait.runtime.constrained.regexes import (
     BOOLEAN,
@@ -201,7 +202,7 @@ class _Translator:
         for k in s:
             if k in ANNOTATIONS or k.startswith("x-"):
                 continue
-            if k == "uniqueItems" and (s[k] is False or _is_int(s.get("maxItems")) and s["maxItems"] <= 1):
+            if k == "uniqueItems" and (s[k] is False or is_int(s.get("maxItems")) and s["maxItems"] <= 1):
                 continue
             if k in WHY_NOT:
                 raise SchemaError(f"json_schema keyword {k!r} at {path} is not supported: {WHY_NOT[k]}")
@@ -344,7 +345,7 @@ class _Translator:
     # -- scalars ------------------------------------------------------------------------
     def string(self, s: dict[str, Any], path: str) -> str:
         lo, hi = s.get("minLength", 0), s.get("maxLength")
-        if not _is_int(lo) or lo < 0 or (hi is not None and (not _is_int(hi) or hi < lo)):
+        if not is_int(lo) or lo < 0 or (hi is not None and (not is_int(hi) or hi < lo)):
             raise SchemaError(f"json_schema 'minLength'/'maxLength' at {path} are invalid: {lo!r}, {hi!r}")
         present = [k for k in ("pattern", "format") if k in s]
         lengths = "minLength" in s or "maxLength" in s
@@ -460,7 +461,7 @@ class _Translator:
     def array(self, s: dict[str, Any], path: str) -> str:
         ws = self.ws
         lo, hi = s.get("minItems", 0), s.get("maxItems")
-        if not _is_int(lo) or lo < 0 or (hi is not None and (not _is_int(hi) or hi < lo)):
+        if not is_int(lo) or lo < 0 or (hi is not None and (not is_int(hi) or hi < lo)):
             raise SchemaError(f"json_schema 'minItems'/'maxItems' at {path} are invalid: {lo!r}, {hi!r}")
         items = s.get("items", True)
         prefix = s.get("prefixItems", [])
@@ -519,17 +520,13 @@ def _repeat(x: str, lo: int, hi: int | None) -> str:
     return "(?:" + x + "){%d,%d}" % (lo, hi)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _json_type_ok(v: Any, t: str) -> bool:
     return {
-        "string": isinstance(v, str), "integer": _is_int(v) or (isinstance(v, float) and v.is_integer()),
+        "string": isinstance(v, str), "integer": is_int(v) or (isinstance(v, float) and v.is_integer()),
         "number": _is_num(v), "boolean": isinstance(v, bool), "null": v is None,
         "object": isinstance(v, dict), "array": isinstance(v, list),
     }[t]

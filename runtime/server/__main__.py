@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from plait.runtime.server.args import add_server_arguments, args_from_namespace
+from plait.runtime.server.args import ServerArgs, add_server_arguments, args_from_namespace
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,9 +15,10 @@ def main(argv: list[str] | None = None) -> int:
     add_server_arguments(parser)
     parser.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--validated-args", default=None, help=argparse.SUPPRESS)  # from launch()
     ns = parser.parse_args(argv)
     try:
-        args = args_from_namespace(ns)
+        args = ServerArgs.from_validated_json(ns.validated_args) if ns.validated_args else args_from_namespace(ns)
     except ValueError as e:
         if ns.ready_fd is not None:
             os.write(ns.ready_fd, (json.dumps({"error": str(e)}) + "\n").encode())

@@ -7,11 +7,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from plait.runtime.config import EngineConfig
+from plait.runtime.config import EngineConfig, build_trusted
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -105,15 +106,16 @@ class ServerArgs:
         engine = EngineConfig.from_kwargs(**{k: v for k, v in kwargs.items() if k not in own})
         return cls(model=model, engine=engine, **server)
 
-    def to_argv(self) -> list[str]:
-        """Flags that make :func:`parse_args` rebuild these settings."""
-        argv: list[str] = []
-        for f in dataclasses.fields(self):
-            if f.name != "engine":
-                argv += _flag(f.name, getattr(self, f.name), f.default)
-        for f in dataclasses.fields(self.engine):
-            argv += _flag(f.name, getattr(self.engine, f.name), f.default)
-        return argv
+    def to_json(self) -> str:
+        """These settings for another process (:meth:`from_validated_json`)."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_validated_json(cls, text: str) -> ServerArgs:
+        """Settings validated by the process that sent them (``launch()``): rebuilt
+        without checking them again."""
+        d = json.loads(text)
+        return build_trusted(cls, {**d, "engine": build_trusted(EngineConfig, d["engine"])})
 
 
 _SERVER_HELP = {
@@ -139,15 +141,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name, "*" or an interface: assume it is reachable
         return False
-
-
-def _flag(name: str, value: Any, default: Any) -> list[str]:
-    if value == default or value is None:
-        return []
-    opt = "--" + name.replace("_", "-")
-    if isinstance(value, bool):
-        return [opt] if value else ["--no-" + name.replace("_", "-")]
-    return [opt, str(value)]
 
 
 def _annotation_type(annotation: str) -> type:

@@ -23,7 +23,7 @@ import zmq
 
 from plait import protocol as P
 from plait.errors import RequestError
-from plait.runtime.config import EngineConfig
+from plait.runtime.config import EngineConfig, build_trusted
 from plait.runtime.engine import Engine
 from plait.runtime.output_processor import RequestOutput
 from plait.runtime.process import set_parent_death_signal
@@ -175,7 +175,8 @@ def main(spec_json: str) -> int:
     push.setsockopt(zmq.SNDHWM, 0)
     push.connect(spec["out_addr"])
     try:
-        engine = Engine(spec["model"], config=EngineConfig(**spec["engine"]))
+        # validated by the front's settings, once: rebuilt here without checking again
+        engine = Engine(spec["model"], config=build_trusted(EngineConfig, spec["engine"]))
     except Exception as e:  # noqa: BLE001  (any load failure is reported to the front)
         logger.error("engine failed to start:\n%s", traceback.format_exc())
         push.send(P.encode(P.EngineStartupError(f"{type(e).__name__}: {e}")))

@@ -42,7 +42,7 @@ CRASH_LOOP_DEATHS = 3  # this many engine deaths ...
 CRASH_LOOP_WINDOW_S = 60.0  # ... within this many seconds stop the restarts
 COSTLY_TEXT_CHARS = 16_384  # prompts longer than this are tokenized in a worker thread
 
-Sink = Callable[[Any], None]
+Sink = Callable[[P.ServerResponse], None]  # where a request's outputs go (HTTP queue or a ZMQ client)
 
 
 @dataclass
@@ -212,7 +212,8 @@ class Front:
             self.abort(rid)
         return rids
 
-    async def control(self, msg: Any, client_rid: str = "") -> Any:
+    async def control(self, msg: P.FlushCacheRequest | P.ServerInfoRequest | P.PinRequest | P.UnpinRequest,
+                      client_rid: str = "") -> P.ServerResponse:
         """Send a flush/info/pin/unpin message to the engine and wait for its answer."""
         self.check_up()
         cid = f"ctl-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -380,7 +381,7 @@ class Front:
                 del self._client_seen[ident]  # unwatched clients: forget them when idle
 
 
-    def _send_client(self, ident: bytes, msg: Any) -> None:
+    def _send_client(self, ident: bytes, msg: P.ServerResponse) -> None:
         try:
             self.router.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
         except zmq.Again:
@@ -411,8 +412,8 @@ class Front:
             self._tasks.add(task)  # the loop keeps only weak references to tasks
             task.add_done_callback(self._tasks.discard)
 
-    async def _client_request(self, ident: bytes, msg: Any) -> None:
-        reply: Any = None
+    async def _client_request(self, ident: bytes, msg: P.ClientRequest) -> None:
+        reply: P.ServerResponse | None = None
         try:
             if isinstance(msg, P.GenerateRequest):
                 await self.submit(msg, lambda m: self._send_client(ident, m), owner=ident)

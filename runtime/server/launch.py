@@ -119,8 +119,9 @@ def launch(model: str | None = None, *, host: str = "127.0.0.1", port: int = 0, 
     """
     args = ServerArgs.from_kwargs(model, host=host, port=port, **options)
     read_fd, write_fd = os.pipe()
+    # validated here, once: the server process rebuilds them without checking again
     cmd = [sys.executable, "-m", "plait.runtime.server", "--ready-fd", str(write_fd),
-           "--parent-pid", str(os.getpid()), *args.to_argv()]
+           "--parent-pid", str(os.getpid()), "--validated-args", args.to_json()]
     try:
         proc = subprocess.Popen(cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT)
