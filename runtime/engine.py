@@ -146,6 +146,7 @@ class Engine:
             return max(cfg.kv_cache_tokens, cfg.page_size)
         per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # memory the allocator caches but does not use counts as free
             free = torch.cuda.mem_get_info(self.device)[0]
         else:
             free = _available_system_memory()

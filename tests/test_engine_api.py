@@ -200,3 +200,26 @@ def test_shutdown_and_context_manager(tiny_model_factory):
         assert e.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
     with pytest.raises(RuntimeError, match="shut down"):
         e.generate("hi")
+
+
+def test_weights_are_cast_before_they_are_materialised(tiny_model_factory, monkeypatch):
+    """A model built on the meta device gets its target dtype before memory is allocated
+    (allocating float32 and casting after needs both copies at once: OOM on big GPUs)."""
+    from plait.runtime.model_loader import resolve_model
+    from plait.runtime.models.llama import CausalLM
+
+    cfg = resolve_model(str(tiny_model_factory("llama"))).load_config()
+    seen: list[set[torch.dtype]] = []
+    real = torch.nn.Module.to_empty
+
+    def spy(self, *, device, recurse=True):
+        seen.append({p.dtype for p in self.parameters()})
+        return real(self, device=device, recurse=recurse)
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", spy)
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_pos=64)
+    model.materialize(torch.device("cpu"), torch.bfloat16)
+    assert seen == [{torch.bfloat16}]
+    assert model.model.rotary.cos_sin_cache.dtype == torch.float32  # recomputed, on the device
+    assert model.model.rotary.cos_sin_cache.device.type == "cpu"

@@ -22,7 +22,7 @@ def test_triton_backend_matches_torch_backend(tiny_model_factory):
     outs = {}
     for backend in ("torch", "triton"):
         # chunk 16 forces chunked prefill over a cached prefix; page 4 exercises paging
-        with Engine(folder, kv_cache_tokens=512, page_size=4, chunked_prefill_size=16,
+        with Engine(folder, kv_cache_tokens=512, page_size=4, chunked_prefill_size=16, dtype="float32",
                     attention_backend=backend) as engine:
             first = engine.generate(input_ids=prompts, sampling_params=params)
             again = engine.generate(input_ids=prompts[1], sampling_params=params)  # prefix hit
@@ -45,7 +45,7 @@ def test_decode_graph_path_pads_to_buckets_and_matches(tiny_model_factory):
     params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in (3, 6, 9)]
     outs = {}
     for backend in ("torch", "triton"):
-        with Engine(folder, kv_cache_tokens=512, page_size=4, attention_backend=backend) as engine:
+        with Engine(folder, kv_cache_tokens=512, page_size=4, attention_backend=backend, dtype="float32") as engine:
             if backend == "triton":
                 graphs = DecodeGraphRunner(engine.model, engine.runner.attn, engine.req_to_token, 5,
                                            engine.device, mode="eager")

@@ -198,7 +198,9 @@ class CausalLM(nn.Module):
     def materialize(self, device: torch.device, dtype: torch.dtype) -> CausalLM:
         """Allocate a model built on the meta device on ``device`` in ``dtype``
         (parameters uninitialised until :meth:`load_weights`; buffers recomputed)."""
-        self.to_empty(device=device).to(dtype)
+        # cast on the meta device first: materialising float32 and casting after would
+        # need the weights in both dtypes at once (3x the bf16 size at the peak)
+        self.to(dtype).to_empty(device=device)
         self.model.rotary.recompute_cache()
         return self
 
