@@ -48,22 +48,20 @@ def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence
                 logits[i, banned] = NEG_INF
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """top-k, top-p and min-p on one row of temperature-scaled logits [V]."""
-    if top_k > 0 and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, NEG_INF)
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop tokens whose preceding mass already exceeds top_p (the first always stays)
-        drop = probs.cumsum(-1) - probs > top_p
-        logits = logits.clone()
-        logits[order[drop]] = NEG_INF
-    if min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), NEG_INF)
-    return logits
+def _filter(rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """top-k, then top-p, then min-p on temperature-scaled logits ``rows`` [S, V], one
+    setting per row (``top_k`` int64 [S] in [1, V]; ``top_p``, ``min_p`` float [S]),
+    as batched tensor ops: one sort for all rows, no host round trip."""
+    sorted_rows, order = rows.sort(dim=-1, descending=True)
+    kth = sorted_rows.gather(1, (top_k - 1).unsqueeze(1))  # ties with the k-th are kept
+    rows = rows.masked_fill(rows < kth, NEG_INF)
+    sorted_rows = sorted_rows.masked_fill(sorted_rows < kth, NEG_INF)  # still in order
+    probs = sorted_rows.softmax(-1)
+    # drop tokens whose preceding mass already exceeds top_p (the first always stays)
+    drop = (probs.cumsum(-1) - probs > top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    rows = rows.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), NEG_INF)
+    probs = rows.softmax(-1)
+    return rows.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), NEG_INF)
 
 
 def _finite(logits: torch.Tensor) -> torch.Tensor:
@@ -72,28 +70,40 @@ def _finite(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence[int]) -> list[int]:
-    """logits: [B, V] raw float32 (modified in place). Returns one token id per request.
+    """logits: [B, V] raw float32 (modified in place). Returns one token id per request,
+    with one transfer of results to the host per call.
 
-    Numerically safe for every accepted parameter: values kept finite after penalties
-    and after temperature; a row with every token banned (say ``min_new_tokens`` bans
-    EOS while a constraint allows only EOS) is sampled greedily, never passed to
-    ``torch.multinomial``; its token is then refused by the constraint and the request
-    ends with an ``abort`` instead of failing the step."""
+    Temperature, top-k, top-p and min-p are batched over the sampled rows; each row
+    draws with its request's own generator (the exponential race: ``argmax(p / q)``
+    with ``q ~ Exp(1)`` is a draw from ``p``), so ``seed`` stays reproducible whatever
+    else is in the batch. Numerically safe for every accepted parameter: values kept
+    finite after penalties and after temperature; a row with every token banned (say
+    ``min_new_tokens`` bans EOS while a constraint allows only EOS) takes its greedy
+    token (a constraint then refuses it and ends the request with an ``abort``)
+    instead of failing the step."""
     apply_penalties(logits, reqs)
     mask_min_tokens(logits, reqs, eos_ids)
     _finite(logits)
-    out = logits.argmax(-1).tolist()  # greedy for everyone; overwritten for samplers
-    for i, r in enumerate(reqs):
-        p = r.params
-        if p.is_greedy:
-            continue
-        row = _finite(logits[i] / p.temperature)
-        if not bool(torch.isfinite(row).any()):
-            continue
-        row = _filter(row, p.top_k, p.top_p, p.min_p)
-        probs = row.softmax(-1)
-        out[i] = int(torch.multinomial(probs, 1, generator=r.generator).item())
-    return out
+    out = logits.argmax(-1)  # greedy for everyone; sampled rows overwritten below
+    sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
+    if sampled:
+        device, vocab = logits.device, logits.shape[1]
+        params = [reqs[i].params for i in sampled]
+        idx = torch.tensor(sampled, dtype=torch.long, device=device)
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
+        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
+        rows = _filter(_finite(logits[idx] / temps.unsqueeze(1)), top_k, top_p, min_p)
+        probs = rows.softmax(-1)
+        noise = torch.stack([
+            torch.empty(vocab, dtype=probs.dtype, device=device).exponential_(generator=reqs[i].generator)
+            for i in sampled
+        ])
+        draw = (probs / noise).nan_to_num_(nan=-1.0).argmax(-1)
+        ok = torch.isfinite(rows).any(-1)  # a row with nothing allowed keeps its greedy token
+        out[idx] = torch.where(ok, draw, out[idx])
+    return out.tolist()
 
 
 def token_logprobs(

@@ -114,3 +114,32 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine, 
     engine.check_invariants()
     again = engine.generate(input_ids=rand_ids(6, 4), sampling_params={**GREEDY, "max_new_tokens": 5})
     assert again["output_ids"] == baseline["output_ids"]
+
+
+def test_a_decode_step_moves_results_to_the_host_once(engine, monkeypatch):
+    """16 sampled requests decoding: each step transfers device results to the host at
+    most once (the sampled ids); sampling, filters and penalties stay batched tensor ops.
+    Counted by wrapping the tensor methods that copy to the host."""
+    reqs = [engine.add_request(rand_ids(6 + i, 200 + i), {"temperature": 0.9, "top_p": 0.9, "top_k": 40,
+                                                          "min_p": 0.01, "max_new_tokens": 12, "ignore_eos": True,
+                                                          "seed": i})[0] for i in range(16)]
+    while any(r.output_len == 0 for r in reqs):  # prefills done: every step from here decodes all 16
+        engine.step()
+    counts: list[int] = []
+    calls = [0]
+    for name in ("item", "tolist", "cpu", "numpy"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, **k):
+            calls[0] += 1
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    while not all(r.finished for r in reqs):
+        calls[0] = 0
+        engine.step()
+        counts.append(calls[0])
+    monkeypatch.undo()
+    assert len(counts) >= 5 and max(counts) <= 1, counts
+    for r in reqs:
+        engine.pop_result(r)

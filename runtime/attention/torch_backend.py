@@ -50,7 +50,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _init_extends(self, fb: ForwardBatch) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         table = fb.req_to_token
-        rows = fb.req_rows.tolist()
+        rows = fb.req_rows[: fb.num_extends].tolist() if fb.num_extends else []
         ext_idx: list[torch.Tensor] = []
         ext_mask: list[torch.Tensor | None] = []
         for i in range(fb.num_extends):

@@ -154,14 +154,13 @@ class Front:
         the result). A request that is costly to prepare (a long text, a constraint to
         translate) is prepared in a worker thread, off this event loop. Raises
         :class:`RequestError`; outputs go to ``sink``."""
-        self.check_up()
         check_rid(req.rid, self.table)
         if self._is_costly(req):
             inp = await asyncio.to_thread(self.prepare, req, prompt_param)
-            self.check_up()
             check_rid(req.rid, self.table)  # the table changed while it was prepared
         else:
             inp = self.prepare(req, prompt_param)
+        self.check_up()  # after validation: a malformed request is a 400 even while the engine restarts
         return self._send(inp, req, sink, owner)
 
     @staticmethod
@@ -230,7 +229,8 @@ class Front:
         info: dict[str, Any] = {}
         if self.engine_alive:
             reply = await self.control(P.ServerInfoRequest(""))
-            info.update(reply.info)
+            if isinstance(reply, P.ServerInfo):  # else the engine died while asked
+                info.update(reply.info)
         info.update(
             front_pid=os.getpid(),
             served_model_name=self.args.model_name,
