@@ -37,6 +37,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -111,6 +112,19 @@ class Result:
     start: float = 0.0
 
 
+
+async def sse_events(content: Any) -> AsyncIterator[tuple[str, Any]]:
+    """``(data, parsed JSON)`` of each server-sent event of a response body
+    (``aiohttp``'s ``response.content``), until ``data: [DONE]``."""
+    async for raw in content:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield data, json.loads(data)
+
 async def send(session: aiohttp.ClientSession, url: str, model: str, req: Request, headers: dict[str, str],
                extra: dict[str, Any]) -> Result:
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
@@ -124,14 +138,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, req: Reques
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return res
-            async for raw in r.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
+            async for _, obj in sse_events(r.content):
                 if "error" in obj:
                     res.error = obj["error"].get("message", str(obj))
                     return res

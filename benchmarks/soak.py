@@ -58,7 +58,7 @@ from typing import Any
 
 import aiohttp
 
-from bench_serving import pct
+from bench_serving import pct, sse_events
 
 HOST = "127.0.0.1"  # loopback only
 CANCEL_TIMEOUT_RANGE_S = (0.05, 0.5)  # client timeout of cancel_timeout requests
@@ -251,14 +251,7 @@ async def _exchange(session: aiohttp.ClientSession, url: str, spec: Spec, rec: R
             _check_result(spec, rec, await r.json())
             return
         events = []
-        async for raw_line in r.content:
-            line = raw_line.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            obj = json.loads(data)
+        async for data, obj in sse_events(r.content):
             if rec.ttft is None and not _empty_event(obj):
                 rec.ttft = time.perf_counter() - rec.start
             if isinstance(obj, dict) and "error" in obj:
