@@ -245,3 +245,21 @@ def test_stale_socket_folders_of_dead_servers_are_swept(tmp_path):
     (tmp_path / "other-dead" / OWNER_FILE).write_text(str(dead.pid))
     assert sweep_stale_socket_dirs(str(tmp_path)) == [str(tmp_path / "plait-dead")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other-dead", "plait-foreign", "plait-live"]
+
+
+def test_non_stream_disconnect_is_not_an_internal_error(long_model, capfd):
+    """A client that hangs up on a non-streaming request is an abort, not a server fault
+    (it used to log InvalidStateError from result() on a cancelled task)."""
+    with launch(str(long_model), num_threads=1, kv_cache_tokens=66000, echo_logs=True) as rt, \
+            httpx.Client(base_url=rt.url, timeout=60) as http:
+        aborts = metric(http, "plait_requests_total", 'finish_reason="abort"')
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(rt.url + "/generate", timeout=0.5,
+                       json={"text": "hang up", "sampling_params": {**GREEDY, "max_new_tokens": 60_000}})
+        for _ in range(400):
+            if metric(http, "plait_requests_total", 'finish_reason="abort"') > aborts:
+                break
+            time.sleep(0.05)
+        assert metric(http, "plait_requests_total", 'finish_reason="abort"') == aborts + 1
+    err = capfd.readouterr().err
+    assert "InvalidStateError" not in err and "internal error" not in err, err[-2000:]

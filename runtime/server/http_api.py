@@ -237,6 +237,29 @@ def _stream_error(e: RequestError) -> bytes:
     return sse(P.error_body(e))
 
 
+# -- errors: every exception a route raises becomes an OpenAI-shaped response ---------
+async def on_bad_request(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestError)
+    return error_json(exc)
+
+async def on_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code, None, kind)
+
+async def on_timeout(request: Request, exc: Exception) -> Response:
+    return error_response("the engine did not answer in time", 504, None, "server_error")
+
+async def on_error(request: Request, exc: Exception) -> Response:
+    logger.exception("internal error on %s", request.url.path)
+    return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500, None, "server_error")
+
+EXCEPTION_HANDLERS: dict[Any, Any] = {
+    RequestError: on_bad_request, HTTPException: on_http_exception, asyncio.TimeoutError: on_timeout,
+    Exception: on_error,
+}
+
+
 def build_app(front: Front) -> ASGIApp:
     # -- native -----------------------------------------------------------------------------
     async def generate(request: Request) -> Response:
@@ -386,26 +409,7 @@ def build_app(front: Front) -> ASGIApp:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
 
-    async def on_bad_request(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestError)
-        return error_json(exc)
-
-    async def on_http_exception(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code, None, kind)
-
-    async def on_timeout(request: Request, exc: Exception) -> Response:
-        return error_response("the engine did not answer in time", 504, None, "server_error")
-
-    async def on_error(request: Request, exc: Exception) -> Response:
-        logger.exception("internal error on %s", request.url.path)
-        return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500, None, "server_error")
-
-    app: ASGIApp = Starlette(routes=routes, exception_handlers={
-        RequestError: on_bad_request, HTTPException: on_http_exception, asyncio.TimeoutError: on_timeout,
-        Exception: on_error,
-    })
+    app: ASGIApp = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
     if front.args.api_key:
         app = ApiKeyMiddleware(app, front.args.api_key)
     return HeaderLimitMiddleware(app)
