@@ -54,6 +54,11 @@ def test_bad_options_raise_before_any_process_starts():
         launch(None, port=70000)
     with pytest.raises(ValueError, match="no_such_option"):
         launch(None, no_such_option=1)
+    for address in ("tcp://0.0.0.0:0", "tcp://*:5555", "tcp://10.1.2.3:5555"):  # reachable from elsewhere
+        with pytest.raises(ValueError, match="api_key"):
+            launch(None, zmq_address=address)
+    with pytest.raises(ValueError, match="client_timeout_s"):
+        launch(None, client_timeout_s=0)
 
 
 def test_bad_model_path_raises_with_the_childs_error(tmp_path):
