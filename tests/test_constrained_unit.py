@@ -201,7 +201,6 @@ def test_whitespace_is_compact_by_default_and_configurable():
         ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
         ({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}, "$ref"),
         ({"$ref": "#/$defs/missing"}, "$ref"),
-        ({"type": "object", "frobnicate": 1}, "frobnicate"),
         ({"type": "strin"}, "type"),
         ({"type": "object", "required": ["x"], "additionalProperties": False}, "additionalProperties"),
     ],
@@ -209,6 +208,21 @@ def test_whitespace_is_compact_by_default_and_configurable():
 def test_unenforceable_keywords_are_rejected_by_name(schema, keyword):
     with pytest.raises(SchemaError, match=re.escape(keyword)):
         schema_to_regex(schema)
+
+
+def test_unknown_keywords_are_annotations_and_do_not_constrain():
+    """Per the JSON Schema specification, keywords a draft does not define (and vendor
+    keys) are ignored: the constraint is the one of the schema without them."""
+    plain = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                              "b": {"type": "string", "maxLength": 3}}, "required": ["a"]}
+    noisy = {"id": "http://example.com/s#", "readonly": True, "self": {"href": "x"}, "javaType": "com.x.Y",
+             "preferredOrder": ["a"], "frobnicate": 1, **plain,
+             "properties": {"a": {**plain["properties"]["a"], "example": 3, "name": "a", "_format": "int"},
+                            "b": {**plain["properties"]["b"], "x-nullable": True, "nullable": True}}}
+    assert schema_to_regex(noisy) == schema_to_regex(plain)
+    # known validation keywords that cannot be enforced are still refused by name
+    with pytest.raises(SchemaError, match="'not'"):
+        schema_to_regex({**noisy, "not": {"required": ["b"]}})
 
 
 def test_schema_errors_are_value_errors_with_the_path():

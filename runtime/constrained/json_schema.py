@@ -74,6 +74,10 @@ WHY_NOT = {
     "unevaluatedItems": "unevaluated* keywords cannot be enforced",
     "$dynamicRef": "dynamic references are not supported",
     "$recursiveRef": "recursive references are not supported",
+    # draft 3's validation keywords (no later draft has them, so they are not unknown)
+    "disallow": "draft 3's 'disallow' cannot be enforced",
+    "divisibleBy": "divisibility cannot be enforced by the regex",
+    "extends": "draft 3's 'extends' is not supported; use 'allOf'",
 }
 FORMATS = {
     # real calendar dates (29 February is left out rather than checking leap years)
@@ -206,8 +210,9 @@ class _Translator:
                 continue
             if k in WHY_NOT:
                 raise SchemaError(f"json_schema keyword {k!r} at {path} is not supported: {WHY_NOT[k]}")
-            if k not in KNOWN:
-                raise SchemaError(f"json_schema keyword {k!r} at {path} is not supported")
+            # any other keyword (draft-4 "id", OpenAPI's "nullable" or "example", vendor
+            # keys such as "javaType") does not constrain: the JSON Schema specification
+            # says unknown keywords are ignored, and jsonschema ignores them too
 
     def types(self, s: dict[str, Any], path: str) -> list[str] | None:
         t = s.get("type")
