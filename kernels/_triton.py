@@ -17,6 +17,12 @@ follow, applied here:
   late still gets a consistent set of functions. If Triton was imported without the
   interpreter on a CPU-only machine, importing a kernel module raises with the fix.
 
+Compile-only mode. A process that compiles the kernels for a GPU it does not have (and
+never runs them: ``benchmarks/gpu_compile_check.py``) sets ``PLAIT_TRITON_COMPILE_ONLY=1``
+before importing a kernel module; then neither rule applies: Triton is imported as the
+environment says (``TRITON_INTERPRET`` unset or ``0`` gives plain ``triton.jit`` kernels)
+and no CUDA device is required.
+
 So kernel modules take ``triton`` and ``tl`` from here (``from plait.kernels._triton
 import tl, triton``) instead of importing Triton themselves: an import sorted above
 this one would otherwise load Triton before the default is set.
@@ -30,7 +36,10 @@ from typing import Any, Callable
 
 import torch
 
-if "triton" not in sys.modules and not torch.cuda.is_available():
+# True when this process only compiles kernels, for a GPU it may lack (see module doc).
+COMPILE_ONLY: bool = os.environ.get("PLAIT_TRITON_COMPILE_ONLY") == "1"
+
+if "triton" not in sys.modules and not COMPILE_ONLY and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402
@@ -40,7 +49,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 # True when Triton's standard library runs under the interpreter.
 INTERPRET: bool = isinstance(tl.standard.cdiv, InterpretedFunction)
 
-if not INTERPRET and not torch.cuda.is_available():
+if not INTERPRET and not COMPILE_ONLY and not torch.cuda.is_available():
     raise ImportError(
         "plait.kernels: Triton was imported without TRITON_INTERPRET=1 on a machine without "
         "CUDA, so its kernels cannot run; set TRITON_INTERPRET=1 before anything imports triton"

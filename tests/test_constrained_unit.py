@@ -196,7 +196,7 @@ def test_whitespace_is_compact_by_default_and_configurable():
         ({"type": "integer", "multipleOf": 3}, "multipleOf"),
         ({"not": {"type": "string"}}, "not"),
         ({"type": "object", "minProperties": 2}, "minProperties"),
-        ({"type": "string", "format": "hostname"}, "format"),
+        ({"type": "string", "format": "idn-email"}, "format"),
         ({"type": "string", "pattern": "^[A-Z].*$"}, "pattern"),
         ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
         ({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}, "$ref"),
@@ -407,3 +407,71 @@ def test_sampling_params_validate_constraints_naming_the_field():
         with pytest.raises(RequestError, match=re.escape(field)) as info:
             SamplingParams.from_dict(bad).constraint()  # fields checked, then translated once
         assert info.value.param in ("regex", "json_schema", "whitespace_pattern")
+
+
+def _duration_ok(s: str) -> bool:
+    """RFC 3339 appendix A, parsed by hand (not by a regex)."""
+    if not s.startswith("P") or len(s) < 3:
+        return False
+    body, _, time_part = s[1:].partition("T")
+    if "T" in s and not time_part:
+        return False
+
+    def units(text: str, order: str) -> str | None:
+        got, num = "", ""
+        for ch in text:
+            if ch.isdigit():
+                num += ch
+            elif ch in order and num and (not got or order.index(ch) > order.index(got[-1])):
+                got, num = got + ch, ""
+            else:
+                return None
+        return None if num else got
+
+    date, time_units = units(body, "YMWD"), units(time_part, "HMS") if time_part else ""
+    if date is None or time_units is None:
+        return False
+    if "W" in date:
+        return date == "W" and not time_part
+    contiguous = lambda u, order: u == "" or u in {order[i:j] for i in range(len(order)) for j in range(i + 1, len(order) + 1)}  # noqa: E731
+    return (date or time_units) != "" and contiguous(date, "YMD") and contiguous(time_units, "HMS")
+
+
+def _hostname_ok(s: str) -> bool:
+    labels = s.split(".")
+    return len(s) <= 253 and all(
+        1 <= len(x) <= 63 and x[0] != "-" and x[-1] != "-" and all(c.isascii() and (c.isalnum() or c == "-") for c in x)
+        for x in labels
+    )
+
+
+def _uri_chars_ok(s: str) -> bool:
+    allowed = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~!$&'()*+,;=:@/?#%")
+    return set(s) <= allowed and all(
+        len(s) > i + 2 and all(c in "0123456789abcdefABCDEF" for c in s[i + 1 : i + 3])
+        for i, c in enumerate(s) if c == "%"
+    )
+
+
+@pytest.mark.parametrize("fmt,ok", [
+    ("ipv6", lambda s: bool(__import__("ipaddress").IPv6Address(s))),
+    ("hostname", _hostname_ok),
+    ("duration", _duration_ok),
+    ("uri", lambda s: _uri_chars_ok(s) and __import__("urllib.parse").parse.urlsplit(s).scheme in ("http", "https")
+     and bool(__import__("urllib.parse").parse.urlsplit(s).netloc)),
+    ("uri-reference", lambda s: _uri_chars_ok(s) and s.count("#") <= 1),
+])
+def test_more_formats_admit_only_valid_values(fmt, ok):
+    """Checked by independent code (ipaddress, a hand-written parser), since jsonschema's
+    format checkers for these need optional packages."""
+    schema = {"type": "string", "format": fmt}
+    rx = schema_to_regex(schema)
+    values = [json.loads(t) for t in sample_strings(rx, 300, seed=len(fmt))]
+    assert len(set(values)) > 50, values[:10]
+    for v in values:
+        assert ok(v), (fmt, v)
+        jsonschema.validate(v, schema, format_checker=jsonschema.FormatChecker())
+    for bad in {"ipv6": ["1:2:3:4:5:6:7:8:9", ":::", "12345::", "g::"], "hostname": ["-a.com", "a..b", "a_b"],
+                "duration": ["P", "PT", "P1S", "PT1D", "P1W1D", "P1M1Y"],
+                "uri": ["ftp://x", "http://", "http://a/%zz"], "uri-reference": ["a b", "%g0", "a#b#c"]}[fmt]:
+        assert not re.fullmatch(rx, json.dumps(bad)), (fmt, bad)

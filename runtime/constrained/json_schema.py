@@ -79,6 +79,13 @@ WHY_NOT = {
     "divisibleBy": "divisibility cannot be enforced by the regex",
     "extends": "draft 3's 'extends' is not supported; use 'allOf'",
 }
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,38}[A-Za-z0-9])?"
+_N = r"[0-9]{1,9}"
+_DUR_TIME = r"T(?:" + _N + "H(?:" + _N + "M(?:" + _N + "S)?)?|" + _N + "M(?:" + _N + "S)?|" + _N + "S)"
+_PCHAR = r"(?:[A-Za-z0-9._~!$&'()*+,;=:@-]|%[0-9A-Fa-f]{2})"  # RFC 3986, percent-escapes well formed
+_PATH = r"(?:/" + _PCHAR + r"{0,24}){0,5}"
+_QUERY = r"(?:" + _PCHAR + r"|[/?]){0,24}"
+_HOST = r"[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63}){0,8}"
 FORMATS = {
     # real calendar dates (29 February is left out rather than checking leap years)
     "date": r"[1-9][0-9]{3}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
@@ -87,7 +94,28 @@ FORMATS = {
     "uuid": r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
     "email": r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63}){0,4}\.[A-Za-z]{2,24}",
     "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
-    "uri": r"https?://[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63}){0,8}(?:/[A-Za-z0-9._~%-]{0,64}){0,8}",
+    "ipv6": "|".join([  # RFC 4291 text forms (Python's ipaddress accepts each)
+        r"(?:[0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}",
+        r"(?:[0-9a-fA-F]{1,4}:){1,7}:",
+        r"(?:[0-9a-fA-F]{1,4}:){1,6}:[0-9a-fA-F]{1,4}",
+        r"(?:[0-9a-fA-F]{1,4}:){1,5}(?::[0-9a-fA-F]{1,4}){1,2}",
+        r"(?:[0-9a-fA-F]{1,4}:){1,4}(?::[0-9a-fA-F]{1,4}){1,3}",
+        r"(?:[0-9a-fA-F]{1,4}:){1,3}(?::[0-9a-fA-F]{1,4}){1,4}",
+        r"(?:[0-9a-fA-F]{1,4}:){1,2}(?::[0-9a-fA-F]{1,4}){1,5}",
+        r"[0-9a-fA-F]{1,4}:(?::[0-9a-fA-F]{1,4}){1,6}",
+        r":(?::[0-9a-fA-F]{1,4}){1,7}",
+        r"::",
+    ]),
+    # RFC 1123 labels; at most 6 of at most 40 characters keep the name under 253
+    "hostname": _LABEL + r"(?:\." + _LABEL + r"){0,5}",
+    # RFC 3339 appendix A (ISO 8601 durations)
+    "duration": r"P(?:(?:" + _N + "D|" + _N + "M(?:" + _N + "D)?|" + _N + "Y(?:" + _N + "M(?:" + _N + "D)?)?)"
+                r"(?:" + _DUR_TIME + ")?|" + _DUR_TIME + "|" + _N + "W)",
+    "uri": r"https?://" + _HOST + _PATH,
+    # an absolute URI as above or an absolute-path reference ("/a/b"; the two start with
+    # different characters, which keeps the automaton small), then ?query and #fragment
+    "uri-reference": r"(?:https?://" + _HOST + _PATH + r"|/" + r"(?:" + _PCHAR + r"{1,24}" + _PATH + r")?)?"
+                     r"(?:\?" + _QUERY + r")?(?:#" + _QUERY + r")?",
 }
 FORMATS["date-time"] = FORMATS["date"] + "T" + FORMATS["time"]
 ANY_DEPTH = 2  # nesting of a free-form value ({} or true): objects/arrays this deep
@@ -365,7 +393,7 @@ class _Translator:
                 raise SchemaError(
                     f"json_schema 'format' {fmt!r} at {path} is not supported; allowed: {', '.join(sorted(FORMATS))}"
                 )
-            return '"' + FORMATS[fmt] + '"'
+            return '"(?:' + FORMATS[fmt] + ')"'
         if lo == 0 and hi is None:
             return JSON_STRING
         return '"' + _repeat(JSON_CHAR, lo, hi) + '"'
