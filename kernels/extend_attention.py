@@ -183,5 +183,9 @@ def extend_attention(
         req_to_token.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, **dot_options(k_buffer.dtype),
+        # a [BLOCK_M, 128] float32 accumulator plus the q/k/v tiles (and float32 tiles at
+        # any head_dim) spill with 4 warps (ptxas on sm_80 and sm_90a,
+        # benchmarks/gpu_compile_check.py); 8 warps halve each thread's share
+        num_warps=8 if head_dim > 64 or k_buffer.dtype == torch.float32 else 4,
     )
     return out
