@@ -190,7 +190,7 @@ def test_whitespace_is_compact_by_default_and_configurable():
         ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
         ({"type": "object", "patternProperties": {"^x": {"type": "string"}}}, "patternProperties"),
         ({"type": "number", "minimum": 0.5}, "minimum"),
-        ({"type": "number", "exclusiveMaximum": 3}, "exclusiveMaximum"),
+        ({"type": "number", "exclusiveMaximum": 2.5}, "exclusiveMaximum"),
         ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf"),
         ({"allOf": [{"type": "string", "pattern": "^a+$"}, {"type": "string", "pattern": "^b+$"}]}, "allOf"),
         ({"type": "integer", "multipleOf": 3}, "multipleOf"),
@@ -475,3 +475,36 @@ def test_more_formats_admit_only_valid_values(fmt, ok):
                 "duration": ["P", "PT", "P1S", "PT1D", "P1W1D", "P1M1Y"],
                 "uri": ["ftp://x", "http://", "http://a/%zz"], "uri-reference": ["a b", "%g0", "a#b#c"]}[fmt]:
         assert not re.fullmatch(rx, json.dumps(bad)), (fmt, bad)
+
+
+def test_number_ranges_with_open_integral_bounds_are_exact():
+    """Every bound pair (open or closed) against exact rational arithmetic: no number
+    outside is admitted, every canonical number inside is."""
+    import itertools
+    from fractions import Fraction
+
+    values = {f"{sign}{ip}{fr}" for ip in [*range(13), 99, 100, 101, 999, 1000]
+              for fr in ("", ".0", ".00", ".5", ".05", ".9", ".001", ".10", ".99") for sign in ("", "-")}
+    for lo, hi in itertools.product([None, -10, -3, -1, 0, 1, 2, 7, 100], repeat=2):
+        for lo_open, hi_open in itertools.product([False, True], repeat=2):
+            if (lo is None and lo_open) or (hi is None and hi_open):
+                continue
+            empty = lo is not None and hi is not None and (lo > hi or (lo == hi and (lo_open or hi_open)))
+            if empty:
+                with pytest.raises(SchemaError):
+                    number_range_regex(lo, hi, lo_open, hi_open)
+                continue
+            rx = re.compile(number_range_regex(lo, hi, lo_open, hi_open))
+            for text in values:
+                v = Fraction(text)
+                inside = (lo is None or (v > lo if lo_open else v >= lo)) and \
+                    (hi is None or (v < hi if hi_open else v <= hi))
+                canonical = not (text.startswith("-0") and v == 0) and not (
+                    "." in text and text.endswith("0") and not text.endswith(".0"))
+                assert not rx.fullmatch(text) or inside, (lo, hi, lo_open, hi_open, text)
+                assert rx.fullmatch(text) or not inside or not canonical, (lo, hi, lo_open, hi_open, text)
+    schema = {"type": "object", "properties": {"price": {"type": "number", "exclusiveMinimum": 0},
+                                               "t": {"type": "number", "minimum": -1, "exclusiveMaximum": 1}},
+              "required": ["price", "t"]}
+    for text in sample_strings(schema_to_regex(schema), 200, seed=3):
+        jsonschema.validate(json.loads(text), schema)

@@ -413,17 +413,17 @@ class _Translator:
         if lo is None and hi is None:
             return NUMBER
         for b, key in ((lo, "minimum"), (hi, "maximum")):
-            if b is not None and (b[1] or b[0] != int(b[0])):
+            if b is not None and b[0] != int(b[0]):
                 kw = ("exclusiveMinimum" if key == "minimum" else "exclusiveMaximum") if b[1] else key
                 raise SchemaError(
                     f"json_schema {kw!r} at {path} is not supported for 'number' ({b[0]!r}); allowed: "
-                    f"inclusive integral bounds (or type 'integer')"
+                    f"integral bounds, inclusive or exclusive (or type 'integer')"
                 )
         a = None if lo is None else int(lo[0])
         b = None if hi is None else int(hi[0])
-        if a is not None and b is not None and a > b:
+        if a is not None and b is not None and (a > b or (a == b and (lo[1] or hi[1]))):
             raise SchemaError(f"json_schema 'minimum'/'maximum' at {path} admit no number")
-        return number_range_regex(a, b)
+        return number_range_regex(a, b, lo is not None and lo[1], hi is not None and hi[1])
 
     def bounds(self, s: dict[str, Any], path: str) -> tuple[tuple[float, bool] | None, tuple[float, bool] | None]:
         """(value, exclusive) lower and upper bounds, the tighter of inclusive and
@@ -610,24 +610,42 @@ def int_range_regex(lo: int | None, hi: int | None) -> str:
     return _alt(parts)
 
 
-def number_range_regex(lo: int | None, hi: int | None) -> str:
-    """Numbers (no exponent) in ``[lo, hi]`` with integral bounds (None: unbounded)."""
+def number_range_regex(lo: int | None, hi: int | None, lo_open: bool = False, hi_open: bool = False) -> str:
+    """Numbers (no exponent) between integral bounds (None: unbounded), each bound
+    inclusive or open (``lo_open``: ``v > lo``)."""
     frac, zeros = r"(?:\.[0-9]{1,16})?", r"(?:\.0{1,16})?"
+    nonzero_frac = r"\.[0-9]{0,15}[1-9]"  # a fraction that is not zero
 
-    def magnitude(a: int, b: int | None) -> str:
-        # |v| in [a, b]: integer part in [a, b-1] with any fraction, or b with a zero one
-        parts = []
-        if b is None or b - 1 >= a:
-            parts.append(_nonneg_range(a, None if b is None else b - 1) + frac)
-        if b is not None:
+    def magnitude(a: int, b: int | None, a_open: bool, b_open: bool) -> str | None:
+        # |v| between a and b: integer part a (with a non-zero fraction when a is open),
+        # integer parts strictly between with any fraction, b with a zero fraction
+        if b is not None and (b < a or (b == a and (a_open or b_open))):
+            return None
+        if b == a:
+            return str(a) + zeros
+        parts = [str(a) + (nonzero_frac if a_open else frac)]
+        if b is None or b - 1 >= a + 1:
+            parts.append(_nonneg_range(a + 1, None if b is None else b - 1) + frac)
+        if b is not None and not b_open:
             parts.append(str(b) + zeros)
         return _alt(parts)
 
     parts = []
-    if lo is None or lo < 0:
-        parts.append("-" + magnitude(0 if hi is None or hi >= 0 else -hi, None if lo is None else -lo))
-    if hi is None or hi >= 0:
-        parts.append(magnitude(max(lo or 0, 0), hi))
+    if lo is None or lo < 0:  # negative numbers: magnitudes from max(-hi, 0) up to -lo
+        if hi is None or hi > 0:
+            low, low_open = 0, False
+        else:
+            low, low_open = -hi, hi_open
+        neg = magnitude(low, None if lo is None else -lo, low_open, lo_open)
+        if neg is not None:
+            parts.append("-" + neg)
+    if hi is None or hi > 0 or (hi == 0 and not hi_open):  # zero and positive numbers
+        low, low_open = (0, False) if lo is None or lo < 0 else (lo, lo_open)
+        pos = magnitude(low, hi, low_open, hi_open)
+        if pos is not None:
+            parts.append(pos)
+    if not parts:
+        raise SchemaError(f"no number lies between {lo} and {hi} with these bounds")
     return _alt(parts)
 
 
