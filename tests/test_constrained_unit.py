@@ -508,3 +508,28 @@ def test_number_ranges_with_open_integral_bounds_are_exact():
               "required": ["price", "t"]}
     for text in sample_strings(schema_to_regex(schema), 200, seed=3):
         jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "multipleOf": 2}, {"type": "integer", "multipleOf": 5}, {"type": "integer", "multipleOf": 100},
+    {"type": "number", "multipleOf": 1, "minimum": -5, "exclusiveMaximum": 12.5},
+    {"type": "integer", "multipleOf": 1, "minimum": 3, "maximum": 40},
+])
+def test_multiple_of_in_the_forms_a_regex_enforces(schema):
+    rx = schema_to_regex(schema)
+    values = [json.loads(t) for t in sample_strings(rx, 200, seed=7)]
+    assert len(set(values)) > 10
+    for v in values:
+        jsonschema.validate(v, schema)
+    for bad in (3, 7, 55, 1001, -9) if schema.get("multipleOf") != 1 else (1.5, -6, 13):
+        if not jsonschema.Draft202012Validator(schema).is_valid(bad):
+            assert not re.fullmatch(rx, json.dumps(bad)), (schema, bad)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "number", "multipleOf": 0.01}, {"type": "integer", "multipleOf": 3},
+    {"type": "integer", "multipleOf": 10, "minimum": 0}, {"type": ["integer", "null"], "multipleOf": 2},
+])
+def test_other_multiple_of_forms_are_refused_by_name(schema):
+    with pytest.raises(SchemaError, match="multipleOf"):
+        schema_to_regex(schema)

@@ -236,6 +236,8 @@ class _Translator:
                 continue
             if k == "uniqueItems" and (s[k] is False or is_int(s.get("maxItems")) and s["maxItems"] <= 1):
                 continue
+            if k == "multipleOf" and _multiple_of_supported(s):
+                continue
             if k in WHY_NOT:
                 raise SchemaError(f"json_schema keyword {k!r} at {path} is not supported: {WHY_NOT[k]}")
             # any other keyword (draft-4 "id", OpenAPI's "nullable" or "example", vendor
@@ -399,6 +401,9 @@ class _Translator:
         return '"' + _repeat(JSON_CHAR, lo, hi) + '"'
 
     def integer(self, s: dict[str, Any], path: str) -> str:
+        k = s.get("multipleOf", 1)
+        if k != 1:  # _multiple_of_supported: 2, 5 or a power of ten, without bounds
+            return _multiples_regex(int(k))
         lo, hi = self.bounds(s, path)
         if lo is None and hi is None:
             return INTEGER
@@ -409,6 +414,8 @@ class _Translator:
         return int_range_regex(lo, hi)
 
     def number(self, s: dict[str, Any], path: str) -> str:
+        if s.get("multipleOf") == 1:  # whole numbers, written as integers
+            return self.integer(s, path)
         lo, hi = self.bounds(s, path)
         if lo is None and hi is None:
             return NUMBER
@@ -538,6 +545,29 @@ class _Translator:
 
 
 # -- helpers ------------------------------------------------------------------------------
+def _multiple_of_supported(s: dict[str, Any]) -> bool:
+    """``multipleOf`` forms a regex enforces exactly: 1 (whole numbers, any bounds), and
+    2, 5 or a power of ten for ``type: integer`` without bounds (the last digits)."""
+    k = s.get("multipleOf")
+    if not _is_num(k) or isinstance(k, bool) or k <= 0:
+        return False
+    if k == 1:
+        return True
+    bounded = any(b in s for b in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"))
+    power_of_ten = is_int(k) and str(k).rstrip("0") == "1" and len(str(k)) < MAX_DIGITS
+    return s.get("type") == "integer" and not bounded and is_int(k) and (k in (2, 5) or power_of_ten)
+
+
+def _multiples_regex(k: int) -> str:
+    """JSON integers divisible by ``k`` (2, 5 or 10**d), at most MAX_DIGITS digits."""
+    if k in (2, 5):
+        last = "[02468]" if k == 2 else "[05]"
+        single = "[2468]" if k == 2 else "5"
+        return r"(?:0|-?" + single + "|-?[1-9][0-9]{0,%d}" % (MAX_DIGITS - 2) + last + ")"
+    zeros = len(str(k)) - 1
+    return r"(?:0|-?[1-9][0-9]{0,%d}" % (MAX_DIGITS - zeros - 1) + "0" * zeros + ")"
+
+
 def _alt(parts: list[str]) -> str:
     parts = list(dict.fromkeys(parts))
     return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
