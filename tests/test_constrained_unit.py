@@ -194,7 +194,7 @@ def test_whitespace_is_compact_by_default_and_configurable():
         ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf"),
         ({"allOf": [{"type": "string", "pattern": "^a+$"}, {"type": "string", "pattern": "^b+$"}]}, "allOf"),
         ({"type": "integer", "multipleOf": 3}, "multipleOf"),
-        ({"not": {"type": "string"}}, "not"),
+        ({"not": {"required": ["x"]}}, "not"),
         ({"type": "object", "minProperties": 2}, "minProperties"),
         ({"type": "string", "format": "idn-email"}, "format"),
         ({"type": "string", "pattern": "^[A-Z].*$"}, "pattern"),
@@ -533,3 +533,17 @@ def test_multiple_of_in_the_forms_a_regex_enforces(schema):
 def test_other_multiple_of_forms_are_refused_by_name(schema):
     with pytest.raises(SchemaError, match="multipleOf"):
         schema_to_regex(schema)
+
+
+@pytest.mark.parametrize("schema", [
+    {"not": {"type": "string"}},
+    {"type": ["string", "integer", "null"], "not": {"type": "null"}},
+    {"type": "number", "not": {"type": "integer"}},
+    {"type": "object", "properties": {"v": {"not": {"type": ["object", "array", "null"]}}}, "required": ["v"]},
+])
+def test_not_type_is_folded_into_the_allowed_types(schema):
+    rx = schema_to_regex(schema)
+    for text in sample_strings(rx, 150, seed=11):
+        jsonschema.validate(json.loads(text), schema)
+    with pytest.raises(SchemaError, match="'not'"):
+        schema_to_regex({**schema, "not": {"enum": [1, 2]}})  # other forms of `not` are still refused

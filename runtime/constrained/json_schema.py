@@ -216,6 +216,8 @@ class _Translator:
         if not isinstance(s, dict):
             raise SchemaError(f"json_schema at {path} must be an object or a boolean, got {type(s).__name__}")
         self.check_keywords(s, path)
+        if "not" in s:  # only `not: {type: ...}` passes check_keywords
+            s = self.without_types(s, _type_negation(s["not"]) or set(), path)
         if "$ref" in s:
             return self.ref(s, path)
         if "allOf" in s:
@@ -238,11 +240,27 @@ class _Translator:
                 continue
             if k == "multipleOf" and _multiple_of_supported(s):
                 continue
+            if k == "not" and _type_negation(s[k]) is not None:
+                continue
             if k in WHY_NOT:
                 raise SchemaError(f"json_schema keyword {k!r} at {path} is not supported: {WHY_NOT[k]}")
             # any other keyword (draft-4 "id", OpenAPI's "nullable" or "example", vendor
             # keys such as "javaType") does not constrain: the JSON Schema specification
             # says unknown keywords are ignored, and jsonschema ignores them too
+
+    def without_types(self, s: dict[str, Any], excluded: set[str], path: str) -> dict[str, Any]:
+        """``s`` with ``not: {type: excluded}`` folded into its ``type``. Excluding
+        ``integer`` but not ``number`` leaves the numbers with a fractional part."""
+        rest = {k: v for k, v in s.items() if k != "not"}
+        base = self.types(rest, path) or list(TYPE_KEYWORDS)
+        if "number" in base and "integer" not in base:
+            base = [*base, "integer"]  # "number" includes the integers
+        allowed = [t for t in base if t not in excluded and not (t == "integer" and "number" in excluded)]
+        if "number" in allowed and "integer" in excluded:
+            rest[_FRACTIONAL] = True
+        if not allowed:
+            raise SchemaError(f"json_schema 'not' at {path} excludes every type the schema allows")
+        return {**rest, "type": allowed}
 
     def types(self, s: dict[str, Any], path: str) -> list[str] | None:
         t = s.get("type")
@@ -414,6 +432,10 @@ class _Translator:
         return int_range_regex(lo, hi)
 
     def number(self, s: dict[str, Any], path: str) -> str:
+        if s.get(_FRACTIONAL):  # `not: {type: integer}`: a non-zero fractional digit
+            if set(s) & TYPE_KEYWORDS["number"] or "multipleOf" in s:
+                raise SchemaError(f"json_schema 'not' at {path}: bounds on non-integral numbers are not supported")
+            return r"-?(?:0|[1-9][0-9]{0,15})\.[0-9]{0,15}[1-9]"
         if s.get("multipleOf") == 1:  # whole numbers, written as integers
             return self.integer(s, path)
         lo, hi = self.bounds(s, path)
@@ -545,6 +567,21 @@ class _Translator:
 
 
 # -- helpers ------------------------------------------------------------------------------
+_FRACTIONAL = "\x00fractional"  # internal mark (never a key of a user's schema)
+
+
+def _type_negation(sub: Any) -> set[str] | None:
+    """The types ``not: sub`` excludes when ``sub`` is only a ``type`` (plus
+    annotations), else None."""
+    if not isinstance(sub, dict) or "type" not in sub or set(sub) - ANNOTATIONS - {"type"}:
+        return None
+    t = sub["type"]
+    ts = t if isinstance(t, list) else [t]
+    if not ts or not all(isinstance(x, str) and x in TYPE_KEYWORDS for x in ts):
+        return None
+    return set(ts)
+
+
 def _multiple_of_supported(s: dict[str, Any]) -> bool:
     """``multipleOf`` forms a regex enforces exactly: 1 (whole numbers, any bounds), and
     2, 5 or a power of ten for ``type: integer`` without bounds (the last digits)."""
