@@ -37,7 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 from plait import protocol as P
 from plait.backend import BaseBackend, OnChunk, Pending, Request
 from plait.chat_template import ChatTemplate, ChatTemplateError, jinja_render
-from plait.errors import RuntimeUnavailableError
+from plait.errors import BackendError, RuntimeUnavailableError
 
 logger = logging.getLogger("plait")
 
@@ -345,6 +345,15 @@ def _zmq_address_from_http(url: str, api_key: str | None, timeout: float) -> str
             req = urllib.request.Request(url.rstrip("/") + route, headers=headers)
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 info = json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            if e.code == 401:
+                raise BackendError(
+                    f"the runtime at {url} needs an API key: RuntimeEndpoint(url, api_key=...) "
+                    f"({'the key given was refused' if api_key else 'none was given'})",
+                    code=401, param="api_key", error_type="authentication_error",
+                ) from None
+            last = e
+            continue
         except (urllib.error.URLError, OSError, ValueError) as e:
             last = e
             continue

@@ -547,3 +547,43 @@ def test_not_type_is_folded_into_the_allowed_types(schema):
         jsonschema.validate(json.loads(text), schema)
     with pytest.raises(SchemaError, match="'not'"):
         schema_to_regex({**schema, "not": {"enum": [1, 2]}})  # other forms of `not` are still refused
+
+
+@pytest.mark.parametrize("lo,hi", [(1, None), (0, 1), (2, 3), (4, 4), (3, None)])
+def test_min_and_max_properties_count_the_written_properties(lo, hi):
+    schema = {"type": "object", "properties": {k: {"type": "integer", "minimum": 0, "maximum": 9} for k in "abcde"},
+              "required": ["b"], "minProperties": lo, **({} if hi is None else {"maxProperties": hi})}
+    rx = schema_to_regex(schema)
+    for text in sample_strings(rx, 200, seed=lo * 10 + (hi or 0)):
+        jsonschema.validate(json.loads(text), schema)
+    for n in range(1, 6):  # b and the first n - 1 optional ones, in the schema's order
+        keys = ["a", "b", *"cde"][: n] if n > 1 else ["b"]
+        obj = {k: 1 for k in "abcde" if k in keys}
+        allowed = lo <= n and (hi is None or n <= hi)
+        assert bool(re.fullmatch(rx, json.dumps(obj, separators=(",", ":")))) == allowed, (lo, hi, obj)
+    for bad in ({"b": 1, "a": 2, "c": 3, "d": 4, "e": 5, "f": 6}, {}, {"a": 1}):
+        if not jsonschema.Draft202012Validator(schema).is_valid(bad):
+            assert not re.fullmatch(rx, json.dumps(bad, separators=(",", ":")))
+
+
+def test_property_counts_need_listed_properties():
+    with pytest.raises(SchemaError, match="minProperties"):
+        schema_to_regex({"type": "object", "minProperties": 1})
+    with pytest.raises(SchemaError, match="at most 8 optional"):
+        schema_to_regex({"type": "object", "properties": {f"p{i}": {"type": "null"} for i in range(9)},
+                         "maxProperties": 2})
+    with pytest.raises(SchemaError, match="no object"):
+        schema_to_regex({"type": "object", "properties": {"a": {"type": "null"}}, "minProperties": 2})
+
+
+def test_open_bounds_survive_float_parsing():
+    """Validators parse JSON numbers as floats: nothing the regex admits may round onto
+    an open bound (1.9999999999999999 is 2.0 as a float)."""
+    for schema in ({"type": "number", "exclusiveMaximum": 2}, {"type": "number", "exclusiveMinimum": 2},
+                   {"type": "number", "exclusiveMinimum": -2, "maximum": 0}, {"type": "number", "not": {"type": "integer"}}):
+        rx = schema_to_regex(schema)
+        for text in ("1.9999999999999999", "2.0000000000000001", "-1.9999999999999999", "3.0000000000000001"):
+            if re.fullmatch(rx, text):
+                assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), (schema, text)
+        for text in sample_strings(rx, 300, seed=5):
+            jsonschema.validate(json.loads(text), schema)

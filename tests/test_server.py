@@ -463,6 +463,11 @@ def test_runtime_endpoint_sends_the_key(server):
         ep.shutdown()
     with pytest.raises(Exception, match="API key"):
         RuntimeEndpoint(server.zmq_address, connect_timeout_s=10)
+    from plait.errors import BackendError
+
+    with pytest.raises(BackendError, match="needs an API key") as info:  # through the HTTP URL too
+        RuntimeEndpoint(server.url, connect_timeout_s=10)
+    assert info.value.param == "api_key" and info.value.code == 401
 
 
 def test_zmq_generate_stream_and_result(http, zclient):

@@ -48,7 +48,7 @@ TYPE_KEYWORDS: dict[str, frozenset[str]] = {
     "number": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}),
     "boolean": frozenset(),
     "null": frozenset(),
-    "object": frozenset({"properties", "required", "additionalProperties"}),
+    "object": frozenset({"properties", "required", "additionalProperties", "minProperties", "maxProperties"}),
     "array": frozenset({"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"}),
 }
 COMBINATORS = frozenset({"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"})
@@ -57,8 +57,6 @@ WHY_NOT = {
     "uniqueItems": "a regex cannot keep array items distinct (allowed only with maxItems <= 1)",
     "patternProperties": "keys matched by a pattern cannot be enforced; list the keys in 'properties'",
     "multipleOf": "divisibility cannot be enforced by the regex",
-    "minProperties": "property counts cannot be enforced; use 'required'",
-    "maxProperties": "property counts cannot be enforced; set additionalProperties: false",
     "not": "negated schemas cannot be enforced",
     "if": "conditional schemas cannot be enforced",
     "then": "conditional schemas cannot be enforced",
@@ -125,6 +123,9 @@ MAX_SCHEMA_DEPTH = 64  # nesting of JSON objects/arrays in the schema document
 MAX_SCHEMA_EXPANSION = 20_000  # subschemas translated, each $ref use counted again
 MAX_REF_DEPTH = 64  # $refs being expanded inside each other
 MAX_REGEX_CHARS = 1 << 20  # the translated regex
+OPEN_BOUND_LIMIT = 10**9  # exclusive number bounds: |bound| below this ...
+OPEN_BOUND_FRACTION = 6  # ... and at most this many fraction digits (float-safe near the bound)
+MAX_COUNTED_OPTIONAL = 8  # optional properties under minProperties/maxProperties (2**8 branches)
 JSON_WHITESPACE = r"[ \t\n\r]*"
 
 
@@ -435,7 +436,8 @@ class _Translator:
         if s.get(_FRACTIONAL):  # `not: {type: integer}`: a non-zero fractional digit
             if set(s) & TYPE_KEYWORDS["number"] or "multipleOf" in s:
                 raise SchemaError(f"json_schema 'not' at {path}: bounds on non-integral numbers are not supported")
-            return r"-?(?:0|[1-9][0-9]{0,15})\.[0-9]{0,15}[1-9]"
+            # float-safe: at most 9 + 6 digits, so parsing cannot round it to an integer
+            return r"-?(?:0|[1-9][0-9]{0,8})\.[0-9]{0,5}[1-9]"
         if s.get("multipleOf") == 1:  # whole numbers, written as integers
             return self.integer(s, path)
         lo, hi = self.bounds(s, path)
@@ -486,6 +488,10 @@ class _Translator:
             raise SchemaError(f"json_schema 'properties'/'required' at {path} are invalid")
         if not isinstance(extra, (bool, dict)):
             raise SchemaError(f"json_schema 'additionalProperties' at {path} must be a boolean or a schema")
+        lo, hi = s.get("minProperties", 0), s.get("maxProperties")
+        if not is_int(lo) or lo < 0 or (hi is not None and (not is_int(hi) or hi < lo)):
+            raise SchemaError(f"json_schema 'minProperties'/'maxProperties' at {path} are invalid: {lo!r}, {hi!r}")
+        counted = "minProperties" in s or "maxProperties" in s
         fields = [(name, sub) for name, sub in props.items()]
         for name in required:
             if name not in props:
@@ -496,15 +502,23 @@ class _Translator:
                 fields.append((name, extra))
         if not fields:
             if extra is False:
+                if lo > 0:
+                    raise SchemaError(f"json_schema at {path}: no object satisfies 'minProperties' here")
                 return r"\{" + ws + r"\}"
             value = self.value(extra, path + "/additionalProperties") if isinstance(extra, dict) else self.any(ANY_DEPTH - 1, path)
             pair = JSON_STRING + ws + ":" + ws + value
+            if counted:  # NOTE: keys may repeat in the text; JSON parsers keep the last one
+                raise SchemaError(f"json_schema 'minProperties'/'maxProperties' at {path} need 'properties' to be "
+                                  f"listed (free-form keys could repeat)")
             return r"\{" + ws + "(?:" + pair + "(?:" + ws + "," + ws + pair + ")*)?" + ws + r"\}"
         sep = ws + "," + ws
         pairs = [
             (escape(self.dump(name)) + ws + ":" + ws + self.value(sub, f"{path}/properties/{name}"), name in required)
             for name, sub in fields
         ]
+
+        if counted:
+            return r"\{" + ws + self.counted_fields(pairs, lo, hi, path) + ws + r"\}"
 
         def rest(i: int, first: bool) -> str:
             # properties i.. given whether one was written already
@@ -519,6 +533,46 @@ class _Translator:
             return "(?:" + pair + rest(i + 1, False) + (")?" if not alt else "|" + alt + ")")
 
         return r"\{" + ws + rest(0, True) + ws + r"\}"
+
+    def counted_fields(self, pairs: list[tuple[str, bool]], lo: int, hi: int | None, path: str) -> str:
+        """The listed properties in order, required ones present, with between ``lo``
+        and ``hi`` written in all (min/maxProperties). Each choice of optional
+        properties is its own branch, so at most MAX_COUNTED_OPTIONAL optional ones."""
+        sep = self.ws + "," + self.ws
+        optional = [i for i, (_, req) in enumerate(pairs) if not req]
+        if len(optional) > MAX_COUNTED_OPTIONAL:
+            raise SchemaError(
+                f"json_schema 'minProperties'/'maxProperties' at {path} are supported with at most "
+                f"{MAX_COUNTED_OPTIONAL} optional properties; this object has {len(optional)}"
+            )
+        n_req = len(pairs) - len(optional)
+        need_lo, need_hi = lo - n_req, None if hi is None else hi - n_req
+        left_after = [sum(1 for j in optional if j >= i) for i in range(len(pairs) + 1)]
+
+        def rest(i: int, first: bool, taken: int) -> str | None:
+            # properties i.. given whether one was written already and optional ones taken
+            if taken + left_after[i] < need_lo or (need_hi is not None and taken > need_hi):
+                return None
+            if i == len(pairs):
+                return ""
+            pair, req = pairs[i]
+            lead = pair if first else sep + pair
+            if req:
+                tail = rest(i + 1, False, taken)
+                return None if tail is None else lead + tail
+            take = rest(i + 1, False, taken + 1)
+            skip = rest(i + 1, first, taken)
+            options = ([lead + take] if take is not None else []) + ([skip] if skip is not None else [])
+            if not options:
+                return None
+            if len(options) == 1:
+                return options[0]
+            return "(?:" + options[0] + ")?" if options[1] == "" else "(?:" + options[0] + "|" + options[1] + ")"
+
+        body = rest(0, True, 0)
+        if body is None:
+            raise SchemaError(f"json_schema at {path}: no object satisfies 'minProperties'/'maxProperties' here")
+        return body
 
     def array(self, s: dict[str, Any], path: str) -> str:
         ws = self.ws
@@ -679,9 +733,19 @@ def int_range_regex(lo: int | None, hi: int | None) -> str:
 
 def number_range_regex(lo: int | None, hi: int | None, lo_open: bool = False, hi_open: bool = False) -> str:
     """Numbers (no exponent) between integral bounds (None: unbounded), each bound
-    inclusive or open (``lo_open``: ``v > lo``)."""
-    frac, zeros = r"(?:\.[0-9]{1,16})?", r"(?:\.0{1,16})?"
-    nonzero_frac = r"\.[0-9]{0,15}[1-9]"  # a fraction that is not zero
+    inclusive or open (``lo_open``: ``v > lo``).
+
+    NOTE: with an open bound, fractions have at most OPEN_BOUND_FRACTION digits and the
+    bounds are below OPEN_BOUND_LIMIT in magnitude, so that a value parsed as a float
+    (as validators do) cannot round onto the bound it must not reach."""
+    if lo_open or hi_open:
+        if any(b is not None and abs(b) >= OPEN_BOUND_LIMIT for b in (lo, hi)):
+            raise SchemaError(f"exclusive bounds on numbers are supported up to {OPEN_BOUND_LIMIT:.0e} in magnitude")
+        frac = r"(?:\.[0-9]{1,%d})?" % OPEN_BOUND_FRACTION
+        nonzero_frac = r"\.[0-9]{0,%d}[1-9]" % (OPEN_BOUND_FRACTION - 1)  # a fraction that is not zero
+    else:
+        frac, nonzero_frac = r"(?:\.[0-9]{1,16})?", ""
+    zeros = r"(?:\.0{1,16})?"
 
     def magnitude(a: int, b: int | None, a_open: bool, b_open: bool) -> str | None:
         # |v| between a and b: integer part a (with a non-zero fraction when a is open),

@@ -350,7 +350,6 @@ class Front:
             return
         self.engine_alive = False
         self.engine_exit = code
-        self._restart(code)
         logger.error("the engine process exited with code %s; failing %d in-flight requests", code, len(self.table))
         message = f"the engine process exited (code {code}) before the request finished"
         table, self.table = self.table, {}
@@ -360,6 +359,7 @@ class Front:
         for fut, client_rid in list(self.pending.values()):
             if not fut.done():
                 fut.set_result(P.ErrorResponse(client_rid, message, 503, "server_error"))
+        self._restart(code)
 
     # -- language clients (ZMQ ROUTER) ----------------------------------------------------
     async def client_watchdog(self) -> None:

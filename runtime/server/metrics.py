@@ -71,6 +71,7 @@ class Metrics:
                              ["model_name"], buckets=_E2E_BUCKETS, registry=r)
         self.engine_restarts = Counter("plait_engine_restarts", "Engine processes restarted after dying.",
                                        ["model_name"], registry=r)
+        self.engine_restarts.labels(model)  # exported from the start, at 0
         r.register(_EngineCollector(stats, model))
 
     def finished(self, reason: str, prompt_tokens: int, completion_tokens: int,
