@@ -587,3 +587,14 @@ def test_open_bounds_survive_float_parsing():
                 assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), (schema, text)
         for text in sample_strings(rx, 300, seed=5):
             jsonschema.validate(json.loads(text), schema)
+
+
+def test_translation_has_a_time_limit(monkeypatch):
+    """A schema that is slow to translate (simulated: a clock that jumps) is a clear
+    SchemaError naming json_schema, never an unbounded stall."""
+    from plait.runtime.constrained import json_schema as js
+
+    ticks = iter(range(0, 10**6, 3))  # every look at the clock: 3 s later
+    monkeypatch.setattr(js.time, "monotonic", lambda: float(next(ticks)))
+    with pytest.raises(SchemaError, match="json_schema took longer than"):
+        schema_to_regex({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}})

@@ -54,6 +54,8 @@ CLIENT_ERRORS = [  # raw body or JSON, the param the 4xx names (None: the body)
     ({"messages": [{"role": "user", "content": "hi"}],
       "response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format"),
     ({"text": "hi", "sampling_params": {"json_schema": nested(600)}}, "json_schema"),
+    ({"messages": [{"role": "user", "content": "hi"}],  # the field the client sent
+      "response_format": {"type": "json_schema", "json_schema": {"schema": nested(600)}}}, "response_format"),
     ({"text": "hi", "sampling_params": {"json_schema": recursive_refs(19)}}, "json_schema"),
     ({"text": "hi", "sampling_params": {"min_new_tokens": 2, "stop_token_ids": [1000000]}}, "stop_token_ids"),
     ({"text": "x" * 20_000_000, "sampling_params": {"max_new_tokens": 1}}, "text"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from typing import Any
 
 from plait.errors import is_int
@@ -123,6 +124,7 @@ MAX_SCHEMA_DEPTH = 64  # nesting of JSON objects/arrays in the schema document
 MAX_SCHEMA_EXPANSION = 20_000  # subschemas translated, each $ref use counted again
 MAX_REF_DEPTH = 64  # $refs being expanded inside each other
 MAX_REGEX_CHARS = 1 << 20  # the translated regex
+MAX_TRANSLATE_S = 5.0  # wall time of one translation (checked at every subschema)
 OPEN_BOUND_LIMIT = 10**9  # exclusive number bounds: |bound| below this ...
 OPEN_BOUND_FRACTION = 6  # ... and at most this many fraction digits (float-safe near the bound)
 MAX_COUNTED_OPTIONAL = 8  # optional properties under minProperties/maxProperties (2**8 branches)
@@ -201,10 +203,14 @@ class _Translator:
         self.ws = ws
         self.refs: list[str] = []  # $refs being expanded (recursion check)
         self.expanded = 0  # subschemas translated so far (MAX_SCHEMA_EXPANSION)
+        self.deadline = time.monotonic() + MAX_TRANSLATE_S
 
     # -- dispatch ---------------------------------------------------------------------
     def value(self, s: Any, path: str) -> str:
         self.expanded += 1
+        if time.monotonic() > self.deadline:
+            raise SchemaError(f"json_schema took longer than {MAX_TRANSLATE_S:g} s to translate; allowed: at most "
+                              f"{MAX_TRANSLATE_S:g} s (a smaller schema, fewer alternatives)")
         if self.expanded > MAX_SCHEMA_EXPANSION:
             raise SchemaError(
                 f"json_schema expands to more than {MAX_SCHEMA_EXPANSION} subschemas (each use of a '$ref' counts); "

@@ -386,7 +386,7 @@ def build_app(front: Front) -> ASGIApp:
         try:
             await sub.submit(job.reqs, "messages" if job.chat else "prompt")
         except RequestError as e:
-            raise oa.openai_error(e) from None
+            raise oa.openai_error(e, job) from None
         if not job.stream:
             return JSONResponse(oa.response(front, job, await sub.results(request)))
         return StreamingResponse(await _first_then(request, sub, _openai_stream(front, job, sub)),

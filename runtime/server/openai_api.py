@@ -50,6 +50,7 @@ class Job:
     echo_texts: list[str] = field(default_factory=list)  # completions with echo=True
     logprobs: int | None = None  # number of top logprobs (0: chosen token only); None: off
     prompt_tokens: list[int] = field(default_factory=list)
+    from_response_format: bool = False  # its json_schema came from response_format
 
 
 # -- field checks ---------------------------------------------------------------------------
@@ -145,9 +146,11 @@ def sampling_params(front: Front, body: dict[str, Any], prompt_len: int, default
     return sp  # validated once, with the rest of the request, by Front.submit
 
 
-def openai_error(e: RequestError) -> RequestError:
+def openai_error(e: RequestError, job: Job | None = None) -> RequestError:
     """A validation error under OpenAI's field names (``max_new_tokens`` is
-    ``max_tokens`` here)."""
+    ``max_tokens`` here; a chat's ``json_schema`` came from ``response_format``)."""
+    if job is not None and job.from_response_format and e.param == "json_schema":
+        return e.with_param("response_format")
     new = _RENAMES.get(e.param or "")
     if new is None:
         return e
@@ -300,7 +303,8 @@ def parse_chat(front: Front, body: dict[str, Any]) -> Job:
         top_logprobs_num=top or 0, cache_salt=get_field(body, "cache_salt", "str"),
     )
     return Job(True, base, model, int(time.time()), [req], sp.get("n", 1), stream, include_usage,
-               logprobs=(top or 0) if want_lp else None, prompt_tokens=[len(ids)])
+               logprobs=(top or 0) if want_lp else None, prompt_tokens=[len(ids)],
+               from_response_format="json_schema" in sp_extra)
 
 
 # -- responses ------------------------------------------------------------------------------
