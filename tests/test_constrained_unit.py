@@ -598,3 +598,27 @@ def test_translation_has_a_time_limit(monkeypatch):
     monkeypatch.setattr(js.time, "monotonic", lambda: float(next(ticks)))
     with pytest.raises(SchemaError, match="json_schema took longer than"):
         schema_to_regex({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}})
+
+
+@pytest.mark.parametrize("deps", [
+    {"dependentRequired": {"card": ["billing"]}},
+    {"dependencies": {"card": ["billing"], "billing": ["name"]}},  # draft 7's form
+    {"dependentRequired": {"name": ["card"]}, "minProperties": 2},
+])
+def test_dependent_required_writes_a_property_only_with_its_dependencies(deps):
+    schema = {"type": "object", "properties": {k: {"type": "integer", "minimum": 0, "maximum": 9}
+                                               for k in ("name", "card", "billing", "note")}, **deps}
+    rx = schema_to_regex(schema)
+    cls = jsonschema.Draft7Validator if "dependencies" in deps else jsonschema.Draft202012Validator
+    for text in sample_strings(rx, 200, seed=13):
+        cls(schema).validate(json.loads(text))
+    import itertools
+
+    for n in range(5):  # every subset, in the schema's order: admitted exactly when valid
+        for keys in itertools.combinations(["name", "card", "billing", "note"], n):
+            obj = {k: 1 for k in keys}
+            validator = jsonschema.Draft7Validator if "dependencies" in deps else jsonschema.Draft202012Validator
+            valid = validator(schema).is_valid(obj)
+            assert bool(re.fullmatch(rx, json.dumps(obj, separators=(",", ":")))) == valid, (deps, obj)
+    with pytest.raises(SchemaError, match="dependencies"):  # schema-valued dependencies: refused
+        schema_to_regex({**schema, "dependencies": {"card": {"required": ["billing"]}}})

@@ -49,7 +49,8 @@ TYPE_KEYWORDS: dict[str, frozenset[str]] = {
     "number": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}),
     "boolean": frozenset(),
     "null": frozenset(),
-    "object": frozenset({"properties", "required", "additionalProperties", "minProperties", "maxProperties"}),
+    "object": frozenset({"properties", "required", "additionalProperties", "minProperties", "maxProperties",
+                         "dependentRequired"}),
     "array": frozenset({"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"}),
 }
 COMBINATORS = frozenset({"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"})
@@ -248,6 +249,8 @@ class _Translator:
             if k == "multipleOf" and _multiple_of_supported(s):
                 continue
             if k == "not" and _type_negation(s[k]) is not None:
+                continue
+            if k in ("dependentRequired", "dependencies") and _required_deps(s) is not None:
                 continue
             if k in WHY_NOT:
                 raise SchemaError(f"json_schema keyword {k!r} at {path} is not supported: {WHY_NOT[k]}")
@@ -497,7 +500,8 @@ class _Translator:
         lo, hi = s.get("minProperties", 0), s.get("maxProperties")
         if not is_int(lo) or lo < 0 or (hi is not None and (not is_int(hi) or hi < lo)):
             raise SchemaError(f"json_schema 'minProperties'/'maxProperties' at {path} are invalid: {lo!r}, {hi!r}")
-        counted = "minProperties" in s or "maxProperties" in s
+        deps = _required_deps(s) or {}
+        counted = "minProperties" in s or "maxProperties" in s or bool(deps)
         fields = [(name, sub) for name, sub in props.items()]
         for name in required:
             if name not in props:
@@ -514,8 +518,8 @@ class _Translator:
             value = self.value(extra, path + "/additionalProperties") if isinstance(extra, dict) else self.any(ANY_DEPTH - 1, path)
             pair = JSON_STRING + ws + ":" + ws + value
             if counted:  # NOTE: keys may repeat in the text; JSON parsers keep the last one
-                raise SchemaError(f"json_schema 'minProperties'/'maxProperties' at {path} need 'properties' to be "
-                                  f"listed (free-form keys could repeat)")
+                raise SchemaError(f"json_schema 'minProperties'/'maxProperties'/'dependentRequired' at {path} need "
+                                  f"'properties' to be listed (free-form keys could repeat)")
             return r"\{" + ws + "(?:" + pair + "(?:" + ws + "," + ws + pair + ")*)?" + ws + r"\}"
         sep = ws + "," + ws
         pairs = [
@@ -524,7 +528,8 @@ class _Translator:
         ]
 
         if counted:
-            return r"\{" + ws + self.counted_fields(pairs, lo, hi, path) + ws + r"\}"
+            names = [name for name, _ in fields]
+            return r"\{" + ws + self.counted_fields(pairs, names, lo, hi, deps, path) + ws + r"\}"
 
         def rest(i: int, first: bool) -> str:
             # properties i.. given whether one was written already
@@ -540,10 +545,13 @@ class _Translator:
 
         return r"\{" + ws + rest(0, True) + ws + r"\}"
 
-    def counted_fields(self, pairs: list[tuple[str, bool]], lo: int, hi: int | None, path: str) -> str:
+    def counted_fields(self, pairs: list[tuple[str, bool]], names: list[str], lo: int, hi: int | None,
+                       deps: dict[str, list[str]], path: str) -> str:
         """The listed properties in order, required ones present, with between ``lo``
-        and ``hi`` written in all (min/maxProperties). Each choice of optional
-        properties is its own branch, so at most MAX_COUNTED_OPTIONAL optional ones."""
+        and ``hi`` written in all (min/maxProperties), and every property in ``deps``
+        written only with the ones it depends on (dependentRequired). Each choice of
+        optional properties is its own branch, so at most MAX_COUNTED_OPTIONAL optional
+        ones."""
         sep = self.ws + "," + self.ws
         optional = [i for i, (_, req) in enumerate(pairs) if not req]
         if len(optional) > MAX_COUNTED_OPTIONAL:
@@ -555,19 +563,20 @@ class _Translator:
         need_lo, need_hi = lo - n_req, None if hi is None else hi - n_req
         left_after = [sum(1 for j in optional if j >= i) for i in range(len(pairs) + 1)]
 
-        def rest(i: int, first: bool, taken: int) -> str | None:
-            # properties i.. given whether one was written already and optional ones taken
+        def rest(i: int, first: bool, taken: int, present: frozenset[str]) -> str | None:
+            # properties i.. given whether one was written already, the optional ones
+            # taken and the names written so far
             if taken + left_after[i] < need_lo or (need_hi is not None and taken > need_hi):
                 return None
             if i == len(pairs):
-                return ""
+                return "" if all(set(deps.get(n, ())) <= present for n in present) else None
             pair, req = pairs[i]
             lead = pair if first else sep + pair
             if req:
-                tail = rest(i + 1, False, taken)
+                tail = rest(i + 1, False, taken, present | {names[i]})
                 return None if tail is None else lead + tail
-            take = rest(i + 1, False, taken + 1)
-            skip = rest(i + 1, first, taken)
+            take = rest(i + 1, False, taken + 1, present | {names[i]})
+            skip = rest(i + 1, first, taken, present)
             options = ([lead + take] if take is not None else []) + ([skip] if skip is not None else [])
             if not options:
                 return None
@@ -575,9 +584,11 @@ class _Translator:
                 return options[0]
             return "(?:" + options[0] + ")?" if options[1] == "" else "(?:" + options[0] + "|" + options[1] + ")"
 
-        body = rest(0, True, 0)
+        body = rest(0, True, 0, frozenset())
         if body is None:
-            raise SchemaError(f"json_schema at {path}: no object satisfies 'minProperties'/'maxProperties' here")
+            raise SchemaError(
+                f"json_schema at {path}: no object satisfies 'minProperties'/'maxProperties'/'dependentRequired' here"
+            )
         return body
 
     def array(self, s: dict[str, Any], path: str) -> str:
@@ -640,6 +651,23 @@ def _type_negation(sub: Any) -> set[str] | None:
     if not ts or not all(isinstance(x, str) and x in TYPE_KEYWORDS for x in ts):
         return None
     return set(ts)
+
+
+def _required_deps(s: dict[str, Any]) -> dict[str, list[str]] | None:
+    """``dependentRequired`` (and draft-7 ``dependencies`` whose values are all name
+    lists) as one mapping, or None when absent or in another form."""
+    out: dict[str, list[str]] = {}
+    for key in ("dependentRequired", "dependencies"):
+        d = s.get(key)
+        if d is None:
+            continue
+        if not isinstance(d, dict) or not all(
+            isinstance(v, list) and all(isinstance(x, str) for x in v) for v in d.values()
+        ):
+            return None
+        for name, needed in d.items():
+            out.setdefault(name, []).extend(needed)
+    return out or None
 
 
 def _multiple_of_supported(s: dict[str, Any]) -> bool:
