@@ -42,7 +42,10 @@ class RequestError(PlaitError, ValueError):
         return RequestError(self.message if message is None else message, param, self.status, self.error_type)
 
     def to_backend_error(self) -> BackendError:
-        """The error a language program sees."""
+        """The error a language program sees (a 503, the runtime being gone, is a
+        :class:`RuntimeUnavailableError`)."""
+        if self.status == 503:
+            return RuntimeUnavailableError(self.message)
         return BackendError(self.message, code=self.status, param=self.param, error_type=self.error_type)
 
     def __reduce__(self) -> tuple:

@@ -119,7 +119,7 @@ from typing import Any, Union
 
 import msgspec
 
-from plait.errors import BackendError, RequestError, RuntimeUnavailableError
+from plait.errors import BackendError, RequestError
 
 PROTOCOL_VERSION = 1
 
@@ -223,11 +223,8 @@ def request_error(e: ErrorResponse) -> RequestError:
 
 
 def backend_error(e: ErrorResponse) -> BackendError:
-    """What a language program raises for an :class:`ErrorResponse` (a 503, the runtime
-    being gone, is a :class:`RuntimeUnavailableError`)."""
-    if e.code == 503:
-        return RuntimeUnavailableError(e.message)
-    return BackendError(e.message, code=e.code, param=e.param, error_type=e.error_type)
+    """What a language program raises for an :class:`ErrorResponse`."""
+    return request_error(e).to_backend_error()
 
 
 def error_body(e: RequestError) -> dict[str, Any]:

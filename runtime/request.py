@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from plait.runtime.radix_cache import TreeNode
 
 
+NO_SLOTS = torch.empty(0, dtype=torch.int64)  # the prefix slots of a request holding none
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -137,7 +140,7 @@ class Req:
         self.num_computed = 0
         self.cache_len = 0
         self.last_node: TreeNode | None = None
-        self.prefix_slots = torch.empty(0, dtype=torch.int64)  # host: slots of [0, cache_len)
+        self.prefix_slots = NO_SLOTS  # host: slots of [0, cache_len)
         self.private_pages: list[int] = []
         self.row: int | None = None
         self.cached_tokens = 0  # prompt tokens served from the prefix cache at first admission

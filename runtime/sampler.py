@@ -43,7 +43,6 @@ def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence
     for i, r in enumerate(reqs):
         if r.output_len < r.params.min_new_tokens:
             banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(eos_ids))
-            banned = [t for t in banned if 0 <= t < logits.shape[1]]  # ids past the LM head never appear
             if banned:
                 logits[i, banned] = NEG_INF
 

@@ -19,13 +19,12 @@ import torch
 from plait.runtime.config import EngineConfig
 from plait.runtime.memory import PageAllocator, ReqToToken
 from plait.runtime.radix_cache import MatchResult, RadixCache
-from plait.runtime.request import FinishReason, Req, ReqStatus
+from plait.runtime.request import NO_SLOTS, FinishReason, Req, ReqStatus
 from plait.runtime.schedule_policy import order_waiting
 
 # A waiting request that shares this many more tokens with a request prefilled in
 # the same step than it finds in the cache waits one step, to reuse that KV.
 IN_BATCH_PREFIX_DEFER = 32
-NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass

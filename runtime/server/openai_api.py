@@ -16,7 +16,7 @@ from typing import Any
 from plait import protocol as P
 from plait.errors import RequestError, is_int
 from plait.runtime.server.front import Front
-from plait.runtime.validation import check_prompt, check_text
+from plait.runtime.validation import check_text
 
 MAX_TOP_LOGPROBS = 20
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
@@ -116,7 +116,8 @@ def sampling_params(front: Front, body: dict[str, Any], prompt_len: int, default
     max_tokens = get_field(body, max_name, "int", None, 0)
     if max_tokens is None:
         max_tokens = default_max if default_max is not None else front.context_len - prompt_len
-    elif prompt_len + max_tokens > front.context_len:
+    elif prompt_len + max_tokens > front.context_len and prompt_len < front.context_len:
+        # (a prompt over the context is Front.submit's error, naming the prompt)
         raise RequestError(
             f"{max_name}={max_tokens} is too large: the prompt has {prompt_len} tokens and this model's context "
             f"length is {front.context_len}, so at most {front.context_len - prompt_len} tokens can be generated",
@@ -210,7 +211,6 @@ def parse_completion(front: Front, body: dict[str, Any]) -> Job:
     job = Job(False, base, model, int(time.time()), [], 1, stream, include_usage, logprobs=logprobs)
     for i, p in enumerate(prompts):
         ids = front.encode(p, "prompt") if isinstance(p, str) else list(p)
-        check_prompt(ids, front.limits, "prompt")  # before max_tokens is checked against its length
         sp = sampling_params(front, body, len(ids), 16)
         job.n = sp.get("n", 1)
         job.prompt_tokens.append(len(ids))
@@ -289,7 +289,6 @@ def parse_chat(front: Front, body: dict[str, Any]) -> Job:
     except Exception as e:  # noqa: BLE001  (a template may reject a message order)
         raise RequestError(f"the chat template rejected the messages: {e}", "messages") from None
     ids = front.encode(text, "messages")
-    check_prompt(ids, front.limits, "messages")
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sp = {**sampling_params(front, body, len(ids), None, max_name), **sp_extra}
     want_lp = get_field(body, "logprobs", "bool", False)
