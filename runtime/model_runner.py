@@ -16,6 +16,7 @@ from plait.runtime.models.llama import CausalLM
 from plait.runtime.request import Req
 from plait.runtime.sampler import sample, token_logprobs
 from plait.runtime.scheduler import ScheduleBatch
+from plait.runtime.staging import Staging
 
 
 class ModelRunner:
@@ -36,28 +37,28 @@ class ModelRunner:
         self.mask_time_s = 0.0  # grammar masking, for benchmarks
         self.mask_steps = 0
         self.graphs = graphs  # decode CUDA graphs (CUDA + triton backend), or None
+        self.staging = Staging(device, torch.long)  # the step's index lists, one transfer
 
     def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
         ids: list[int] = []
         positions: list[int] = []
-        slot_rows: list[torch.Tensor] = []
-        table = self.req_to_token.table
+        token_rows: list[int] = []  # the page-table row of each token
         for r, n in batch.extends:
             start = r.num_computed
             ids.extend(r.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            slot_rows.append(table[r.row, start : start + n])
+            token_rows.extend([r.row] * n)
         for r in batch.decodes:
             ids.append(r.last_token)
             positions.append(r.num_computed)
-        dec_rows = torch.tensor([r.row for r in batch.decodes], dtype=torch.long, device=table.device)
-        dec_pos = torch.tensor([r.num_computed for r in batch.decodes], dtype=torch.long, device=table.device)
-        slot_rows.append(table[dec_rows, dec_pos])
+            token_rows.append(r.row)
+        table = self.req_to_token.table
+        input_ids, pos, rows, req_rows = self.staging.to_device(ids, positions, token_rows, [r.row for r in batch.reqs])
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            out_slots=torch.cat(slot_rows).long().to(self.device),
-            req_rows=torch.tensor([r.row for r in batch.reqs], dtype=torch.long, device=self.device),
+            input_ids=input_ids,
+            positions=pos,
+            out_slots=table[rows, pos].long(),  # one gather: the slot of every token
+            req_rows=req_rows,
             req_to_token=table,
             num_extends=len(batch.extends),
             extend_prefix_lens=[r.num_computed for r, _ in batch.extends],
@@ -82,6 +83,8 @@ class ModelRunner:
         lp_spans: list[tuple[Req, int, int]] = []  # (req, first token position, count)
         sample_rows: list[int] = []
         sample_reqs: list[Req] = []
+        next_rows: list[int] = []  # prompts that end here and sample nothing
+        next_reqs: list[Req] = []
         offset = 0
         for r, n in batch.extends:
             start = r.num_computed
@@ -103,19 +106,26 @@ class ModelRunner:
             if start + n == r.seq_len and r.params.max_new_tokens > 0:
                 sample_rows.append(offset + n - 1)
                 sample_reqs.append(r)
+            elif start + n == r.seq_len and lp is not None and lp.top_n > 0:
+                # max_new_tokens=0: the next token's top logprobs, nothing sampled (SGLang)
+                next_rows.append(offset + n - 1)
+                next_reqs.append(r)
             offset += n
         for i, r in enumerate(batch.decodes):
             if r.params.max_new_tokens > 0:
                 sample_rows.append(offset + i)
                 sample_reqs.append(r)
 
-        rows = lp_rows + sample_rows
+        rows = lp_rows + next_rows + sample_rows
         if not rows:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         if lp_rows:
             self._record_input_logprobs(logits[: len(lp_rows)], lp_spans)
-        return self._sample(logits[len(lp_rows) :], sample_reqs)
+        skip = len(lp_rows) + len(next_rows)
+        if next_rows:
+            self._record_next_top(logits[len(lp_rows) : skip], next_reqs)
+        return self._sample(logits[skip:], sample_reqs)
 
     def _sample(self, sample_logits: torch.Tensor, sample_reqs: list[Req]) -> dict[str, int]:
         """Grammar masks, sampling and output logprobs for one row per request."""
@@ -136,6 +146,15 @@ class ModelRunner:
                 if lp.top_n > 0:
                     lp.output_top.append(top[j][: lp.top_n])
         return {r.rid: t for r, t in zip(sample_reqs, next_ids)}
+
+    def _record_next_top(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        """One ``output_top`` row per request: the top logprobs of the token after its
+        prompt, for requests that generate nothing (``output_token`` stays empty)."""
+        lp = logits.log_softmax(-1)
+        top_n = max(r.logprobs.top_n for r in reqs)
+        _, top = token_logprobs(lp, [0] * len(reqs), top_n)  # no token is chosen
+        for r, row in zip(reqs, top):
+            r.logprobs.output_top.append(row[: r.logprobs.top_n])
 
     def _record_input_logprobs(self, logits: torch.Tensor, spans: list[tuple[Req, int, int]]) -> None:
         lp = logits.log_softmax(-1)
