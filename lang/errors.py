@@ -27,19 +27,23 @@ class RequestError(PlaitError, ValueError):
     (:func:`plait.protocol.error_response` / :meth:`from_response`).
 
     ``param`` names the request field at fault (``None`` when the request as a whole
-    is at fault); ``status`` follows HTTP (400 invalid, 404 unknown, 413 too large)."""
+    is at fault); ``status`` follows HTTP (400 invalid, 404 unknown, 413 too large);
+    ``code`` is OpenAI's error ``code`` where it has a name (``model_not_found``),
+    else the status."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 error_type: str = "invalid_request_error") -> None:
+                 error_type: str = "invalid_request_error", code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
         self.error_type = error_type
+        self.code = code
 
     def with_param(self, param: str | None, message: str | None = None) -> "RequestError":
         """The same error under another field name (an API that renames fields)."""
-        return RequestError(self.message if message is None else message, param, self.status, self.error_type)
+        return RequestError(self.message if message is None else message, param, self.status, self.error_type,
+                            self.code)
 
     def to_backend_error(self) -> BackendError:
         """The error a language program sees (a 503, the runtime being gone, is a
@@ -49,7 +53,7 @@ class RequestError(PlaitError, ValueError):
         return BackendError(self.message, code=self.status, param=self.param, error_type=self.error_type)
 
     def __reduce__(self) -> tuple:
-        return (RequestError, (self.message, self.param, self.status, self.error_type))
+        return (RequestError, (self.message, self.param, self.status, self.error_type, self.code))
 
 
 def is_int(v: object) -> bool:

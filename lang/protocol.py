@@ -229,7 +229,8 @@ def backend_error(e: ErrorResponse) -> BackendError:
 
 def error_body(e: RequestError) -> dict[str, Any]:
     """OpenAI's error body for an HTTP client."""
-    return {"error": {"message": e.message, "type": e.error_type, "param": e.param, "code": e.status}}
+    return {"error": {"message": e.message, "type": e.error_type, "param": e.param,
+                      "code": e.code if e.code is not None else e.status}}
 
 
 class FlushCacheResult(_Msg, tag="flush_cache_result"):
