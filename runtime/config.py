@@ -26,16 +26,19 @@ def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
 class EngineConfig:
     """Settings of an :class:`~plait.runtime.Engine` (and later the server).
 
-    Memory: ``kv_cache_tokens`` sets the KV pool size in tokens; when None, the pool
-    takes ``mem_fraction`` of the free device memory (CUDA) or of the available system
-    memory (CPU) after the weights are loaded.
+    Memory: ``kv_cache_tokens`` sets the KV pool size in tokens; when None, SGLang's
+    ``mem_fraction_static`` rule sizes it: weights plus KV pool take at most that share
+    of the device's total memory (CUDA; default 0.85, the rest is for activations and
+    CUDA graphs) or of the memory available to the process before it loaded the
+    weights (CPU: available RAM now plus the weights; default 0.3, since the box is
+    shared with tokenizers and the front).
     """
 
     device: str = "auto"
     dtype: str = "auto"
     page_size: int = 16
     kv_cache_tokens: int | None = None
-    mem_fraction: float = 0.3
+    mem_fraction_static: float | None = None  # None: 0.85 on CUDA, 0.3 on CPU
     max_running_requests: int = 256
     chunked_prefill_size: int = 2048
     schedule_policy: str = "lpm"
@@ -77,7 +80,8 @@ class EngineConfig:
             self.kv_cache_tokens is None or (is_int(self.kv_cache_tokens) and self.kv_cache_tokens >= 1),
             "kv_cache_tokens", self.kv_cache_tokens, "None or a positive integer",
         )
-        _require(_is_num(self.mem_fraction) and 0 < self.mem_fraction <= 0.95, "mem_fraction", self.mem_fraction, "a number in (0, 0.95]")
+        _require(self.mem_fraction_static is None or (_is_num(self.mem_fraction_static) and 0 < self.mem_fraction_static <= 0.95),
+                 "mem_fraction_static", self.mem_fraction_static, "None or a number in (0, 0.95]")
         _require(is_int(self.max_running_requests) and 1 <= self.max_running_requests <= 4096,
                  "max_running_requests", self.max_running_requests, "an integer in [1, 4096]")
         _require(is_int(self.chunked_prefill_size) and self.chunked_prefill_size >= 1,
@@ -131,6 +135,11 @@ class EngineConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_mem_fraction_static(self) -> float:
+        if self.mem_fraction_static is not None:
+            return self.mem_fraction_static
+        return 0.85 if self.resolved_device() == "cuda" else 0.3
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

@@ -18,7 +18,7 @@ from plait.runtime.constrained.compiler import GrammarCompiler
 from plait.runtime.constrained.matcher import GrammarMatcher
 from plait.runtime.constrained.vocab import TokenVocab
 from plait.runtime.cuda_graph import DecodeGraphRunner
-from plait.runtime.memory import KVPool, PageAllocator, ReqToToken
+from plait.runtime.memory import KVPool, PageAllocator, ReqToToken, kv_pool_budget
 from plait.runtime.model_loader import ModelSource, resolve_model
 from plait.runtime.model_runner import ModelRunner
 from plait.runtime.models.config import ModelConfig
@@ -145,12 +145,22 @@ class Engine:
         if cfg.kv_cache_tokens is not None:
             return max(cfg.kv_cache_tokens, cfg.page_size)
         per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        weights = sum(t.nbytes for t in itertools.chain(self.model.parameters(), self.model.buffers()))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # memory the allocator caches but does not use counts as free
-            free = torch.cuda.mem_get_info(self.device)[0]
+            free, total = torch.cuda.mem_get_info(self.device)
         else:
             free = _available_system_memory()
-        tokens = int(free * cfg.mem_fraction) // per_token
+            total = free + weights  # what the process had before it loaded the weights
+        frac = cfg.resolved_mem_fraction_static()
+        budget = kv_pool_budget(frac, free=free, total=total)
+        if budget < per_token * cfg.page_size:
+            raise ValueError(
+                f"mem_fraction_static={frac} leaves no memory for the KV pool: {total / 2**30:.2f} GiB total, "
+                f"{free / 2**30:.2f} GiB free after loading {weights / 2**30:.2f} GiB of weights; "
+                "raise mem_fraction_static or set kv_cache_tokens"
+            )
+        tokens = budget // per_token
         # more than every running request at full context can never be used
         tokens = min(tokens, cfg.max_running_requests * self.context_len)
         return max(tokens, cfg.page_size)
@@ -198,7 +208,7 @@ class Engine:
                 base if params.n == 1 else f"{base}#{i}", inp.input_ids, params,
                 group=base, index=i, cache_salt=inp.cache_salt,
                 logprobs=LogprobState(inp.logprob_start_len, inp.top_logprobs_num) if inp.return_logprob else None,
-                generator=torch.Generator(device=self.device).manual_seed(seed + i),
+                generator=torch.Generator(device=self.device).manual_seed(seed + i), seed=seed + i,
             )
             if future is not None:
                 # logprob requests keep their prompt and get one entry per sampled token

@@ -157,3 +157,11 @@ class ReqToToken:
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.table[row, start : start + slots.numel()] = slots.to(self.table.dtype)
+
+
+def kv_pool_budget(mem_fraction_static: float, *, free: int, total: int) -> int:
+    """Bytes the KV pool may take under SGLang's ``mem_fraction_static`` rule: all that
+    is in use (weights, runtime context, other processes) plus the pool stay within
+    ``mem_fraction_static * total``, i.e. ``free - (1 - fraction) * total`` is left for
+    the pool, and ``(1 - fraction) * total`` for activations. May be <= 0."""
+    return min(free, int(free - (1.0 - mem_fraction_static) * total))

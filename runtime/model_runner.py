@@ -14,7 +14,7 @@ from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.memory import ReqToToken
 from plait.runtime.models.llama import CausalLM
 from plait.runtime.request import Req
-from plait.runtime.sampler import sample, token_logprobs
+from plait.runtime.sampler import Sampler, token_logprobs
 from plait.runtime.scheduler import ScheduleBatch
 from plait.runtime.staging import Staging
 
@@ -33,11 +33,11 @@ class ModelRunner:
         self.attn = attn
         self.req_to_token = req_to_token
         self.device = device
-        self.eos_ids = list(eos_ids)
         self.mask_time_s = 0.0  # grammar masking, for benchmarks
         self.mask_steps = 0
         self.graphs = graphs  # decode CUDA graphs (CUDA + triton backend), or None
         self.staging = Staging(device, torch.long)  # the step's index lists, one transfer
+        self.sampler = Sampler(req_to_token.table.shape[0], device, eos_ids)
 
     def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
         ids: list[int] = []
@@ -136,7 +136,7 @@ class ModelRunner:
             apply_grammar_masks(sample_logits, sample_reqs)
             self.mask_time_s += time.perf_counter() - t0
             self.mask_steps += 1
-        next_ids = sample(sample_logits, sample_reqs, self.eos_ids)
+        next_ids = self.sampler.sample(sample_logits, sample_reqs)
         if raw_lp is not None:
             states = [sample_reqs[i].logprobs for i in want_lp]
             top_n = max(lp.top_n for lp in states)

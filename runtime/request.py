@@ -121,6 +121,7 @@ class Req:
         cache_salt: str | None = None,
         logprobs: LogprobState | None = None,
         generator: torch.Generator | None = None,
+        seed: int = 0,
     ) -> None:
         self.rid = rid
         self.group = rid if group is None else group  # the client's rid (shared by n > 1 copies)
@@ -131,7 +132,8 @@ class Req:
         self.params = params
         self.cache_salt = cache_salt
         self.logprobs = logprobs  # None: no logprobs asked for
-        self.generator = generator
+        self.generator = generator  # sampling on CPU draws from it
+        self.seed = seed  # ... and on CUDA from a hash of (seed, output position)
         self.status = ReqStatus.WAITING
         self.arrival = time.monotonic()
         self.finish_reason: FinishReason | None = None

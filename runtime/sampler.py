@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from plait.runtime.request import Req
+from plait.runtime.staging import Staging
 
 NEG_INF = float("-inf")
 # Logits are kept finite (penalties and a small temperature can overflow float32): +inf
@@ -20,31 +21,92 @@ NEG_INF = float("-inf")
 FINITE_MAX = torch.finfo(torch.float32).max / 2
 
 
-def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> None:
-    """In place. frequency/presence (OpenAI) count the output so far; repetition (HF)
-    divides positive / multiplies negative logits of every token seen in prompt+output."""
-    for i, r in enumerate(reqs):
-        p = r.params
-        if not p.has_penalties:
-            continue
-        row = logits[i]
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long, device=row.device)
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if r.output_len and (p.frequency_penalty or p.presence_penalty):
-            ids = torch.tensor(r.token_ids[r.prompt_len :], dtype=torch.long, device=row.device)
-            counts = torch.zeros_like(row).index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
-            row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
+class PenaltyCounts:
+    """Penalty state of the running requests, on the logits' device, one row per
+    page-table row: ``counts[row]`` the output token counts (frequency/presence) and
+    ``seen[row]`` the tokens of prompt + output (repetition).
+
+    Row ``row`` holds the tokens ``token_ids[:counted[row]]`` of the request
+    ``owner[row]`` (rid and prompt length); each call adds the tokens appended since (sampled or jump-forward,
+    by one scatter for the whole batch) and rebuilds a row a different request now
+    holds (rows are reused after a finish or a retraction). Allocated with the first
+    penalised request."""
+
+    def __init__(self, num_rows: int, device: torch.device) -> None:
+        self.num_rows = num_rows
+        self.device = device
+        self.counts: torch.Tensor | None = None  # float32 [num_rows, V]
+        self.seen: torch.Tensor | None = None  # bool [num_rows, V]
+        self.owner: list[tuple[str, int] | None] = [None] * num_rows  # (rid, prompt_len)
+        self.counted = [0] * num_rows
+        self._staging = Staging(device, torch.long)
+        self._floats = Staging(device, torch.float32)
+
+    def update(self, reqs: Sequence[Req], vocab: int) -> list[int]:
+        """Bring the rows of ``reqs`` up to date; returns their rows."""
+        if self.counts is None or self.counts.shape[1] != vocab:
+            self.counts = torch.zeros(self.num_rows, vocab, dtype=torch.float32, device=self.device)
+            self.seen = torch.zeros(self.num_rows, vocab, dtype=torch.bool, device=self.device)
+            self.owner = [None] * self.num_rows
+        assert self.seen is not None
+        rows, reset, seen_rows, seen_ids, out_rows, out_ids = [], [], [], [], [], []
+        for r in reqs:
+            row = r.row
+            assert row is not None, "a sampled request holds a page-table row"
+            owner = (r.rid, r.prompt_len)  # token healing may shorten a prompt
+            if self.owner[row] != owner or self.counted[row] > len(r.token_ids):
+                reset.append(row)
+                self.owner[row], self.counted[row] = owner, 0
+            start = self.counted[row]
+            new = r.token_ids[start:]
+            seen_rows += [row] * len(new)
+            seen_ids += new
+            first_out = max(start, r.prompt_len)
+            out_rows += [row] * (len(r.token_ids) - first_out)
+            out_ids += r.token_ids[first_out:]
+            self.counted[row] = len(r.token_ids)
+            rows.append(row)
+        reset_t, srow, sid, orow, oid = self._staging.to_device(reset, seen_rows, seen_ids, out_rows, out_ids)
+        if reset:
+            self.counts[reset_t] = 0.0
+            self.seen[reset_t] = False
+        self.seen[srow, sid] = True
+        self.counts.index_put_((orow, oid), torch.ones(len(out_ids), device=self.device), accumulate=True)
+        return rows
+
+    def apply(self, logits: torch.Tensor, reqs: Sequence[Req]) -> None:
+        """In place. frequency/presence (OpenAI) count the output so far; repetition (HF)
+        divides positive / multiplies negative logits of every token seen in
+        prompt + output. Batched over the penalised rows."""
+        which = [i for i, r in enumerate(reqs) if r.params.has_penalties]
+        if not which:
+            return
+        pen = [reqs[i] for i in which]
+        rows = self.update(pen, logits.shape[1])
+        assert self.counts is not None and self.seen is not None
+        idx, row_t = self._staging.to_device(which, rows)
+        rep, freq, pres = (t.unsqueeze(1) for t in self._floats.to_device(
+            [r.params.repetition_penalty for r in pen], [r.params.frequency_penalty for r in pen],
+            [r.params.presence_penalty for r in pen]))
+        sub = logits[idx]
+        sub = torch.where(self.seen[row_t], torch.where(sub > 0, sub / rep, sub * rep), sub)
+        counts = self.counts[row_t]
+        logits[idx] = sub - counts * freq - (counts > 0).to(sub.dtype) * pres
 
 
-def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence[int]) -> None:
-    """In place: forbid EOS and stop ids until ``min_new_tokens`` are generated."""
+def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence[int], staging: Staging) -> None:
+    """In place: forbid EOS and stop ids until ``min_new_tokens`` are generated (one
+    scatter for the batch)."""
+    rows: list[int] = []
+    cols: list[int] = []
     for i, r in enumerate(reqs):
         if r.output_len < r.params.min_new_tokens:
             banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(eos_ids))
-            if banned:
-                logits[i, banned] = NEG_INF
+            rows += [i] * len(banned)
+            cols += banned
+    if rows:
+        row_t, col_t = staging.to_device(rows, cols)
+        logits[row_t, col_t] = NEG_INF
 
 
 def _filter(rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -68,41 +130,87 @@ def _finite(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num_(logits, nan=NEG_INF, posinf=FINITE_MAX, neginf=NEG_INF)
 
 
-def sample(logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence[int]) -> list[int]:
-    """logits: [B, V] raw float32 (modified in place). Returns one token id per request,
+def counter_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise ``[S, vocab]`` float32, a pure function of (seed, step, token): a
+    splitmix64 hash of the three (int64 arithmetic wraps), its top 24 bits a uniform in
+    (0, 1), ``-log`` of it. One chain of element-wise ops for the whole batch, where a
+    generator per request would launch one kernel per row."""
+    cols = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    x = seeds.unsqueeze(1) * _GOLDEN + steps.unsqueeze(1) * _MIX1 + cols
+    for shift, mul in ((30, _MIX1), (27, _MIX2)):
+        x = (x ^ _shr(x, shift)) * mul
+    x = x ^ _shr(x, 31)
+    u = (_shr(x, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)
+
+
+_U64 = (1 << 64) - 1
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(v) for v in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (``>>`` is arithmetic on signed values)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+class Sampler:
+    """Penalties, filters and the draw for one row per request, as batched tensor ops
     with one transfer of results to the host per call.
 
-    Temperature, top-k, top-p and min-p are batched over the sampled rows; each row
-    draws with its request's own generator (the exponential race: ``argmax(p / q)``
-    with ``q ~ Exp(1)`` is a draw from ``p``), so ``seed`` stays reproducible whatever
-    else is in the batch. Numerically safe for every accepted parameter: values kept
-    finite after penalties and after temperature; a row with every token banned (say
-    ``min_new_tokens`` bans EOS while a constraint allows only EOS) takes its greedy
-    token (a constraint then refuses it and ends the request with an ``abort``)
-    instead of failing the step."""
-    apply_penalties(logits, reqs)
-    mask_min_tokens(logits, reqs, eos_ids)
-    _finite(logits)
-    out = logits.argmax(-1)  # greedy for everyone; sampled rows overwritten below
-    sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
-    if sampled:
-        device, vocab = logits.device, logits.shape[1]
-        params = [reqs[i].params for i in sampled]
-        idx = torch.tensor(sampled, dtype=torch.long, device=device)
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
-        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
-        rows = _filter(_finite(logits[idx] / temps.unsqueeze(1)), top_k, top_p, min_p)
-        probs = rows.softmax(-1)
-        noise = torch.stack([
-            torch.empty(vocab, dtype=probs.dtype, device=device).exponential_(generator=reqs[i].generator)
-            for i in sampled
-        ])
-        draw = (probs / noise).nan_to_num_(nan=-1.0).argmax(-1)
-        ok = torch.isfinite(rows).any(-1)  # a row with nothing allowed keeps its greedy token
-        out[idx] = torch.where(ok, draw, out[idx])
-    return out.tolist()
+    Temperature, top-k, top-p and min-p are batched over the sampled rows; the draw is
+    the exponential race (``argmax(p / q)`` with ``q ~ Exp(1)`` is a draw from ``p``)
+    with noise that depends only on the request's seed and output position, so ``seed``
+    is reproducible whatever else is in the batch: on CUDA :func:`counter_noise` for
+    all rows at once; on CPU (where a launch costs nothing and the hash costs more than
+    the generator) each request's own ``torch.Generator``. Numerically safe for every
+    accepted parameter: values kept finite after penalties and after temperature; a
+    row with every token banned (say ``min_new_tokens`` bans EOS while a constraint
+    allows only EOS) takes its greedy token (a constraint then refuses it and ends the
+    request with an ``abort``) instead of failing the step."""
+
+    def __init__(self, num_rows: int, device: torch.device, eos_ids: Sequence[int],
+                 counter_rng: bool | None = None) -> None:
+        self.device = device
+        self.eos_ids = list(eos_ids)
+        self.penalties = PenaltyCounts(num_rows, device)
+        self.counter_rng = device.type == "cuda" if counter_rng is None else counter_rng
+        self._ints = Staging(device, torch.long)
+        self._floats = Staging(device, torch.float32)
+
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
+        """logits: [B, V] raw float32 (modified in place). One token id per request."""
+        self.penalties.apply(logits, reqs)
+        mask_min_tokens(logits, reqs, self.eos_ids, self._ints)
+        _finite(logits)
+        out = logits.argmax(-1)  # greedy for everyone; sampled rows overwritten below
+        sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
+        if sampled:
+            vocab = logits.shape[1]
+            params = [reqs[i].params for i in sampled]
+            idx, top_k, seeds, steps = self._ints.to_device(
+                sampled, [p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                [_signed(reqs[i].seed & _U64) for i in sampled], [reqs[i].output_len for i in sampled])
+            temps, top_p, min_p = self._floats.to_device(
+                [p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params])
+            rows = _filter(_finite(logits[idx] / temps.unsqueeze(1)), top_k, top_p, min_p)
+            probs = rows.softmax(-1)
+            if self.counter_rng:
+                noise = counter_noise(seeds, steps, vocab)
+            else:
+                noise = torch.stack([
+                    torch.empty(vocab, dtype=probs.dtype, device=self.device).exponential_(generator=reqs[i].generator)
+                    for i in sampled
+                ])
+            draw = (probs / noise).nan_to_num_(nan=-1.0).argmax(-1)
+            ok = torch.isfinite(rows).any(-1)  # a row with nothing allowed keeps its greedy token
+            out[idx] = torch.where(ok, draw, out[idx])
+        return out.tolist()
 
 
 def token_logprobs(

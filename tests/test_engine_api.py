@@ -7,9 +7,6 @@ import pytest
 import torch
 
 from plait.runtime import Engine, EngineConfig
-from plait.runtime.request import Req
-from plait.runtime.sampler import apply_penalties
-from plait.runtime.sampling_params import SamplingParams
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 12}
 
@@ -65,15 +62,15 @@ def test_stop_token_ids_and_min_new_tokens(engine, baseline):
 
 def test_eos_ends_generation_unless_ignored(engine, baseline):
     ids = baseline["output_ids"]
-    saved = engine.scheduler.eos_ids, engine.runner.eos_ids
+    saved = engine.scheduler.eos_ids, engine.runner.sampler.eos_ids
     # pretend the model's EOS is the third greedy token
-    engine.scheduler.eos_ids, engine.runner.eos_ids = frozenset({ids[2]}), [ids[2]]
+    engine.scheduler.eos_ids, engine.runner.sampler.eos_ids = frozenset({ids[2]}), [ids[2]]
     try:
         stopped = engine.generate("The weather today is", {**GREEDY, "ignore_eos": False})
         ignored = engine.generate("The weather today is", GREEDY)
         delayed = engine.generate("The weather today is", {**GREEDY, "ignore_eos": False, "min_new_tokens": 5})
     finally:
-        engine.scheduler.eos_ids, engine.runner.eos_ids = saved
+        engine.scheduler.eos_ids, engine.runner.sampler.eos_ids = saved
     assert stopped["output_ids"] == ids[:3]
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[2]}
     assert ignored["output_ids"] == ids
@@ -101,19 +98,6 @@ def test_top_k_one_is_greedy_and_filters_restrict(engine, baseline):
     assert out["output_ids"] == baseline["output_ids"]  # top_p that keeps only the top token
     out = engine.generate("The weather today is", {**GREEDY, "temperature": 0.7, "min_p": 1.0, "seed": 9})
     assert out["output_ids"] == baseline["output_ids"]
-
-
-def test_penalties_follow_their_definitions():
-    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
-    r = Req("x", [0], SamplingParams(repetition_penalty=2.0))
-    r.set_output([3])
-    apply_penalties(logits, [r])
-    assert logits.tolist() == [[1.0, -1.0, 0.5, 1.5]]  # seen ids 0 and 3: positive / 2
-    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
-    r = Req("y", [0], SamplingParams(frequency_penalty=0.5, presence_penalty=0.25))
-    r.set_output([3, 3, 1])
-    apply_penalties(logits, [r])
-    assert logits.tolist() == [[2.0, -1.75, 0.5, 3.0 - 1.0 - 0.25]]
 
 
 def test_output_logprobs_and_top_logprobs(engine, baseline):
@@ -178,7 +162,7 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(engine, baseline, kwargs
         ({"dtype": "int8"}, "dtype"),
         ({"chunked_prefill_size": -5}, "chunked_prefill_size"),
         ({"attention_backend": "flash"}, "attention_backend"),
-        ({"mem_fraction": 2.0}, "mem_fraction"),
+        ({"mem_fraction_static": 2.0}, "mem_fraction_static"),
         ({"num_threads": 0}, "num_threads"),
         ({"bogus": 1}, "bogus"),
         ({"cpu_gemm": "blas"}, "cpu_gemm"),
@@ -223,3 +207,14 @@ def test_weights_are_cast_before_they_are_materialised(tiny_model_factory, monke
     assert seen == [{torch.bfloat16}]
     assert model.model.rotary.cos_sin_cache.dtype == torch.float32  # recomputed, on the device
     assert model.model.rotary.cos_sin_cache.device.type == "cpu"
+
+
+def test_kv_pool_budget_follows_mem_fraction_static():
+    """SGLang's rule: everything in use plus the pool stays within fraction * total."""
+    from plait.runtime.memory import kv_pool_budget
+
+    assert kv_pool_budget(0.85, free=60, total=100) == 45  # 40 in use + 45 = 85
+    assert kv_pool_budget(0.95, free=100, total=100) == 95
+    assert kv_pool_budget(0.3, free=50, total=100) <= 0  # 50 in use already exceeds 30
+    assert EngineConfig(device="cpu").resolved_mem_fraction_static() == 0.3
+    assert EngineConfig(device="cpu", mem_fraction_static=0.5).resolved_mem_fraction_static() == 0.5

@@ -118,11 +118,14 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine, 
 
 def test_a_decode_step_moves_results_to_the_host_once(engine, monkeypatch):
     """16 sampled requests decoding: each step transfers device results to the host at
-    most once (the sampled ids); sampling, filters and penalties stay batched tensor ops.
+    most once (the sampled ids); sampling, filters, min_new_tokens bans and penalties stay
+    batched tensor ops.
     Counted by wrapping the tensor methods that copy to the host."""
+    penalties = [{}, {"repetition_penalty": 1.3}, {"frequency_penalty": 0.5, "presence_penalty": 0.2}]
     reqs = [engine.add_request(rand_ids(6 + i, 200 + i), {"temperature": 0.9, "top_p": 0.9, "top_k": 40,
-                                                          "min_p": 0.01, "max_new_tokens": 12, "ignore_eos": True,
-                                                          "seed": i})[0] for i in range(16)]
+                                                          "min_p": 0.01, "max_new_tokens": 12, "ignore_eos": i % 2 == 0,
+                                                          "min_new_tokens": 3,
+                                                          "seed": i, **penalties[i % 3]})[0] for i in range(16)]
     while any(r.output_len == 0 for r in reqs):  # prefills done: every step from here decodes all 16
         engine.step()
     counts: list[int] = []

@@ -1,0 +1,107 @@
+"""The batched sampler: penalties kept on the device, counter-based noise, staging."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from plait.runtime.request import Req
+from plait.runtime.sampler import PenaltyCounts, Sampler, counter_noise
+from plait.runtime.sampling_params import SamplingParams
+from plait.runtime.staging import Staging
+
+CPU = torch.device("cpu")
+
+
+def _req(rid: str, prompt: list[int], output: list[int], row: int, seed: int = 0, **params) -> Req:
+    r = Req(rid, prompt, SamplingParams(**params), seed=seed)
+    r.set_output(output)
+    r.row = row
+    return r
+
+
+def test_penalties_follow_their_definitions():
+    pen = PenaltyCounts(4, CPU)
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0], [1.0, 1.0, 1.0, 1.0]])
+    reqs = [
+        _req("a", [0], [3], row=2, repetition_penalty=2.0),
+        _req("b", [0], [3, 3, 1], row=0, frequency_penalty=0.5, presence_penalty=0.25),
+        _req("c", [0], [1], row=1),  # no penalties: untouched
+    ]
+    pen.apply(logits, reqs)
+    assert logits[0].tolist() == [1.0, -1.0, 0.5, 1.5]  # seen ids 0 and 3: positive / 2
+    assert logits[1].tolist() == [2.0, -1.75, 0.5, 3.0 - 1.0 - 0.25]
+    assert logits[2].tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_penalty_rows_follow_new_tokens_and_new_owners():
+    """Tokens appended between calls (sampled or jump-forward) are counted once; a row
+    taken over by another request is rebuilt from that request's tokens."""
+    pen = PenaltyCounts(2, CPU)
+    r = _req("a", [5, 6], [1], row=1, frequency_penalty=1.0)
+    pen.apply(torch.zeros(1, 8), [r])
+    r.set_output([1, 2, 2, 1])  # three more tokens since the last call
+    logits = torch.zeros(1, 8)
+    pen.apply(logits, [r])
+    assert logits[0].tolist() == [0, -2, -2, 0, 0, 0, 0, 0]  # prompt ids 5, 6 not counted
+    other = _req("b", [7], [4], row=1, frequency_penalty=1.0, repetition_penalty=2.0)
+    logits = torch.ones(1, 8)
+    pen.apply(logits, [other])
+    assert logits[0].tolist() == [1, 1, 1, 1, -0.5, 1, 1, 0.5]  # a's tokens are gone
+
+
+def test_counter_noise_is_exponential_and_a_function_of_seed_and_step():
+    seeds = torch.tensor([1, 1, 2, -(2**63)])
+    steps = torch.tensor([0, 1, 0, 5])
+    a = counter_noise(seeds, steps, 250_000)
+    assert torch.equal(a, counter_noise(seeds, steps, 250_000))
+    assert all(not torch.equal(a[i], a[j]) for i in range(4) for j in range(i))
+    assert bool((a > 0).all()) and bool(torch.isfinite(a).all())
+    flat = a.flatten().double()
+    assert abs(flat.mean().item() - 1.0) < 0.005 and abs(flat.var().item() - 1.0) < 0.01
+    u = torch.exp(-flat)  # uniform on (0, 1): every decile holds a tenth
+    hist = torch.histc(u, bins=10, min=0.0, max=1.0) / u.numel()
+    assert bool(((hist - 0.1).abs() < 0.002).all()), hist
+
+
+@pytest.mark.parametrize("counter_rng", [False, True])
+def test_sampled_frequencies_match_the_distribution(counter_rng):
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    sampler = Sampler(1, CPU, eos_ids=[], counter_rng=counter_rng)
+    r = _req("a", [0], [], row=0, seed=11, temperature=1.0)
+    r.generator = torch.Generator().manual_seed(11)
+    draws = []
+    for step in range(4000):
+        r.set_output([0] * step)  # the output position moves the counter-based noise on
+        draws += sampler.sample(p.log().unsqueeze(0).clone(), [r])
+    freq = torch.bincount(torch.tensor(draws), minlength=4).double() / len(draws)
+    assert torch.allclose(freq, p.double(), atol=0.03), freq
+
+
+def test_a_seeded_draw_does_not_depend_on_the_batch():
+    sampler = Sampler(3, CPU, eos_ids=[], counter_rng=True)
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0))
+    alone = sampler.sample(logits.clone(), [_req("a", [0], [1, 2], row=0, seed=42, temperature=1.0)])
+    others = [_req("b", [0], [], row=1, seed=7, temperature=0.5), _req("c", [0], [3], row=2)]
+    batch = torch.cat([torch.randn(1, 1000), logits, torch.randn(1, 1000)])
+    mixed = sampler.sample(batch, [others[0], _req("a2", [0], [1, 2], row=0, seed=42, temperature=1.0), others[1]])
+    assert mixed[1] == alone[0]
+
+
+def test_all_banned_rows_fall_back_to_a_valid_id():
+    sampler = Sampler(2, CPU, eos_ids=[2], counter_rng=True)
+    logits = torch.full((2, 4), -math.inf)
+    logits[1, 2] = 0.0  # only EOS allowed, and min_new_tokens bans it
+    reqs = [_req("a", [0], [], row=0, temperature=0.7), _req("b", [0], [], row=1, temperature=0.7, min_new_tokens=3)]
+    out = sampler.sample(logits, reqs)
+    assert all(0 <= t < 4 for t in out)
+
+
+def test_staging_packs_lists_into_one_tensor_per_call():
+    ints = Staging(CPU, torch.long)
+    a, b, c = ints.to_device([1, 2, 3], [], [4])
+    assert a.tolist() == [1, 2, 3] and b.tolist() == [] and c.tolist() == [4] and a.dtype == torch.long
+    (f,) = Staging(CPU, torch.float32).to_device([0.5, 2])
+    assert f.tolist() == [0.5, 2.0] and f.dtype == torch.float32
