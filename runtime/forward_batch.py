@@ -39,6 +39,18 @@ class ForwardBatch:
     def with_attn_metadata(self, metadata: Any) -> ForwardBatch:
         return dataclasses.replace(self, attn_metadata=metadata)
 
+    def split(self) -> tuple[ForwardBatch, ForwardBatch]:
+        """(the extend part, the decode part) as two batches over views of the same
+        tensors; neither has attention metadata yet. The parts never read each other's
+        KV (they are different requests), so they can run as two forwards."""
+        t = self.num_extend_tokens
+        e = self.num_extends
+        ext = ForwardBatch(self.input_ids[:t], self.positions[:t], self.out_slots[:t], self.req_rows[:e],
+                           self.req_to_token, e, self.extend_prefix_lens, self.extend_seq_lens, [])
+        dec = ForwardBatch(self.input_ids[t:], self.positions[t:], self.out_slots[t:], self.req_rows[e:],
+                           self.req_to_token, 0, [], [], self.decode_seq_lens)
+        return ext, dec
+
     @property
     def num_decodes(self) -> int:
         return len(self.decode_seq_lens)

@@ -36,6 +36,7 @@ class ModelRunner:
         self.mask_time_s = 0.0  # grammar masking, for benchmarks
         self.mask_steps = 0
         self.graphs = graphs  # decode CUDA graphs (CUDA + triton backend), or None
+        self.mixed_graph_steps = 0  # steps whose decode rows replayed a graph beside extends
         self.staging = Staging(device, torch.long)  # the step's index lists, one transfer
         self.sampler = Sampler(req_to_token.table.shape[0], device, eos_ids)
 
@@ -73,8 +74,16 @@ class ModelRunner:
         if batch.new_pages:
             self.attn.pool.zero_pages(batch.new_pages)
         fb = self.build_forward_batch(batch)
-        if self.graphs is not None and not batch.extends and fb.num_decodes <= self.graphs.max_bs:
-            return self._sample(self.graphs.run(fb), list(batch.decodes))
+        # decode rows replay a CUDA graph; in a mixed step the extend rows run eagerly
+        # beside them (one more pass over the weights, but no per-kernel launches for
+        # the decodes, which is what dominates a mixed step at small decode batches)
+        graph_logits = None
+        if self.graphs is not None and 1 <= fb.num_decodes <= self.graphs.max_bs:
+            if not batch.extends:
+                return self._sample(self.graphs.run(fb), list(batch.decodes))
+            fb, decode_fb = fb.split()
+            graph_logits = self.graphs.run(decode_fb)
+            self.mixed_graph_steps += 1
         fb = fb.with_attn_metadata(self.attn.init_forward(fb))
         hidden = self.model(fb, self.attn)
 
@@ -111,15 +120,16 @@ class ModelRunner:
                 next_rows.append(offset + n - 1)
                 next_reqs.append(r)
             offset += n
-        for i, r in enumerate(batch.decodes):
-            if r.params.max_new_tokens > 0:
-                sample_rows.append(offset + i)
-                sample_reqs.append(r)
+        if graph_logits is None:
+            sample_rows.extend(offset + i for i in range(len(batch.decodes)))
+        sample_reqs.extend(batch.decodes)  # decodes always sample (max_new_tokens > 0)
 
         rows = lp_rows + next_rows + sample_rows
-        if not rows:
+        if not rows and graph_logits is None:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
+        if graph_logits is not None:  # the decode rows come last
+            logits = torch.cat([logits, graph_logits])
         if lp_rows:
             self._record_input_logprobs(logits[: len(lp_rows)], lp_spans)
         skip = len(lp_rows) + len(next_rows)

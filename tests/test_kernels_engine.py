@@ -64,3 +64,36 @@ def test_decode_graph_path_pads_to_buckets_and_matches(tiny_model_factory):
     assert graph_buckets(1) == [1] and graph_buckets(20)[-3:] == [12, 16, 20]
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):
         graph_buckets(0)
+
+
+def test_mixed_steps_replay_the_decode_rows(tiny_model_factory):
+    """A step with prefill chunks and decodes: the decode rows go through the graph path
+    (eager stand-in on CPU), the extend rows run beside them, and the tokens are those
+    of the torch backend running the same steps as one batch."""
+    from plait.runtime.cuda_graph import DecodeGraphRunner
+
+    folder = str(tiny_model_factory("llama"))
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 40000, (n,), generator=g).tolist() for n in (4, 7, 24)]
+    params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    outs = {}
+    for backend in ("torch", "triton"):
+        with Engine(folder, kv_cache_tokens=512, page_size=4, attention_backend=backend, dtype="float32",
+                    chunked_prefill_size=8) as engine:
+            if backend == "triton":
+                graphs = DecodeGraphRunner(engine.model, engine.runner.attn, engine.req_to_token, 4,
+                                           engine.device, mode="eager")
+                graphs.capture()
+                engine.runner.graphs = graphs
+            first = engine.add_request(prompts[0], params)[0]
+            second = engine.add_request(prompts[1], params)[0]
+            while first.output_len < 2:  # both decoding, then a long prompt arrives in chunks
+                engine.step()
+            third = engine.add_request(prompts[2], params)[0]
+            while engine.has_work():
+                engine.step()
+            outs[backend] = [engine.pop_result(r)["output_ids"] for r in (first, second, third)]
+            engine.check_invariants()
+            if backend == "triton":
+                assert engine.runner.mixed_graph_steps >= 2  # the 24-token prompt took 3 chunks
+    assert outs["triton"] == outs["torch"]
