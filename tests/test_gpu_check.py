@@ -40,3 +40,17 @@ def test_without_cuda_the_script_exits_cleanly(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert load_script().main([]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_engine_profile_runs_on_cpu(tiny_model_factory):
+    """profile_engine's bookkeeping on a tiny model (timings are only printed)."""
+    gpu_check = load_script()
+    folder = str(tiny_model_factory("llama"))
+    with Engine(folder, kv_cache_tokens=2048, page_size=4, chunked_prefill_size=16, max_running_requests=8) as e:
+        prof = gpu_check.profile_engine(e, batch_sizes=(1, 4, 16), prompt_len=8, new_tokens=4, bw=1e10)
+        e.check_invariants()
+    assert set(prof["decode"]) == {1, 4}  # 16 > max_running_requests: skipped
+    for row in prof["decode"].values():
+        assert row["greedy_tok_per_s"] > 0 and row["sampled_sample_ms_per_step"] > 0 and row["roofline_fraction"] > 0
+    assert prof["kv_pool_tokens"] >= 2048 and prof["weights_bytes"] > 0
+    assert prof["mixed_graph_steps"] == 0 and prof["graph_replays"] == 0  # no graphs on CPU
