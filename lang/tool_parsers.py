@@ -1,0 +1,761 @@
+"""Tool calls in model output: parsers per format, their streaming form, and the regex
+that forces a call (``tool_choice: "required"`` or a named function).
+
+Formats (``--tool-call-parser``):
+
+- ``hermes``: ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, one
+  block per call (Hermes 2/3, Qwen2.5, Qwen3). Also the format of plait's generic tool
+  prompt (:func:`generic_tools_prompt`).
+- ``llama3_json``: ``{"name": "f", "parameters": {...}}`` objects separated by ``; ``,
+  optionally after ``<|python_tag|>`` (Llama 3.1/3.2 JSON tool calling).
+- ``mistral``: ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`` (also the newer
+  ``[TOOL_CALLS]f[ARGS]{...}`` form).
+- ``pythonic``: the whole output is a Python list of calls, ``[f(a=1), g(b="x")]``
+  (Llama 3.2/4 pythonic, optionally inside ``<|python_start|>...<|python_end|>``).
+
+Parsing never raises. A call whose text is not valid (bad JSON, an unknown function
+name, a call cut off) is not a call: its text stays in the content. Output with no
+valid call is returned unchanged as content.
+
+``arguments`` is a JSON text. For the JSON formats it is the model's own text of the
+arguments object (validated by ``json.loads``), so streamed fragments concatenate to
+exactly the non-streamed value.
+
+Torch-free: the language and the HTTP front both use it.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import uuid
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from plait.errors import RequestError
+
+MAX_CONSTRAINED_CALLS = 8  # calls one constrained turn may make when parallel calls are allowed
+
+
+@dataclass
+class ToolCall:
+    """One function call: ``arguments`` is a JSON text (an object)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+# -- tools as the OpenAI API sends them ---------------------------------------------------------
+_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def check_tools(tools: Any, param: str = "tools", nested: bool = True) -> list[dict[str, Any]]:
+    """``tools`` in OpenAI's shape (``[{"type": "function", "function": {"name",
+    "description", "parameters"}}]``; with ``nested=False`` the Responses API's
+    ``[{"type": "function", "name", ...}]``), checked: names match
+    ``[A-Za-z0-9_-]{1,64}`` and are distinct, ``parameters`` is an object. Returns the
+    function objects (name, description, parameters); raises :class:`RequestError`
+    naming ``tools[i].function.name`` (``tools[i].name``) etc."""
+    if not isinstance(tools, list) or not tools:
+        raise RequestError(f"{param} must be a non-empty array of function tools", param)
+    out, seen = [], set()
+    for i, t in enumerate(tools):
+        where = f"{param}[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise RequestError(f"{where}.type must be 'function' (the only tool type supported)", f"{where}.type")
+        fn = t.get("function") if nested else {k: t[k] for k in ("name", "description", "parameters") if k in t}
+        if not isinstance(fn, dict):
+            raise RequestError(f"{where}.function must be an object with name and parameters", f"{where}.function")
+        if nested:
+            where += ".function"
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            raise RequestError(f"{where}.name={name!r} is invalid; allowed: 1 to 64 of a-z, A-Z, 0-9, _ and -",
+                               f"{where}.name")
+        if name in seen:
+            raise RequestError(f"{where}.name={name!r} is given twice; names must be distinct", f"{where}.name")
+        seen.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise RequestError(f"{where}.parameters must be a JSON Schema object", f"{where}.parameters")
+        desc = fn.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise RequestError(f"{where}.description must be a string", f"{where}.description")
+        out.append(fn)
+    return out
+
+
+def _names(tools: list[dict[str, Any]]) -> set[str]:
+    return {fn["name"] for fn in _functions(tools)}
+
+
+def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Function objects from tools given either as OpenAI tools or as bare functions."""
+    return [t["function"] if isinstance(t.get("function"), dict) else t for t in tools]
+
+
+def _arguments_regex(fn: dict[str, Any], where: str) -> str:
+    """The regex of ``fn``'s argument objects (JSON, compact): its ``parameters``
+    schema, or ``{}`` for a function without listed parameters."""
+    from plait.runtime.constrained.json_schema import schema_to_regex
+
+    params = fn.get("parameters")
+    if _no_parameters(params):
+        return r"\{\}"
+    try:
+        return schema_to_regex(params)
+    except ValueError as e:
+        raise RequestError(f"{where}.parameters cannot be enforced: {e}", f"{where}.parameters") from None
+
+
+def _no_parameters(params: dict[str, Any] | None) -> bool:
+    """A function that lists no parameters (absent, ``{}`` or ``{"type": "object",
+    "properties": {}}``) is called with ``{}``, as OpenAI's API does."""
+    if not params:
+        return True
+    plain = set(params) <= {"type", "properties", "required", "additionalProperties", "title", "description", "$schema"}
+    return plain and params.get("type", "object") == "object" and not params.get("properties") \
+        and not params.get("required") and not isinstance(params.get("additionalProperties"), dict)
+
+
+def _chosen(tools: list[dict[str, Any]], choice: str | None) -> list[tuple[str, dict[str, Any]]]:
+    """(where, function) of the functions a constrained call may use; ``where`` names
+    the function in the request (``tools[i].function``, or ``tools[i]`` for tools given
+    flat as the Responses API does)."""
+    fns = [(f"tools[{i}].function" if isinstance(t.get("function"), dict) else f"tools[{i}]", fn)
+           for i, (t, fn) in enumerate(zip(tools, _functions(tools)))]
+    if choice is None:
+        return fns
+    picked = [(i, fn) for i, fn in fns if fn["name"] == choice]
+    if not picked:
+        raise RequestError(f"tool_choice names function {choice!r}, which is not in tools", "tool_choice")
+    return picked
+
+
+def _repeat_calls(call: str, sep: str, parallel: bool) -> str:
+    if not parallel:
+        return call
+    return f"{call}(?:{sep}{call}){{0,{MAX_CONSTRAINED_CALLS - 1}}}"
+
+
+# -- scanning JSON in text --------------------------------------------------------------------------
+def json_end(text: str, start: int) -> int | None:
+    """The index just past the JSON object or array that opens at ``text[start]``, or
+    None when it is not closed yet (strings and escapes are respected)."""
+    depth, in_str, esc = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+_HEADER = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+@dataclass
+class _Seen:
+    """A call found in (possibly partial) text: ``args`` is a prefix of its final
+    arguments text while ``complete`` is false."""
+
+    key: int  # where the call starts in the text: stable while text grows
+    name: str
+    args: str
+    complete: bool
+
+
+def _json_string(raw: str) -> str | None:
+    try:
+        v = json.loads('"' + raw + '"')
+    except ValueError:
+        return None
+    return v if isinstance(v, str) else None
+
+
+def _object_call(text: str, start: int, stop: int, names: set[str]) -> tuple[_Seen | None, int | None]:
+    """The call object opening at ``text[start]`` (``{``), looking no further than
+    ``stop``: (the call or None, the index past the object or None if unclosed). A
+    partial object is a call once its name (first key) is a known function and its
+    arguments object has begun."""
+    end = json_end(text[:stop], start)
+    head = _HEADER.match(text, start, stop)
+    if end is not None:
+        try:
+            obj = json.loads(text[start:end])
+        except ValueError:
+            return None, end
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
+            return None, end
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                if not isinstance(json.loads(args), dict):
+                    return None, end
+            except ValueError:
+                return None, end
+            raw = args
+        elif isinstance(args, dict):
+            raw = json.dumps(args, ensure_ascii=False)
+            if head is not None and text[head.end():head.end() + 1] == "{":
+                a_end = json_end(text[:end], head.end())
+                if a_end is not None:
+                    raw = text[head.end():a_end]
+        else:
+            return None, end
+        return _Seen(start, obj["name"], raw, True), end
+    if head is not None and _json_string(head.group(1)) in names and text[head.end():head.end() + 1] == "{":
+        name = _json_string(head.group(1))
+        assert name is not None
+        a_end = json_end(text[:stop], head.end())
+        return _Seen(start, name, text[head.end():a_end if a_end is not None else stop], False), None
+    return None, None
+
+
+# -- parsers ----------------------------------------------------------------------------------------
+@dataclass
+class _Scan:
+    """What a parser sees in text so far.
+
+    ``content_end``: the text before it is content for sure (streamable);
+    ``calls``: calls in order; ``rest``: content found after the calls began (invalid
+    call text, text between or after calls)."""
+
+    content_end: int
+    calls: list[_Seen]
+    rest: list[str]
+
+
+class ToolParser:
+    """One tool-call format. Subclasses implement :meth:`scan` and
+    :meth:`constraint_regex`; :meth:`parse` and :meth:`stream` derive from ``scan``."""
+
+    name: str = ""
+    hint: str = ""  # how a call looks, for the generic tool prompt
+
+    def format_calls(self, calls: list[ToolCall]) -> str:
+        """Calls as this format writes them (an assistant's calls in a prompt)."""
+        raise NotImplementedError
+
+    def scan(self, text: str, names: set[str], final: bool) -> _Scan:
+        raise NotImplementedError
+
+    def parse(self, text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ToolCall]]:
+        """``(content, calls)``: the content is the text outside valid calls (stripped);
+        output with no valid call is ``(text, [])``."""
+        try:
+            s = self.scan(text, _names(tools), True)
+        except Exception:  # noqa: BLE001 - a parser bug must not fail a request; the text stays content
+            return text, []
+        calls = [ToolCall(new_call_id(), c.name, c.args) for c in s.calls if c.complete]
+        if not calls:
+            return text, []
+        content = (text[:s.content_end] + "".join(s.rest)).strip()
+        return content, calls
+
+    def stream(self, tools: list[dict[str, Any]]) -> ToolStream:
+        return ToolStream(self, tools)
+
+    def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
+        """A regex (plait's dialect, :func:`plait.regex.check_regex`) of outputs that
+        make at least one call in this format: to ``choice`` (a function name), or to any
+        of ``tools`` when None; with ``parallel``, up to :data:`MAX_CONSTRAINED_CALLS`
+        calls. Arguments follow each function's ``parameters`` schema. Raises
+        :class:`RequestError` naming the tool whose schema cannot be enforced."""
+        raise NotImplementedError
+
+
+def _json_call_regex(tools: list[dict[str, Any]], choice: str | None, key: str) -> str:
+    from plait.runtime.constrained.regexes import escape
+
+    alts = [escape('{"name": ' + json.dumps(fn["name"]) + f', "{key}": ') + _arguments_regex(fn, where)
+            + r"\}" for where, fn in _chosen(tools, choice)]
+    return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+
+
+def _hold_back(text: str, start: int, markers: tuple[str, ...]) -> int:
+    """The end of streamable content in ``text[start:]`` when no marker was found:
+    trailing whitespace and a tail that could begin a marker are held back."""
+    end = len(text)
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text) - start), 0, -1):
+            if text.endswith(m[:k]):
+                end = min(end, len(text) - k)
+                break
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return end
+
+
+def _content_before(text: str, m: int) -> int:
+    while m > 0 and text[m - 1].isspace():
+        m -= 1
+    return m
+
+
+def _args_value(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+    hint = ('one block per call:\n<tool_call>\n{"name": "<function name>", "arguments": <arguments as a JSON object>}'
+            '\n</tool_call>')
+
+    def format_calls(self, calls: list[ToolCall]) -> str:
+        return "\n".join(f"{self.START}\n" + json.dumps({"name": c.name, "arguments": _args_value(c.arguments)},
+                                                       ensure_ascii=False) + f"\n{self.END}" for c in calls)
+
+    def scan(self, text: str, names: set[str], final: bool) -> _Scan:
+        m = text.find(self.START)
+        if m < 0:
+            return _Scan(len(text) if final else _hold_back(text, 0, (self.START,)), [], [])
+        calls: list[_Seen] = []
+        rest: list[str] = []
+        i = m
+        while i < len(text):
+            j = text.find(self.START, i)
+            if j < 0:
+                if text[i:].strip():
+                    rest.append(text[i:])  # (read by the stream only at the end)
+                break
+            if text[i:j].strip():
+                rest.append(text[i:j])
+            body = j + len(self.START)
+            close = text.find(self.END, body)
+            stop = close if close >= 0 else len(text)
+            k = body
+            while k < stop and text[k].isspace():
+                k += 1
+            seen, end = (None, None)
+            if k < stop and text[k] == "{":
+                seen, end = _object_call(text, k, stop, names)
+            ok = seen is not None and (seen.complete or not final) and (
+                end is None or not text[end:stop].strip())
+            if ok:
+                assert seen is not None
+                seen.key = j
+                calls.append(seen)
+            elif close >= 0 or final:
+                rest.append(text[j:close + len(self.END) if close >= 0 else len(text)])
+            if close < 0:
+                break
+            i = close + len(self.END)
+        return _Scan(_content_before(text, m), calls, rest)
+
+    def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
+        call = "<tool_call>\\n" + _json_call_regex(tools, choice, "arguments") + "\\n</tool_call>"
+        return _repeat_calls(call, "\\n", parallel)
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+    hint = 'a JSON object per call, separated by "; ":\n{"name": "<function name>", "parameters": <arguments as a JSON object>}'
+
+    def format_calls(self, calls: list[ToolCall]) -> str:
+        return "; ".join(json.dumps({"name": c.name, "parameters": _args_value(c.arguments)}, ensure_ascii=False)
+                         for c in calls)
+    _START = re.compile(r'<\|python_tag\|>|\{\s*"name"\s*:')
+
+    def scan(self, text: str, names: set[str], final: bool) -> _Scan:
+        found = self._START.search(text)
+        if found is None:
+            return _Scan(len(text) if final else _hold_back(text, 0, (self.TAG, '{"name":')), [], [])
+        m = found.start()
+        i = found.end() if found.group(0) == self.TAG else m
+        calls: list[_Seen] = []
+        rest: list[str] = []
+        while True:
+            while i < len(text) and (text[i].isspace() or text[i] == ";"):
+                i += 1
+            if text.startswith(self.TAG, i):
+                i += len(self.TAG)
+                continue
+            if i >= len(text):
+                break
+            if text[i] != "{":
+                rest.append(text[i:])
+                break
+            seen, end = _object_call(text, i, len(text), names)
+            if seen is not None and (seen.complete or not final):
+                calls.append(seen)
+            elif end is not None or final:
+                rest.append(text[i:end if end is not None else len(text)])
+            if end is None:
+                break
+            i = end
+        return _Scan(_content_before(text, m), calls, rest)
+
+    def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
+        return _repeat_calls(_json_call_regex(tools, choice, "parameters"), "; ", parallel)
+
+
+class MistralParser(ToolParser):
+    name = "mistral"
+    START = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+    hint = '[TOOL_CALLS] and a JSON array of calls:\n[TOOL_CALLS][{"name": "<function name>", "arguments": <arguments as a JSON object>}]'
+
+    def format_calls(self, calls: list[ToolCall]) -> str:
+        return self.START + json.dumps([{"name": c.name, "arguments": _args_value(c.arguments)} for c in calls],
+                                       ensure_ascii=False)
+
+    def scan(self, text: str, names: set[str], final: bool) -> _Scan:
+        m = text.find(self.START)
+        if m < 0:
+            return _Scan(len(text) if final else _hold_back(text, 0, (self.START,)), [], [])
+        calls: list[_Seen] = []
+        rest: list[str] = []
+        starts = [k for k in _find_all(text, self.START) if k >= m]
+        for n, s in enumerate(starts):
+            stop = starts[n + 1] if n + 1 < len(starts) else len(text)
+            i = s + len(self.START)
+            while i < stop and text[i].isspace():
+                i += 1
+            if i >= stop:
+                continue
+            if text[i] == "[":  # a JSON array of call objects
+                i += 1
+                while True:
+                    while i < stop and (text[i].isspace() or text[i] == ","):
+                        i += 1
+                    if i >= stop or text[i] == "]":
+                        if i < stop and text[i + 1:stop].strip():
+                            rest.append(text[i + 1:stop])
+                        break
+                    if text[i] != "{":
+                        rest.append(text[i:stop])
+                        break
+                    seen, end = _object_call(text, i, stop, names)
+                    if seen is not None and (seen.complete or not final):
+                        calls.append(seen)
+                    elif end is not None or final:
+                        rest.append(text[i:end if end is not None else stop])
+                    if end is None:
+                        break
+                    i = end
+            elif text[i] == "{":
+                seen, end = _object_call(text, i, stop, names)
+                if seen is not None and (seen.complete or not final):
+                    calls.append(seen)
+                elif end is not None or final:
+                    rest.append(text[i:stop])
+            else:  # name[ARGS]{...}
+                a = text.find(self.ARGS, i, stop)
+                name = text[i:a].strip() if a >= 0 else None
+                if name is None or name not in names:
+                    if a >= 0 or final:
+                        rest.append(text[s:stop])
+                    continue
+                j = a + len(self.ARGS)
+                while j < stop and text[j].isspace():
+                    j += 1
+                end = json_end(text[:stop], j) if j < stop and text[j] == "{" else None
+                if end is not None:
+                    try:
+                        ok = isinstance(json.loads(text[j:end]), dict)
+                    except ValueError:
+                        ok = False
+                    if ok:
+                        calls.append(_Seen(s, name, text[j:end], True))
+                    else:
+                        rest.append(text[s:stop])
+                elif j < stop and text[j] == "{" and not final:
+                    calls.append(_Seen(s, name, text[j:stop], False))
+                elif final or (j < stop and text[j] != "{"):
+                    rest.append(text[s:stop])
+        return _Scan(_content_before(text, m), calls, rest)
+
+    def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
+        return r"\[TOOL_CALLS\]\[" + _repeat_calls(_json_call_regex(tools, choice, "arguments"), ", ", parallel) + r"\]"
+
+
+def _find_all(text: str, sub: str) -> Iterator[int]:
+    i = text.find(sub)
+    while i >= 0:
+        yield i
+        i = text.find(sub, i + len(sub))
+
+
+class PythonicParser(ToolParser):
+    """The whole output (outside optional ``<|python_start|>``/``<|python_end|>``) is a
+    list of calls with keyword arguments whose values are literals (Python's or JSON's
+    ``true``/``false``/``null``). Anything else is content; a call list after text is
+    content too."""
+
+    name = "pythonic"
+    OPEN, CLOSE = "<|python_start|>", "<|python_end|>"
+    hint = "a Python list of calls with keyword arguments, and nothing else:\n[func_name1(param1=value1, param2=value2), func_name2(param=value)]"
+
+    def format_calls(self, calls: list[ToolCall]) -> str:
+        def one(c: ToolCall) -> str:
+            args = _args_value(c.arguments)
+            if not isinstance(args, dict):
+                return f"{c.name}()"
+            return f"{c.name}(" + ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in args.items()) + ")"
+
+        return "[" + ", ".join(one(c) for c in calls) + "]"
+
+    def _body(self, text: str) -> tuple[int, int]:
+        a, b = 0, len(text)
+        s = text.strip()
+        if s.startswith(self.OPEN):
+            a = text.find(self.OPEN) + len(self.OPEN)
+        if s.endswith(self.CLOSE):
+            b = text.rfind(self.CLOSE)
+        return a, b
+
+    def scan(self, text: str, names: set[str], final: bool) -> _Scan:
+        s = text.lstrip()
+        maybe = s == "" or s.startswith("[") or self.OPEN.startswith(s[:len(self.OPEN)]) or s.startswith(self.OPEN)
+        if not maybe:
+            return _Scan(len(text), [], [])
+        if not final:
+            return _Scan(0, [], [])  # held until the end: a list of calls is known only when closed
+        a, b = self._body(text)
+        calls = _python_calls(text[a:b], names)
+        if calls is None:
+            return _Scan(len(text), [], [])
+        return _Scan(0, [_Seen(k, n, args, True) for k, (n, args) in enumerate(calls)], [])
+
+    def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
+        from plait.runtime.constrained.json_schema import schema_to_regex
+        from plait.runtime.constrained.regexes import escape
+
+        alts = []
+        for at, fn in _chosen(tools, choice):
+            where = at + ".parameters"
+            params = fn.get("parameters") or {}
+            allowed = {"type", "properties", "required", "additionalProperties", "title", "description", "$schema"}
+            extra = set(params) - allowed
+            props = params.get("properties") or {}
+            if extra or params.get("type", "object") != "object" or not isinstance(props, dict):
+                raise RequestError(f"{where} cannot be enforced as Python keyword arguments: only an object schema "
+                                   f"with properties/required is supported here (found {sorted(extra) or params.get('type')})",
+                                   where)
+            required = params.get("required") or []
+            pairs = []
+            for key, sub in props.items():
+                if not key.isidentifier():
+                    raise RequestError(f"{where}: property {key!r} is not a Python identifier, so it cannot be a "
+                                       f"keyword argument", where)
+                try:
+                    value = schema_to_regex(sub)
+                except ValueError as e:
+                    raise RequestError(f"{where}.properties.{key} cannot be enforced: {e}", where) from None
+                pairs.append((escape(key) + "=" + value, key in required))
+            alts.append(escape(fn["name"]) + r"\(" + _keyword_list(pairs) + r"\)")
+        call = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return r"\[" + _repeat_calls(call, ", ", parallel) + r"\]"
+
+
+def _keyword_list(pairs: list[tuple[str, bool]]) -> str:
+    """Keyword arguments in declared order; optional ones may be left out."""
+    def rest(i: int, first: bool) -> str:
+        if i == len(pairs):
+            return ""
+        pair, req = pairs[i]
+        if not first:
+            return (", " + pair if req else "(?:, " + pair + ")?") + rest(i + 1, False)
+        if req:
+            return pair + rest(i + 1, False)
+        alt = rest(i + 1, True)
+        return "(?:" + pair + rest(i + 1, False) + (")?" if not alt else "|" + alt + ")")
+
+    return rest(0, True)
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _literal(node: ast.AST, src: str) -> Any:
+    """A literal's value; JSON's true/false/null are accepted as names, and a
+    double-quoted string is read as JSON reads it when it can be (``\\/`` is ``/``)."""
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e, src) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ValueError("** in a dict")
+        return {_key(k, src): _literal(v, src) for k, v in zip(node.keys, node.values)}
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        seg = ast.get_source_segment(src, node) or ""
+        if seg.startswith('"'):
+            try:
+                return json.loads(seg)
+            except ValueError:
+                pass
+    v = ast.literal_eval(node)
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    raise ValueError(f"unsupported literal {type(v).__name__}")
+
+
+def _key(node: ast.AST | None, src: str) -> str:
+    v = _literal(node, src) if node is not None else None
+    if not isinstance(v, str):
+        raise ValueError("dict keys must be strings")
+    return v
+
+
+def _python_calls(text: str, names: set[str]) -> list[tuple[str, str]] | None:
+    s = text.strip()
+    if not (s.startswith("[") and s.endswith("]")) or len(s) > 1_000_000:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escape sequences in the model's strings
+            tree = ast.parse(s, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    out = []
+    for call in tree.body.elts:
+        if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args \
+                or call.func.id not in names:
+            return None
+        try:
+            kwargs = {kw.arg: _literal(kw.value, s) for kw in call.keywords if kw.arg is not None}
+            if len(kwargs) != len(call.keywords):
+                return None
+            out.append((call.func.id, json.dumps(kwargs, ensure_ascii=False)))
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return None
+    return out
+
+
+# -- streaming --------------------------------------------------------------------------------------
+class ToolStream:
+    """Incremental parsing of one output. ``feed(delta)`` and ``finish()`` return
+    OpenAI chat deltas: ``{"content": str}`` and ``{"tool_calls": [{"index", "id",
+    "type", "function": {"name", "arguments": ""}}]}`` when a call's name is known,
+    then ``{"tool_calls": [{"index", "function": {"arguments": fragment}}]}``.
+
+    Content before a possible call is held back (whitespace, a partial start marker)
+    until it is known not to be a call. A call streams from when its name is known;
+    arguments stream as written. What ``finish`` adds makes the concatenated deltas
+    equal :meth:`ToolParser.parse` of the whole text (the ids aside), except for a
+    call whose name streamed and whose text turned out invalid (cut off by the length
+    limit, or broken JSON): its arguments stop where they were valid so far.
+    """
+
+    def __init__(self, parser: ToolParser, tools: list[dict[str, Any]]) -> None:
+        self.parser = parser
+        self.names = _names(tools)
+        self.text = ""
+        self.sent_content = 0  # chars of text[:content_end] sent as content
+        self.index: dict[int, int] = {}  # call key -> stream index
+        self.sent_args: dict[int, int] = {}  # call key -> chars of arguments sent
+        self.calls: list[ToolCall] = []  # calls in stream order, as sent so far
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        self.text += delta
+        return self._advance(False)
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self._advance(True)
+
+    def _advance(self, final: bool) -> list[dict[str, Any]]:
+        try:
+            s = self.parser.scan(self.text, self.names, final)
+        except Exception:  # noqa: BLE001 - a parser bug must not fail the stream
+            s = _Scan(len(self.text) if final else self.sent_content, [], [])
+        out: list[dict[str, Any]] = []
+        has_calls = bool(self.index) or any(c.complete or not final for c in s.calls)
+        content_end = s.content_end if has_calls else (len(self.text) if final else s.content_end)
+        if content_end > self.sent_content:
+            out.append({"content": self.text[self.sent_content:content_end]})
+            self.sent_content = content_end
+        for c in s.calls:
+            if c.key not in self.index:
+                k = self.index[c.key] = len(self.index)
+                self.sent_args[c.key] = 0
+                self.calls.append(ToolCall(new_call_id(), c.name, ""))
+                out.append({"tool_calls": [{"index": k, "id": self.calls[k].id, "type": "function",
+                                            "function": {"name": c.name, "arguments": ""}}]})
+            k, sent = self.index[c.key], self.sent_args[c.key]
+            if len(c.args) > sent and c.args.startswith(self.calls[k].arguments):
+                frag = c.args[sent:]
+                self.sent_args[c.key] = len(c.args)
+                self.calls[k].arguments = c.args
+                out.append({"tool_calls": [{"index": k, "function": {"arguments": frag}}]})
+        if final and has_calls and s.rest:
+            tail = "".join(s.rest).strip()
+            if tail:
+                out.append({"content": ("\n" if self.sent_content else "") + tail})
+        return out
+
+
+# -- registry, detection, generic prompt ------------------------------------------------------------
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
+}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    cls = TOOL_PARSERS.get(name)
+    if cls is None:
+        raise ValueError(f"tool_call_parser={name!r} is unknown; allowed: {', '.join(TOOL_PARSERS)}")
+    return cls()
+
+
+def detect_tool_parser(chat_template: str | None) -> str | None:
+    """The format a chat template teaches its model, from the markers it writes; None
+    when it shows none (no tool support, or a format plait does not know)."""
+    if not chat_template:
+        return None
+    t = chat_template
+    if "<tool_call>" in t:
+        return "hermes"
+    if "[TOOL_CALLS]" in t:
+        return "mistral"
+    if "<|python_start|>" in t or ("[func_name1(" in t) or "func_name1(param_name1=" in t:
+        return "pythonic"
+    if "<|python_tag|>" in t or ("<|eom_id|>" in t and "parameters" in t) or '"parameters": dictionary' in t:
+        return "llama3_json"
+    return None
+
+
+def generic_tools_prompt(tools: list[dict[str, Any]], parser: str = "hermes") -> str:
+    """The system text that offers ``tools`` to a model whose chat template has no tool
+    support: the functions as JSON, and how a call is written in ``parser``'s format
+    (``hermes`` by default, the format the server then parses)."""
+    lines = [
+        "You can call functions to help with the user's request. The functions are described here as JSON:",
+        "<tools>",
+        *(json.dumps({"type": "function", "function": fn}, ensure_ascii=False) for fn in _functions(tools)),
+        "</tools>",
+        "To call functions, answer with " + get_tool_parser(parser).hint,
+        "Results of calls come back in <tool_response> blocks. When you can answer without a call, answer in plain text.",
+    ]
+    return "\n".join(lines)
