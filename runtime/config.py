@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from plait.errors import is_int
+from plait.runtime.eviction import EVICTION_POLICIES
 
 T = TypeVar("T")
 
@@ -43,6 +44,7 @@ class EngineConfig:
     chunked_prefill_size: int = 2048
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
+    eviction_policy: str = "lru"  # prefix cache: lru, lfu or cost (plait.runtime.eviction)
     context_length: int | None = None
     num_threads: int | None = None
     attention_backend: str = "auto"
@@ -64,6 +66,10 @@ class EngineConfig:
     grammar_compile_timeout: float = 30.0
     grammar_compile_memory_mb: int = 4096
     grammar_cache_size: int = 64
+    # Which grammar engine enforces constraints (plait.runtime.constrained.backend):
+    # outlines (outlines-core), llguidance, or auto (per constraint; docs/constrained.md).
+    # A request's grammar_backend sampling parameter overrides it.
+    grammar_backend: str = "auto"
     # Prefixes the language pins for a batch (plait.runtime.pinning) may hold at most
     # this share of the KV pool together, so pins can never starve running requests.
     pin_budget_fraction: float = 0.5
@@ -88,6 +94,8 @@ class EngineConfig:
                  "chunked_prefill_size", self.chunked_prefill_size, "a positive integer")
         _require(self.schedule_policy in SCHEDULE_POLICIES, "schedule_policy", self.schedule_policy, ", ".join(SCHEDULE_POLICIES))
         _require(isinstance(self.disable_radix_cache, bool), "disable_radix_cache", self.disable_radix_cache, "True or False")
+        _require(self.eviction_policy in EVICTION_POLICIES, "eviction_policy", self.eviction_policy,
+                 ", ".join(EVICTION_POLICIES))
         _require(self.context_length is None or (is_int(self.context_length) and self.context_length >= 2),
                  "context_length", self.context_length, "None or an integer >= 2")
         _require(self.num_threads is None or (is_int(self.num_threads) and self.num_threads >= 1),
@@ -115,6 +123,8 @@ class EngineConfig:
                  "grammar_compile_memory_mb", self.grammar_compile_memory_mb, "an integer >= 256 (MiB)")
         _require(is_int(self.grammar_cache_size) and self.grammar_cache_size >= 1,
                  "grammar_cache_size", self.grammar_cache_size, "a positive integer")
+        _require(self.grammar_backend in ("auto", "outlines", "llguidance"),
+                 "grammar_backend", self.grammar_backend, "auto, outlines or llguidance")
         _require(isinstance(self.disable_cuda_graph, bool), "disable_cuda_graph", self.disable_cuda_graph, "True or False")
         _require(is_int(self.cuda_graph_max_bs) and 1 <= self.cuda_graph_max_bs <= 4096,
                  "cuda_graph_max_bs", self.cuda_graph_max_bs, "an integer in [1, 4096]")

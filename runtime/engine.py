@@ -14,15 +14,16 @@ import torch
 from plait.errors import RequestError
 from plait.runtime.attention.base import AttentionBackend, create_attention_backend
 from plait.runtime.config import EngineConfig
-from plait.runtime.constrained.compiler import GrammarCompiler
-from plait.runtime.constrained.matcher import GrammarMatcher
+from plait.runtime.constrained.backend import Grammars
 from plait.runtime.constrained.vocab import TokenVocab
 from plait.runtime.cuda_graph import DecodeGraphRunner
+from plait.runtime.eviction import make_policy
 from plait.runtime.memory import KVPool, PageAllocator, ReqToToken, kv_pool_budget
 from plait.runtime.model_loader import ModelSource, resolve_model
 from plait.runtime.model_runner import ModelRunner
 from plait.runtime.models.config import ModelConfig
 from plait.runtime.models.llama import CausalLM
+from plait.runtime.models.registry import model_class
 from plait.runtime.output_processor import OutputProcessor, RequestOutput
 from plait.runtime.pinning import MAX_PIN_TTL_S, PinTable
 from plait.runtime.radix_cache import RadixCache
@@ -78,7 +79,7 @@ class Engine:
         )
         self.allocator = PageAllocator(num_pages, ps)
         self.req_to_token = ReqToToken(cfg.max_running_requests, self.context_len, self.device)
-        self.cache = RadixCache(self.allocator, disable=cfg.disable_radix_cache)
+        self.cache = RadixCache(self.allocator, disable=cfg.disable_radix_cache, policy=make_policy(cfg.eviction_policy))
         # prefixes pinned for the language's batches (plait.runtime.pinning)
         self.pins = PinTable(self.cache, int((num_pages - 1) * ps * cfg.pin_budget_fraction))
         self.scheduler = Scheduler(
@@ -93,7 +94,7 @@ class Engine:
         self._reqs: dict[str, Req] = {}  # unfinished client requests by rid
         self._kept: set[str] = set()  # rids whose final output add_request keeps for result()
         self._results: dict[str, RequestOutput] = {}
-        self._compiler: GrammarCompiler | None = None  # created with the first constraint
+        self._compiler: Grammars | None = None  # created with the first constraint
         self._grammar_pending: list[Req] = []  # queued requests whose index is not ready
         self._closed = False
         logger.info(
@@ -105,7 +106,7 @@ class Engine:
     def _load_model(self) -> CausalLM:
         mc = self.model_config
         with torch.device("meta"):
-            model = CausalLM(mc, max_pos=self.context_len, triton_ops=self._triton_ops)
+            model = model_class(mc)(mc, max_pos=self.context_len, triton_ops=self._triton_ops)
         model = model.materialize(self.device, self.dtype)
         model.load_weights(self.source.iter_weights())
         if self.config.resolved_cpu_gemm() == "onednn":
@@ -115,7 +116,7 @@ class Engine:
     def _attention_backend(self) -> AttentionBackend:
         cfg, mc = self.config, self.model_config
         name = cfg.resolved_attention_backend()
-        args = (self.pool, mc.num_heads, mc.head_dim**-0.5)
+        args = (self.pool, mc.num_heads, mc.attention_scale, tuple(w for w in mc.layer_windows if w))
         if name == "cpu" and cfg.attention_backend == "auto":
             try:
                 return create_attention_backend(name, *args)
@@ -168,7 +169,7 @@ class Engine:
     # -- requests ---------------------------------------------------------------------
     @property
     def limits(self) -> ModelLimits:
-        return ModelLimits(self.model_config.vocab_size, self.context_len)
+        return ModelLimits(self.model_config.vocab_size, self.context_len, self.config.grammar_backend)
 
     def add_request(
         self,
@@ -200,7 +201,7 @@ class Engine:
         base, params = inp.rid, inp.params
         if any(k == base or k.startswith(base + "#") for k in self._reqs):
             raise RequestError(f"rid={base!r} is already in use", "rid")
-        future = self.grammar_compiler.request(inp.constraint.regex) if inp.constraint is not None else None
+        future = self.grammar_compiler.request(inp.constraint) if inp.constraint is not None else None
         reqs = []
         for i in range(params.n):
             seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._ids)
@@ -212,8 +213,8 @@ class Engine:
             )
             if future is not None:
                 # logprob requests keep their prompt and get one entry per sampled token
-                r.grammar = GrammarMatcher(
-                    future, inp.constraint.kind,
+                r.grammar = self.grammar_compiler.matcher(
+                    future, inp.constraint,
                     jump_forward=not self.config.disable_jump_forward and not inp.return_logprob,
                     heal=not inp.return_logprob,
                 )
@@ -227,13 +228,14 @@ class Engine:
         return reqs
 
     @property
-    def grammar_compiler(self) -> GrammarCompiler:
-        """Builds and caches constraint indexes over this model's vocabulary."""
+    def grammar_compiler(self) -> Grammars:
+        """Builds and caches constraints (one compiler per grammar backend) over this
+        model's vocabulary, and makes each request's matcher."""
         if self._compiler is None:
             cfg = self.config
-            vocab = TokenVocab.from_tokenizer(self.tokenizer, self.eos_ids, self.model_config.vocab_size)
-            self._compiler = GrammarCompiler(
-                vocab, timeout_s=cfg.grammar_compile_timeout, memory_mb=cfg.grammar_compile_memory_mb,
+            self._compiler = Grammars(
+                lambda: TokenVocab.from_tokenizer(self.tokenizer, self.eos_ids, self.model_config.vocab_size),
+                timeout_s=cfg.grammar_compile_timeout, memory_mb=cfg.grammar_compile_memory_mb,
                 cache_size=cfg.grammar_cache_size, jump_forward=not cfg.disable_jump_forward,
             )
         return self._compiler

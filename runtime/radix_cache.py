@@ -9,12 +9,12 @@ they use; locks propagate to the namespace root. Only unlocked leaves are evicte
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from plait.runtime.eviction import LRU, EvictionPolicy, decayed
 from plait.runtime.memory import PageAllocator
 
 
@@ -28,6 +28,12 @@ class TreeNode:
         self.children: dict[Hashable, TreeNode] = {}
         self.lock_ref = 0  # running requests whose locked node is this one or a descendant
         self.last_access = 0
+        self.start = 0  # tokens before this span in its sequence
+        # reuse, for eviction policies (plait.runtime.eviction): admitted requests whose
+        # match ran through this node, and that count decayed to ``score_clock``
+        self.hits = 0
+        self.score = 0.0
+        self.score_clock = 0
 
     def __repr__(self) -> str:
         return f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, last_access={self.last_access})"
@@ -41,11 +47,6 @@ class MatchResult:
     @property
     def length(self) -> int:
         return self.slots.numel()
-
-
-def lru_key(node: TreeNode) -> int:
-    """Default eviction policy: least recently used leaf first."""
-    return node.last_access
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -63,7 +64,8 @@ class RadixCache:
     - ``allocator.num_free + cached_pages + pages held privately by running requests
       == allocator.total_pages``.
 
-    ``eviction_key`` orders unlocked leaves for eviction (smallest first); LRU by default.
+    ``policy`` orders unlocked leaves for eviction (:mod:`plait.runtime.eviction`;
+    LRU by default).
     """
 
     def __init__(
@@ -71,12 +73,12 @@ class RadixCache:
         allocator: PageAllocator,
         disable: bool = False,
         *,
-        eviction_key: Callable[[TreeNode], Any] = lru_key,
+        policy: EvictionPolicy | None = None,
     ) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.disable = disable
-        self.eviction_key = eviction_key
+        self.policy = policy if policy is not None else LRU()
         self._roots: dict[str | None, TreeNode] = {None: self._new_root()}
         self._clock = 0
         self._evictable_pages = 0
@@ -148,10 +150,21 @@ class RadixCache:
         dup = new[(old != new).any(dim=1)].reshape(-1)
         if pos < n:
             leaf = TreeNode(list(tokens[pos:n]), slots[pos:n].clone(), node)
-            leaf.last_access = self._clock
+            leaf.last_access = leaf.score_clock = self._clock
+            leaf.start = pos
             node.children[self._child_key(leaf.key)] = leaf
             self._evictable_pages += (n - pos) // ps
         return dup
+
+    def record_hit(self, node: TreeNode) -> None:
+        """An admitted request reuses the prefix ending at ``node``: count it on the
+        path to the root (for the eviction policies)."""
+        now = self._clock
+        while node.parent is not None:
+            node.hits += 1
+            node.score = decayed(node.score, node.score_clock, now) + 1.0
+            node.score_clock = now
+            node = node.parent
 
     def lock(self, node: TreeNode) -> None:
         """Pin ``node`` and its ancestors (the namespace root excluded) against eviction."""
@@ -177,11 +190,12 @@ class RadixCache:
 
     def evict(self, num_pages: int) -> int:
         """Free at least ``num_pages`` pages by removing unlocked leaves in
-        ``eviction_key`` order (a parent left childless becomes a candidate). Stops
+        the policy's order (a parent left childless becomes a candidate). Stops
         early when nothing is evictable. Returns the pages freed."""
         if num_pages <= 0:
             return 0
-        heap = [(self.eviction_key(n), id(n), n) for n in self._nodes() if self._is_evictable(n)]
+        now = self._clock
+        heap = [(self.policy.key(n, now), id(n), n) for n in self._nodes() if self._is_evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -190,7 +204,7 @@ class RadixCache:
             assert parent is not None
             freed += self._remove_leaf(leaf)
             if self._is_evictable(parent):
-                heapq.heappush(heap, (self.eviction_key(parent), id(parent), parent))
+                heapq.heappush(heap, (self.policy.key(parent, now), id(parent), parent))
         # Drop namespaces left empty (the default one stays).
         self._roots = {s: r for s, r in self._roots.items() if s is None or r.children}
         return freed
@@ -266,7 +280,9 @@ class RadixCache:
         parent = child.parent
         assert parent is not None and 0 < at < len(child.key) and at % self.page_size == 0
         mid = TreeNode(child.key[:at], child.value[:at], parent)
-        mid.lock_ref, mid.last_access = child.lock_ref, child.last_access
+        mid.lock_ref, mid.last_access, mid.start = child.lock_ref, child.last_access, child.start
+        mid.hits, mid.score, mid.score_clock = child.hits, child.score, child.score_clock
+        child.start += at
         parent.children[self._child_key(mid.key)] = mid
         child.key, child.value, child.parent = child.key[at:], child.value[at:], mid
         mid.children[self._child_key(child.key)] = child

@@ -291,6 +291,8 @@ class Scheduler:
             # the cache's hit statistics count each request once, at first admission
             self.cache.queried_tokens += r.seq_len
             self.cache.hit_tokens += match.length
+            if match.length:
+                self.cache.record_hit(match.node)
             r.cached_tokens = match.length
             r.admitted_once = True
         r.row = self.req_to_token.alloc_row()

@@ -9,6 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from plait.runtime.eviction import HIT_HALF_LIFE, EvictionPolicy, make_policy
 from plait.runtime.memory import PageAllocator
 from plait.runtime.radix_cache import RadixCache, TreeNode
 
@@ -164,13 +165,79 @@ def test_lru_order_and_cascade(ps: int) -> None:
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)
-def test_pluggable_eviction_key(ps: int) -> None:
+def test_a_policy_is_one_class(ps: int) -> None:
+    class LongestFirst(EvictionPolicy):
+        name = "longest"
+
+        def key(self, node: TreeNode, now: int) -> int:
+            return -len(node.key)
+
     alloc = PageAllocator(64, ps)
-    cache = RadixCache(alloc, eviction_key=lambda n: -len(n.key))  # longest leaf first
+    cache = RadixCache(alloc, policy=LongestFirst())
     put(cache, seq(ps, 1))
     put(cache, seq(ps, 2, 2, 2))
     assert cache.evict(1) == 3
     assert cache.match_prefix(seq(ps, 1)).length == ps
+
+
+def _reused(cache: RadixCache, tokens: list[int], times: int) -> None:
+    for _ in range(times):
+        cache.record_hit(cache.match_prefix(tokens).node)
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_lfu_evicts_the_least_reused_leaf(ps: int) -> None:
+    alloc = PageAllocator(64, ps)
+    cache = RadixCache(alloc, policy=make_policy("lfu"))
+    put(cache, seq(ps, 1, 2))
+    put(cache, seq(ps, 3, 4))
+    _reused(cache, seq(ps, 1, 2), 3)
+    _reused(cache, seq(ps, 3, 4), 1)  # the most recent, but reused less
+    assert cache.evict(1) == 2  # the whole leaf [3 4]
+    assert cache.match_prefix(seq(ps, 3, 4)).length == 0
+    assert cache.match_prefix(seq(ps, 1, 2)).length == 2 * ps
+    check_sizes(alloc, cache)
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_cost_policy_weighs_reuse_against_recompute_cost(ps: int) -> None:
+    """Equal reuse: the cheaper leaf (fewer tokens, earlier positions) goes first, even
+    when it is the least recently used one; more reuse outweighs a higher cost; old hits
+    decay (a burst of reuse long ago counts for little)."""
+    alloc = PageAllocator(256, ps)
+    policy = make_policy("cost")
+    cache = RadixCache(alloc, policy=policy)
+    long_doc = seq(ps, *range(10, 30))  # 20 pages
+    short = seq(ps, 5)  # 1 page
+    put(cache, long_doc)
+    put(cache, short)
+    _reused(cache, long_doc, 1)
+    _reused(cache, short, 1)  # most recent, but cheap to recompute
+    leaves = {len(n.key) // ps: n for n in cache._nodes() if not n.children}
+    assert policy.recompute_cost(leaves[20]) > 20 * policy.recompute_cost(leaves[1])
+    assert cache.evict(1) == 1 and cache.match_prefix(short).length == 0
+    # reuse beats cost: a short prefix hit often survives a long one never reused
+    put(cache, short)
+    put(cache, seq(ps, 40, 41, 42))
+    _reused(cache, short, 12)
+    assert cache.evict(1) == 3 and cache.match_prefix(short).length == ps
+    # decay: hits far in the past (many clock ticks ago) fade toward none
+    node = cache.match_prefix(short).node
+    fresh = policy.key(node, cache._clock)[0]
+    stale = policy.key(node, cache._clock + 100 * HIT_HALF_LIFE)[0]
+    assert stale < fresh / 5 and stale >= policy.recompute_cost(node)
+    check_sizes(alloc, cache)
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_split_nodes_keep_positions_and_reuse(ps: int) -> None:
+    alloc, cache = make(ps)
+    put(cache, seq(ps, 1, 2, 3))
+    _reused(cache, seq(ps, 1, 2, 3), 2)
+    cache.match_prefix(seq(ps, 1, 9))  # splits [1 | 2 3]
+    (top,) = cache._roots[None].children.values()
+    (rest,) = top.children.values()
+    assert (top.start, rest.start) == (0, ps) and top.hits == rest.hits == 2
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)
