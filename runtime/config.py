@@ -16,6 +16,7 @@ ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_GEMMS = ("auto", "onednn", "torch")
+PREFIX_CACHE_MODES = ("radix", "block_hash")
 
 
 def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
@@ -45,6 +46,9 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     eviction_policy: str = "lru"  # prefix cache: lru, lfu or cost (plait.runtime.eviction)
+    # radix: token-level tree (RadixAttention); block_hash: vLLM's hashed full pages
+    # (plait.runtime.block_cache), kept to measure the two on one engine
+    prefix_cache_mode: str = "radix"
     context_length: int | None = None
     num_threads: int | None = None
     attention_backend: str = "auto"
@@ -94,6 +98,8 @@ class EngineConfig:
                  "chunked_prefill_size", self.chunked_prefill_size, "a positive integer")
         _require(self.schedule_policy in SCHEDULE_POLICIES, "schedule_policy", self.schedule_policy, ", ".join(SCHEDULE_POLICIES))
         _require(isinstance(self.disable_radix_cache, bool), "disable_radix_cache", self.disable_radix_cache, "True or False")
+        _require(self.prefix_cache_mode in PREFIX_CACHE_MODES, "prefix_cache_mode", self.prefix_cache_mode,
+                 ", ".join(PREFIX_CACHE_MODES))
         _require(self.eviction_policy in EVICTION_POLICIES, "eviction_policy", self.eviction_policy,
                  ", ".join(EVICTION_POLICIES))
         _require(self.context_length is None or (is_int(self.context_length) and self.context_length >= 2),

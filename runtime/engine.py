@@ -13,6 +13,7 @@ import torch
 
 from plait.errors import RequestError
 from plait.runtime.attention.base import AttentionBackend, create_attention_backend
+from plait.runtime.block_cache import BlockHashCache
 from plait.runtime.config import EngineConfig
 from plait.runtime.constrained.backend import Grammars
 from plait.runtime.constrained.vocab import TokenVocab
@@ -79,7 +80,8 @@ class Engine:
         )
         self.allocator = PageAllocator(num_pages, ps)
         self.req_to_token = ReqToToken(cfg.max_running_requests, self.context_len, self.device)
-        self.cache = RadixCache(self.allocator, disable=cfg.disable_radix_cache, policy=make_policy(cfg.eviction_policy))
+        cache_cls = BlockHashCache if cfg.prefix_cache_mode == "block_hash" else RadixCache
+        self.cache = cache_cls(self.allocator, disable=cfg.disable_radix_cache, policy=make_policy(cfg.eviction_policy))
         # prefixes pinned for the language's batches (plait.runtime.pinning)
         self.pins = PinTable(self.cache, int((num_pages - 1) * ps * cfg.pin_budget_fraction))
         self.scheduler = Scheduler(
