@@ -10,6 +10,7 @@ works this way; the assistant's end-of-turn text becomes a stop string.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from datetime import datetime
@@ -170,3 +171,81 @@ def jinja_render(source: str, special_tokens: dict[str, Any] | None = None) -> R
     tpl = env.from_string(source)
     extra = dict(special_tokens or {})
     return lambda messages: tpl.render(messages=messages, add_generation_prompt=False, **extra)
+
+
+# -- tools in chat prompts -------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def template_uses_tools(source: str | None) -> bool:
+    """Whether a Jinja chat template reads the ``tools`` variable (so rendering it with
+    ``tools=`` shows the model its tools). Templates that ignore it get plait's generic
+    tool prompt instead (:func:`messages_without_tool_support`)."""
+    if not source:
+        return False
+    try:
+        from jinja2 import meta
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+        return "tools" in meta.find_undeclared_variables(env.parse(source))
+    except Exception:  # noqa: BLE001 - a template jinja2 cannot parse is rendered (and refused) elsewhere
+        return "tools" in source
+
+
+def has_tool_history(messages: list[dict[str, Any]]) -> bool:
+    return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+
+
+def messages_for_tool_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for a template with tool support: a call's ``arguments`` JSON text is
+    given as the object it encodes (Hugging Face templates write it with ``tojson``)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                fn = dict(c["function"])
+                try:
+                    args = json.loads(fn["arguments"])
+                    if isinstance(args, dict):
+                        fn["arguments"] = args
+                except (ValueError, TypeError):
+                    pass
+                calls.append({**c, "function": fn})
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def messages_without_tool_support(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                                  parser: str = "hermes") -> list[dict[str, Any]]:
+    """Messages for a template that knows no tools: the tools are described in the
+    system message (:func:`plait.tool_parsers.generic_tools_prompt`), an assistant's
+    calls become text in ``parser``'s format, and tool results (consecutive ones merged)
+    become a user message of ``<tool_response>`` blocks."""
+    from plait.tool_parsers import ToolCall, generic_tools_prompt, get_tool_parser
+
+    fmt = get_tool_parser(parser)
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m.get("role") == "tool":
+            block = f"<tool_response>\n{m.get('content', '')}\n</tool_response>"
+            if out and out[-1].get("_tool_results"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tool_results": True})
+        elif m.get("tool_calls"):
+            calls = [ToolCall(c.get("id", ""), c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            text = fmt.format_calls(calls)
+            content = m.get("content") or ""
+            out.append({"role": "assistant", "content": (content + "\n" if content else "") + text})
+        else:
+            out.append(dict(m))
+    for m in out:
+        m.pop("_tool_results", None)
+    if tools:
+        prompt = generic_tools_prompt(tools, parser)
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": prompt + "\n\n" + out[0]["content"]}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out

@@ -308,7 +308,6 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 1000}, "logprobs"),
     ("/v1/completions", {"prompt": "word " * 1100}, "prompt"),  # over the context length
     ("/v1/completions", {"prompt": [[5, 10**9]]}, "prompt"),  # token id outside the vocabulary
-    ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, "model"),
     ("/v1/completions", {"prompt": "hi", "no_such_field": 1}, "no_such_field"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", b'{"prompt": "\\ud800 lone surrogate"}', "prompt"),
@@ -319,7 +318,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -3}, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "temperature": "hot"}, "temperature"),
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
     ("/generate", {}, "text"),
     ("/generate", {"text": 5}, "text"),
     ("/generate", {"text": "hi", "input_ids": [1]}, "input_ids"),

@@ -39,6 +39,9 @@ ENGINE_HELP: dict[str, str] = {
     "grammar_compile_timeout": "constrained decoding: seconds one regex/JSON-schema index build may take",
     "grammar_compile_memory_mb": "constrained decoding: memory limit (MiB) of an index build",
     "grammar_cache_size": "constrained decoding: compiled indexes kept (LRU)",
+    "grammar_backend": "constrained decoding: grammar engine, auto (per constraint: ebnf and JSON Schema to llguidance "
+                       "with outlines-core as fallback, regex to outlines-core), outlines or llguidance; a request's "
+                       "grammar_backend overrides it",
     "cpu_gemm": "CPU float32 GEMMs: auto (onednn where available), onednn (weights packed once for oneDNN's JIT GEMM) or torch (F.linear, MKL)",
     "disable_cuda_graph": "CUDA: run decode steps eagerly instead of replaying recorded CUDA graphs",
     "cuda_graph_max_bs": "CUDA: largest decode batch that replays a recorded graph (bucketed sizes up to it)",

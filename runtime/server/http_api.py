@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from plait import protocol as P
 from plait.runtime.server import openai_api as oa
+from plait.runtime.server import responses_api as ra
 from plait.errors import RequestError, is_int
 from plait.runtime.server.front import COSTLY_TEXT_CHARS, Front, ReqState
 from plait.runtime.validation import check_text
@@ -392,6 +393,37 @@ def build_app(front: Front) -> ASGIApp:
         return StreamingResponse(await _first_then(request, sub, _openai_stream(front, job, sub)),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
+    store = ra.ResponseStore()  # this server's responses, for previous_response_id
+
+    async def responses(request: Request) -> Response:
+        body = await read_json(request)
+        size = request.headers.get("content-length", "")
+        costly = size.isdigit() and int(size) > COSTLY_TEXT_CHARS
+        parse = ra.parse_response_request
+        rj = await asyncio.to_thread(parse, front, store, body) if costly else parse(front, store, body)
+        sub = Submission(front)
+        try:
+            await sub.submit(rj.job.reqs, "input")
+        except RequestError as e:
+            raise oa.openai_error(e, rj.job) from None
+        if not rj.job.stream:
+            results = await sub.results(request)
+            return JSONResponse(ra.response(store, rj, results[(0, 0)]))
+
+        async def events() -> AsyncIterator[bytes]:
+            yielded = False
+            try:
+                async for e in ra.stream(store, rj, sub.events()):
+                    yielded = True
+                    yield b"event: " + e["type"].encode() + b"\n" + sse(e)
+            except RequestError as e:
+                if not yielded:
+                    raise
+                yield b"event: error\n" + _stream_error(e)
+
+        return StreamingResponse(await _first_then(request, sub, events()), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
     routes = [
         Route("/generate", generate, methods=["POST"]),
         Route("/model_info", model_info, methods=["GET"]),
@@ -407,6 +439,7 @@ def build_app(front: Front) -> ASGIApp:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
     ]
 
     app: ASGIApp = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
@@ -486,6 +519,7 @@ async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIte
     offsets: dict[int, int] = {}
     completion = cached = 0
     started: set[int] = set()
+    chats: dict[int, oa.ChatStream] = {}  # choice index -> its chat deltas (reasoning, tool calls)
     yielded = False
     try:
         if job.echo_texts:
@@ -507,15 +541,24 @@ async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIte
                     else:
                         lp = fmt.completion(pairs, tops, offsets.get(index, 0))
                         offsets[index] = offsets.get(index, 0) + len(msg.text)
-                if msg.text or lp is not None or role:
-                    yield sse(oa.stream_chunk(job, index, msg.text, None, role=role, logprobs=lp))
+                if job.chat:
+                    cs = chats.setdefault(index, (job.output or oa.ChatOutput()).stream())
+                    for c in oa.chat_chunks(job, cs, index, msg.text, role=role, logprobs=lp):
+                        yield sse(c)
+                elif msg.text or lp is not None:
+                    yield sse(oa.stream_chunk(job, index, msg.text, None, logprobs=lp))
             else:
                 meta = msg.meta_info
                 completion += meta.get("completion_tokens", 0)
                 if msg.index == 0:
                     cached += meta.get("cached_tokens", 0)
-                yield sse(oa.stream_chunk(job, index, "" if not job.chat else None, oa.finish_reason(meta),
-                                          role=role, matched_stop=(meta.get("finish_reason") or {}).get("matched")))
+                if job.chat:
+                    cs = chats.setdefault(index, (job.output or oa.ChatOutput()).stream())
+                    for c in oa.chat_chunks(job, cs, index, None, role=role, meta=meta):
+                        yield sse(c)
+                else:
+                    yield sse(oa.stream_chunk(job, index, "", oa.finish_reason(meta),
+                                              matched_stop=(meta.get("finish_reason") or {}).get("matched")))
         if job.include_usage:
             yield sse(oa.usage_chunk(job, completion, cached))
     except RequestError as e:

@@ -14,15 +14,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait import protocol as P
+from plait.chat_template import (
+    has_tool_history, messages_for_tool_template, messages_without_tool_support, template_uses_tools,
+)
 from plait.errors import RequestError, is_int
+from plait.reasoning import MAX_REASONING_CHARS, ReasoningParser, ReasoningStream, get_reasoning_parser
 from plait.runtime.server.front import Front
 from plait.runtime.validation import check_text
+from plait.tool_parsers import ToolParser, ToolStream, check_tools, detect_tool_parser, get_tool_parser
 
 MAX_TOP_LOGPROBS = 20
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 
 # Fields accepted and ignored (they change nothing here).
-_IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options",
+_IGNORED = {"user", "store", "metadata", "service_tier", "stream_options",
             "prompt_cache_key", "safety_identifier"}
 # Extensions passed to the sampler under the same name (vLLM / SGLang extras).
 _SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens")
@@ -30,7 +35,8 @@ _COMMON = {"model", "n", "stop", "stream", "temperature", "top_p", "seed", "freq
            "max_tokens", "min_tokens", "logit_bias", "cache_salt", "rid", "regex", "json_schema", *_SAMPLING_EXTRAS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
-                         "tools", "tool_choice", "functions", "function_call", "reasoning_effort", "modalities"}
+                         "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "reasoning_effort",
+                         "modalities", "max_reasoning_chars"}
 # engine name -> OpenAI name, for messages from SamplingParams' validation
 _RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
@@ -50,7 +56,8 @@ class Job:
     echo_texts: list[str] = field(default_factory=list)  # completions with echo=True
     logprobs: int | None = None  # number of top logprobs (0: chosen token only); None: off
     prompt_tokens: list[int] = field(default_factory=list)
-    from_response_format: bool = False  # its json_schema came from response_format
+    constraint_field: str | None = None  # the client's field its regex/json_schema came from (response_format...)
+    output: ChatOutput | None = None  # chat: how the text becomes a message (reasoning, tool calls)
 
 
 # -- field checks ---------------------------------------------------------------------------
@@ -96,14 +103,16 @@ def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
 
 
 def check_model(front: Front, body: dict[str, Any]) -> str:
+    """The served name; ``model`` may be absent, empty, ``"default"`` or a served name
+    (as in SGLang). Another name is OpenAI's 404 ``model_not_found``."""
     model = get_field(body, "model", "str")
-    names = {front.args.model_name}
+    names = {front.args.model_name, "", "default"}
     if front.args.model is not None:
         names.add(front.args.model)
     if model is not None and model not in names:
         raise RequestError(
-            f"model={_short(model)} is not served here; allowed: {front.args.model_name!r} (see GET /v1/models)",
-            "model", 400, "invalid_request_error",
+            f"The model {_short(model)} does not exist on this server; allowed: {front.args.model_name!r}, "
+            f"'default' or no name (see GET /v1/models)", "model", 404, "invalid_request_error", "model_not_found",
         )
     return front.args.model_name
 
@@ -149,9 +158,9 @@ def sampling_params(front: Front, body: dict[str, Any], prompt_len: int, default
 
 def openai_error(e: RequestError, job: Job | None = None) -> RequestError:
     """A validation error under OpenAI's field names (``max_new_tokens`` is
-    ``max_tokens`` here; a chat's ``json_schema`` came from ``response_format``)."""
-    if job is not None and job.from_response_format and e.param == "json_schema":
-        return e.with_param("response_format")
+    ``max_tokens`` here; a chat's constraint came from ``response_format`` or the tools)."""
+    if job is not None and job.constraint_field is not None and e.param in ("json_schema", "regex"):
+        return e.with_param(job.constraint_field)
     new = _RENAMES.get(e.param or "")
     if new is None:
         return e
@@ -228,6 +237,40 @@ def parse_completion(front: Front, body: dict[str, Any]) -> Job:
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+def _text_content(content: Any, where: str) -> str:
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text") \
+                    or not isinstance(part.get("text"), str):
+                raise RequestError(f"{where}.content parts must be {{\"type\": \"text\", \"text\": str}}; "
+                                   "other content types are not supported", "messages")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise RequestError(f"{where}.content must be a string or an array of text parts", "messages")
+    check_text(content, "messages")
+    return content
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, checked (OpenAI's shape)."""
+    if not isinstance(calls, list) or not calls:
+        raise RequestError(f"{where}.tool_calls must be a non-empty array of calls", "messages")
+    out = []
+    for j, c in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str) \
+                or not isinstance(c.get("id", ""), str) or c.get("type", "function") != "function":
+            raise RequestError(f"{at} must be {{\"id\": str, \"type\": \"function\", \"function\": {{\"name\": str, "
+                               f"\"arguments\": str}}}}", "messages")
+        check_text(fn["arguments"], "messages")
+        out.append({"id": c.get("id", ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
+
+
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -241,56 +284,249 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if role not in _ROLES:
             raise RequestError(f"{where}.role={_short(role)} is invalid; allowed: {', '.join(_ROLES)}", "messages")
         content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise RequestError(f"{where}.content parts must be {{\"type\": \"text\", \"text\": str}}; "
-                                     "other content types are not supported", "messages")
-                parts.append(part["text"])
-            content = "".join(parts)
-        elif content is None and role == "assistant":
+        if content is None and role == "assistant":
             content = ""
-        if not isinstance(content, str):
-            raise RequestError(f"{where}.content must be a string or an array of text parts", "messages")
-        check_text(content, "messages")
-        msg = {"role": "system" if role == "developer" else role, "content": content}
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": _text_content(content, where)}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise RequestError(f"{where}.tool_call_id is required for a tool message: the id of the call it "
+                                   f"answers", "messages")
+            msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     return out
+
+
+@dataclass
+class ChatOutput:
+    """How a chat's completion text becomes a message: the reasoning section split off
+    (``--reasoning-parser``), then tool calls parsed from the rest (when the request
+    offers tools and ``tool_choice`` is not ``none``)."""
+
+    reasoning: ReasoningParser | None = None
+    tool_parser: ToolParser | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)
+
+    def message(self, text: str) -> tuple[dict[str, Any], bool]:
+        """The assistant message and whether it calls tools."""
+        reasoning, content = self.reasoning.parse(text) if self.reasoning else (None, text)
+        calls = []
+        if self.tool_parser is not None:
+            content, calls = self.tool_parser.parse(content, self.tools)
+        msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        if self.reasoning is not None:
+            msg["reasoning_content"] = reasoning
+        if calls:
+            msg["tool_calls"] = [c.to_openai() for c in calls]
+        return msg, bool(calls)
+
+    def stream(self) -> ChatStream:
+        return ChatStream(self.reasoning.stream() if self.reasoning else None,
+                          self.tool_parser.stream(self.tools) if self.tool_parser else None)
+
+
+class ChatStream:
+    """One streamed choice: text deltas in, OpenAI chat deltas out (``reasoning_content``,
+    ``content``, ``tool_calls``)."""
+
+    def __init__(self, reasoning: ReasoningStream | None, tools: ToolStream | None) -> None:
+        self.reasoning = reasoning
+        self.tools = tools
+
+    @property
+    def has_calls(self) -> bool:
+        return self.tools is not None and bool(self.tools.calls)
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        return self._step(text, False)
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self._step("", True)
+
+    def _step(self, text: str, final: bool) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if self.reasoning is not None:
+            r, text = self.reasoning.finish() if final else self.reasoning.feed(text)
+            if r:
+                out.append({"reasoning_content": r})
+        if self.tools is None:
+            if text:
+                out.append({"content": text})
+            return out
+        if text:
+            out += self.tools.feed(text)
+        if final:
+            out += self.tools.finish()
+        return out
+
+
+def chat_finish_reason(meta: dict[str, Any], has_calls: bool) -> str | None:
+    fr = finish_reason(meta)
+    return "tool_calls" if has_calls and fr == "stop" else fr
+
+
+def chat_chunks(job: Job, cs: ChatStream, index: int, text: str | None, *, role: bool, logprobs: Any = None,
+                meta: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The stream chunks of one engine chunk (``text``) or of the end (``meta``, the
+    result's meta info): deltas first (role and logprobs on the first), then the finish."""
+    deltas = cs.feed(text) if meta is None else cs.finish()
+    if not deltas and (role or logprobs is not None) and meta is None:
+        deltas = [{}]
+    out = []
+    for k, d in enumerate(deltas):
+        out.append(stream_chunk(job, index, None, None, role=role and k == 0, logprobs=logprobs if k == 0 else None,
+                                delta=d))
+    if meta is not None:
+        out.append(stream_chunk(job, index, None, chat_finish_reason(meta, cs.has_calls), role=role and not deltas,
+                                matched_stop=(meta.get("finish_reason") or {}).get("matched")))
+    return out
+
+
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str | None:
+    """``tool_choice`` as ``"auto"``, ``"none"``, ``"required"`` or a function name."""
+    tc = body.get("tool_choice")
+    if tc is None:
+        return "auto" if tools else "none"
+    if isinstance(tc, str) and tc in ("auto", "none", "required"):
+        choice = tc
+    elif isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("function"), dict) \
+            and isinstance(tc["function"].get("name"), str):
+        choice = tc["function"]["name"]
+    elif isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("name"), str):
+        choice = tc["name"]  # the Responses API's shape
+    else:
+        raise RequestError(f"tool_choice={_short(tc)} is invalid; allowed: \"auto\", \"none\", \"required\" or "
+                           f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tool_choice")
+    if choice != "none" and not tools:
+        raise RequestError(f"tool_choice={_short(tc)} needs tools; none were given", "tool_choice")
+    if choice not in ("auto", "none", "required") and choice not in {fn["name"] for fn in tools or []}:
+        raise RequestError(f"tool_choice names function {choice!r}, which is not in tools", "tool_choice")
+    return choice
+
+
+def server_tool_parser(front: Front) -> str:
+    """``--tool-call-parser``, else the format the chat template shows, else ``hermes``
+    (the generic tool prompt's format)."""
+    template = getattr(front.tokenizer, "chat_template", None)
+    return front.args.tool_call_parser or detect_tool_parser(template if isinstance(template, str) else None) \
+        or "hermes"
+
+
+def render_chat(front: Front, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                parser: str) -> str:
+    """The prompt text of a chat: the model's template with ``tools=`` when it reads
+    them; else plait's generic tool prompt and tool history as text."""
+    template = getattr(front.tokenizer, "chat_template", None)
+    if not template:
+        raise RequestError("this model has no chat template; use /v1/completions", "messages")
+    kwargs: dict[str, Any] = {}
+    if template_uses_tools(template if isinstance(template, str) else None):
+        messages = messages_for_tool_template(messages)
+        if tools:
+            kwargs["tools"] = [{"type": "function", "function": fn} for fn in tools]
+    elif tools or has_tool_history(messages):
+        messages = messages_without_tool_support(messages, tools, parser)
+    try:
+        return front.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    except Exception as e:  # noqa: BLE001  (a template may reject a message order)
+        raise RequestError(f"the chat template rejected the messages: {e}", "messages") from None
+
+
+def response_format_schema(fmt: dict[str, Any] | None, param: str = "response_format") -> Any:
+    """The JSON Schema of a ``response_format`` (None for text)."""
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    spec = fmt.get("json_schema") if fmt.get("type") == "json_schema" else None
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if fmt.get("type") == "json_schema" and schema is None and isinstance(fmt.get("schema"), (dict, bool)):
+        schema = fmt["schema"]  # the Responses API's text.format
+    if fmt.get("type") == "json_object":
+        schema = {"type": "object"}
+    if not isinstance(schema, (dict, bool)):
+        raise RequestError(
+            f"{param}={_short(fmt)} is invalid; allowed: {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} "
+            f"or {{\"type\": \"json_schema\", \"json_schema\": {{\"schema\": {{...}}}}}}", param,
+        )
+    return schema
+
+
+@dataclass
+class ChatRequest:
+    """A chat turn in engine terms, shared by chat completions and the Responses API."""
+
+    ids: list[int]
+    constraint: dict[str, Any]  # {"regex": ...} or {"json_schema": ...} or {}
+    constraint_field: str | None
+    output: ChatOutput
+    extra_sp: dict[str, Any]
+
+
+def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, Any]], schema: Any,
+                 schema_field: str, nested_tools: bool = True) -> ChatRequest:
+    """Render, tokenize and constrain one chat turn: ``tools`` (OpenAI's chat shape, or
+    the Responses API's flat one) and ``tool_choice`` from ``body``, ``schema`` (from
+    ``schema_field``) for JSON output."""
+    tools = check_tools(body["tools"], "tools", nested_tools) if body.get("tools") is not None else None
+    choice = _tool_choice(body, tools)
+    parallel = get_field(body, "parallel_tool_calls", "bool", True)
+    max_reasoning = get_field(body, "max_reasoning_chars", "int", None, 0, MAX_REASONING_CHARS)
+    parser_name = server_tool_parser(front)
+    parser = get_tool_parser(parser_name)
+    reasoning = get_reasoning_parser(front.args.reasoning_parser) if front.args.reasoning_parser else None
+    if max_reasoning is not None and reasoning is None:
+        raise RequestError("max_reasoning_chars needs a server started with --reasoning-parser", "max_reasoning_chars")
+    text = render_chat(front, messages, tools, parser_name)
+    ids = front.encode(text, "messages")
+    regex: str | None = None
+    field_name: str | None = None
+    if choice not in ("auto", "none"):
+        for other in (schema_field, "regex", "json_schema"):
+            if (schema if other == schema_field else body.get(other)) is not None:
+                raise RequestError(f"tool_choice={choice!r} forces a tool call, which {other} cannot constrain too; "
+                                   f"give one of them", "tool_choice")
+        assert tools is not None
+        regex = parser.constraint_regex(body["tools"], None if choice == "required" else choice, parallel)
+        field_name = "tool_choice"
+    constraint: dict[str, Any] = {}
+    if regex is None and schema is not None:
+        field_name = schema_field
+        if reasoning is None:
+            constraint["json_schema"] = json.dumps(schema)
+        else:
+            from plait.runtime.constrained.json_schema import schema_to_regex
+
+            try:
+                regex = schema_to_regex(schema)
+            except ValueError as e:
+                raise RequestError(str(e), schema_field) from None
+    if reasoning is not None and (regex is not None or max_reasoning is not None):
+        # the constraint starts after the reasoning section (plait.reasoning)
+        regex = reasoning.constraint_prefix(max_reasoning) + (regex if regex is not None else "(?s:.*)")
+        field_name = field_name or "max_reasoning_chars"
+    if regex is not None:
+        constraint["regex"] = regex
+    extra_sp: dict[str, Any] = {}
+    if parser_name == "mistral" and choice != "none" and body.get("skip_special_tokens") is None:
+        extra_sp["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token
+    output = ChatOutput(reasoning, parser if choice != "none" else None, tools or [])
+    return ChatRequest(ids, constraint, field_name, output, extra_sp)
 
 
 def parse_chat(front: Front, body: dict[str, Any]) -> Job:
     check_fields(body, CHAT_FIELDS)
     model = check_model(front, body)
     messages = _messages(body)
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise RequestError(f"{name} is not supported by this server", name)
-    fmt = get_field(body, "response_format", "dict")
-    sp_extra: dict[str, Any] = {}
-    if fmt is not None and fmt.get("type") != "text":
-        spec = fmt.get("json_schema") if fmt.get("type") == "json_schema" else None
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if fmt.get("type") == "json_object":
-            schema = {"type": "object"}
-        if not isinstance(schema, (dict, bool)):
-            raise RequestError(
-                f"response_format={_short(fmt)} is invalid; allowed: {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} "
-                f"or {{\"type\": \"json_schema\", \"json_schema\": {{\"schema\": {{...}}}}}}", "response_format",
-            )
-        sp_extra["json_schema"] = json.dumps(schema)
-    template = getattr(front.tokenizer, "chat_template", None)
-    if not template:
-        raise RequestError("this model has no chat template; use /v1/completions", "messages")
-    try:
-        text = front.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # noqa: BLE001  (a template may reject a message order)
-        raise RequestError(f"the chat template rejected the messages: {e}", "messages") from None
-    ids = front.encode(text, "messages")
+    for name in ("functions", "function_call"):
+        if body.get(name) is not None:
+            raise RequestError(f"{name} (the deprecated form) is not supported; use tools and tool_choice", name)
+    schema = response_format_schema(get_field(body, "response_format", "dict"))
+    chat = chat_request(front, body, messages, schema, "response_format")
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    sp = {**sampling_params(front, body, len(ids), None, max_name), **sp_extra}
+    sp = {**sampling_params(front, body, len(chat.ids), None, max_name), **chat.extra_sp, **chat.constraint}
     want_lp = get_field(body, "logprobs", "bool", False)
     top = get_field(body, "top_logprobs", "int", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want_lp:
@@ -298,12 +534,12 @@ def parse_chat(front: Front, body: dict[str, Any]) -> Job:
     stream, include_usage = _stream_fields(body)
     base = _rid_base(front, body, "chatcmpl")
     req = P.GenerateRequest(
-        rid=base, input_ids=ids, sampling_params=sp, stream=stream, return_logprob=want_lp,
+        rid=base, input_ids=chat.ids, sampling_params=sp, stream=stream, return_logprob=want_lp,
         top_logprobs_num=top or 0, cache_salt=get_field(body, "cache_salt", "str"),
     )
     return Job(True, base, model, int(time.time()), [req], sp.get("n", 1), stream, include_usage,
-               logprobs=(top or 0) if want_lp else None, prompt_tokens=[len(ids)],
-               from_response_format="json_schema" in sp_extra)
+               logprobs=(top or 0) if want_lp else None, prompt_tokens=[len(chat.ids)],
+               constraint_field=chat.constraint_field, output=chat.output)
 
 
 # -- responses ------------------------------------------------------------------------------
@@ -376,7 +612,9 @@ def response(front: Front, job: Job, results: dict[tuple[int, int], P.GenerateRe
         pairs = meta.get("output_token_logprobs", [])
         tops = meta.get("output_top_logprobs") if job.logprobs else None
         if job.chat:
-            choice["message"] = {"role": "assistant", "content": r.text}
+            message, has_calls = (job.output or ChatOutput()).message(r.text)
+            choice["message"] = message
+            choice["finish_reason"] = chat_finish_reason(meta, has_calls)
             choice["logprobs"] = None if job.logprobs is None else {"content": fmt.chat(pairs, tops)}
         else:
             text = r.text
@@ -405,11 +643,11 @@ def response(front: Front, job: Job, results: dict[tuple[int, int], P.GenerateRe
 
 
 def stream_chunk(job: Job, index: int, text: str | None, finish: str | None, *, role: bool = False,
-                 logprobs: Any = None, matched_stop: Any = None) -> dict[str, Any]:
+                 logprobs: Any = None, matched_stop: Any = None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One stream chunk: a chat's ``delta`` (or ``text`` as its content), a
+    completion's ``text``."""
     if job.chat:
-        delta: dict[str, Any] = {}
-        if role:
-            delta["role"] = "assistant"
+        delta = {"role": "assistant", **(delta or {})} if role else dict(delta or {})
         if text is not None:
             delta["content"] = text
         choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}

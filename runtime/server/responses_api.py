@@ -1,0 +1,353 @@
+"""OpenAI's Responses API (``POST /v1/responses``), on the chat path.
+
+A request becomes one chat turn (:func:`openai_api.chat_request`): ``instructions`` as
+the system message, ``input`` (text, or items: messages, ``function_call``,
+``function_call_output``) after the conversation of ``previous_response_id``, flat
+function ``tools``, ``tool_choice``, ``text.format`` for JSON output. The output is a
+list of items (``reasoning``, ``message``, ``function_call``), non-streamed or as the
+API's events (``response.created`` ... ``response.completed``).
+
+Continuation is stateless for the client and bounded here: the server keeps the
+conversations of its last :data:`STORE_SIZE` stored responses (``store`` true, the
+default) in memory, least recently used first out; an id it does not hold is a 404
+naming ``previous_response_id``. Nothing survives a restart.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from plait import protocol as P
+from plait.errors import RequestError
+from plait.runtime.server import openai_api as oa
+from plait.runtime.server.front import Front
+
+STORE_SIZE = 256  # responses whose conversations a server keeps for previous_response_id
+
+FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "previous_response_id",
+          "text", "max_output_tokens", "temperature", "top_p", "stream", "store", "metadata", "user", "seed",
+          "reasoning", "truncation", "include", "service_tier", "top_k", "min_p", "repetition_penalty",
+          "frequency_penalty", "presence_penalty", "stop", "cache_salt", "prompt_cache_key", "safety_identifier",
+          "max_reasoning_chars", "background", "max_tool_calls"}
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseStore:
+    """The conversations (chat messages, output included) of the last ``capacity``
+    stored responses, by id; LRU. One per server; written only by the route once a
+    response completes."""
+
+    def __init__(self, capacity: int = STORE_SIZE) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+
+    def get(self, rid: str) -> list[dict[str, Any]] | None:
+        msgs = self._items.get(rid)
+        if msgs is not None:
+            self._items.move_to_end(rid)
+        return msgs
+
+    def put(self, rid: str, messages: list[dict[str, Any]]) -> None:
+        self._items[rid] = messages
+        self._items.move_to_end(rid)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+# -- request ----------------------------------------------------------------------------------
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                    or not isinstance(part.get("text"), str):
+                raise RequestError(f"{where}.content parts must be input_text/output_text parts; other content types "
+                                   f"are not supported", "input")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise RequestError(f"{where}.content must be a string or an array of text parts", "input")
+
+
+def input_messages(items: Any) -> list[dict[str, Any]]:
+    """``input`` (a string or items) as chat messages; an assistant's consecutive
+    ``function_call`` items become one message with ``tool_calls``."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise RequestError("input is required: a string or a non-empty array of items", "input")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"{where} must be an object (a message, function_call or function_call_output)", "input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise RequestError(f"{where}.role={role!r} is invalid; allowed: user, system, developer, assistant",
+                                   "input")
+            out.append({"role": role, "content": _content_text(item.get("content"), where)})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise RequestError(f"{where}: a function_call needs call_id, name and arguments (strings)", "input")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if out and out[-1]["role"] == "assistant":  # the calls of the message just before
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str) or not isinstance(output, (str, list)):
+                raise RequestError(f"{where}: a function_call_output needs call_id and output (a string)", "input")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": output if isinstance(output, str) else _content_text(output, where)})
+        elif kind == "reasoning":
+            continue  # the model's earlier reasoning is not shown to it again
+        else:
+            raise RequestError(f"{where}.type={kind!r} is not supported; allowed: message, function_call, "
+                               f"function_call_output, reasoning", "input")
+    return out
+
+
+@dataclass
+class ResponseJob:
+    """One Responses request: the chat job plus what the response object echoes."""
+
+    job: oa.Job
+    messages: list[dict[str, Any]]  # the conversation given to the model
+    body: dict[str, Any]
+    store: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def parse_response_request(front: Front, store: ResponseStore, body: dict[str, Any]) -> ResponseJob:
+    oa.check_fields(body, FIELDS)
+    model = oa.check_model(front, body)
+    prev = oa.get_field(body, "previous_response_id", "str")
+    history: list[dict[str, Any]] = []
+    if prev is not None:
+        found = store.get(prev)
+        if found is None:
+            raise RequestError(f"previous_response_id={prev!r} is not held by this server (it keeps the last "
+                               f"{store.capacity} stored responses, in memory)", "previous_response_id", 404)
+        history = [m for m in found if m["role"] != "system"]  # instructions are not carried over
+    new = input_messages(body.get("input"))
+    instructions = oa.get_field(body, "instructions", "str")
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + history + new
+    checked = oa._messages({"messages": messages})  # the chat path's checks, on the merged conversation
+    text = oa.get_field(body, "text", "dict")
+    fmt = oa.get_field(text, "format", "dict") if text is not None else None
+    schema = oa.response_format_schema(fmt, "text.format")
+    chat = oa.chat_request(front, body, checked, schema, "text.format", nested_tools=False)
+    sp = oa.sampling_params(front, body, len(chat.ids), None, "max_output_tokens")
+    sp = {**sp, **chat.extra_sp, **chat.constraint}
+    sp.pop("n", None)
+    stream = oa.get_field(body, "stream", "bool", False)
+    rid = _id("resp")
+    req = P.GenerateRequest(rid=front.new_rid("resp"), input_ids=chat.ids, sampling_params=sp, stream=stream,
+                            cache_salt=oa.get_field(body, "cache_salt", "str"))
+    job = oa.Job(True, rid, model, int(time.time()), [req], 1, stream, prompt_tokens=[len(chat.ids)],
+                 constraint_field=chat.constraint_field, output=chat.output)
+    return ResponseJob(job, checked, body, oa.get_field(body, "store", "bool", True))
+
+
+# -- response ---------------------------------------------------------------------------------
+def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": _id("msg"), "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": _id("fc"), "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def _reasoning_item(text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": _id("rs"), "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": "completed"}
+
+
+def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat message as Responses output items: reasoning, text, calls."""
+    items = []
+    if message.get("reasoning_content"):
+        items.append(_reasoning_item(message["reasoning_content"]))
+    if message.get("content"):
+        items.append(_message_item(message["content"]))
+    for c in message.get("tool_calls", []):
+        items.append(_call_item(c["id"], c["function"]["name"], c["function"]["arguments"]))
+    return items
+
+
+def conversation(rj: ResponseJob, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation after this response (what a continuation starts from)."""
+    msgs = [dict(m) for m in rj.messages]
+    text = "".join(p["text"] for it in items if it["type"] == "message" for p in it["content"])
+    calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+             for it in items if it["type"] == "function_call"]
+    msg: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        msg["tool_calls"] = calls
+    return msgs + [msg]
+
+
+def response_object(rj: ResponseJob, items: list[dict[str, Any]], meta: dict[str, Any] | None,
+                    status: str) -> dict[str, Any]:
+    body = rj.body
+    fr = oa.finish_reason(meta or {})
+    if status == "completed" and fr == "length":
+        status = "incomplete"
+    text = body.get("text") if isinstance(body.get("text"), dict) else {}
+    completion = (meta or {}).get("completion_tokens", 0)
+    prompt = sum(rj.job.prompt_tokens)
+    return {
+        "id": rj.job.id, "object": "response", "created_at": rj.created, "status": status,
+        "model": rj.job.model, "output": items, "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": body.get("previous_response_id"),
+        "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+        "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+        "text": {"format": text.get("format") or {"type": "text"}}, "store": rj.store,
+        "metadata": body.get("metadata") or {}, "truncation": "disabled", "reasoning": None,
+        "usage": None if meta is None else {
+            "input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
+            "input_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0)},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        },
+    }
+
+
+def finish(store: ResponseStore, rj: ResponseJob, items: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """The completed response; stored for continuation when ``store``."""
+    if rj.store:
+        store.put(rj.job.id, conversation(rj, items))
+    return response_object(rj, items, meta, "completed")
+
+
+def response(store: ResponseStore, rj: ResponseJob, result: P.GenerateResult) -> dict[str, Any]:
+    message, _ = (rj.job.output or oa.ChatOutput()).message(result.text)
+    return finish(store, rj, output_items(message), result.meta_info)
+
+
+class _Events:
+    """Chat deltas turned into the Responses API's stream events, in order; the items
+    they build are the response's output."""
+
+    def __init__(self, rj: ResponseJob) -> None:
+        self.rj = rj
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the item being streamed
+        self.calls: dict[int, int] = {}  # tool-call stream index -> output index
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        e = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return e
+
+    def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        out = self.close()
+        self.items.append(item)
+        self.open = item
+        i = len(self.items) - 1
+        added = {**item, "status": "in_progress"}
+        if item["type"] == "message":
+            added["content"] = []
+        if item["type"] == "reasoning":
+            added["content"] = []
+        out.append(self.event("response.output_item.added", output_index=i, item=added))
+        if item["type"] == "message":
+            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=i, content_index=0,
+                                  part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+        elif item["type"] == "reasoning":
+            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=i, content_index=0,
+                                  part={"type": "reasoning_text", "text": ""}))
+        return out
+
+    def close(self) -> list[dict[str, Any]]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        i = self.items.index(item)
+        out = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            out.append(self.event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
+                                  text=part["text"], logprobs=[]))
+            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
+                                  part=part))
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
+                                  text=part["text"]))
+            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
+                                  part=part))
+        else:
+            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                                  name=item["name"], arguments=item["arguments"]))
+        out.append(self.event("response.output_item.done", output_index=i, item=item))
+        return out
+
+    def deltas(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for d in deltas:
+            if d.get("reasoning_content"):
+                if self.open is None or self.open["type"] != "reasoning":
+                    out += self._open(_reasoning_item(""))
+                assert self.open is not None
+                self.open["content"][0]["text"] += d["reasoning_content"]
+                out.append(self.event("response.reasoning_text.delta", item_id=self.open["id"],
+                                      output_index=len(self.items) - 1, content_index=0, delta=d["reasoning_content"]))
+            if d.get("content"):
+                if self.open is None or self.open["type"] != "message":
+                    out += self._open(_message_item(""))
+                assert self.open is not None
+                self.open["content"][0]["text"] += d["content"]
+                out.append(self.event("response.output_text.delta", item_id=self.open["id"],
+                                      output_index=len(self.items) - 1, content_index=0, delta=d["content"],
+                                      logprobs=[]))
+            for tc in d.get("tool_calls", []):
+                if "id" in tc:
+                    out += self._open(_call_item(tc["id"], tc["function"]["name"], ""))
+                    self.calls[tc["index"]] = len(self.items) - 1
+                frag = tc["function"].get("arguments", "")
+                if frag:
+                    item = self.items[self.calls[tc["index"]]]
+                    item["arguments"] += frag
+                    out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                          output_index=self.calls[tc["index"]], delta=frag))
+        return out
+
+
+async def stream(store: ResponseStore, rj: ResponseJob, events: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
+    """The stream events of one response, from the engine's chunks and result."""
+    ev = _Events(rj)
+    cs = (rj.job.output or oa.ChatOutput()).stream()
+    yield ev.event("response.created", response=response_object(rj, [], None, "in_progress"))
+    yield ev.event("response.in_progress", response=response_object(rj, [], None, "in_progress"))
+    async for msg in events:
+        if isinstance(msg, P.StreamChunk):
+            for e in ev.deltas(cs.feed(msg.text)):
+                yield e
+        else:
+            for e in ev.deltas(cs.finish()) + ev.close():
+                yield e
+            done = finish(store, rj, ev.items, msg.meta_info)
+            kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
+            yield ev.event(kind, response=done)

@@ -1,0 +1,290 @@
+"""Tool calling, reasoning and model names on ``/v1/chat/completions``, through the
+official ``openai`` client (non-stream and stream).
+
+Two tiny random models: one with SmolLM2's template (no tool support: plait's generic
+tool prompt, hermes calls) and one whose template renders tools and opens ``<think>``
+(served with ``--reasoning-parser deepseek-r1``). A random model's free output rarely
+calls a tool, so ``required``/named choices (forced by constrained decoding) carry the
+server checks of calls, and ``auto`` is checked against the parse of the same output.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from plait.chat_template import messages_for_tool_template, messages_without_tool_support
+from plait.reasoning import get_reasoning_parser
+from plait.runtime.server import launch
+from plait.tool_parsers import get_tool_parser
+
+MODEL = "tiny"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a", "b"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": ADD}},
+]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
+GREEDY = {"temperature": 0.0, "max_tokens": 400}
+
+THINK_TEMPLATE = """{%- if tools %}<|im_start|>system
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call a function as <tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.tool_calls %}<|im_start|>assistant
+{%- for tc in message.tool_calls %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+<think>
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with launch(str(model_dir), num_threads=1, kv_cache_tokens=8192, max_running_requests=16,
+                served_model_name=MODEL) as rt:
+        yield rt
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def think_dir(model_dir, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tiny-think")
+    for f in model_dir.iterdir():
+        if f.is_file():
+            shutil.copy(f, out / f.name)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = THINK_TEMPLATE
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def think(think_dir):
+    with launch(str(think_dir), num_threads=1, kv_cache_tokens=8192, max_running_requests=16,
+                served_model_name=MODEL, reasoning_parser="deepseek-r1") as rt:
+        yield rt, openai.OpenAI(base_url=rt.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _fns() -> list[dict]:
+    return [t["function"] for t in TOOLS]
+
+
+def _check_calls(message, choice: str | None = None, most: int = 1) -> list[tuple[str, dict]]:
+    assert message.content is None
+    calls = message.tool_calls
+    assert 1 <= len(calls) <= most
+    out = []
+    for c in calls:
+        assert c.type == "function" and c.id.startswith("call_")
+        assert choice is None or c.function.name == choice
+        args = json.loads(c.function.arguments)
+        jsonschema.validate(args, SCHEMAS[c.function.name])
+        out.append((c.function.name, args))
+    assert len({c.id for c in calls}) == len(calls)
+    return out
+
+
+# -- tool_choice ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_forced_calls_parse_and_validate(oai, tokenizer, choice):
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                    parallel_tool_calls=False, **GREEDY)
+    assert r.choices[0].finish_reason == "tool_calls"
+    _check_calls(r.choices[0].message, None if choice == "required" else "add")
+    # the template knows no tools: the prompt is plait's generic tool prompt in its system message
+    want = tokenizer.apply_chat_template(messages_without_tool_support(ASK, _fns()), tokenize=False,
+                                         add_generation_prompt=True)
+    assert r.usage.prompt_tokens == len(tokenizer.encode(want, add_special_tokens=False))
+
+
+def test_parallel_calls_stream_like_the_response(oai):
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=True, **GREEDY)
+    r = oai.chat.completions.create(**kw)
+    calls = _check_calls(r.choices[0].message, most=8)
+    with oai.chat.completions.stream(**kw) as s:
+        events = list(s)
+        final = s.get_final_completion()
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert _check_calls(final.choices[0].message, most=8) == calls
+    # OpenAI's delta shape: per call, id, type and name first, then argument fragments
+    deltas = [tc for e in events if e.type == "chunk" for ch in e.chunk.choices for tc in ch.delta.tool_calls or []]
+    firsts = [d for d in deltas if d.id is not None]
+    assert [d.index for d in firsts] == list(range(len(calls)))
+    assert all(d.type == "function" and d.function.name and not d.function.arguments for d in firsts)
+    for i, (_, args) in enumerate(calls):
+        text = "".join(d.function.arguments or "" for d in deltas if d.index == i)
+        assert json.loads(text) == args
+    done = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+    assert [json.loads(e.arguments) for e in done] == [a for _, a in calls]
+
+
+def test_auto_is_the_parse_of_the_free_output_and_none_does_not_parse(oai):
+    raw = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=24,
+                                      temperature=0)
+    text = raw.choices[0].message.content
+    assert raw.choices[0].message.tool_calls is None and raw.choices[0].finish_reason in ("stop", "length")
+    auto = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=24, temperature=0)
+    content, calls = get_tool_parser("hermes").parse(text, TOOLS)
+    msg = auto.choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls or []] == \
+        [(c.name, c.arguments) for c in calls]
+    assert msg.content == (content if content or not calls else None)
+
+
+def test_history_with_tool_results(oai, tokenizer):
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "sunny, 21 C"},
+        {"role": "tool", "tool_call_id": "call_b", "content": "5"},
+    ]
+    r = oai.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="required",
+                                    parallel_tool_calls=False, **GREEDY)
+    _check_calls(r.choices[0].message)
+    checked = [{"role": m["role"], "content": m["content"] or "", **{k: m[k] for k in ("tool_calls", "tool_call_id")
+                                                                     if k in m}} for m in history]
+    want = tokenizer.apply_chat_template(messages_without_tool_support(checked, _fns()), tokenize=False,
+                                         add_generation_prompt=True)
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in want and '"arguments": {"a": 2, "b": 3}' in want
+    assert r.usage.prompt_tokens == len(tokenizer.encode(want, add_special_tokens=False))
+
+
+BAD = [
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"},
+     "tools[0].function.parameters"),
+    ({"messages": [{"role": "tool", "content": "5"}]}, "messages"),  # no tool_call_id
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]}, "messages"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"max_reasoning_chars": 5}, "max_reasoning_chars"),  # this server has no reasoning parser
+]
+
+
+def test_bad_tool_requests_are_400s_naming_the_field(server):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for extra, param in BAD:
+            r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **extra})
+            assert r.status_code == 400, (extra, r.text)
+            assert r.json()["error"]["param"] == param, (extra, r.text)
+        assert http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2}).status_code == 200
+
+
+def test_model_names(server, oai):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for body in ({}, {"model": ""}, {"model": "default"}, {"model": MODEL}):
+            r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, **body})
+            assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "model": "gpt-4o"})
+        assert r.status_code == 404
+        assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "invalid_request_error",
+                                     "param": "model", "code": "model_not_found"}
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.chat.completions.create(model="gpt-4o", messages=ASK, max_tokens=2)
+    assert e.value.code == "model_not_found" and "gpt-4o" in e.value.message
+
+
+# -- a template with tools and <think>, --reasoning-parser deepseek-r1 ---------------------------------
+def test_reasoning_is_split_from_the_content(think, think_dir):
+    rt, oai = think
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16, temperature=0)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(think_dir)
+    prompt = tok.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True)
+    with httpx.Client(base_url=rt.url, timeout=60) as http:
+        raw = http.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 16,
+                                                                              "temperature": 0}}).json()["text"]
+    reasoning, content = get_reasoning_parser("deepseek-r1").parse(raw)
+    msg = r.choices[0].message
+    assert (msg.reasoning_content, msg.content) == (reasoning, content)
+    with oai.chat.completions.stream(model=MODEL, messages=ASK, max_tokens=16, temperature=0) as s:
+        chunks = [e.chunk for e in s if e.type == "chunk"]
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    assert streamed == reasoning
+
+
+def test_forced_call_after_bounded_reasoning(think, think_dir):
+    rt, oai = think
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+              extra_body={"max_reasoning_chars": 12}, **GREEDY)
+    r = oai.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and len(msg.reasoning_content) <= 12
+    calls = _check_calls(msg, "add")
+    # the template renders the tools itself (no generic prompt)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(think_dir)
+    want = tok.apply_chat_template(messages_for_tool_template(ASK), tools=TOOLS, tokenize=False,
+                                   add_generation_prompt=True)
+    assert "<tools>" in want and r.usage.prompt_tokens == len(tok.encode(want, add_special_tokens=False))
+    with oai.chat.completions.stream(**kw) as s:
+        chunks = [e.chunk for e in s if e.type == "chunk"]
+        final = s.get_final_completion()
+    assert _check_calls(final.choices[0].message, "add") == calls
+    kinds = [k for c in chunks for ch in c.choices for k in ("reasoning_content", "tool_calls")
+             if getattr(ch.delta, k, None)]
+    assert kinds[-1] == "tool_calls" and "reasoning_content" not in kinds[kinds.index("tool_calls"):]
+
+
+def test_response_format_applies_after_the_reasoning(think):
+    _, oai = think
+    r = oai.chat.completions.create(
+        model=MODEL, messages=ASK, response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}},
+        extra_body={"max_reasoning_chars": 8}, **GREEDY)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop" and len(msg.reasoning_content) <= 8
+    jsonschema.validate(json.loads(msg.content), WEATHER)
