@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.errors import RequestError, is_int
+from plait.runtime.constrained.backend import AUTO, GRAMMAR_BACKENDS, LLGUIDANCE, OUTLINES
 
 MAX_N = 128
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
 GREEDY_TEMPERATURE = 1e-5
+CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf")
 
 
 @dataclass
@@ -43,9 +45,14 @@ class SamplingParams:
     # Constraints (at most one): the output fully matches ``regex``, or is JSON that
     # validates against ``json_schema`` (a dict or JSON text), written compactly unless
     # ``whitespace_pattern`` (a regex over spaces/tabs/newlines, e.g. "[ ]?") is given.
+    # ``ebnf``: a grammar (GBNF ``root ::= ...`` as in SGLang/llama.cpp, or Lark with a
+    # ``start`` rule) the output must match. ``grammar_backend`` picks the engine that
+    # enforces the constraint: outlines, llguidance, or auto (None: the engine's option).
     regex: str | None = None
     json_schema: dict[str, Any] | str | None = None
+    ebnf: str | None = None
     whitespace_pattern: str | None = None
+    grammar_backend: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | "SamplingParams" | None) -> "SamplingParams":
@@ -122,8 +129,19 @@ class SamplingParams:
         if self.seed is not None:
             _int(self.seed, "seed", 0, 2**63 - 1)
         _int(self.n, "n", 1, MAX_N)
-        if self.regex is not None and self.json_schema is not None:
-            raise RequestError("regex and json_schema are both set; allowed: at most one constraint per request", "regex")
+        given = [k for k in CONSTRAINT_FIELDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise RequestError(
+                f"{' and '.join(given)} are {'both' if len(given) == 2 else 'all'} set; allowed: at most one constraint per request ({', '.join(CONSTRAINT_FIELDS)})",
+                given[0],
+            )
+        if self.ebnf is not None and not isinstance(self.ebnf, str):
+            raise RequestError(f"ebnf={self.ebnf!r} is invalid; allowed: a grammar as a string", "ebnf")
+        if self.grammar_backend is not None and self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise RequestError(
+                f"grammar_backend={self.grammar_backend!r} is invalid; allowed: {', '.join(GRAMMAR_BACKENDS)}",
+                "grammar_backend",
+            )
         if self.whitespace_pattern is not None and self.json_schema is None:
             raise RequestError(
                 "whitespace_pattern is set without json_schema; it only applies to JSON output", "whitespace_pattern"
@@ -136,21 +154,28 @@ class SamplingParams:
                 "json_schema",
             )
 
-    def constraint(self) -> Constraint | None:
-        """The constraint translated to the regex every output must fully match, or
-        None. Raises :class:`RequestError` naming the field (and schema keyword) at
-        fault. Done once per request, where the request enters."""
-        from plait.runtime.constrained.json_schema import schema_to_regex
-        from plait.runtime.constrained.regexes import check_regex
-
-        try:
-            if self.regex is not None:
-                return Constraint("regex", check_regex(self.regex, "regex"))
-            if self.json_schema is not None:
-                return Constraint("json_schema", schema_to_regex(self.json_schema, self.whitespace_pattern))
-        except ValueError as e:  # the translators' messages name the keyword and its location
-            raise RequestError(str(e), "regex" if self.regex is not None else "json_schema") from None
-        return None
+    def constraint(self, default_backend: str = AUTO) -> Constraint | None:
+        """The constraint translated for its grammar backend, or None. The backend is
+        ``grammar_backend`` or else ``default_backend`` (the engine's option); ``auto``
+        picks per constraint (:func:`choose_backend`). Raises :class:`RequestError`
+        naming the field (and schema keyword) at fault. Done once per request, where
+        the request enters."""
+        kind = next((k for k in CONSTRAINT_FIELDS if getattr(self, k) is not None), None)
+        if kind is None:
+            return None
+        backend = self.grammar_backend or default_backend
+        if kind == "ebnf" and backend == OUTLINES:
+            raise RequestError("grammar_backend='outlines' cannot enforce an ebnf grammar; allowed: llguidance or auto",
+                               "grammar_backend")
+        order = choose_backend(kind) if backend == AUTO else [backend]
+        errors = []
+        for b in order:
+            try:
+                return Constraint(kind, _translate(b, kind, getattr(self, kind), self.whitespace_pattern), b)
+            except ValueError as e:  # the translators' messages name the keyword and its location
+                errors.append(f"{e} (llguidance backend)" if b == LLGUIDANCE and len(order) > 1 else str(e))
+        message = "; ".join(reversed(errors) if len(order) > 1 and order[0] == LLGUIDANCE else errors)
+        raise RequestError(message if message.startswith(kind) else f"{kind} is invalid: {message}", kind)
 
     @property
     def is_greedy(self) -> bool:
@@ -166,11 +191,44 @@ class SamplingParams:
 @dataclass(frozen=True)
 class Constraint:
     """A request's constraint after translation: ``kind`` is the field it came from
-    (``regex`` or ``json_schema``: what an error names), ``regex`` what the output
-    must fully match."""
+    (``regex``, ``json_schema`` or ``ebnf``: what an error names), ``grammar`` what
+    ``backend`` compiles (a regex the output must fully match for ``outlines``; an
+    llguidance grammar for ``llguidance``)."""
 
     kind: str
-    regex: str
+    grammar: str
+    backend: str = OUTLINES
+
+
+def choose_backend(kind: str) -> list[str]:
+    """``auto``'s rule: the backends to try for a constraint of ``kind``, in order (the
+    first that accepts the constraint enforces it). ``ebnf`` needs llguidance; a regex
+    goes to outlines-core (cached per-state masks, token healing); a JSON Schema to
+    llguidance first (compiles in about a millisecond, recursive schemas, fast masks)
+    and to plait's schema -> regex translation when llguidance refuses it (``uniqueItems``,
+    disjoint ``oneOf``, ``not``, float-safe number bounds...). See docs/constrained.md."""
+    if kind == "ebnf":
+        return [LLGUIDANCE]
+    if kind == "regex":
+        return [OUTLINES]
+    return [LLGUIDANCE, OUTLINES]
+
+
+def _translate(backend: str, kind: str, value: Any, whitespace: str | None) -> str:
+    """What ``backend`` compiles for one constraint field, or ``ValueError``."""
+    from plait.runtime.constrained.regexes import check_regex
+
+    if backend == OUTLINES:
+        from plait.runtime.constrained.json_schema import schema_to_regex
+
+        return check_regex(value, "regex") if kind == "regex" else schema_to_regex(value, whitespace)
+    from plait.runtime.constrained import llguidance_backend as llg
+
+    if kind == "regex":
+        return llg.regex_grammar(check_regex(value, "regex"))
+    if kind == "ebnf":
+        return llg.ebnf_grammar(value)
+    return llg.schema_grammar(value, whitespace)
 
 
 def _int(v: Any, name: str, lo: int, hi: int | None) -> None:

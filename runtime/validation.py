@@ -25,6 +25,7 @@ class ModelLimits:
 
     vocab_size: int
     context_len: int
+    grammar_backend: str = "auto"  # the engine's option: a request's constraint goes to it unless it names one
 
 
 @dataclass
@@ -45,7 +46,8 @@ class GenerateInput:
         c = self.constraint
         return P.EngineGenerate(
             self.rid, self.input_ids, self.params.to_dict(),
-            constraint_kind=None if c is None else c.kind, constraint_regex=None if c is None else c.regex,
+            constraint_kind=None if c is None else c.kind, constraint_regex=None if c is None else c.grammar,
+            constraint_backend=None if c is None else c.backend,
             stream=self.stream, return_logprob=self.return_logprob, logprob_start_len=self.logprob_start_len,
             top_logprobs_num=self.top_logprobs_num, cache_salt=self.cache_salt,
         )
@@ -53,7 +55,8 @@ class GenerateInput:
     @classmethod
     def from_wire(cls, m: P.EngineGenerate) -> GenerateInput:
         """Rebuild what the front validated (trusted: nothing is checked again)."""
-        constraint = None if m.constraint_regex is None else Constraint(m.constraint_kind or "regex", m.constraint_regex)
+        constraint = None if m.constraint_regex is None else Constraint(
+            m.constraint_kind or "regex", m.constraint_regex, m.constraint_backend or "outlines")
         return cls(
             m.rid, m.input_ids, SamplingParams(**m.sampling_params), constraint, m.cache_salt,
             m.return_logprob, m.logprob_start_len, m.top_logprobs_num, m.stream,
@@ -151,5 +154,5 @@ def validate_generate(
         params.max_new_tokens = room
         params.min_new_tokens = min(params.min_new_tokens, room)
     return GenerateInput(
-        rid, ids, params, params.constraint(), salt, return_logprob, logprob_start_len, top_logprobs_num, stream
+        rid, ids, params, params.constraint(limits.grammar_backend), salt, return_logprob, logprob_start_len, top_logprobs_num, stream
     )

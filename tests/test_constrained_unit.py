@@ -395,7 +395,7 @@ def test_sampling_params_validate_constraints_naming_the_field():
     from plait.runtime.sampling_params import Constraint, SamplingParams
 
     p = SamplingParams.from_dict({"json_schema": json.dumps({"type": "integer", "minimum": 1, "maximum": 9})})
-    assert p.constraint().regex == "[1-9]" and SamplingParams.from_dict(p).constraint().regex == "[1-9]"
+    assert p.constraint("outlines").grammar == "[1-9]" and SamplingParams.from_dict(p).constraint("outlines").grammar == "[1-9]"
     assert p.constraint().kind == "json_schema"
     assert SamplingParams.from_dict({"regex": "a+"}).constraint() == Constraint("regex", "a+")
     assert SamplingParams().constraint() is None

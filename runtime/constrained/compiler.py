@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from plait.runtime.constrained.backend import GrammarFuture
 from plait.runtime.constrained.jump_forward import CharAutomaton
 from plait.runtime.constrained.vocab import TokenVocab
 from plait.runtime.constrained.worker import read_frame, write_frame
@@ -39,7 +40,7 @@ class CompiledGrammar:
         self.vocab = vocab
         self.chars = chars
         self.initial: int = index.get_initial_state()
-        self.words = (max(vocab.size, vocab.outlines_eos_id + 1) + 31) // 32
+        self.words = vocab.mask_words
         self._masks: dict[int, np.ndarray] = {}
         self._extend: dict[tuple[int, int], bool] = {}
         self._heal: dict[bytes, dict[int, tuple[int | None, bytes]]] = {}
@@ -132,25 +133,9 @@ class CompiledGrammar:
         return table
 
 
-class GrammarFuture:
-    """A compile in progress or done: ``grammar`` on success, ``error`` on failure."""
-
-    __slots__ = ("key", "regex", "grammar", "error", "started")
-
-    def __init__(self, key: tuple[str, str], regex: str) -> None:
-        self.key = key
-        self.regex = regex
-        self.grammar: CompiledGrammar | None = None
-        self.error: str | None = None
-        self.started: float | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.grammar is not None or self.error is not None
-
-
 class GrammarCompiler:
-    """Builds indexes in one worker process, one at a time, with limits; caches them."""
+    """The outlines-core backend's compiler (see ``backend.py``): builds indexes in one
+    worker process, one at a time, with limits; caches them."""
 
     def __init__(
         self,
@@ -263,7 +248,7 @@ class GrammarCompiler:
         self._inflight = fut
         try:
             jf_seconds = 0.8 * self.timeout_s if self.jump_forward else 0.0
-            write_frame(self._proc.stdin, ("build", self._jobs, self.vocab.fingerprint, fut.regex, jf_seconds,
+            write_frame(self._proc.stdin, ("build", self._jobs, self.vocab.fingerprint, fut.source, jf_seconds,
                                            self.timeout_s))
         except (BrokenPipeError, OSError):
             self._kill()
@@ -275,7 +260,7 @@ class GrammarCompiler:
         if reply[0] == "ok":
             _, _, index, chars = reply
             fut.grammar = CompiledGrammar(index, self.vocab, chars)
-            self.build_times[fut.regex] = time.monotonic() - fut.started
+            self.build_times[fut.source] = time.monotonic() - fut.started
             self._inflight = None
         elif reply[0] == "error":
             msg = reply[2]

@@ -157,6 +157,12 @@ class TokenVocab:
         the matcher. Past the vocabulary when the model has no EOS at all."""
         return self.eos_ids[0] if self.eos_ids else self.size
 
+    @property
+    def mask_words(self) -> int:
+        """Width of a packed mask row (``int32`` words): every logits column and the
+        outlines EOS id fit. Every backend's rows have this width."""
+        return (max(self.size, self.outlines_eos_id + 1) + 31) // 32
+
     def outlines_map(self) -> dict[bytes, list[int]]:
         """``{bytes: [ids]}`` for ``outlines_core.Vocabulary``."""
         return {b: list(ids) for b, ids in self._by_bytes.items()}

@@ -74,7 +74,7 @@ class Front:
         self.model_info = model_info  # context_len, vocab_size, ... from the engine
         self.context_len: int = model_info["context_len"]
         self.vocab_size: int = model_info["vocab_size"]
-        self.limits = ModelLimits(self.vocab_size, self.context_len)
+        self.limits = ModelLimits(self.vocab_size, self.context_len, args.engine.grammar_backend)
         # no token is longer than this many characters: a longer text cannot fit
         self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer else 1
         self.max_prompt_chars = self.context_len * max(self.max_token_chars, 1)

@@ -1,0 +1,163 @@
+"""Grammar backends: one interface over outlines-core and llguidance.
+
+A request's constraint is translated once at the edge
+(:meth:`plait.runtime.sampling_params.SamplingParams.constraint`) into a
+:class:`~plait.runtime.sampling_params.Constraint` naming its backend and what that
+backend compiles (a regex for ``outlines``, an llguidance grammar for ``llguidance``).
+Behind the edge, every backend implements the same two objects:
+
+- a **compiler** (``request(source) -> GrammarFuture``, ``poll()``, ``wait(timeout)``,
+  ``busy``, ``close()``, ``build_times``): compiles off the engine loop under a time limit
+  and caches by (tokenizer fingerprint, source); the backend is the third part of the
+  cache key, since each backend has its own compiler;
+- a per-request **matcher** (:class:`Matcher`): ``start``, ``jump_start``,
+  ``allowed(eos_ok)`` (a packed ``int32 [vocab.mask_words]`` row), ``advance``,
+  ``is_final``, ``terminated``, ``jump_forward``.
+
+:class:`Grammars` holds one compiler per backend (created on first use) and makes the
+matcher a constraint needs. Torch-free; llguidance is imported only when used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+OUTLINES = "outlines"
+LLGUIDANCE = "llguidance"
+AUTO = "auto"
+BACKENDS = (OUTLINES, LLGUIDANCE)
+GRAMMAR_BACKENDS = (AUTO, *BACKENDS)
+
+
+class GrammarFuture:
+    """A compile in progress or done: ``grammar`` on success, ``error`` (a message) on
+    failure. ``source`` is what the backend compiles."""
+
+    __slots__ = ("key", "source", "grammar", "error", "started")
+
+    def __init__(self, key: tuple[str, str], source: str) -> None:
+        self.key = key
+        self.source = source
+        self.grammar: Any = None
+        self.error: str | None = None
+        self.started: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.grammar is not None or self.error is not None
+
+
+class Matcher(Protocol):
+    """One request's grammar state over a shared compiled grammar.
+
+    Life: created with the request (its grammar may still be compiling: ``ready`` /
+    ``error``); ``start(prompt_ids)`` once ready (returns how many prompt tokens to drop
+    for token healing: 0 or 1), ``jump_start(budget)`` (forced opening tokens); then for
+    every token the scheduler appends, ``advance(token)``, after which
+    ``jump_forward(token, budget)`` may return tokens to put in place of it.
+    """
+
+    kind: str  # the request field the constraint came from: what a failure names
+    started: bool
+    rejected: int | None  # a token the grammar did not allow
+    healed_text: str  # the backed-off prompt token's text ("" without healing)
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def error(self) -> str | None: ...
+
+    def start(self, prompt_ids: list[int]) -> int: ...
+
+    def jump_start(self, budget: int) -> list[int]: ...
+
+    @property
+    def is_final(self) -> bool: ...
+
+    @property
+    def terminated(self) -> bool: ...
+
+    def allowed(self, eos_ok: bool) -> np.ndarray: ...
+
+    def advance(self, token: int) -> bool: ...
+
+    def jump_forward(self, last: int, budget: int) -> list[int] | None: ...
+
+
+class Grammars:
+    """The engine's compilers, one per backend (made on first use), and the matcher for
+    each constraint. ``vocab`` is called once, when the first compiler is made."""
+
+    def __init__(self, vocab: Callable[[], Any], *, timeout_s: float, memory_mb: int, cache_size: int,
+                 jump_forward: bool) -> None:
+        self._vocab_factory = vocab
+        self._vocab: Any = None
+        self.timeout_s = timeout_s
+        self.memory_mb = memory_mb
+        self.cache_size = cache_size
+        self.jump_forward = jump_forward
+        self.compilers: dict[str, Any] = {}
+
+    @property
+    def vocab(self) -> Any:
+        if self._vocab is None:
+            self._vocab = self._vocab_factory()
+        return self._vocab
+
+    def compiler(self, backend: str) -> Any:
+        c = self.compilers.get(backend)
+        if c is None:
+            if backend == OUTLINES:
+                from plait.runtime.constrained.compiler import GrammarCompiler
+
+                c = GrammarCompiler(self.vocab, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+                                    cache_size=self.cache_size, jump_forward=self.jump_forward)
+            else:
+                from plait.runtime.constrained.llguidance_backend import LLGuidanceCompiler
+
+                c = LLGuidanceCompiler(self.vocab, timeout_s=self.timeout_s, cache_size=self.cache_size)
+            self.compilers[backend] = c
+        return c
+
+    def request(self, constraint: Any) -> GrammarFuture:
+        """Start (or find in the cache) the compile of ``constraint``."""
+        return self.compiler(constraint.backend).request(constraint.grammar)
+
+    def matcher(self, future: GrammarFuture, constraint: Any, *, jump_forward: bool, heal: bool) -> Matcher:
+        if constraint.backend == OUTLINES:
+            from plait.runtime.constrained.matcher import GrammarMatcher
+
+            return GrammarMatcher(future, constraint.kind, jump_forward=jump_forward, heal=heal)
+        from plait.runtime.constrained.llguidance_backend import LLGuidanceMatcher
+
+        return LLGuidanceMatcher(future, constraint.kind, jump_forward=jump_forward)
+
+    def poll(self) -> None:
+        for c in self.compilers.values():
+            c.poll()
+
+    def wait(self, timeout: float) -> None:
+        """Block up to ``timeout`` s for a compile in flight (when nothing else can run)."""
+        busy = [c for c in self.compilers.values() if c.busy]
+        for c in busy:
+            c.wait(timeout / len(busy))
+
+    @property
+    def busy(self) -> bool:
+        return any(c.busy for c in self.compilers.values())
+
+    @property
+    def build_times(self) -> dict[str, float]:
+        """Source -> compile seconds, over every backend (for benchmarks)."""
+        out: dict[str, float] = {}
+        for c in self.compilers.values():
+            out.update(c.build_times)
+        return out
+
+    def close(self) -> None:
+        for c in self.compilers.values():
+            c.close()

@@ -1,0 +1,512 @@
+"""The llguidance backend: context-free grammars (JSON Schema, Lark/GBNF ``ebnf``,
+regex) compiled by llguidance, with per-step masks computed by its Earley parser.
+
+- Edge (torch-free, in the front's worker thread or ``Engine.add_request``):
+  :func:`schema_grammar`, :func:`ebnf_grammar`, :func:`regex_grammar` check the size,
+  refuse (by name) what llguidance would not enforce soundly, and validate the grammar
+  without a tokenizer (``LLMatcher.validate_grammar``, bounded by :func:`parser_limits`).
+- :class:`LLGuidanceCompiler`: builds an ``LLMatcher`` over the model's tokenizer in a
+  thread (the build drops the GIL), never on the engine loop; a build past ``timeout_s``
+  fails its requests (the thread is left to finish: the parser limits bound its work)
+  and the result is cached by (tokenizer fingerprint, grammar). A request's matcher is a
+  ``deep_copy`` of the cached one.
+- :class:`LLGuidanceMatcher`: the per-request state behind :class:`backend.Matcher`.
+  Jump-forward uses llguidance's forced bytes, re-tokenized together with the sampled
+  token (as the outlines matcher does). Token healing is declined: it needs the
+  grammar's state after every token that extends the backed-off prompt token (thousands
+  for a trailing space), which llguidance can only find by consuming each one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from plait.runtime.constrained.backend import GrammarFuture
+from plait.runtime.constrained.vocab import TokenVocab
+
+MAX_GRAMMAR_CHARS = 100_000  # an ebnf text or a JSON schema's JSON text
+MAX_INTEGER = 10**16 - 1
+
+# Draft-3 validation keywords llguidance does not know (it would ignore them).
+_DRAFT3 = ("disallow", "divisibleBy", "extends")
+# Keywords whose values are subschemas (a schema, a list of schemas, a map of schemas).
+_ONE = ("additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if", "then", "else",
+        "unevaluatedProperties", "unevaluatedItems", "contentSchema")
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def parser_limits() -> Any:
+    """Bounds on llguidance's work per grammar build and per step (its defaults, made
+    explicit: they are what keeps a build or a mask from running away)."""
+    import llguidance
+
+    return llguidance.LLParserLimits(max_grammar_size=500_000, initial_lexer_fuel=1_000_000,
+                                     step_lexer_fuel=200_000, step_max_items=50_000, max_lexer_states=250_000,
+                                     verbose_errors=False)
+
+
+# -- edge translation ------------------------------------------------------------------------------
+def _check_size(text: str, what: str) -> None:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"{what} has {len(text)} characters; allowed: at most {MAX_GRAMMAR_CHARS}")
+
+
+def _validate(grammar: str) -> str:
+    from llguidance import LLMatcher
+
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, None, limits=parser_limits())
+    if is_error:
+        raise ValueError(f"it cannot be compiled: {messages[0][:500]}")
+    return grammar
+
+
+def check_schema_for_llguidance(schema: Any, path: str = "#") -> None:
+    """Refuse, naming the keyword and its location, what llguidance's JSON compiler
+    would ignore or enforce unsoundly (an admitted instance that ``jsonschema`` rejects):
+
+    - draft 3's ``disallow`` / ``divisibleBy`` / ``extends`` and boolean ``required``
+      (llguidance ignores them);
+    - ``exclusiveMinimum`` / ``exclusiveMaximum`` unless the type is ``integer``: a
+      decimal just past the bound with more digits than a double holds parses onto it
+      (``0.99999999999999999999`` is ``1.0``);
+    - ``multipleOf`` unless the type is ``integer`` and the value an integer: validators
+      divide in floating point (``0.7 / 0.1`` is ``6.999999999999999``, not a multiple).
+    """
+    if not isinstance(schema, dict):
+        return
+    for k in _DRAFT3:
+        if k in schema:
+            raise ValueError(f"{k} (draft 3) at {path} is not supported by the llguidance backend")
+    if isinstance(schema.get("required"), bool):
+        raise ValueError(f"required: {str(schema['required']).lower()} (draft 3) at {path} is not supported by the "
+                         "llguidance backend; allowed: a list of property names")
+    integer = schema.get("type") == "integer"
+    for k in ("exclusiveMinimum", "exclusiveMaximum"):
+        v = schema.get(k)
+        if v is not None and v is not False and not integer:
+            raise ValueError(f"{k} at {path} on a non-integer number is not supported by the llguidance backend "
+                             "(a bound cannot be kept exclusive through float parsing)")
+    m = schema.get("multipleOf")
+    if m is not None and not (integer and isinstance(m, int) and not isinstance(m, bool)):
+        raise ValueError(f"multipleOf: {m} at {path} is supported by the llguidance backend only as an integer on "
+                         "type integer")
+    for k in _ONE:
+        if k in schema:
+            check_schema_for_llguidance(schema[k], f"{path}/{k}")
+    items = schema.get("items")
+    if isinstance(items, list):
+        for i, s in enumerate(items):
+            check_schema_for_llguidance(s, f"{path}/items/{i}")
+    elif items is not None:
+        check_schema_for_llguidance(items, f"{path}/items")
+    for k in _LIST:
+        if isinstance(schema.get(k), list):
+            for i, s in enumerate(schema[k]):
+                check_schema_for_llguidance(s, f"{path}/{k}/{i}")
+    for k in (*_MAP, "dependencies"):
+        if isinstance(schema.get(k), dict):
+            for name, s in schema[k].items():
+                check_schema_for_llguidance(s, f"{path}/{k}/{name}")
+
+
+def close_objects(schema: Any, *, open_defs: bool, in_all_of: bool = False) -> Any:
+    """A copy of ``schema`` whose objects with listed ``properties`` admit no other keys
+    unless the schema says so (``additionalProperties`` / ``patternProperties`` /
+    ``unevaluatedProperties``): plait's layout (as the outlines backend writes it), a
+    subset of the valid instances, and a model cannot wander into made-up keys. Integers
+    without a bound get one at 16 digits (a model cannot loop on digits). Not done
+    inside ``allOf`` or next to it (another branch may list more properties), nor in
+    ``$defs`` when ``open_defs`` (the document has an ``allOf`` that may reference them)."""
+    if not isinstance(schema, dict):
+        return schema
+    schema = _close_all_of(schema) if not in_all_of else schema
+    out = dict(schema)
+    combined = in_all_of or "allOf" in schema or "$ref" in schema
+    if schema.get("type") == "integer":  # at most 16 digits, as the outlines layout writes them
+        if "minimum" not in schema and "exclusiveMinimum" not in schema:
+            out["minimum"] = -MAX_INTEGER
+        if "maximum" not in schema and "exclusiveMaximum" not in schema:
+            out["maximum"] = MAX_INTEGER
+    if ("properties" in schema and not combined
+            and not any(k in schema for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))):
+        out["additionalProperties"] = False
+
+    def sub(s: Any, all_of: bool = False) -> Any:
+        return close_objects(s, open_defs=open_defs, in_all_of=in_all_of or all_of)
+
+    for k in _ONE:
+        if k in schema and k not in ("not", "if"):  # a stricter negated/conditional schema admits more
+            out[k] = sub(schema[k])
+    if isinstance(schema.get("items"), list):
+        out["items"] = [sub(x) for x in schema["items"]]
+    elif "items" in schema:
+        out["items"] = sub(schema["items"])
+    for k in _LIST:
+        if isinstance(schema.get(k), list):
+            out[k] = [sub(x, all_of=k == "allOf") for x in schema[k]]
+    for k in (*_MAP, "dependencies"):
+        if isinstance(schema.get(k), dict):
+            defs = k in ("$defs", "definitions")
+            out[k] = {n: x if defs and open_defs else sub(x) for n, x in schema[k].items()}
+    return out
+
+
+_OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties", "$ref", "allOf", "anyOf", "oneOf")
+
+
+def _close_all_of(schema: dict[str, Any]) -> dict[str, Any]:
+    """``{properties: P, allOf: [{properties: A}, {properties: B}]}`` closed as a whole:
+    each part lists every name of P, A and B (the others' as ``true``) and admits no
+    other key, so together they admit exactly the keys some part lists. Left as it is
+    unless every part is a plain object schema (no open keyword, ``$ref`` or nesting)."""
+    parts = schema.get("allOf")
+    if not isinstance(parts, list) or not parts or not all(isinstance(p, dict) for p in parts):
+        return schema
+    head = {k: v for k, v in schema.items() if k != "allOf"}
+    every = [head, *parts]
+    if any(k in p for p in every for k in _OPEN) or not any("properties" in p for p in every):
+        return schema
+    if not all(isinstance(p.get("properties", {}), dict) for p in every):
+        return schema
+    names = [n for p in every for n in p.get("properties", {})]
+
+    def closed(p: dict[str, Any]) -> dict[str, Any]:
+        return {**p, "properties": {**{n: True for n in names}, **p.get("properties", {})},
+                "additionalProperties": False}
+
+    return {**closed(head), "allOf": [closed(p) for p in parts]}
+
+
+def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None) -> str:
+    """A JSON Schema (dict or JSON text) as an llguidance grammar, through llguidance's
+    own JSON compiler; compact JSON unless ``whitespace_pattern`` is given. Raises
+    ``ValueError`` naming the keyword (and its location) at fault."""
+    from llguidance import LLMatcher
+
+    from plait.runtime.constrained.json_schema import check_schema_size, check_whitespace
+
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    _check_size(text, "the schema's JSON text")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"it is not valid JSON: {e}") from None
+    if not isinstance(value, (dict, bool)):
+        raise ValueError("it must be a JSON object (or true/false)")
+    check_schema_size(value)
+    check_schema_for_llguidance(value)
+    text = json.dumps(close_objects(value, open_defs='"allOf"' in text))
+    options: dict[str, Any] = {"whitespace_flexible": False, "lenient": False}
+    if whitespace_pattern is not None:
+        options["whitespace_pattern"] = check_whitespace(whitespace_pattern)
+    return _validate(LLMatcher.grammar_from_json_schema(text, overrides=options))
+
+
+def ebnf_grammar(text: str) -> str:
+    """An ``ebnf`` grammar as llguidance's: Lark syntax (llguidance's dialect, a ``start``
+    rule) or GBNF (llama.cpp / XGrammar / SGLang: ``root ::= ...``), told apart by
+    llguidance's rule (a ``start:`` rule or ``%llguidance`` line means Lark)."""
+    from llguidance import grammar_from
+
+    _check_size(text, "the grammar")
+    try:
+        grammar = grammar_from("ebnf", text)
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+    return _validate(grammar)
+
+
+def regex_grammar(regex: str) -> str:
+    from llguidance import LLMatcher
+
+    return _validate(LLMatcher.grammar_from_regex(regex))
+
+
+# -- the tokenizer ---------------------------------------------------------------------------------
+def build_tokenizer(vocab: TokenVocab) -> Any:
+    """llguidance's tokenizer over plait's :class:`TokenVocab`: the same bytes per id
+    (ids without bytes, specials and EOS, become llguidance special tokens), the same EOS
+    ids (a model without EOS gets one past its logits, as for outlines), and the HF
+    tokenizer's ``encode`` for re-tokenizing forced text. The mask rows have
+    ``vocab.mask_words`` words."""
+    import llguidance
+
+    tokens = [b if b is not None else b"\xff[%d]" % i for i, b in enumerate(vocab.token_bytes)]
+    eos = list(vocab.eos_ids)
+    if not eos:
+        eos = [len(tokens)]
+        tokens.append(b"\xff[eos]")
+    encode = vocab.encode
+
+    class _Wrapped:
+        eos_token_id = eos[0]
+        bos_token_id = None
+        special_token_ids = [i for i, b in enumerate(tokens) if b.startswith(b"\xff")]
+
+        def __call__(self, text: str | bytes) -> list[int]:
+            if encode is None:
+                raise ValueError("no tokenizer")
+            return encode(text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text)
+
+    _Wrapped.tokens = tokens  # type: ignore[attr-defined]
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Wrapped()), n_vocab=len(tokens), eos_token=eos)
+
+
+# -- compiling -------------------------------------------------------------------------------------
+class CompiledLLGuidance:
+    """A built ``LLMatcher`` (never advanced: requests take a ``deep_copy``) and what
+    masks need: the EOS bits to clear from llguidance's rows (EOS is the matcher's
+    business, as for outlines)."""
+
+    def __init__(self, matcher: Any, vocab: TokenVocab, tokenizer: Any) -> None:
+        self.matcher = matcher
+        self.vocab = vocab
+        self.tokenizer = tokenizer
+        self.words = vocab.mask_words
+        eos = np.zeros(self.words, dtype=np.uint32)
+        for e in tokenizer.eos_tokens:
+            if e < self.words * 32:
+                eos[e >> 5] |= np.uint32(1 << (e & 31))
+        self.eos_bits = eos
+        self.model_eos = np.zeros(self.words, dtype=np.uint32)
+        for e in vocab.eos_ids:
+            if e < self.words * 32:
+                self.model_eos[e >> 5] |= np.uint32(1 << (e & 31))
+
+
+class LLGuidanceCompiler:
+    """The llguidance backend's compiler: builds in a small thread pool, caches by
+    (tokenizer fingerprint, grammar), fails a build past ``timeout_s``."""
+
+    def __init__(self, vocab: TokenVocab, *, timeout_s: float = 30.0, cache_size: int = 64, threads: int = 2) -> None:
+        self.vocab = vocab
+        self.timeout_s = timeout_s
+        self.cache_size = cache_size
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="plait-llguidance")
+        self._tokenizer: Any = None
+        self._tokenizer_lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], GrammarFuture] = OrderedDict()
+        self._inflight: deque[tuple[GrammarFuture, Future]] = deque()
+        self._done = threading.Event()
+        self.build_times: dict[str, float] = {}
+        self.cache_hits = 0
+
+    def tokenizer(self) -> Any:
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = build_tokenizer(self.vocab)
+            return self._tokenizer
+
+    def _build(self, grammar: str) -> CompiledLLGuidance:
+        """In a pool thread: the tokenizer (first build only, ~0.1 s) and the matcher."""
+        import llguidance
+
+        tok = self.tokenizer()
+        m = llguidance.LLMatcher(tok, grammar, log_level=0, limits=parser_limits())
+        if m.is_error():
+            raise ValueError(m.get_error())
+        return CompiledLLGuidance(m, self.vocab, tok)
+
+    def _run(self, grammar: str) -> CompiledLLGuidance:
+        try:
+            return self._build(grammar)
+        finally:
+            self._done.set()
+
+    # -- the compiler interface ---------------------------------------------------------------
+    def request(self, grammar: str) -> GrammarFuture:
+        key = (self.vocab.fingerprint, grammar)
+        fut = self._cache.get(key)
+        if fut is not None:
+            self._cache.move_to_end(key)
+            self.cache_hits += 1
+            return fut
+        fut = GrammarFuture(key, grammar)
+        fut.started = time.monotonic()
+        self._cache[key] = fut
+        self._inflight.append((fut, self._pool.submit(self._run, grammar)))
+        self._evict()
+        return fut
+
+    def poll(self) -> None:
+        """Collect finished builds; fail those past the time limit."""
+        now = time.monotonic()
+        left: deque[tuple[GrammarFuture, Future]] = deque()
+        for fut, job in self._inflight:
+            if fut.done:
+                continue
+            if job.done():
+                try:
+                    fut.grammar = job.result()
+                    self.build_times[fut.source] = now - fut.started
+                except Exception as e:  # noqa: BLE001 - llguidance's message is the client's answer
+                    fut.error = f"it cannot be compiled: {e}"
+            elif now - fut.started > self.timeout_s:
+                fut.error = f"compiling it took longer than the {self.timeout_s:g} s limit (grammar_compile_timeout)"
+            else:
+                left.append((fut, job))
+        self._inflight = left
+
+    def wait(self, timeout: float) -> None:
+        if self._inflight:
+            self._done.clear()
+            if not any(job.done() for _, job in self._inflight):
+                self._done.wait(timeout)
+        self.poll()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._inflight)
+
+    def close(self) -> None:
+        for fut, _ in self._inflight:
+            if not fut.done:
+                fut.error = "the engine shut down"
+        self._inflight.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _evict(self) -> None:
+        while len(self._cache) > self.cache_size:
+            for key, fut in self._cache.items():
+                if fut.done:
+                    del self._cache[key]
+                    break
+            else:
+                return
+
+
+# -- one request -----------------------------------------------------------------------------------
+class LLGuidanceMatcher:
+    """Per-request state: a ``deep_copy`` of the compiled ``LLMatcher``, advanced token by
+    token (see :class:`backend.Matcher`)."""
+
+    def __init__(self, future: GrammarFuture, kind: str = "json_schema", *, jump_forward: bool = True) -> None:
+        self.future = future
+        self.kind = kind
+        self.use_jump_forward = jump_forward
+        self.g: CompiledLLGuidance | None = None
+        self.m: Any = None
+        self.started = False
+        self.rejected: int | None = None
+        self.healed_text = ""
+        self.num_advanced = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.future.grammar is not None
+
+    @property
+    def error(self) -> str | None:
+        return self.future.error
+
+    def start(self, prompt_ids: list[int]) -> int:
+        """Begin at the grammar's start; never heals (see the module docstring)."""
+        g = self.future.grammar
+        assert g is not None, "start() before the grammar is ready"
+        self.g = g
+        self.m = g.matcher.deep_copy()
+        self.started = True
+        return 0
+
+    def jump_start(self, budget: int) -> list[int]:
+        """The forced opening tokens (``{"`` of an object), at most ``budget``."""
+        if not self.use_jump_forward or budget < 1:
+            return []
+        tokens = self.m.compute_ff_tokens()[:budget]
+        if not tokens or not self.m.consume_tokens(tokens):
+            return []
+        self.num_advanced += len(tokens)
+        return tokens
+
+    # -- masks --------------------------------------------------------------------------------
+    @property
+    def is_final(self) -> bool:
+        return self.started and self.m.is_accepting()
+
+    @property
+    def terminated(self) -> bool:
+        """Final with nothing more to write."""
+        return self.is_final and self.m.is_stopped()
+
+    def allowed(self, eos_ok: bool) -> np.ndarray:
+        """Packed allowed-token bits (``int32 [vocab.mask_words]``); EOS ids in final
+        states when ``eos_ok``."""
+        g = self.g
+        row = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint32)
+        out = np.zeros(g.words, dtype=np.uint32)
+        n = min(len(row), g.words)
+        out[:n] = row[:n]
+        out &= ~g.eos_bits
+        if eos_ok and self.is_final:
+            out |= g.model_eos
+        return out.view(np.int32)
+
+    # -- advancing ----------------------------------------------------------------------------
+    def advance(self, token: int) -> bool:
+        """Take ``token``; False (and ``rejected`` set) if the grammar does not allow it."""
+        if self.m.try_consume_tokens([token]) != 1:
+            self.rejected = token
+            return False
+        self.num_advanced += 1
+        return True
+
+    def jump_forward(self, last: int, budget: int) -> list[int] | None:
+        """After ``advance(last)``: ``last``'s bytes plus the forced bytes, tokenized as the
+        tokenizer writes them, to put in place of ``last`` (at most ``budget`` tokens);
+        None when nothing is forced. The last re-tokenized token is held back when a
+        longer token could continue from it (the model writes across that boundary)."""
+        g, m = self.g, self.m
+        if not self.use_jump_forward or budget < 2 or g.vocab.encode is None:
+            return None
+        forced = m.compute_ff_bytes()
+        if not forced:
+            return None
+        head = g.vocab.token_bytes[last] or b""
+        data = head + forced
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        tokens = g.vocab.encode(text)
+        if g.vocab.join(tokens) != data:
+            return None  # the tokenizer would not write these bytes back
+        m.rollback(1)  # back before ``last``: the tokens replace it
+        taken = m.try_consume_tokens(tokens)
+        if taken < len(tokens):
+            m.rollback(taken)
+            m.consume_token(last)  # where advance() left it
+            return None
+        keep = len(tokens)
+        if keep > 1 and not m.is_stopped():
+            m.rollback(1)
+            if self._can_extend(tokens[-1]):
+                keep -= 1
+            else:
+                m.consume_token(tokens[-1])
+        if keep > budget:
+            m.rollback(keep - budget)
+            keep = budget
+        if len(g.vocab.join(tokens[:keep]) or b"") <= len(head):
+            m.rollback(keep)
+            m.consume_token(last)
+            return None
+        self.num_advanced += keep - 1
+        return tokens[:keep]
+
+    def _can_extend(self, token: int) -> bool:
+        """Could a longer token starting with ``token``'s bytes be taken here?"""
+        longer = self.g.vocab.tokens_with_prefix(self.g.vocab.token_bytes[token] or b"")
+        if not longer:
+            return False
+        row = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint32)
+        ids = np.asarray(longer, dtype=np.int64)
+        ids = ids[ids < len(row) * 32]
+        return bool(((row[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).any())
