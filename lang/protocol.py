@@ -55,7 +55,7 @@ Requests (client -> server)
     A client should send ``abort_all`` before it closes its socket: the server cannot
     see a DEALER disappear.
 ``flush_cache`` :class:`FlushCacheRequest`
-    Drop every cached prefix. Answered by :class:`FlushCacheResult` (``ok=False``
+    Drop every cached prefix (or those of one ``cache_salt``). Answered by :class:`FlushCacheResult` (``ok=False``
     with a message while requests are running).
 ``get_server_info`` :class:`ServerInfoRequest`
     Answered by :class:`ServerInfo`: model facts (``context_len``, ``vocab_size``,
@@ -158,6 +158,7 @@ class AbortRequest(_ClientMsg, tag="abort"):
 
 class FlushCacheRequest(_ClientMsg, tag="flush_cache"):
     rid: str
+    cache_salt: str | None = None  # only this namespace; None: everything
 
 
 class ServerInfoRequest(_ClientMsg, tag="get_server_info"):

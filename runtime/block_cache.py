@@ -32,10 +32,11 @@ class Block(TreeNode):
     """One cached page: its tokens (``key``), slots (``value``) and chained ``digest``."""
 
     def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode, digest: bytes,
-                 parent_digest: bytes) -> None:
+                 parent_digest: bytes, salt: str | None) -> None:
         super().__init__(key, value, parent)
         self.digest = digest
         self.parent_digest = parent_digest
+        self.salt = salt
 
 
 def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -100,7 +101,7 @@ class BlockHashCache(RadixCache):
             parent_digest, digest = digest, block_digest(digest, page)
             block = self._blocks.get(digest)
             if block is None:
-                block = Block(page, slots[pos : pos + ps].clone(), parent, digest, parent_digest)
+                block = Block(page, slots[pos : pos + ps].clone(), parent, digest, parent_digest, salt)
                 block.start = pos
                 block.last_access = block.score_clock = self._clock
                 parent.children[digest] = block
@@ -136,6 +137,18 @@ class BlockHashCache(RadixCache):
         self._blocks.clear()
         self._orphans.clear()
 
+    def drop_namespace(self, salt: str) -> int:
+        blocks = [b for b in self._blocks.values() if b.salt == salt]
+        if any(b.lock_ref for b in blocks):
+            raise RuntimeError(f"drop_namespace({salt!r}) while its prefixes are in use")
+        for b in blocks:
+            del self._blocks[b.digest]
+            self._free_node(b)
+        self._orphans = {d: kept for d, group in self._orphans.items()
+                         if (kept := [b for b in group if b.salt != salt])}
+        self._roots.pop(salt, None)
+        return len(blocks)
+
     def pretty_print(self) -> str:
         return "\n".join(f"{b.digest.hex()[:8]} start={b.start} lock={b.lock_ref} t={b.last_access}"
                          for b in self._blocks.values())
@@ -153,16 +166,14 @@ class BlockHashCache(RadixCache):
         else:
             del block.parent.children[block.digest]
         del self._blocks[block.digest]
+        self.evicted_tokens += len(block.key)
         if block.children:  # they stay cached, unreachable until this block is back
             self._orphans.setdefault(block.digest, []).extend(block.children.values())
             for child in block.children.values():
                 child.parent = None
             block.children = {}
         block.parent = None
-        self.allocator.free(self.allocator.slots_to_pages(block.value))
-        self._evictable_pages -= 1
-        self.evicted_tokens += len(block.key)
-        return 1
+        return self._free_node(block)
 
     def _nodes(self) -> list[TreeNode]:
         return list(self._blocks.values())  # orphans included

@@ -422,14 +422,23 @@ class Engine:
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
 
-    def flush_cache(self) -> bool:
-        """Drop every cached prefix; refused (False) while requests are running.
-        Pins are hints: a flush releases them all."""
-        if self.scheduler.has_work():
-            return False
+    def flush_cache(self, cache_salt: str | None = None) -> bool:
+        """Drop every cached prefix, or with ``cache_salt`` only that namespace's;
+        refused (False) while requests that use what would be dropped are running.
+        Pins are hints: a flush releases the pins it covers."""
+        if cache_salt is None:
+            if self.scheduler.has_work():
+                return False
+            for pin_id in self.pins.ids():
+                self.unpin(pin_id)
+            self.cache.reset()
+            return True
         for pin_id in self.pins.ids():
-            self.unpin(pin_id)
-        self.cache.reset()
+            if self.pins.get(pin_id).cache_salt == cache_salt:
+                self.unpin(pin_id)
+        if any(r.cache_salt == cache_salt for r in self.scheduler.running):
+            return False
+        self.cache.drop_namespace(cache_salt)
         return True
 
     # -- pinned prefixes (see plait.runtime.pinning) ------------------------------------

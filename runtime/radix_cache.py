@@ -218,6 +218,23 @@ class RadixCache:
         self._roots = {None: self._new_root()}
         self._evictable_pages = 0
 
+    def drop_namespace(self, salt: str) -> int:
+        """Drop the tree of ``salt`` (nothing in it may be locked); returns the pages
+        freed. Other namespaces are untouched."""
+        root = self._roots.get(salt)
+        if root is None:
+            return 0
+        if root.lock_ref or any(c.lock_ref for c in root.children.values()):
+            raise RuntimeError(f"drop_namespace({salt!r}) while its prefixes are in use")
+        freed = 0
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            freed += self._free_node(node)
+        del self._roots[salt]
+        return freed
+
     def pretty_print(self) -> str:
         """The trees as indented text: token span, slot range, lock_ref, last_access."""
         lines: list[str] = []
@@ -296,10 +313,14 @@ class RadixCache:
         assert parent is not None
         del parent.children[self._child_key(leaf.key)]
         leaf.parent = None
-        pages = self.allocator.slots_to_pages(leaf.value)
+        self.evicted_tokens += len(leaf.key)
+        return self._free_node(leaf)
+
+    def _free_node(self, node: TreeNode) -> int:
+        """Return an unlocked node's pages to the allocator."""
+        pages = self.allocator.slots_to_pages(node.value)
         self.allocator.free(pages)
         self._evictable_pages -= len(pages)
-        self.evicted_tokens += len(leaf.key)
         return len(pages)
 
     def held_pages(self) -> list[int]:

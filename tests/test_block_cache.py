@@ -153,3 +153,41 @@ def test_engine_in_block_hash_mode_matches_radix(tiny_model_factory):
             cached[mode] = second["meta_info"]["cached_tokens"]
     assert outs["radix"] == outs["block_hash"]
     assert cached["block_hash"] == 28 and cached["radix"] == 28  # both whole pages at page size 4
+
+
+@pytest.mark.parametrize("cls", [RadixCache, BlockHashCache])
+def test_drop_namespace_frees_exactly_that_salt(cls):
+    alloc = PageAllocator(32, 2)
+    cache = cls(alloc)
+    for salt in (None, "a", "b"):
+        put(cache, [1, 1, 2, 2, 3], salt=salt)
+    assert cache.drop_namespace("a") == 2
+    assert cache.match_prefix([1, 1, 2, 2], salt="a").length == 0
+    assert cache.match_prefix([1, 1, 2, 2], salt="b").length == 4
+    assert cache.match_prefix([1, 1, 2, 2]).length == 4
+    assert cache.drop_namespace("never-used") == 0
+    m = cache.match_prefix([1, 1], salt="b")
+    cache.lock(m.node)
+    with pytest.raises(RuntimeError, match="in use"):
+        cache.drop_namespace("b")
+    cache.unlock(m.node)
+    check(alloc, cache)
+
+
+def test_engine_flush_of_a_salt_waits_for_its_running_requests(tiny_model_factory):
+    from plait.runtime import Engine
+
+    with Engine(str(tiny_model_factory("llama")), kv_cache_tokens=512, page_size=4) as e:
+        params = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+        prompt = list(range(50, 70))
+        e.generate(input_ids=prompt, sampling_params=params, cache_salt="a")
+        running = e.add_request(prompt, params, cache_salt="a")[0]
+        e.step()
+        assert e.flush_cache("a") is False and e.flush_cache("b") is True
+        while e.has_work():
+            e.step()
+        assert e.pop_result(running)["meta_info"]["cached_tokens"] == 16  # whole pages of the first 19
+        assert e.flush_cache("a") is True
+        again = e.generate(input_ids=prompt, sampling_params=params, cache_salt="a")
+        assert again["meta_info"]["cached_tokens"] == 0
+        e.check_invariants()

@@ -375,6 +375,16 @@ def test_api_key_guards_every_route(server):
         bad.models.list()
 
 
+def test_flush_cache_of_one_salt_keeps_the_others(http):
+    text = PROMPTS[10] * 3
+    for salt in ("tenant-a", "tenant-b"):
+        generate(http, text, 2, cache_salt=salt)
+    wait_idle(http)
+    assert http.post("/flush_cache", params={"cache_salt": "tenant-a"}).json()["success"] is True
+    assert generate(http, text, 2, cache_salt="tenant-a")["meta_info"]["cached_tokens"] == 0
+    assert generate(http, text, 2, cache_salt="tenant-b")["meta_info"]["cached_tokens"] > 0
+
+
 def test_flush_cache_and_metrics(http):
     generate(http, PROMPTS[11] * 3, 4)
     hit = generate(http, PROMPTS[11] * 3, 4)

@@ -107,8 +107,8 @@ class EngineLoop:
             elif isinstance(msg, P.AbortRequest):
                 self.engine.abort(msg.rid)
             elif isinstance(msg, P.FlushCacheRequest):
-                ok = self.engine.flush_cache()
-                self._send(P.FlushCacheResult(msg.rid, ok, "" if ok else "requests are running; flush when idle"))
+                ok = self.engine.flush_cache(msg.cache_salt)
+                self._send(P.FlushCacheResult(msg.rid, ok, "" if ok else "requests using it are running; flush when idle"))
             elif isinstance(msg, P.ServerInfoRequest):
                 self._send(P.ServerInfo(msg.rid, self.engine.server_info()))
             elif isinstance(msg, P.PinRequest):

@@ -27,7 +27,7 @@ from plait.runtime.server import openai_api as oa
 from plait.runtime.server import responses_api as ra
 from plait.errors import RequestError, is_int
 from plait.runtime.server.front import COSTLY_TEXT_CHARS, Front, ReqState
-from plait.runtime.validation import check_text
+from plait.runtime.validation import check_cache_salt, check_text
 from plait.runtime.server.metrics import CONTENT_TYPE
 
 logger = logging.getLogger("plait.http")
@@ -339,7 +339,8 @@ def build_app(front: Front) -> ASGIApp:
         return JSONResponse(await front.server_info())
 
     async def flush_cache(request: Request) -> Response:
-        reply = await front.control(P.FlushCacheRequest(""))
+        salt = request.query_params.get("cache_salt")  # only that namespace (absent: everything)
+        reply = await front.control(P.FlushCacheRequest("", cache_salt=check_cache_salt(salt)))
         if isinstance(reply, P.ErrorResponse):
             raise P.request_error(reply)
         if not reply.ok:
