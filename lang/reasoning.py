@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 START, END = "<think>", "</think>"
-MAX_REASONING_CHARS = 512  # the most a constrained request may bound its reasoning to (regex size)
+MAX_REASONING_CHARS = 256  # the most a constrained request may bound its reasoning to (regex size)
 
 
 def _not_containing_end() -> str:

@@ -210,6 +210,7 @@ BAD = [
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]}, "messages"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"max_reasoning_chars": 5}, "max_reasoning_chars"),  # this server has no reasoning parser
+    ({"response_format": {"type": "json_object"}, "regex": "[ab]"}, "regex"),  # two constraints
 ]
 
 
@@ -254,6 +255,10 @@ def test_reasoning_is_split_from_the_content(think, think_dir):
         chunks = [e.chunk for e in s if e.type == "chunk"]
     streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
     assert streamed == reasoning
+    # bounded reasoning without another constraint: the answer after it is free
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16, temperature=0,
+                                    extra_body={"max_reasoning_chars": 4})
+    assert len(r.choices[0].message.reasoning_content) <= 4 and r.choices[0].finish_reason in ("stop", "length")
 
 
 def test_forced_call_after_bounded_reasoning(think, think_dir):

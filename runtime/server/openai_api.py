@@ -484,7 +484,7 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     regex: str | None = None
     field_name: str | None = None
     if choice not in ("auto", "none"):
-        for other in (schema_field, "regex", "json_schema"):
+        for other in (schema_field, "regex", "json_schema", "ebnf"):
             if (schema if other == schema_field else body.get(other)) is not None:
                 raise RequestError(f"tool_choice={choice!r} forces a tool call, which {other} cannot constrain too; "
                                    f"give one of them", "tool_choice")
@@ -509,6 +509,9 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
         field_name = field_name or "max_reasoning_chars"
     if regex is not None:
         constraint["regex"] = regex
+    for other in ("regex", "json_schema", "ebnf"):  # SGLang's raw constraint fields
+        if constraint and body.get(other) is not None:
+            raise RequestError(f"{other} and {field_name} both constrain the output; give one of them", other)
     extra_sp: dict[str, Any] = {}
     if parser_name == "mistral" and choice != "none" and body.get("skip_special_tokens") is None:
         extra_sp["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token
