@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from plait.api import (
-    Function, assistant, assistant_begin, assistant_end, flush_cache, function, gen, gen_int, gen_string,
+    CompiledFunction, Function, assistant, assistant_begin, assistant_end, flush_cache, function, gen, gen_int, gen_string,
     get_default_backend, get_server_info, image, select, set_default_backend, system, system_begin, system_end,
     user, user_begin, user_end, video,
 )
-from plait.backend import BaseBackend
+from plait.backend import BaseBackend, TokenUsage
 from plait.choices import (
     ChoicesDecision, ChoicesSamplingMethod, greedy_token_selection, token_length_normalized,
     unconditional_likelihood_normalized,
@@ -24,6 +24,7 @@ from plait.choices import (
 from plait.errors import (
     BackendError, PlaitError, ProgramCancelled, ProgramError, RuntimeUnavailableError, UnknownVariableError,
 )
+from plait.global_config import GlobalConfig, global_config
 from plait.interpreter import ProgramState, ProgramStateGroup
 from plait.tracer import BatchPlan, ProgramGraph
 
@@ -31,11 +32,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
-    "function", "Function", "gen", "gen_int", "gen_string", "select", "image", "video",
+    "function", "Function", "CompiledFunction", "gen", "gen_int", "gen_string", "select", "image", "video",
     "system", "user", "assistant", "system_begin", "system_end", "user_begin", "user_end",
     "assistant_begin", "assistant_end",
-    "set_default_backend", "get_default_backend", "flush_cache", "get_server_info",
-    "Runtime", "RuntimeEndpoint", "EngineBackend", "BaseBackend",
+    "set_default_backend", "get_default_backend", "flush_cache", "get_server_info", "global_config", "GlobalConfig",
+    "Runtime", "RuntimeEndpoint", "Engine", "EngineBackend", "BaseBackend", "TokenUsage",
     "ChoicesDecision", "ChoicesSamplingMethod", "token_length_normalized", "greedy_token_selection",
     "unconditional_likelihood_normalized",
     "ProgramState", "ProgramStateGroup", "ProgramGraph", "BatchPlan",
@@ -50,8 +51,8 @@ def __getattr__(name: str) -> Any:
         from plait import runtime_endpoint
 
         return getattr(runtime_endpoint, name)
-    if name == "EngineBackend":
-        from plait.engine_backend import EngineBackend
+    if name in ("EngineBackend", "Engine"):
+        from plait import engine_backend
 
-        return EngineBackend
+        return engine_backend.EngineBackend if name == "EngineBackend" else engine_backend.OfflineEngine
     raise AttributeError(f"module 'plait' has no attribute {name!r}")

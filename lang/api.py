@@ -14,12 +14,15 @@ from typing import Any
 from plait.backend import BaseBackend
 from plait.choices import ChoicesSamplingMethod, token_length_normalized
 from plait.errors import BackendError
+from plait.global_config import global_config
 from plait.interpreter import ProgramState, iter_program_batch, run_program
 from plait.ir import (
     ExprList, Gen, RoleBegin, RoleEnd, Select, check_choices, check_json_schema, check_name, check_stop, dtype_regex,
 )
 from plait.regex import check_regex
-from plait.tracer import BatchPlan, ProgramGraph, TracingState, plan_batch, trace_program
+from plait.tracer import (
+    MIN_PIN_CHARS, BatchPlan, ProgramGraph, TracingState, plan_batch, token_safe_cut, trace_program,
+)
 
 logger = logging.getLogger("plait")
 
@@ -27,32 +30,24 @@ logger = logging.getLogger("plait")
 PIN_TTL_S = 600.0
 
 
-class _Globals:
-    def __init__(self) -> None:
-        self.default_backend: BaseBackend | None = None
-
-
-_globals = _Globals()
-
-
 def set_default_backend(backend: Any) -> None:
     """The backend programs run on when ``run()`` gets none (a backend, or a
-    :class:`Runtime`, whose endpoint is used)."""
-    _globals.default_backend = backend
+    :class:`Runtime` / :class:`Engine`, whose endpoint is used)."""
+    global_config.default_backend = backend
 
 
 def get_default_backend() -> BaseBackend | None:
-    return _globals.default_backend
+    return global_config.default_backend
 
 
 def _resolve_backend(backend: Any) -> BaseBackend:
-    backend = backend if backend is not None else _globals.default_backend
+    backend = backend if backend is not None else global_config.default_backend
     if backend is None:
         raise RuntimeError(
             "no backend: pass backend= or call plait.set_default_backend(plait.Runtime(...)) "
-            "(or RuntimeEndpoint(url), or EngineBackend(model)) first"
+            "(or RuntimeEndpoint(url), or Engine(model)) first"
         )
-    backend = getattr(backend, "endpoint", backend)  # a Runtime holds its endpoint
+    backend = getattr(backend, "endpoint", backend)  # a Runtime or Engine holds its endpoint
     if not isinstance(backend, BaseBackend):
         raise TypeError(f"backend={backend!r} is not a plait backend")
     return backend
@@ -60,12 +55,12 @@ def _resolve_backend(backend: Any) -> BaseBackend:
 
 def flush_cache(backend: Any = None) -> bool:
     """Drop the runtime's cached prefixes (refused while requests run)."""
-    b = backend if backend is not None else _globals.default_backend
+    b = backend if backend is not None else global_config.default_backend
     return False if b is None else _resolve_backend(b).flush_cache()
 
 
 def get_server_info(backend: Any = None) -> dict[str, Any] | None:
-    b = backend if backend is not None else _globals.default_backend
+    b = backend if backend is not None else global_config.default_backend
     return None if b is None else _resolve_backend(b).get_server_info()
 
 
@@ -146,12 +141,13 @@ class Function:
                   ignore_eos: bool = False, return_logprob: bool | None = None,
                   logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
                   return_text_in_logprobs: bool | None = None, backend: Any = None,
-                  num_threads: int | str = "auto", progress_bar: bool = False, pin_prefixes: bool = True,
+                  num_threads: int | str = "auto", progress_bar: bool = False, pin_prefixes: bool | None = None,
                   generator_style: bool = False, **kwargs: Any) -> Any:
         """Run one instance per item (a dict of arguments, or a list of positional
         ones). The instances are traced first: the prefixes they share are pinned in
-        the runtime for the batch's lifetime (``pin_prefixes``) and they are submitted
-        grouped by shared prefix. States come back in input order: as a list, or with
+        the runtime for the batch's lifetime (``pin_prefixes``; by default
+        ``global_config.enable_precache_with_tracing``) and they are submitted grouped
+        by shared prefix. States come back in input order: as a list, or with
         ``generator_style=True`` as an iterator that yields each state as soon as it
         (and every one before it) is done; the pins are released when the iterator
         is exhausted or closed."""
@@ -167,6 +163,8 @@ class Function:
         batch = [self._kwargs(tuple(a), {}) if isinstance(a, (list, tuple)) else self._kwargs((), dict(a))
                  for a in batch_kwargs]
         b = _resolve_backend(backend)
+        if pin_prefixes is None:
+            pin_prefixes = bool(global_config.enable_precache_with_tracing)
         if generator_style:
             return self._iter_batch(b, batch, defaults, num_threads, progress_bar, pin_prefixes)
         return list(self._iter_batch(b, batch, defaults, num_threads, progress_bar, pin_prefixes))
@@ -187,10 +185,30 @@ class Function:
             for pin_id in pins:
                 _unpin(b, pin_id)
 
-    def trace(self, **kwargs: Any) -> ProgramGraph:
-        """Trace the program with the given arguments (others become placeholders)."""
+    def trace(self, *, backend: Any = None, **kwargs: Any) -> ProgramGraph:
+        """Trace the program with the given arguments (others become placeholders).
+        ``backend`` is accepted for SGLang's signature: a graph does not depend on it
+        (roles are rendered when a prefix's text is asked for)."""
         return trace_program(self.func, self.__name__, self.arg_names, self.arg_defaults,
                              {**self.bind_arguments, **kwargs})
+
+    def cache(self, backend: Any = None) -> bool:
+        """Prefill the program's constant prefix (its text before the first argument,
+        model call or fork, roles rendered) into the runtime's prefix cache, so later
+        runs reuse its KV (SGLang's ``cache``). A prefix shorter than ``MIN_PIN_CHARS``
+        is not worth a request: returns whether one was prefilled."""
+        b = _resolve_backend(backend)
+        graph = self.trace()
+        text = token_safe_cut(graph.prefix_text(b.get_chat_template() if graph.uses_roles else None))
+        if len(text) < MIN_PIN_CHARS:
+            return False
+        b.cache_prefix(text)
+        return True
+
+    def compile(self, *, backend: Any = None) -> CompiledFunction:
+        """SGLang's ``compile()``: the program with its graph traced once (tracing is
+        plait's compile step); ``run`` / ``run_batch`` run it as this function does."""
+        return CompiledFunction(self, backend)
 
     def plan(self, batch: list[dict[str, Any]], backend: Any = None) -> BatchPlan:
         """The batch plan ``run_batch`` would follow: shared prefixes and order."""
@@ -209,6 +227,31 @@ class Function:
         if args and isinstance(args[0], (ProgramState, TracingState)):
             return self.func(args[0], **self._kwargs(args[1:], kwargs))
         return self.run(*args, **kwargs)
+
+
+class CompiledFunction:
+    """A :class:`Function` with its traced graph (``graph``; ``print_graph()`` shows
+    it). ``run`` / ``run_batch`` take the same keywords as the function's and default
+    to the backend given to ``compile``."""
+
+    def __init__(self, function: Function, backend: Any = None) -> None:
+        self.function = function
+        self.backend = backend
+        self.graph = function.trace()
+
+    @property
+    def last_node(self) -> Any:
+        return self.graph.last_node
+
+    def print_graph(self) -> None:
+        print(self.graph.pretty())
+
+    def run(self, *, backend: Any = None, **kwargs: Any) -> ProgramState:
+        return self.function.run(backend=backend if backend is not None else self.backend, **kwargs)
+
+    def run_batch(self, batch_kwargs: list[Any], *, backend: Any = None, **kwargs: Any) -> Any:
+        return self.function.run_batch(batch_kwargs, backend=backend if backend is not None else self.backend,
+                                       **kwargs)
 
 
 def _pin(backend: BaseBackend, text: str, members: int) -> str | None:

@@ -92,6 +92,26 @@ class Pending:
         return [r for r in self.results if r is not None]
 
 
+@dataclass
+class TokenUsage:
+    """Tokens of the requests a backend ran (SGLang's ``backend.token_usage``): prompt
+    tokens (cached ones included) and generated tokens, over every gen, select and
+    prefill. ``reset()`` starts again from zero."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, prompt_tokens: int, completion_tokens: int) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+            self.completion_tokens += completion_tokens
+
+    def reset(self) -> None:
+        with self._lock:
+            self.prompt_tokens = self.completion_tokens = 0
+
+
 class CancelScope:
     """The in-flight requests of one program; :meth:`cancel` aborts all of them and
     makes later submissions fail with :class:`ProgramCancelled`."""
@@ -127,6 +147,14 @@ class BaseBackend(ABC):
 
     is_chat_model = False  # SGLang's attribute: plait backends take text prompts
     supports_pinning = True
+    token_usage: TokenUsage
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> BaseBackend:
+        # here rather than in __init__, so that every subclass has it whatever its
+        # __init__ does
+        self = super().__new__(cls)
+        self.token_usage = TokenUsage()
+        return self
 
     # -- transport (subclasses) -------------------------------------------------------
     @abstractmethod
@@ -154,6 +182,10 @@ class BaseBackend(ABC):
     def get_chat_template(self) -> ChatTemplate | None:
         raise self._unsupported("get_chat_template")
 
+    def get_model_name(self) -> str:
+        """The served model's path (SGLang's ``get_model_name``)."""
+        return str(self.get_server_info()["model_path"])
+
     def shutdown(self) -> None:
         pass
 
@@ -173,7 +205,7 @@ class BaseBackend(ABC):
                 if scope is not None:
                     scope.enter(self, req.rid)
                 pendings.append(self.submit(req, on_chunk))
-            return [p.wait() for p in pendings]
+            outs = [p.wait() for p in pendings]
         except BaseException:
             for p in pendings:
                 if not p.done:
@@ -183,6 +215,11 @@ class BaseBackend(ABC):
             if scope is not None:
                 for req in reqs:
                     scope.exit(req.rid)
+        for seqs in outs:
+            for out in seqs:
+                meta = out["meta_info"]
+                self.token_usage.add(meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0))
+        return outs
 
     def generate(self, prompt: str, params: ResolvedParams, *, on_chunk: OnChunk | None = None,
                  scope: CancelScope | None = None) -> list[dict[str, Any]]:
@@ -191,6 +228,7 @@ class BaseBackend(ABC):
         outs = self.run_requests([req], scope, on_chunk)[0]
         for out in outs:
             _check_not_aborted(out, scope)
+            logprob_tuples(out["meta_info"])
         return outs
 
     def cache_prefix(self, text: str, scope: CancelScope | None = None) -> None:
@@ -222,13 +260,13 @@ class BaseBackend(ABC):
         )
         if getattr(method, "requires_unconditional_logprobs", False):
             reqs = [
-                Request(input_ids=[tid for _, tid in t], sampling_params={"max_new_tokens": 0},
-                        return_logprob=True, logprob_start_len=0)
+                Request(input_ids=[e[1] for e in t], sampling_params={"max_new_tokens": 0},
+                        return_logprob=True, logprob_start_len=0, return_text_in_logprobs=True)
                 for t in tokens
             ]
             outs = self.run_requests(reqs, scope)
             kwargs["unconditional_token_logprobs"] = [
-                [[e[0], e[1]] for e in o[0]["meta_info"]["input_token_logprobs"]] for o in outs
+                [tuple(e) for e in o[0]["meta_info"]["input_token_logprobs"]] for o in outs
             ]
         decision = method(**kwargs)
         if temperature and temperature > 0:
@@ -238,11 +276,13 @@ class BaseBackend(ABC):
         return decision
 
     def _score_choices(self, prompt: str, choices: list[str], start: int,
-                       scope: CancelScope | None) -> list[list[list[Any]]] | None:
-        """Per choice, ``[logprob, token_id]`` of the tokens of ``prompt + choice`` from
-        the first one that differs from the tokens of ``prompt`` alone. None if some
-        choice differs already at ``start`` (then the window must start earlier)."""
-        opts = dict(sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=start)
+                       scope: CancelScope | None) -> list[list[tuple[Any, ...]]] | None:
+        """Per choice, ``(logprob, token_id, text)`` of the tokens of ``prompt + choice``
+        from the first one that differs from the tokens of ``prompt`` alone (SGLang's
+        shape). None if some choice differs already at ``start`` (then the window must
+        start earlier)."""
+        opts = dict(sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=start,
+                    return_text_in_logprobs=True)
         reqs = [Request(text=prompt + c, **opts) for c in choices]
         if prompt:
             reqs.insert(0, Request(text=prompt, **opts))
@@ -252,7 +292,7 @@ class BaseBackend(ABC):
         ctx_ids = [e[1] for e in outs.pop(0)["meta_info"]["input_token_logprobs"]] if prompt else []
         result = []
         for o in outs:
-            entries = [[e[0], e[1]] for e in o["meta_info"]["input_token_logprobs"]]
+            entries = [tuple(e) for e in o["meta_info"]["input_token_logprobs"]]
             d = 0
             while d < len(ctx_ids) and d < len(entries) and entries[d][1] == ctx_ids[d]:
                 d += 1
@@ -262,7 +302,22 @@ class BaseBackend(ABC):
         return result
 
 
-def _mean_logprob(entries: list[list[Any]]) -> float:
+_LOGPROB_KEYS = ("output_token_logprobs", "input_token_logprobs")
+_TOP_LOGPROB_KEYS = ("output_top_logprobs", "input_top_logprobs")
+
+
+def logprob_tuples(meta: dict[str, Any]) -> None:
+    """In place: logprob entries become tuples, ``(logprob, token_id)`` or with
+    ``return_text_in_logprobs`` ``(logprob, token_id, text)``, as SGLang returns them."""
+    for key in _LOGPROB_KEYS:
+        if key in meta:
+            meta[key] = [tuple(e) for e in meta[key]]
+    for key in _TOP_LOGPROB_KEYS:
+        if key in meta:
+            meta[key] = [None if row is None else [tuple(e) for e in row] for row in meta[key]]
+
+
+def _mean_logprob(entries: list[Any]) -> float:
     lps = [e[0] for e in entries if e[0] is not None]
     return sum(lps) / len(lps) if lps else 0.0
 

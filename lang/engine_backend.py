@@ -3,12 +3,15 @@
 No sockets: one driver thread owns the engine (it is not thread-safe), takes
 requests from program threads through a queue, steps the engine while it has work,
 and hands outputs back through :class:`~plait.backend.Pending` handles. For offline
-batch work, benchmarks and tests. Importing this module imports torch (the runtime);
-``import plait`` does not import it until ``EngineBackend`` is used.
+batch work, benchmarks and tests. :class:`OfflineEngine` (``plait.Engine``) is SGLang's
+``sgl.Engine`` on top of it. Importing this module imports torch (the runtime);
+``import plait`` does not import it until ``EngineBackend`` or ``Engine`` is used.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -16,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from plait.backend import BaseBackend, OnChunk, Pending, Request
+from plait.backend import BaseBackend, OnChunk, Pending, Request, logprob_tuples
 from plait.chat_template import ChatTemplate
 from plait.errors import RequestError, RuntimeUnavailableError
 
@@ -224,3 +227,91 @@ class EngineBackend(BaseBackend):
 
     def _token_text(self, tid: int) -> str:
         return self.engine.tokenizer.decode([tid])
+
+
+class OfflineEngine:
+    """SGLang's ``sgl.Engine``: a model in this process, for offline ``generate`` calls
+    and as the backend of programs (``set_default_backend(engine)``,
+    ``f.run(backend=engine)``; ``endpoint`` is the :class:`EngineBackend` they run on).
+
+    ``Engine(model_path=None, **options)`` takes the engine options by plait's names or
+    SGLang's (``mem_fraction_static``, ``max_total_tokens``, ``random_seed``,
+    ``tp_size=1`` ...), as ``plait serve`` does; ``log_level`` sets the level of the
+    ``plait`` logger. Options of a server (``host``, ``port``, ``api_key`` ...) are
+    refused: they belong to :class:`plait.Runtime` and ``plait serve``."""
+
+    def __init__(self, model_path: str | None = None, **options: Any) -> None:
+        from plait.runtime.server.args import LOG_LEVELS, ServerArgs
+        from plait.runtime.server.sglang_options import translate
+
+        opts = translate(options, model_path)
+        if "model" in opts:
+            if model_path is not None:
+                raise ValueError("model and model_path were both given; they name the same option; give one")
+            model_path = opts.pop("model")
+        log_level = opts.pop("log_level", None)
+        server_only = sorted(set(opts) & {f.name for f in dataclasses.fields(ServerArgs)})
+        if server_only:
+            raise ValueError(f"{', '.join(server_only)}: options of a server; Engine runs the model in this process "
+                             "(use plait.Runtime(...) or `plait serve` for a server)")
+        if log_level is not None:
+            if log_level not in LOG_LEVELS:
+                raise ValueError(f"log_level={log_level!r} is invalid; allowed: {', '.join(LOG_LEVELS)}")
+            logging.getLogger("plait").setLevel(log_level.upper())
+        self.endpoint = EngineBackend(model_path, **opts)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.endpoint.engine.tokenizer
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict[str, Any] | list[Any] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
+                 logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+                 return_text_in_logprobs: bool = False, stream: bool = False) -> Any:
+        """SGLang's ``Engine.generate``: one prompt (text or ``input_ids``) gives one
+        output dict (``text``, ``output_ids``, ``meta_info``; a list of ``n`` with
+        ``n > 1``), a list of prompts a list of outputs in order. Logprob entries are
+        tuples, ``(logprob, token_id)`` or with ``return_text_in_logprobs``
+        ``(logprob, token_id, text)``. Invalid requests raise
+        :class:`~plait.errors.BackendError` naming the field (``param``)."""
+        if stream:
+            raise ValueError("stream=True is not supported by Engine.generate; stream from a program "
+                             "(f.run(..., stream=True, backend=engine) and state.text_iter())")
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            prompts: list[Any] = [prompt] if single else list(prompt)
+            key = "text"
+        else:
+            single = not input_ids or not isinstance(input_ids[0], list)
+            prompts = [input_ids] if single else list(input_ids)
+            key = "input_ids"
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; they must match")
+        opts = dict(return_logprob=return_logprob, return_text_in_logprobs=return_text_in_logprobs,
+                    logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
+                    top_logprobs_num=top_logprobs_num or 0)
+        reqs = [Request(**{key: p}, sampling_params=dict(sp or {}), **opts) for p, sp in zip(prompts, params)]
+        outs = self.endpoint.run_requests(reqs)
+        for seqs in outs:
+            for out in seqs:
+                logprob_tuples(out["meta_info"])
+        flat = [o if len(o) > 1 else o[0] for o in outs]
+        return flat[0] if single else flat
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self.endpoint.get_server_info()
+
+    def flush_cache(self) -> bool:
+        return self.endpoint.flush_cache()
+
+    def shutdown(self) -> None:
+        self.endpoint.shutdown()
+
+    def __enter__(self) -> OfflineEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

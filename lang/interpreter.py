@@ -21,6 +21,7 @@ from typing import Any
 from plait.backend import BaseBackend, CancelScope
 from plait.chat_template import ChatTemplate, ChatTemplateError, Transcript
 from plait.errors import ProgramCancelled, ProgramError, UnknownVariableError
+from plait.global_config import global_config
 from plait.ir import (
     Expr, Gen, RoleBegin, RoleEnd, RoleScopes, Select, Text, VarScopeBegin, VarScopeEnd,
     as_expr, defined_names, dtype_regex, flatten, resolve_params,
@@ -495,6 +496,8 @@ def run_program(fn: Callable[..., Any], backend: BaseBackend, args: tuple[Any, .
     else:
         body()
         state.executor.sync()
+        if global_config.verbosity >= 2:
+            print(state.executor.ts.text)
     return state
 
 

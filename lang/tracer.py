@@ -171,6 +171,27 @@ class ProgramGraph:
         _pretty(self.nodes, 1, lines)
         return "\n".join(lines)
 
+    @property
+    def last_node(self) -> LastNode:
+        """SGLang's ``trace().last_node``: the end of the traced main line."""
+        return LastNode(self)
+
+
+@dataclass
+class LastNode:
+    """The end of a traced program (SGLang's tracer state's ``last_node``): ``node`` is
+    the last recorded node of the main line (None for an empty body);
+    ``print_graph_dfs()`` renders the graph that leads to it."""
+
+    graph: ProgramGraph
+
+    @property
+    def node(self) -> Node | None:
+        return self.graph.nodes[-1] if self.graph.nodes else None
+
+    def print_graph_dfs(self) -> str:
+        return self.graph.pretty() + "\n"
+
 
 def _walk(nodes: list[Node]) -> Iterator[Node]:
     for n in nodes:

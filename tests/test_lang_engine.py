@@ -157,7 +157,7 @@ def test_select_handles_choices_that_merge_with_the_context(backend, ref):
     meta = pick.run(backend=backend).get_meta_info("w")
     for c, got_lp, got in zip(choices, meta["normalized_prompt_logprobs"], meta["input_token_logprobs"]):
         score, ids = reference_choice_score(ref, context, c)
-        assert [t for _, t in got] == ids  # scored from the merged token on
+        assert [t for _, t, _ in got] == ids  # scored from the merged token on (SGLang's (logprob, id, text))
         assert got_lp == pytest.approx(score, abs=1e-4)
     assert tok.decode([meta["input_token_logprobs"][0][0][1]]) == " hello"
 
@@ -183,8 +183,8 @@ def test_select_methods(backend, ref):
         ids = reference_choice_score(ref, "The capital of France is ", c)[1]
         alone = ref.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
                              logprob_start_len=0)["meta_info"]["input_token_logprobs"]
-        assert [t for _, t in uncond] == ids and uncond[0][0] is None
-        assert [lp for lp, _ in uncond[1:]] == pytest.approx([lp for lp, _ in alone[1:]], abs=1e-4)
+        assert [t for _, t, _ in uncond] == ids and uncond[0][0] is None
+        assert [lp for lp, _, _ in uncond[1:]] == pytest.approx([lp for lp, _ in alone[1:]], abs=1e-4)
 
 
 @sgl.function

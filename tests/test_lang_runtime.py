@@ -98,8 +98,8 @@ def test_select_over_zmq_scores_merged_boundary_tokens(runtime, ref):
         d = next(i for i, (a, b) in enumerate(zip(full, ctx + [-1])) if a != b)
         out = ref.generate(input_ids=full, sampling_params={"max_new_tokens": 0}, return_logprob=True,
                            logprob_start_len=0)["meta_info"]["input_token_logprobs"]
-        assert [t for _, t in got] == full[d:]
-        assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in out[d:]], abs=1e-4)
+        assert [t for _, t, _ in got] == full[d:]  # SGLang's (logprob, id, text)
+        assert [lp for lp, _, _ in got] == pytest.approx([lp for lp, _ in out[d:]], abs=1e-4)
 
 
 def test_many_threads_share_one_connection(runtime, ref):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.runtime.config import EngineConfig, build_trusted
+from plait.runtime.server.sglang_options import FOREIGN, alias_flags, flag, translate
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -103,7 +104,14 @@ class ServerArgs:
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "ServerArgs":
-        """Split server options from engine options; unknown names raise ``ValueError``."""
+        """Split server options from engine options. SGLang's option names are accepted
+        too (:mod:`plait.runtime.server.sglang_options`); unknown names raise ``ValueError``."""
+        kwargs = translate(kwargs, model)
+        if "model" in kwargs:
+            if model is not None:
+                raise ValueError("model and model_path were both given; they are the same option (plait's name and "
+                                 "SGLang's); give one")
+            model = kwargs.pop("model")
         own = {f.name for f in dataclasses.fields(cls)} - {"engine", "model"}
         server = {k: v for k, v in kwargs.items() if k in own}
         engine = EngineConfig.from_kwargs(**{k: v for k, v in kwargs.items() if k not in own})
@@ -169,16 +177,26 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, default_port: int =
             kwargs["type"] = float
         elif f.name == "restart_engine":
             kwargs["action"] = argparse.BooleanOptionalAction
-        srv.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+        srv.add_argument(flag(f.name), *alias_flags(f.name), **kwargs)
     eng = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
-        opt = "--" + f.name.replace("_", "-")
+        opts = [flag(f.name), *alias_flags(f.name)]
         help_ = ENGINE_HELP.get(f.name, f"EngineConfig.{f.name}")
         t = _annotation_type(str(f.type))
         if t is bool:
-            eng.add_argument(opt, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+            eng.add_argument(*opts, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         else:
-            eng.add_argument(opt, type=t, default=f.default, help=help_ + _default_note(f.default))
+            eng.add_argument(*opts, type=t, default=f.default, help=help_ + _default_note(f.default))
+    sgl = parser.add_argument_group(
+        "SGLang options plait does not have", "accepted where they change nothing (--tp-size 1), refused otherwise "
+        "with what plait offers instead (docs/serving.md, 'SGLang option names')")
+    for name, foreign in FOREIGN.items():
+        kwargs = {"dest": name, "default": argparse.SUPPRESS, "help": foreign.instead}
+        if foreign.type is bool:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = foreign.type
+        sgl.add_argument(flag(name), *foreign.flags, **kwargs)
 
 
 def _default_note(default: Any) -> str:
@@ -186,9 +204,12 @@ def _default_note(default: Any) -> str:
 
 
 def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
-    engine = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineConfig)}
-    server = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs) if f.name != "engine"}
-    return ServerArgs(engine=EngineConfig(**engine), **server)
+    engine_fields = [f.name for f in dataclasses.fields(EngineConfig)]
+    server_fields = [f.name for f in dataclasses.fields(ServerArgs) if f.name != "engine"]
+    given = {name: getattr(ns, name) for name in [*FOREIGN, *engine_fields, *server_fields] if hasattr(ns, name)}
+    values = translate(given)  # SGLang's values (--dtype half); refuses what plait does not have
+    return ServerArgs(engine=EngineConfig(**{k: values[k] for k in engine_fields}),
+                      **{k: values[k] for k in server_fields})
 
 
 def setup_logging(level: str) -> None:

@@ -111,7 +111,9 @@ def launch(model: str | None = None, *, host: str = "127.0.0.1", port: int = 0, 
 
     ``options`` are the other server options (``api_key``, ``served_model_name``,
     ``zmq_address``, ``log_level``) and the engine's (:class:`EngineConfig` fields, such
-    as ``kv_cache_tokens`` or ``num_threads``). Bad options raise ``ValueError`` here;
+    as ``kv_cache_tokens`` or ``num_threads``), by plait's names or SGLang's
+    (``model_path``, ``max_total_tokens``, ``random_seed``, ``tp_size=1`` ...: see
+    :mod:`plait.runtime.server.sglang_options`). Bad options raise ``ValueError`` here;
     a server that cannot start (a bad model path, a port in use) raises
     ``RuntimeError`` with its error text; one that is not up within
     ``startup_timeout`` seconds is killed and raises ``TimeoutError``. The server's log

@@ -1,0 +1,148 @@
+"""SGLang's server option names, accepted by ``launch()``, ``plait.Runtime``,
+``plait.Engine`` and ``plait serve``: one table for keywords and flags.
+
+- :data:`ALIASES`: SGLang's name of a plait option with the same meaning
+  (``max_total_tokens`` is ``kv_cache_tokens``). Options whose names are the same in
+  both (``context_length``, ``mem_fraction_static``, ``max_running_requests`` ...)
+  need no entry.
+- :data:`VALUE_ALIASES`: SGLang's spelling of a value plait spells otherwise
+  (``dtype="half"``).
+- :data:`FOREIGN`: SGLang options plait has no counterpart for. Each is accepted at a
+  value that changes nothing here (``tp_size=1``) and refused at any other, by name,
+  with what plait offers instead.
+
+Torch-free: the command line and the language import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+ALIASES: dict[str, str] = {
+    "model_path": "model",
+    "max_total_tokens": "kv_cache_tokens",
+    "random_seed": "seed",
+}
+
+VALUE_ALIASES: dict[str, dict[str, str]] = {
+    "dtype": {"half": "float16", "float": "float32"},
+    "attention_backend": {"torch_native": "torch"},
+}
+
+
+@dataclass(frozen=True)
+class Foreign:
+    """An SGLang option plait does not have. ``accepts(value, model)``: the values that
+    change nothing in plait; ``instead``: what plait offers; ``type``: its type on the
+    command line (``bool``: a switch); ``flags``: SGLang's other spellings there."""
+
+    accepts: Callable[[Any, str | None], bool]
+    instead: str
+    type: type = str
+    flags: tuple[str, ...] = ()
+
+
+def _only(*values: Any) -> Callable[[Any, str | None], bool]:
+    return lambda v, model: any(v == x and isinstance(v, bool) == isinstance(x, bool) for x in values)
+
+
+def _always(v: Any, model: str | None) -> bool:
+    return True
+
+
+_ONE_DEVICE = "a plait server runs one model on one device; for more throughput run one server per device behind a router"
+
+FOREIGN: dict[str, Foreign] = {
+    "tp_size": Foreign(_only(1), "tensor parallelism is not implemented; " + _ONE_DEVICE, int,
+                       ("--tp", "--tensor-parallel-size")),
+    "dp_size": Foreign(_only(1), "data parallelism inside one server is not implemented; " + _ONE_DEVICE, int,
+                       ("--dp", "--data-parallel-size")),
+    "pp_size": Foreign(_only(1), "pipeline parallelism is not implemented; " + _ONE_DEVICE, int,
+                       ("--pipeline-parallel-size",)),
+    "ep_size": Foreign(_only(1), "expert parallelism is not implemented; " + _ONE_DEVICE, int,
+                       ("--expert-parallel-size",)),
+    "nnodes": Foreign(_only(1), _ONE_DEVICE, int),
+    "node_rank": Foreign(_only(0), _ONE_DEVICE, int),
+    "dist_init_addr": Foreign(_only(None), _ONE_DEVICE),
+    "base_gpu_id": Foreign(_only(0), "choose the GPU with CUDA_VISIBLE_DEVICES (device=cuda uses the first visible one)",
+                           int),
+    # plait runs its own model implementations and never executes code from a
+    # checkpoint, so there is nothing to trust: any value is accepted and ignored
+    "trust_remote_code": Foreign(_always, "accepted and ignored: plait never runs code from a checkpoint", bool),
+    "tokenizer_path": Foreign(lambda v, model: v is None or v == model,
+                              "the tokenizer is read from the model folder or .gguf file; put its files next to the "
+                              "weights"),
+    "tokenizer_mode": Foreign(_only("auto"), "plait uses the fast (Rust) tokenizer of the model folder or GGUF file"),
+    "skip_tokenizer_init": Foreign(_only(False), "send input_ids instead of text to skip tokenizing a prompt", bool),
+    "load_format": Foreign(_only("auto"), "the format follows the files: a folder with config.json and "
+                                          "*.safetensors / pytorch_model*.bin, or a .gguf file"),
+    "quantization": Foreign(_only(None), "quantized GGUF files load (dequantized to dtype); pass the .gguf file as "
+                                         "the model"),
+    "kv_cache_dtype": Foreign(_only("auto"), "the KV cache has the model's dtype (set with dtype)"),
+    "chat_template": Foreign(_only(None), "plait renders the model's own chat template (from tokenizer_config.json, "
+                                          "chat_template.jinja or the GGUF file)"),
+    "revision": Foreign(_only(None), "download that revision and pass its folder as the model"),
+    "download_dir": Foreign(_only(None), "set HF_HOME to choose where hub models are cached"),
+    "is_embedding": Foreign(_only(False), "plait serves generation models only", bool),
+    "lora_paths": Foreign(_only(None), "LoRA adapters are not supported; merge the adapter into the weights first"),
+    "speculative_algorithm": Foreign(_only(None), "speculative decoding is not implemented"),
+    "enable_torch_compile": Foreign(_only(False), "torch.compile is not used; on CUDA, decode steps replay CUDA graphs "
+                                                  "(disable_cuda_graph, cuda_graph_max_bs)", bool),
+    "max_prefill_tokens": Foreign(_only(None), "chunked_prefill_size is the token budget of one step (prefill chunks "
+                                               "and decodes together)", int),
+    "schedule_conservativeness": Foreign(_only(1.0), "admission reserves init_new_token_ratio of each running "
+                                                     "request's remaining tokens (decaying to min_new_token_ratio)",
+                                         float),
+    "stream_interval": Foreign(_only(1), "streams carry every new piece of text as soon as it is safe to send", int),
+    "sampling_backend": Foreign(_only(None, "pytorch"), "sampling is done with torch ops"),
+    "cpu_offload_gb": Foreign(_only(0), "the weights stay on the device", int),
+    # what these turn on or off is how plait always works
+    "disable_overlap_schedule": Foreign(_always, "accepted; plait's scheduler does not overlap steps", bool),
+    "enable_mixed_chunk": Foreign(_always, "accepted; decodes always run in the same step as prefill chunks", bool),
+    "enable_metrics": Foreign(_always, "accepted; /metrics is always served", bool),
+}
+
+# values of plait options that SGLang gives a meaning plait does not have
+_REFUSED_VALUES: dict[tuple[str, Any], str] = {
+    ("chunked_prefill_size", -1): "plait always prefills long prompts in chunks; give the token budget of one step "
+                                  "(default 2048)",
+}
+
+
+def translate(options: dict[str, Any], model: str | None = None) -> dict[str, Any]:
+    """``options`` with SGLang's names and values turned into plait's. SGLang options
+    plait does not have are dropped where their value changes nothing and refused
+    otherwise (``ValueError`` naming the option, its value and what plait offers);
+    an option given under both names is refused too. ``model`` is the model argument
+    given beside them (``tokenizer_path`` may repeat it)."""
+    model = options.get("model_path", options.get("model", model))
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        foreign = FOREIGN.get(name)
+        if foreign is not None:
+            if not foreign.accepts(value, model):
+                raise ValueError(f"{name}={value!r} is not supported by plait: {foreign.instead}")
+            continue
+        target = ALIASES.get(name, name)
+        if target in out:
+            other = next(k for k in options if k != name and ALIASES.get(k, k) == target)
+            raise ValueError(f"{other} and {name} were both given; they name the same option; give one")
+        if isinstance(value, str):
+            value = VALUE_ALIASES.get(target, {}).get(value, value)
+        refused = _REFUSED_VALUES.get((target, value)) if isinstance(value, (int, str)) else None
+        if refused is not None:
+            raise ValueError(f"{name}={value!r} is not supported by plait: {refused}")
+        out[target] = value
+    return out
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of an option name."""
+    return "--" + name.replace("_", "-")
+
+
+def alias_flags(name: str) -> list[str]:
+    """SGLang's flags for plait option ``name`` (``--model-path`` for ``model``)."""
+    return [flag(k) for k, v in ALIASES.items() if v == name]
