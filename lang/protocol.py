@@ -320,11 +320,27 @@ class EngineShutdown(_Msg, tag="shutdown"):
     pass
 
 
+class UpdateWeightsRequest(_ClientMsg, tag="update_weights"):
+    """Front -> engine (HTTP ``/update_weights_from_disk``): load new weights of the
+    same model (:meth:`plait.runtime.Engine.update_weights_from_disk`)."""
+
+    rid: str
+    model_path: str
+
+
+class UpdateWeightsResult(_Msg, tag="update_weights_result"):
+    rid: str
+    ok: bool
+    message: str = ""
+
+
 EngineInput = Union[
-    EngineGenerate, AbortRequest, FlushCacheRequest, ServerInfoRequest, PinRequest, UnpinRequest, EngineShutdown
+    EngineGenerate, AbortRequest, FlushCacheRequest, ServerInfoRequest, PinRequest, UnpinRequest, EngineShutdown,
+    UpdateWeightsRequest,
 ]
 EngineMessage = Union[
-    EngineOutputs, EngineReady, EngineStartupError, FlushCacheResult, ServerInfo, PinResult, UnpinResult, ErrorResponse
+    EngineOutputs, EngineReady, EngineStartupError, FlushCacheResult, ServerInfo, PinResult, UnpinResult, ErrorResponse,
+    UpdateWeightsResult,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -19,6 +19,7 @@ from plait.runtime.constrained.backend import Grammars
 from plait.runtime.constrained.vocab import TokenVocab
 from plait.runtime.cuda_graph import DecodeGraphRunner
 from plait.runtime.eviction import make_policy
+from plait.runtime.fingerprint import tokenizer_fingerprint, weights_fingerprint
 from plait.runtime.memory import KVPool, PageAllocator, ReqToToken, kv_pool_budget
 from plait.runtime.model_loader import ModelSource, resolve_model
 from plait.runtime.model_runner import ModelRunner
@@ -66,6 +67,7 @@ class Engine:
         # the triton backend brings the fused norm/rope/activation kernels with it
         self._triton_ops = cfg.resolved_attention_backend() == "triton"
         self.model = self._load_model()
+        self.weights_fingerprint = weights_fingerprint(self.source.kind, self.source.path)
 
         eos = set(mc.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -441,6 +443,44 @@ class Engine:
         self.cache.drop_namespace(cache_salt)
         return True
 
+    def update_weights_from_disk(self, model_path: str) -> bool:
+        """Load new weights of the same architecture (SGLang's ``update_weights_from_disk``),
+        e.g. a fine-tuned checkpoint. The prefix cache is dropped when the weights'
+        fingerprint changes (its KV was computed by the old weights) and kept when it
+        does not. Refused (False) while requests are running; a model of another shape
+        or with another tokenizer raises :class:`RequestError` naming ``model_path``
+        (it needs a new engine: the front tokenizes prompts with the old tokenizer)."""
+        try:
+            source = resolve_model(model_path)
+            config = source.load_config()
+        except (ValueError, OSError) as e:
+            raise RequestError(f"model_path={model_path!r} cannot be loaded: {e}", "model_path") from e
+        if config != self.model_config:
+            raise RequestError(f"model_path={model_path!r} is a different model ({config.architecture}, "
+                               f"{config.num_layers} layers, hidden {config.hidden_size}); only weights of the same "
+                               "architecture and shape can be loaded into a running engine", "model_path")
+        if tokenizer_fingerprint(source.load_tokenizer()) != tokenizer_fingerprint(self.tokenizer):
+            raise RequestError(f"model_path={model_path!r} has another tokenizer; start a new engine for it",
+                               "model_path")
+        if self.scheduler.has_work():
+            return False
+        fingerprint = weights_fingerprint(source.kind, source.path)
+        if fingerprint == self.weights_fingerprint:
+            self.source = source
+            return True
+        old_source, self.source = self.source, source
+        try:  # built beside the old model, so a bad checkpoint leaves the engine as it was
+            model = self._load_model()
+        except (ValueError, OSError) as e:
+            self.source = old_source
+            raise RequestError(f"model_path={model_path!r} cannot be loaded: {e}", "model_path") from e
+        self.flush_cache()
+        self.model = self.runner.model = model
+        if self.runner.graphs is not None:  # recorded over the old weights' memory
+            self.runner.graphs = self._capture_graphs(self.runner.attn)
+        self.weights_fingerprint = fingerprint
+        return True
+
     # -- pinned prefixes (see plait.runtime.pinning) ------------------------------------
     def pin_prefix(self, input_ids: list[int], ttl_s: float = 600.0, cache_salt: str | None = None) -> str:
         """Prefill ``input_ids`` and hold its KV in the prefix cache until
@@ -506,6 +546,7 @@ class Engine:
         return {
             "engine_pid": os.getpid(),
             "model_path": str(self.source.path),
+            "weights_fingerprint": self.weights_fingerprint,
             "architecture": mc.architecture,
             "context_len": self.context_len,
             "vocab_size": mc.vocab_size,

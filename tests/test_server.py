@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import shutil
 import time
 import uuid
 from typing import Any
@@ -383,6 +384,24 @@ def test_flush_cache_of_one_salt_keeps_the_others(http):
     assert http.post("/flush_cache", params={"cache_salt": "tenant-a"}).json()["success"] is True
     assert generate(http, text, 2, cache_salt="tenant-a")["meta_info"]["cached_tokens"] == 0
     assert generate(http, text, 2, cache_salt="tenant-b")["meta_info"]["cached_tokens"] > 0
+
+
+def test_update_weights_from_disk_drops_the_cache(http, tiny_model_factory, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model_factory("llama"), copy, copy_function=shutil.copy)  # new files: new fingerprint
+    text = PROMPTS[9] * 3
+    first = generate(http, text, 3)
+    assert generate(http, text, 3)["meta_info"]["cached_tokens"] > 0
+    wait_idle(http)
+    fingerprint = http.get("/server_info").json()["weights_fingerprint"]
+    r = http.post("/update_weights_from_disk", json={"model_path": str(copy)})
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert http.get("/server_info").json()["weights_fingerprint"] != fingerprint
+    again = generate(http, text, 3)
+    assert again["meta_info"]["cached_tokens"] == 0 and again["output_ids"] == first["output_ids"]
+    for body in ({}, {"model_path": str(tmp_path / "nowhere")}):
+        bad = http.post("/update_weights_from_disk", json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "model_path", bad.text
 
 
 def test_flush_cache_and_metrics(http):

@@ -116,6 +116,9 @@ class EngineLoop:
                 self._send(P.PinResult(msg.rid, pin_id, len(msg.input_ids or [])))
             elif isinstance(msg, P.UnpinRequest):
                 self._send(P.UnpinResult(msg.rid, self.engine.unpin(msg.pin_id)))
+            elif isinstance(msg, P.UpdateWeightsRequest):
+                ok = self.engine.update_weights_from_disk(msg.model_path)
+                self._send(P.UpdateWeightsResult(msg.rid, ok, "" if ok else "requests are running; update when idle"))
             elif isinstance(msg, P.EngineShutdown):
                 self.stopping = True
         except RequestError as e:

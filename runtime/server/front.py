@@ -211,9 +211,9 @@ class Front:
             self.abort(rid)
         return rids
 
-    async def control(self, msg: P.FlushCacheRequest | P.ServerInfoRequest | P.PinRequest | P.UnpinRequest,
-                      client_rid: str = "") -> P.ServerResponse:
-        """Send a flush/info/pin/unpin message to the engine and wait for its answer."""
+    async def control(self, msg: P.FlushCacheRequest | P.ServerInfoRequest | P.PinRequest | P.UnpinRequest
+                      | P.UpdateWeightsRequest, client_rid: str = "") -> P.ServerResponse | P.UpdateWeightsResult:
+        """Send a flush/info/pin/unpin/update message to the engine and wait for its answer."""
         self.check_up()
         cid = f"ctl-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         msg = msgspec.structs.replace(msg, rid=cid, api_key=None)

@@ -347,6 +347,18 @@ def build_app(front: Front) -> ASGIApp:
             return error_response(f"cache not flushed: {reply.message}", 400, None)
         return JSONResponse({"success": True, "message": "Cache flushed."})
 
+    async def update_weights_from_disk(request: Request) -> Response:
+        body = await read_json(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise RequestError("model_path must be a path (a Hugging Face folder or a .gguf file)", "model_path")
+        reply = await front.control(P.UpdateWeightsRequest("", check_text(path, "model_path")))
+        if isinstance(reply, P.ErrorResponse):
+            raise P.request_error(reply)
+        if not reply.ok:
+            return error_response(f"weights not updated: {reply.message}", 400, None)
+        return JSONResponse({"success": True, "message": "Weights updated."})
+
     async def abort_request(request: Request) -> Response:
         body = await read_json(request)
         abort_all = oa.get_field(body, "abort_all", "bool", False)
@@ -434,6 +446,7 @@ def build_app(front: Front) -> ASGIApp:
         Route("/server_info", server_info, methods=["GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
+        Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
