@@ -288,18 +288,20 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
         dtype: Any = None, choices: list[str] | None = None,
         choices_method: ChoicesSamplingMethod | None = None, regex: str | None = None,
         json_schema: Any = None, seed: int | None = None, repetition_penalty: float | None = None,
-        tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, parallel_tool_calls: bool = True,
-        tool_call_parser: str = "hermes") -> Any:
+        ebnf: str | None = None, grammar_backend: str | None = None, tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = None, parallel_tool_calls: bool = True, tool_call_parser: str = "hermes") -> Any:
     """Call the model and store the output as variable ``name``. With ``choices``
-    this is :func:`select`. ``regex``/``json_schema``/``dtype`` constrain the output
-    (enforced by the runtime's constrained decoding); a bad pattern raises here."""
+    this is :func:`select`. ``regex``/``json_schema``/``ebnf``/``dtype`` constrain the
+    output (enforced by the runtime's constrained decoding; ``grammar_backend`` picks
+    its engine: auto, outlines or llguidance); a bad pattern raises here."""
     name = check_name(name)
     if choices is not None:
         return select(name, choices, 0.0 if temperature is None else temperature,
                       token_length_normalized if choices_method is None else choices_method)
     if stop_regex is not None:
         raise ValueError("stop_regex is not supported by plait; use stop strings or regex= to constrain the output")
-    constraints = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("dtype", dtype)) if v is not None]
+    constraints = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("ebnf", ebnf), ("dtype", dtype))
+                   if v is not None]
     if len(constraints) > 1:
         raise ValueError(f"{' and '.join(constraints)} were both given; allowed: at most one constraint per gen")
     if regex is not None:
@@ -321,13 +323,17 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
             regex = forced
     elif tool_choice is not None:
         raise ValueError("tool_choice was given without tools")
+    if ebnf is not None and not isinstance(ebnf, str):
+        raise ValueError(f"ebnf={ebnf!r} is invalid; allowed: a grammar as a string")
+    if grammar_backend is not None and grammar_backend not in ("auto", "outlines", "llguidance"):
+        raise ValueError(f"grammar_backend={grammar_backend!r} is invalid; allowed: auto, outlines, llguidance")
     params = dict(
         max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n, stop=check_stop(stop),
         stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, ignore_eos=ignore_eos,
         return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
         return_text_in_logprobs=return_text_in_logprobs, regex=regex, json_schema=json_schema, seed=seed,
-        repetition_penalty=repetition_penalty, dtype=dtype,
+        repetition_penalty=repetition_penalty, dtype=dtype, ebnf=ebnf, grammar_backend=grammar_backend,
     )
     return Gen(name, {k: v for k, v in params.items() if v is not None}, tool_spec)
 

@@ -32,7 +32,8 @@ _IGNORED = {"user", "store", "metadata", "service_tier", "stream_options",
 # Extensions passed to the sampler under the same name (vLLM / SGLang extras).
 _SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens")
 _COMMON = {"model", "n", "stop", "stream", "temperature", "top_p", "seed", "frequency_penalty", "presence_penalty",
-           "max_tokens", "min_tokens", "logit_bias", "cache_salt", "rid", "regex", "json_schema", *_SAMPLING_EXTRAS}
+           "max_tokens", "min_tokens", "logit_bias", "cache_salt", "rid", "regex", "json_schema", "ebnf",
+           "grammar_backend", *_SAMPLING_EXTRAS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                          "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "reasoning_effort",
@@ -150,7 +151,7 @@ def sampling_params(front: Front, body: dict[str, Any], prompt_len: int, default
         sp["stop"] = stop
     if get_field(body, "logit_bias", "dict"):
         raise RequestError("logit_bias is not supported by this server", "logit_bias")
-    for name in ("regex", "json_schema"):  # constrained decoding (SGLang's extra fields)
+    for name in ("regex", "json_schema", "ebnf", "grammar_backend"):  # constrained decoding (SGLang's extra fields)
         if body.get(name) is not None:
             sp[name] = body[name]
     return sp  # validated once, with the rest of the request, by Front.submit

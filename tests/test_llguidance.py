@@ -1,0 +1,507 @@
+"""The llguidance backend: the tokenizer adapter, soundness on both backends (random
+valid outputs validated by ``jsonschema``, hand-made invalid instances refused by the
+matcher), recursive schemas, ``ebnf`` grammars (arithmetic, a tool-call DSL) checked by
+parsers written here, ``grammar_backend`` selection, the 400s, and a compile past its
+time limit while another request streams."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+
+import jsonschema
+import numpy as np
+import pytest
+
+from plait.errors import RequestError
+from plait.runtime.constrained.backend import Grammars
+from plait.runtime.constrained.llguidance_backend import MAX_GRAMMAR_CHARS, LLGuidanceCompiler, build_tokenizer
+from plait.runtime.constrained.vocab import TokenVocab
+from plait.runtime.sampling_params import SamplingParams
+from constrained_cases import REGEXES, SCHEMAS
+
+EOS = (0, 2)
+
+LINKED_LIST = {"$defs": {"node": {"type": "object", "properties": {"value": {"type": "integer"},
+                                                                    "next": {"anyOf": [{"$ref": "#/$defs/node"},
+                                                                                       {"type": "null"}]}},
+                                  "required": ["value", "next"]}},
+               "$ref": "#/$defs/node"}
+TREE = {"$defs": {"tree": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "children": {"type": "array", "items": {"$ref": "#/$defs/tree"}, "maxItems": 3}},
+            "required": ["name", "children"], "additionalProperties": False}},
+        "$ref": "#/$defs/tree"}
+JSON_VALUE = {"$defs": {"v": {"anyOf": [{"type": "null"}, {"type": "boolean"}, {"type": "integer"},
+                                        {"type": "string", "maxLength": 6},
+                                        {"type": "array", "items": {"$ref": "#/$defs/v"}, "maxItems": 3},
+                                        {"type": "object", "additionalProperties": {"$ref": "#/$defs/v"},
+                                         "maxProperties": 2}]}},
+              "$ref": "#/$defs/v"}
+FIXED_FORMATS = {"type": "object", "properties": {k: {"type": "string", "format": k} for k in ("date", "uuid", "ipv4")},
+                 "required": ["date", "uuid", "ipv4"]}
+RECURSIVE = {"linked_list": LINKED_LIST, "tree": TREE, "json_value": JSON_VALUE}
+
+ARITHMETIC_GBNF = r"""
+root   ::= expr
+expr   ::= term (("+" | "-") term)*
+term   ::= factor (("*" | "/") factor)*
+factor ::= num | "(" expr ")"
+num    ::= [0-9] [0-9]? [0-9]?
+"""
+TOOL_DSL_LARK = r"""
+start: call (";" " " call)*
+call: FN "(" [arg ("," " " arg)*] ")"
+arg: KEY "=" (NUMBER | STRING)
+FN: "get_weather" | "search" | "send_email"
+KEY: /[a-z]{1,8}/
+NUMBER: /[0-9]{1,4}/
+STRING: /"[a-z ]{0,12}"/
+"""
+
+
+def parses_arithmetic(text: str) -> bool:
+    """Recursive descent over the grammar above (no regex)."""
+    pos = 0
+
+    def num() -> bool:
+        nonlocal pos
+        start = pos
+        while pos < len(text) and text[pos].isdigit() and pos - start < 3:
+            pos += 1
+        return pos > start
+
+    def factor() -> bool:
+        nonlocal pos
+        if pos < len(text) and text[pos] == "(":
+            pos += 1
+            if not expr() or pos >= len(text) or text[pos] != ")":
+                return False
+            pos += 1
+            return True
+        return num()
+
+    def chain(item, ops: str) -> bool:
+        nonlocal pos
+        if not item():
+            return False
+        while pos < len(text) and text[pos] in ops:
+            pos += 1
+            if not item():
+                return False
+        return True
+
+    def term() -> bool:
+        return chain(factor, "*/")
+
+    def expr() -> bool:
+        return chain(term, "+-")
+
+    return expr() and pos == len(text)
+
+
+_ARG = r'[a-z]{1,8}=(?:[0-9]{1,4}|"[a-z ]{0,12}")'
+_CALL = rf"(?:get_weather|search|send_email)\((?:{_ARG}(?:, {_ARG})*)?\)"
+
+
+def parses_tool_calls(text: str) -> list[str] | None:
+    """The calls' names, or None if ``text`` is not a call list of the DSL."""
+    if not re.fullmatch(rf"{_CALL}(?:; {_CALL})*", text):
+        return None
+    return re.findall(r"(get_weather|search|send_email)\(", text)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def vocab(tokenizer):
+    return TokenVocab.from_tokenizer(tokenizer, EOS, 49152)
+
+
+@pytest.fixture(scope="module")
+def grammars(vocab):
+    g = Grammars(lambda: vocab, timeout_s=60, memory_mb=4096, cache_size=64, jump_forward=True)
+    yield g
+    g.close()
+
+
+def compiled(grammars: Grammars, params: dict):
+    c = SamplingParams.from_dict(params).constraint()
+    fut = grammars.request(c)
+    while not fut.done:
+        grammars.wait(0.2)
+    assert fut.error is None, fut.error
+    return c, fut
+
+
+def new_matcher(grammars: Grammars, params: dict):
+    c, fut = compiled(grammars, params)
+    m = grammars.matcher(fut, c, jump_forward=False, heal=False)
+    m.start([1])
+    return m
+
+
+CLOSERS = [ord(c) for c in '"}])0']
+
+
+def random_output(m, vocab: TokenVocab, seed: int, cap: int = 40, limit: int = 300) -> bytes | None:
+    """A random output the matcher admits: each step takes a random allowed token (after
+    ``cap`` tokens, a single-byte closer when one is allowed) and stops in a final state
+    with some chance (always after ``cap``). None if it did not end within ``limit``."""
+    rng = random.Random(seed)
+    out: list[int] = []
+    for step in range(limit):
+        mask = m.allowed(eos_ok=True)
+        if m.is_final and (m.terminated or step > cap or rng.random() < 0.2):
+            bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+            assert all(bits[e] for e in EOS)  # EOS is offered in final states
+            return vocab.join(out)
+        ids = [int(i) for i in np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))]
+        assert m.is_final or not any(i in EOS for i in ids)  # ... and only there
+        ids = [i for i in ids if i not in EOS]
+        if step > cap:
+            for b in CLOSERS:
+                close = [i for i in ids if vocab.token_bytes[i] == bytes([b])]
+                if close:
+                    ids = close
+                    break
+        assert ids, vocab.join(out)
+        tok = rng.choice(ids)
+        assert m.advance(tok)
+        out.append(tok)
+    return None
+
+
+def admits(m, vocab: TokenVocab, text: str) -> bool:
+    """Feed the tokenizer's tokens of ``text``: True if every one is taken and the
+    output is complete."""
+    for t in vocab.encode(text):
+        if not m.advance(t):
+            return False
+    return m.is_final
+
+
+# -- the tokenizer -------------------------------------------------------------------------------
+def test_tokenizer_adapter_keeps_plaits_bytes_and_eos(vocab):
+    tok = build_tokenizer(vocab)
+    assert tok.vocab_size == vocab.size and sorted(tok.eos_tokens) == list(EOS)
+    rng = random.Random(0)
+    for i in rng.sample(range(vocab.size), 300):
+        if vocab.token_bytes[i] is not None:
+            assert tok.decode_bytes([i]) == vocab.token_bytes[i]
+            assert not tok.is_special_token(i)
+    assert tok.is_special_token(2)  # <|im_end|>: never written as text
+    # a vocabulary without EOS (sentencepiece spelling, as a tiny test tokenizer) gets one past its logits
+    small = TokenVocab([b"a", b"b", b" ", b"ab", None], (), 5, encode=lambda s: [[b"a", b"b", b" "].index(c.encode())
+                                                                                  for c in s])
+    t2 = build_tokenizer(small)
+    assert t2.vocab_size == 6 and t2.eos_tokens == [5] and small.mask_words == 1
+    assert t2.decode_bytes([3, 2]) == b"ab "
+
+
+# -- soundness on both backends ------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["outlines", "llguidance"])
+@pytest.mark.parametrize("name", ["nested", "arrays_enums", "numbers", "refs_and_combinators", "formats"])
+def test_both_backends_admit_only_valid_json(grammars, vocab, backend, name):
+    # formats of bounded length (a random walk through an email address rarely ends)
+    schema = FIXED_FORMATS if name == "formats" else SCHEMAS[name]
+    checker = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+    done = 0
+    for seed in range(6):
+        m = new_matcher(grammars, {"json_schema": schema, "grammar_backend": backend})
+        out = random_output(m, vocab, seed)
+        if out is None:
+            continue
+        checker.validate(json.loads(out))
+        done += 1
+    assert done >= 3
+
+
+@pytest.mark.parametrize("name", sorted(REGEXES))
+def test_llguidance_regexes_match_fully(grammars, vocab, name):
+    for seed in range(4):
+        m = new_matcher(grammars, {"regex": REGEXES[name], "grammar_backend": "llguidance"})
+        out = random_output(m, vocab, seed)
+        assert out is not None and re.fullmatch(REGEXES[name], out.decode()), out
+
+
+INVALID = [
+    (SCHEMAS["nested"], '{"name":"","address":{"city":"x"}}'),  # minLength
+    (SCHEMAS["nested"], '{"name":"a","address":{"city":"x","zip":"123"}}'),  # pattern
+    (SCHEMAS["nested"], '{"name":"a","address":{"city":"x"},"age":131}'),  # maximum
+    (SCHEMAS["arrays_enums"], '{"tags":["pink"],"point":[1,2],"mode":"fast"}'),  # enum
+    (SCHEMAS["arrays_enums"], '{"tags":[],"point":[1,2],"mode":"fast"}'),  # minItems
+    (SCHEMAS["arrays_enums"], '{"tags":["red"],"point":[1,2,3],"mode":"fast"}'),  # items: false
+    (SCHEMAS["numbers"], '{"price":-1,"score":0,"count":1,"x":0}'),  # minimum
+    (SCHEMAS["numbers"], '{"price":1,"score":0,"count":50,"x":0}'),  # exclusiveMaximum
+    (SCHEMAS["refs_and_combinators"], '{"items":[{"id":1,"kind":"c"}],"either":1,"one":true,"both":{"a":1,"b":true}}'),
+    (SCHEMAS["refs_and_combinators"], '{"items":[],"either":1,"one":true,"both":{"a":1}}'),  # allOf's required
+    (TREE, '{"name":"a","children":[{"name":"b"}]}'),  # a child without children
+    (TREE, '{"name":"a","children":[{"name":"b","children":[],"x":1}]}'),  # additionalProperties deep down
+    (LINKED_LIST, '{"value":1,"next":{"value":"two","next":null}}'),
+    (JSON_VALUE, '[[[1,2,3,4]]]'),  # maxItems three levels down
+]
+
+
+@pytest.mark.parametrize("backend", ["outlines", "llguidance"])
+@pytest.mark.parametrize("case", range(len(INVALID)))
+def test_hand_made_invalid_instances_are_refused(grammars, vocab, backend, case):
+    schema, text = INVALID[case]
+    assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+    try:
+        m = new_matcher(grammars, {"json_schema": schema, "grammar_backend": backend})
+    except RequestError as e:
+        assert backend == "outlines" and "recursive" in e.message  # outlines-core cannot express these
+        return
+    assert not admits(m, vocab, text)
+
+
+@pytest.mark.parametrize("name", sorted(RECURSIVE))
+def test_recursive_schemas_compile_on_llguidance_and_nest(grammars, vocab, name):
+    schema = RECURSIVE[name]
+    c = SamplingParams.from_dict({"json_schema": schema}).constraint()
+    assert c.backend == "llguidance"  # auto: the regex translation refuses recursion
+    checker = jsonschema.Draft202012Validator(schema)
+    depths = []
+    for seed in range(8):
+        out = random_output(new_matcher(grammars, {"json_schema": schema}), vocab, seed, cap=60, limit=400)
+        if out is not None:
+            value = json.loads(out)
+            checker.validate(value)
+            depths.append(_depth(value))
+    assert len(depths) >= 4
+    # a valid nested instance is admitted in full
+    nested = {"linked_list": '{"value":1,"next":{"value":2,"next":{"value":3,"next":null}}}',
+              "tree": '{"name":"r","children":[{"name":"a","children":[{"name":"b","children":[]}]}]}',
+              "json_value": '{"a":[1,{"b":[true,null]}],"c":"x"}'}[name]
+    checker.validate(json.loads(nested))
+    assert admits(new_matcher(grammars, {"json_schema": schema}), vocab, nested)
+
+
+def _depth(v) -> int:
+    if isinstance(v, dict):
+        return 1 + max(map(_depth, v.values()), default=0)
+    if isinstance(v, list):
+        return 1 + max(map(_depth, v), default=0)
+    return 0
+
+
+# -- ebnf ----------------------------------------------------------------------------------------
+def test_ebnf_arithmetic_gbnf_and_tool_dsl_lark(grammars, vocab):
+    for seed in range(6):
+        out = random_output(new_matcher(grammars, {"ebnf": ARITHMETIC_GBNF}), vocab, seed)
+        assert out is not None and parses_arithmetic(out.decode()), out
+        out = random_output(new_matcher(grammars, {"ebnf": TOOL_DSL_LARK}), vocab, seed)
+        assert out is not None and parses_tool_calls(out.decode()), out
+    assert admits(new_matcher(grammars, {"ebnf": ARITHMETIC_GBNF}), vocab, "(12+3)*4-5/6")
+    assert not admits(new_matcher(grammars, {"ebnf": ARITHMETIC_GBNF}), vocab, "(12+3")
+    assert not admits(new_matcher(grammars, {"ebnf": ARITHMETIC_GBNF}), vocab, "1234")
+    assert admits(new_matcher(grammars, {"ebnf": TOOL_DSL_LARK}), vocab, 'search(q="cats", n=3); get_weather()')
+    assert not admits(new_matcher(grammars, {"ebnf": TOOL_DSL_LARK}), vocab, 'delete(all=1)')
+
+
+def test_jump_forward_writes_forced_text_in_canonical_tokens(grammars, vocab, tokenizer):
+    c, fut = compiled(grammars, {"json_schema": {"type": "object", "properties": {
+        "first_name": {"type": "string"}, "last_name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["first_name", "last_name", "age"]}})
+    m = grammars.matcher(fut, c, jump_forward=True, heal=True)
+    assert m.start([1, 2]) == 0  # llguidance declines healing
+    target = tokenizer.encode('{"first_name":"Ada","last_name":"Lovelace","age":36}', add_special_tokens=False)
+    out = m.jump_start(16)
+    assert out and target[: len(out)] == out  # the forced opening text, as the tokenizer writes it
+    jumped = 0
+    while not m.terminated:
+        t = target[len(out)]
+        assert m.advance(t)
+        j = m.jump_forward(t, 32)
+        out += j if j else [t]
+        jumped += len(j) - 1 if j else 0
+        assert target[: len(out)] == out, vocab.join(out)
+    assert out == target and jumped >= 4
+
+
+# -- selection and errors ------------------------------------------------------------------------
+def test_auto_picks_a_backend_per_constraint():
+    def backend(params: dict, default: str = "auto") -> str:
+        return SamplingParams.from_dict(params).constraint(default).backend
+
+    assert backend({"regex": "a+"}) == "outlines"
+    assert backend({"ebnf": ARITHMETIC_GBNF}) == "llguidance"
+    assert backend({"json_schema": SCHEMAS["nested"]}) == "llguidance"
+    assert backend({"json_schema": TREE}) == "llguidance"
+    # llguidance refuses these; the regex translation enforces them
+    for schema in ({"type": "array", "items": {"enum": ["a"]}, "uniqueItems": True, "maxItems": 1},
+                   {"type": "number", "exclusiveMinimum": 0},
+                   {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                    "dependentRequired": {"a": ["b"]}}):
+        c = SamplingParams.from_dict({"json_schema": schema}).constraint()
+        assert c.backend == "outlines", schema
+    assert backend({"json_schema": SCHEMAS["nested"]}, "outlines") == "outlines"  # the engine's option
+    assert backend({"json_schema": SCHEMAS["nested"], "grammar_backend": "outlines"}, "llguidance") == "outlines"
+    assert backend({"regex": "a+", "grammar_backend": "llguidance"}) == "llguidance"
+
+
+@pytest.mark.parametrize("params, param, words", [
+    ({"regex": "a", "ebnf": "root ::= \"a\""}, "regex", "at most one constraint"),
+    ({"json_schema": {}, "ebnf": "root ::= \"a\""}, "json_schema", "at most one constraint"),
+    ({"ebnf": 5}, "ebnf", "a grammar as a string"),
+    ({"ebnf": "root ::= \"a\"", "grammar_backend": "outlines"}, "grammar_backend", "cannot enforce an ebnf"),
+    ({"regex": "a", "grammar_backend": "xgrammar"}, "grammar_backend", "auto, outlines, llguidance"),
+    ({"ebnf": "root ::= missing"}, "ebnf", "missing"),
+    ({"ebnf": "start: \"a\" ("}, "ebnf", "ebnf is invalid"),
+    ({"ebnf": "root ::= \"" + "a" * MAX_GRAMMAR_CHARS + "\""}, "ebnf", f"at most {MAX_GRAMMAR_CHARS}"),
+    ({"json_schema": {"type": "number", "exclusiveMaximum": 1}, "grammar_backend": "llguidance"}, "json_schema",
+     "exclusiveMaximum"),
+    ({"json_schema": {"type": "number", "multipleOf": 0.1}, "grammar_backend": "llguidance"}, "json_schema",
+     "multipleOf"),
+    ({"json_schema": {"type": "integer", "divisibleBy": 3}, "grammar_backend": "llguidance"}, "json_schema",
+     "divisibleBy"),
+    ({"json_schema": {"properties": {"a": {"required": True}}}, "grammar_backend": "llguidance"}, "json_schema",
+     "required"),
+    ({"json_schema": {"type": "array", "contains": {"const": 1}}, "grammar_backend": "llguidance"}, "json_schema",
+     "contains"),
+    ({"json_schema": {"type": "array", "uniqueItems": True}}, "json_schema", "uniqueItems"),
+])
+def test_bad_constraints_are_400s_naming_the_field(params, param, words):
+    with pytest.raises(RequestError) as info:
+        SamplingParams.from_dict(params).constraint()
+    assert info.value.status == 400 and info.value.param == param
+    assert words in info.value.message, info.value.message
+
+
+def test_compiled_grammars_are_cached_per_tokenizer_backend_and_constraint(grammars):
+    c1, f1 = compiled(grammars, {"json_schema": TREE})
+    _, f2 = compiled(grammars, {"json_schema": json.dumps(TREE)})
+    assert f2 is f1 and f1.key[0] == grammars.vocab.fingerprint
+    c3, f3 = compiled(grammars, {"json_schema": SCHEMAS["nested"], "grammar_backend": "outlines"})
+    _, f4 = compiled(grammars, {"json_schema": SCHEMAS["nested"], "grammar_backend": "llguidance"})
+    assert f3 is not f4 and type(f3.grammar) is not type(f4.grammar)
+
+
+# -- the engine ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(tiny_model_factory):
+    from plait.runtime import Engine
+
+    with Engine(str(tiny_model_factory("llama")), kv_cache_tokens=4096, max_running_requests=8) as e:
+        yield e
+        e.check_invariants()
+
+
+def test_engine_follows_recursive_schemas_and_ebnf(engine):
+    outs = engine.generate(
+        ["A tree:", "A list:", "Compute:", "Call tools:"],
+        [{"json_schema": TREE, "temperature": 0.8, "seed": 1, "max_new_tokens": 300},
+         {"json_schema": LINKED_LIST, "temperature": 0.0, "max_new_tokens": 300},
+         {"ebnf": ARITHMETIC_GBNF, "temperature": 0.9, "seed": 2, "max_new_tokens": 40},
+         {"ebnf": TOOL_DSL_LARK, "temperature": 0.0, "max_new_tokens": 60}],
+    )
+    for o, schema in zip(outs[:2], (TREE, LINKED_LIST)):
+        if o["meta_info"]["finish_reason"]["type"] == "stop":
+            jsonschema.validate(json.loads(o["text"]), schema)
+        else:  # a random model may nest until max_new_tokens: the text is then a prefix of valid JSON
+            assert o["meta_info"]["finish_reason"]["type"] == "length"
+    for o, check in zip(outs[2:], (parses_arithmetic, parses_tool_calls)):
+        if o["meta_info"]["finish_reason"]["type"] == "stop":
+            assert check(o["text"]), o["text"]
+    assert any(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs)
+    with pytest.raises(RequestError, match="ebnf"):
+        engine.generate("x", {"ebnf": "root ::= nowhere"})
+    assert engine.generate("Still?", {"regex": "(yes|no)", "temperature": 0.0})["text"] in ("yes", "no")
+
+
+def test_a_compile_over_its_limit_fails_while_another_request_streams(tiny_model_factory, monkeypatch):
+    from plait.runtime import Engine
+
+    release = threading.Event()
+    real = LLGuidanceCompiler._build
+
+    def slow_build(self, grammar):
+        if "slowly" in grammar:
+            release.wait(60)  # a compile that never finishes within the limit
+        return real(self, grammar)
+
+    monkeypatch.setattr(LLGuidanceCompiler, "_build", slow_build)
+    with Engine(str(tiny_model_factory("llama")), kv_cache_tokens=2048, max_running_requests=4,
+                grammar_compile_timeout=1.0) as e:
+        try:
+            slow = e.add_request(e.tokenizer.encode("Say:", add_special_tokens=False),
+                                 {"ebnf": 'root ::= "slowly"', "max_new_tokens": 4})[0]
+            free = e.add_request(e.tokenizer.encode("Hello", add_special_tokens=False),
+                                 {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 64})[0]
+            streamed_while_compiling = 0
+            while not slow.finished:
+                for o in e.step():
+                    if o.rid == free.rid and not slow.finished:
+                        streamed_while_compiling += 1
+            assert streamed_while_compiling >= 1  # the engine loop kept decoding the other request
+            err = slow.finish_reason.error
+            assert slow.finish_reason.type == "abort" and err.status == 400 and err.param == "ebnf"
+            assert "grammar_compile_timeout" in err.message
+            while not free.finished:
+                e.step()
+            assert free.output_len == 64
+            assert e.generate("Ok?", {"ebnf": 'root ::= "yes" | "no"', "temperature": 0.0})["text"] in ("yes", "no")
+        finally:
+            release.set()
+        e.check_invariants()
+
+
+def test_default_model_writes_a_recursive_schema():
+    from conftest import smollm2_gguf_path
+    from plait.runtime import Engine
+
+    target = '{"value":1,"next":{"value":2,"next":{"value":3,"next":null}}}'
+    with Engine(smollm2_gguf_path(), kv_cache_tokens=2048, max_running_requests=2) as e:
+        prompt = e.tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Repeat this JSON exactly: {target}"}], tokenize=False,
+            add_generation_prompt=True)
+        out = e.generate(prompt, {"json_schema": LINKED_LIST, "temperature": 0.0, "max_new_tokens": 48})
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out["text"]
+    value = json.loads(out["text"])
+    jsonschema.validate(value, LINKED_LIST)
+    assert _depth(value) >= 2, out["text"]  # nested, through the recursive $ref
+
+
+def test_ebnf_over_http_native_and_openai_extra_body(tiny_model_factory):
+    import httpx
+    import openai
+
+    from plait.runtime.server import launch
+
+    with launch(str(tiny_model_factory("llama")), num_threads=1, kv_cache_tokens=2048, served_model_name="tiny") as rt, \
+            httpx.Client(base_url=rt.url, timeout=120) as c:
+        r = c.post("/generate", json={"text": "Compute:", "sampling_params": {
+            "ebnf": ARITHMETIC_GBNF, "temperature": 0.0, "max_new_tokens": 30}})
+        assert r.status_code == 200, r.text
+        if r.json()["meta_info"]["finish_reason"]["type"] == "stop":
+            assert parses_arithmetic(r.json()["text"]), r.json()["text"]
+        r = c.post("/generate", json={"text": "x", "sampling_params": {"ebnf": "root ::= nowhere"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "ebnf"
+        oai = openai.OpenAI(base_url=rt.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        out = oai.completions.create(model="tiny",
+                                     prompt="Call:", max_tokens=40, temperature=0.0,
+                                     extra_body={"ebnf": 'root ::= "search(q=" [0-9] ")"'})
+        assert re.fullmatch(r"search\(q=[0-9]\)", out.choices[0].text), out.choices[0].text
+        with pytest.raises(openai.BadRequestError, match="at most one constraint"):
+            oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                        extra_body={"ebnf": 'root ::= "a"', "regex": "a"})
+
+
+def test_language_gen_passes_ebnf_and_grammar_backend():
+    from plait.api import gen
+
+    g = gen("calc", ebnf=ARITHMETIC_GBNF, grammar_backend="llguidance", max_tokens=20)
+    assert g.params["ebnf"] == ARITHMETIC_GBNF and g.params["grammar_backend"] == "llguidance"
+    SamplingParams.from_dict({k: v for k, v in g.params.items() if k != "max_new_tokens"}).constraint()
+    with pytest.raises(ValueError, match="at most one constraint"):
+        gen("x", ebnf=ARITHMETIC_GBNF, regex="a")
+    with pytest.raises(ValueError, match="grammar_backend"):
+        gen("x", ebnf=ARITHMETIC_GBNF, grammar_backend="xgrammar")
