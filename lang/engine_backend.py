@@ -245,10 +245,7 @@ class OfflineEngine:
         from plait.runtime.server.sglang_options import translate
 
         opts = translate(options, model_path)
-        if "model" in opts:
-            if model_path is not None:
-                raise ValueError("model and model_path were both given; they name the same option; give one")
-            model_path = opts.pop("model")
+        model_path = opts.pop("model", model_path)
         log_level = opts.pop("log_level", None)
         server_only = sorted(set(opts) & {f.name for f in dataclasses.fields(ServerArgs)})
         if server_only:

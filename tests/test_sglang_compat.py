@@ -171,6 +171,10 @@ def test_sglang_values_and_server_options_of_engine(folder):
         (folder, "float16", "torch", 0.5)
     with pytest.raises(ValueError, match="port: options of a server; Engine runs the model in this process"):
         sgl.Engine(model_path=folder, port=30000)
+    with pytest.raises(ValueError, match="model and model_path were both given"):
+        launch(folder, model_path=folder)
+    with pytest.raises(ValueError, match="model and model_path were both given"):
+        sgl.Engine(folder, model=folder)
 
 
 def test_serve_flags_take_sglang_spellings(folder, capsys):

@@ -107,11 +107,7 @@ class ServerArgs:
         """Split server options from engine options. SGLang's option names are accepted
         too (:mod:`plait.runtime.server.sglang_options`); unknown names raise ``ValueError``."""
         kwargs = translate(kwargs, model)
-        if "model" in kwargs:
-            if model is not None:
-                raise ValueError("model and model_path were both given; they are the same option (plait's name and "
-                                 "SGLang's); give one")
-            model = kwargs.pop("model")
+        model = kwargs.pop("model", model)
         own = {f.name for f in dataclasses.fields(cls)} - {"engine", "model"}
         server = {k: v for k, v in kwargs.items() if k in own}
         engine = EngineConfig.from_kwargs(**{k: v for k, v in kwargs.items() if k not in own})

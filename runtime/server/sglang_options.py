@@ -115,9 +115,10 @@ def translate(options: dict[str, Any], model: str | None = None) -> dict[str, An
     """``options`` with SGLang's names and values turned into plait's. SGLang options
     plait does not have are dropped where their value changes nothing and refused
     otherwise (``ValueError`` naming the option, its value and what plait offers);
-    an option given under both names is refused too. ``model`` is the model argument
-    given beside them (``tokenizer_path`` may repeat it)."""
-    model = options.get("model_path", options.get("model", model))
+    an option given under both names is refused too, as is ``model_path`` beside a
+    ``model`` argument (the positional model of ``launch`` / ``Engine``)."""
+    given = model
+    model = options.get("model_path", options.get("model", model))  # tokenizer_path may repeat it
     out: dict[str, Any] = {}
     for name, value in options.items():
         foreign = FOREIGN.get(name)
@@ -135,6 +136,8 @@ def translate(options: dict[str, Any], model: str | None = None) -> dict[str, An
         if refused is not None:
             raise ValueError(f"{name}={value!r} is not supported by plait: {refused}")
         out[target] = value
+    if given is not None and "model" in out:
+        raise ValueError("model and model_path were both given; they name the same option; give one")
     return out
 
 
