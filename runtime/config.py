@@ -49,6 +49,13 @@ class EngineConfig:
     # radix: token-level tree (RadixAttention); block_hash: vLLM's hashed full pages
     # (plait.runtime.block_cache), kept to measure the two on one engine
     prefix_cache_mode: str = "radix"
+    # Host-memory tier under the radix cache (plait.runtime.hicache; SGLang's names):
+    # evicted prefixes go to a host pool of hicache_ratio x the device pool (or
+    # hicache_size GiB) and come back by copy instead of recomputation.
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0
+    hicache_write_policy: str = "write_back"
     context_length: int | None = None
     num_threads: int | None = None
     attention_backend: str = "auto"
@@ -98,6 +105,17 @@ class EngineConfig:
                  "chunked_prefill_size", self.chunked_prefill_size, "a positive integer")
         _require(self.schedule_policy in SCHEDULE_POLICIES, "schedule_policy", self.schedule_policy, ", ".join(SCHEDULE_POLICIES))
         _require(isinstance(self.disable_radix_cache, bool), "disable_radix_cache", self.disable_radix_cache, "True or False")
+        _require(isinstance(self.enable_hierarchical_cache, bool), "enable_hierarchical_cache",
+                 self.enable_hierarchical_cache, "True or False")
+        _require(not self.enable_hierarchical_cache or (self.prefix_cache_mode == "radix" and not self.disable_radix_cache),
+                 "enable_hierarchical_cache", self.enable_hierarchical_cache,
+                 "True only with prefix_cache_mode='radix' and the radix cache on")
+        _require(_is_num(self.hicache_ratio) and 0 < self.hicache_ratio <= 1000, "hicache_ratio", self.hicache_ratio,
+                 "a number in (0, 1000] (host pool size / device pool size)")
+        _require(_is_num(self.hicache_size) and self.hicache_size >= 0, "hicache_size", self.hicache_size,
+                 "a number of GiB >= 0 (0: sized by hicache_ratio)")
+        _require(self.hicache_write_policy in ("write_back", "write_through"), "hicache_write_policy",
+                 self.hicache_write_policy, "write_back, write_through")
         _require(self.prefix_cache_mode in PREFIX_CACHE_MODES, "prefix_cache_mode", self.prefix_cache_mode,
                  ", ".join(PREFIX_CACHE_MODES))
         _require(self.eviction_policy in EVICTION_POLICIES, "eviction_policy", self.eviction_policy,

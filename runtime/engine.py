@@ -20,6 +20,7 @@ from plait.runtime.constrained.vocab import TokenVocab
 from plait.runtime.cuda_graph import DecodeGraphRunner
 from plait.runtime.eviction import make_policy
 from plait.runtime.fingerprint import tokenizer_fingerprint, weights_fingerprint
+from plait.runtime.hicache import HostTier
 from plait.runtime.memory import KVPool, PageAllocator, ReqToToken, kv_pool_budget
 from plait.runtime.model_loader import ModelSource, resolve_model
 from plait.runtime.model_runner import ModelRunner
@@ -82,12 +83,18 @@ class Engine:
         )
         self.allocator = PageAllocator(num_pages, ps)
         self.req_to_token = ReqToToken(cfg.max_running_requests, self.context_len, self.device)
-        cache_cls = BlockHashCache if cfg.prefix_cache_mode == "block_hash" else RadixCache
-        self.cache = cache_cls(self.allocator, disable=cfg.disable_radix_cache, policy=make_policy(cfg.eviction_policy))
+        self.tier = self._host_tier(num_pages)
+        if cfg.prefix_cache_mode == "block_hash":
+            self.cache = BlockHashCache(self.allocator, disable=cfg.disable_radix_cache,
+                                        policy=make_policy(cfg.eviction_policy))
+        else:
+            self.cache = RadixCache(self.allocator, disable=cfg.disable_radix_cache,
+                                    policy=make_policy(cfg.eviction_policy),
+                                    on_evict=self.tier.save if self.tier is not None else None)
         # prefixes pinned for the language's batches (plait.runtime.pinning)
         self.pins = PinTable(self.cache, int((num_pages - 1) * ps * cfg.pin_budget_fraction))
         self.scheduler = Scheduler(
-            cfg, self.allocator, self.req_to_token, self.cache, self.context_len, eos_ids=self.eos_ids
+            cfg, self.allocator, self.req_to_token, self.cache, self.context_len, eos_ids=self.eos_ids, tier=self.tier
         )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         attn = self._attention_backend()
@@ -144,6 +151,18 @@ class Engine:
             torch.cuda.synchronize(self.device)
             return None
         return graphs
+
+    def _host_tier(self, device_pages: int) -> HostTier | None:
+        cfg = self.config
+        if not cfg.enable_hierarchical_cache:
+            return None
+        if cfg.hicache_size > 0:
+            mc = self.model_config
+            per_page = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype) * cfg.page_size
+            pages = int(cfg.hicache_size * 2**30) // per_page
+        else:
+            pages = int((device_pages - 1) * cfg.hicache_ratio)
+        return HostTier(self.pool, max(pages, 1) + 1, cfg.hicache_write_policy)  # + the reserved page
 
     def _kv_cache_tokens(self) -> int:
         cfg, mc = self.config, self.model_config
@@ -434,6 +453,8 @@ class Engine:
             for pin_id in self.pins.ids():
                 self.unpin(pin_id)
             self.cache.reset()
+            if self.tier is not None:
+                self.tier.tree.reset()
             return True
         for pin_id in self.pins.ids():
             if self.pins.get(pin_id).cache_salt == cache_salt:
@@ -441,6 +462,8 @@ class Engine:
         if any(r.cache_salt == cache_salt for r in self.scheduler.running):
             return False
         self.cache.drop_namespace(cache_salt)
+        if self.tier is not None:
+            self.tier.tree.drop_namespace(cache_salt)
         return True
 
     def update_weights_from_disk(self, model_path: str) -> bool:
@@ -554,6 +577,7 @@ class Engine:
             "config": dataclasses.asdict(self.config),
             "device": str(self.device),
             "pool": self.pool_usage(),
+            "host_pool": self.tier.usage() if self.tier is not None else None,
             "invariant_ok": not invariant_error,
             "invariant_error": invariant_error,
             "live_requests": len(self._reqs),
@@ -576,6 +600,8 @@ class Engine:
             "cache_hit_tokens": self.cache.hit_tokens,
             "cache_evicted_tokens": self.cache.evicted_tokens,
             "retractions": self.scheduler.num_retractions,
+            "hicache_saved_tokens": self.tier.saved_tokens if self.tier is not None else 0,
+            "hicache_loaded_tokens": self.tier.loaded_tokens if self.tier is not None else 0,
         }
 
     # -- lifetime -------------------------------------------------------------------------

@@ -9,7 +9,7 @@ they use; locks propagate to the namespace root. Only unlocked leaves are evicte
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,11 +74,15 @@ class RadixCache:
         disable: bool = False,
         *,
         policy: EvictionPolicy | None = None,
+        on_evict: Callable[[list[int], torch.Tensor, str | None], None] | None = None,
     ) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.disable = disable
         self.policy = policy if policy is not None else LRU()
+        # called with (tokens, slots, salt) of an evicted leaf's whole path before its
+        # pages are freed (the host tier keeps them: plait.runtime.hicache)
+        self.on_evict = on_evict
         self._roots: dict[str | None, TreeNode] = {None: self._new_root()}
         self._clock = 0
         self._evictable_pages = 0
@@ -311,10 +315,23 @@ class RadixCache:
     def _remove_leaf(self, leaf: TreeNode) -> int:
         parent = leaf.parent
         assert parent is not None
+        if self.on_evict is not None:
+            self.on_evict(*self._path(leaf))
         del parent.children[self._child_key(leaf.key)]
         leaf.parent = None
         self.evicted_tokens += len(leaf.key)
         return self._free_node(leaf)
+
+    def _path(self, node: TreeNode) -> tuple[list[int], torch.Tensor, str | None]:
+        """Tokens and slots from the namespace root to the end of ``node``, and the salt."""
+        keys: list[list[int]] = []
+        values: list[torch.Tensor] = []
+        while node.parent is not None:
+            keys.append(node.key)
+            values.append(node.value)
+            node = node.parent
+        salt = next(s for s, root in self._roots.items() if root is node)
+        return [t for k in reversed(keys) for t in k], torch.cat(values[::-1]), salt
 
     def _free_node(self, node: TreeNode) -> int:
         """Return an unlocked node's pages to the allocator."""

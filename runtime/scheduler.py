@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from plait.runtime.config import EngineConfig
+from plait.runtime.hicache import HostTier
 from plait.runtime.memory import PageAllocator, ReqToToken
 from plait.runtime.radix_cache import MatchResult, RadixCache
 from plait.runtime.request import NO_SLOTS, FinishReason, Req, ReqStatus
@@ -53,11 +54,13 @@ class Scheduler:
         cache: RadixCache,
         context_len: int,
         eos_ids: frozenset[int] = frozenset(),
+        tier: HostTier | None = None,
     ) -> None:
         self.config = config
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.cache = cache
+        self.tier = tier  # host-memory tier under the cache (plait.runtime.hicache), or None
         self.page_size = allocator.page_size
         self.context_len = context_len
         self.eos_ids = eos_ids
@@ -173,7 +176,8 @@ class Scheduler:
                 break
             if r.grammar is not None and not r.grammar.started:
                 continue  # its index is still being built; the others go on
-            match = self.cache.match_prefix(r.token_ids, r.cache_salt, max_len=r.max_prefix_len())
+            match = self._load_from_host(r, self.cache.match_prefix(r.token_ids, r.cache_salt,
+                                                                     max_len=r.max_prefix_len()))
             if not self.cache.disable and any(
                 _common_prefix_len(r.token_ids, o.token_ids) - match.length >= IN_BATCH_PREFIX_DEFER for o in in_batch
             ):
@@ -286,6 +290,33 @@ class Scheduler:
         r.private_pages.extend(pages)
         self.req_to_token.write(r.row, start, self.allocator.pages_to_slots(pages))
 
+    def _load_from_host(self, r: Req, match: MatchResult) -> MatchResult:
+        """Where the host tier holds more of ``r``'s prompt than the device cache, copy
+        that part into fresh device pages and cache it there: a longer match, for a copy
+        instead of a prefill. Without pages to spare, the device match as it is."""
+        if self.tier is None or self.cache.disable:
+            return match
+        host = self.tier.match(r.token_ids, r.cache_salt, r.max_prefix_len())
+        k = (host.length - match.length) // self.page_size
+        if k <= 0:
+            return match
+        self.cache.lock(match.node)  # eviction below must not take the device part
+        self.tier.tree.lock(host.node)  # ... nor saving evicted leaves the host part
+        try:
+            if self.allocator.num_free < k:
+                self.cache.evict(k - self.allocator.num_free)
+            pages = self.allocator.alloc(k)
+            if pages is None:
+                return match
+            slots = self.allocator.pages_to_slots(pages)
+            self.tier.load(host.slots[match.length :], slots)
+        finally:
+            self.tier.tree.unlock(host.node)
+            self.cache.unlock(match.node)
+        dup = self.cache.insert(r.token_ids[: host.length], torch.cat([match.slots, slots]), r.cache_salt)
+        self.allocator.free(self.allocator.slots_to_pages(dup))
+        return self.cache.match_prefix(r.token_ids, r.cache_salt, max_len=r.max_prefix_len())
+
     def _start(self, r: Req, match: MatchResult) -> None:
         if not r.admitted_once:
             # the cache's hit statistics count each request once, at first admission
@@ -331,6 +362,8 @@ class Scheduler:
         slots = torch.cat([r.prefix_slots[: r.cache_len], own])[:length]
         dup = self.cache.insert(r.token_ids[:length], slots, r.cache_salt)
         self.allocator.free(self.allocator.slots_to_pages(dup))
+        if self.tier is not None and self.tier.write_through:
+            self.tier.save(r.token_ids[:length], slots, r.cache_salt)
 
     def _release(self, r: Req) -> None:
         """Return all of ``r``'s KV: computed full pages to the cache, the rest freed."""
@@ -408,6 +441,8 @@ class Scheduler:
             dup = len(owners) - len(set(owners))
             raise AssertionError(f"KV page ownership broken: {dup} pages owned twice, "
                                  f"{self.allocator.total_pages - len(set(owners))} pages owned by nobody")
+        if self.tier is not None:
+            self.tier.check_invariants()
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
