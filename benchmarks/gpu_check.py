@@ -466,8 +466,9 @@ def profile_engine(engine: Any, batch_sizes: Sequence[int] = (1, 16, 64, 256), p
                 for p in prompts(8, 16)]
     while min(r.output_len for r in decoding) < 2:
         engine.step()
-    arriving = [engine.add_request(p, {"max_new_tokens": 2, "temperature": 0})[0]
-                for p in prompts(4, 4 * engine.config.chunked_prefill_size)]
+    chunk = engine.config.chunked_prefill_size
+    long_len = 4 * chunk if isinstance(chunk, int) else 2048  # several chunks each while the 8 decode
+    arriving = [engine.add_request(p, {"max_new_tokens": 2, "temperature": 0})[0] for p in prompts(4, long_len)]
     while engine.has_work():
         engine.step()
     for r in decoding + arriving:

@@ -42,7 +42,11 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     mem_fraction_static: float | None = None  # None: 0.85 on CUDA, 0.3 on CPU
     max_running_requests: int = 256
-    chunked_prefill_size: int = 2048
+    # token budget of a step; "auto" (plait.runtime.chunking) sizes prefill chunks from
+    # measured steps to keep decodes' inter-token latency within itl_target_ms (None:
+    # 2x a decode-only step), and prefills whole prompts up to 4096 tokens when nothing decodes
+    chunked_prefill_size: int | str = "auto"
+    itl_target_ms: float | None = None
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     eviction_policy: str = "lru"  # prefix cache: lru, lfu or cost (plait.runtime.eviction)
@@ -101,8 +105,10 @@ class EngineConfig:
                  "mem_fraction_static", self.mem_fraction_static, "None or a number in (0, 0.95]")
         _require(is_int(self.max_running_requests) and 1 <= self.max_running_requests <= 4096,
                  "max_running_requests", self.max_running_requests, "an integer in [1, 4096]")
-        _require(is_int(self.chunked_prefill_size) and self.chunked_prefill_size >= 1,
-                 "chunked_prefill_size", self.chunked_prefill_size, "a positive integer")
+        _require(self.chunked_prefill_size == "auto" or (is_int(self.chunked_prefill_size) and self.chunked_prefill_size >= 1),
+                 "chunked_prefill_size", self.chunked_prefill_size, "auto or a positive integer")
+        _require(self.itl_target_ms is None or (_is_num(self.itl_target_ms) and self.itl_target_ms > 0),
+                 "itl_target_ms", self.itl_target_ms, "None or a number of milliseconds > 0")
         _require(self.schedule_policy in SCHEDULE_POLICIES, "schedule_policy", self.schedule_policy, ", ".join(SCHEDULE_POLICIES))
         _require(isinstance(self.disable_radix_cache, bool), "disable_radix_cache", self.disable_radix_cache, "True or False")
         _require(isinstance(self.enable_hierarchical_cache, bool), "enable_hierarchical_cache",

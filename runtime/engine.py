@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -335,7 +336,12 @@ class Engine:
         (a 500 naming the internal error) and the engine goes on serving the others;
         only if the KV accounting is then broken does the error propagate."""
         try:
-            return self.scheduler.process_batch(batch, self.runner.forward(batch))
+            t0 = time.perf_counter()
+            sampled = self.runner.forward(batch)
+            if self.scheduler.chunks is not None:
+                self.scheduler.chunks.observe(len(batch.decodes), sum(n for _, n in batch.extends),
+                                              time.perf_counter() - t0)
+            return self.scheduler.process_batch(batch, sampled)
         except Exception as e:  # noqa: BLE001  (a bug or a device fault in one step)
             logger.exception("a step failed; failing its %d requests", len(batch.reqs))
             error = RequestError(

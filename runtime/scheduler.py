@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from plait.runtime.chunking import AUTO, ChunkSizer
 from plait.runtime.config import EngineConfig
 from plait.runtime.hicache import HostTier
 from plait.runtime.memory import PageAllocator, ReqToToken
@@ -61,6 +62,7 @@ class Scheduler:
         self.req_to_token = req_to_token
         self.cache = cache
         self.tier = tier  # host-memory tier under the cache (plait.runtime.hicache), or None
+        self.chunks = ChunkSizer(config.itl_target_ms) if config.chunked_prefill_size == AUTO else None
         self.page_size = allocator.page_size
         self.context_len = context_len
         self.eos_ids = eos_ids
@@ -132,7 +134,10 @@ class Scheduler:
         batch = ScheduleBatch()
         decodes = self._schedule_decodes(batch)
         batch.decodes = decodes
-        budget = max(self.config.chunked_prefill_size - len(decodes), 0)
+        if self.chunks is not None:
+            budget = self.chunks.budget(len(decodes))
+        else:
+            budget = max(self.config.chunked_prefill_size - len(decodes), 0)
         budget = self._continue_prefills(batch, budget)
         self._admit(batch, budget)
         if not batch.extends and not batch.decodes:

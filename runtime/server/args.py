@@ -22,12 +22,25 @@ ENGINE_HELP: dict[str, str] = {
     "device": "where the model runs: auto (CUDA when available, else CPU), cpu or cuda",
     "dtype": "weight and KV dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16",
     "page_size": "tokens per KV page (1 to 256); the prefix cache shares whole pages",
-    "kv_cache_tokens": "size of the KV pool in tokens (default: --mem-fraction of free memory)",
-    "mem_fraction": "share of free device memory (CUDA) or available RAM (CPU) for the KV pool, in (0, 0.95]",
+    "kv_cache_tokens": "size of the KV pool in tokens (default: sized by --mem-fraction-static)",
+    "mem_fraction_static": "share of memory for weights + KV pool, in (0, 0.95] (SGLang's rule): of the GPU's total "
+                           "memory on CUDA (default 0.85), of the RAM available before loading on CPU (default 0.3)",
     "max_running_requests": "most requests decoding at once (also the page-table rows)",
-    "chunked_prefill_size": "token budget of one step; longer prompts are prefilled in chunks of this size",
+    "chunked_prefill_size": "token budget of one step (longer prompts are prefilled in chunks), or auto: chunks sized "
+                            "from measured steps to keep decodes within --itl-target-ms",
+    "itl_target_ms": "with chunked_prefill_size auto: the inter-token latency a step with a prefill chunk may reach "
+                     "(default: 2x a decode-only step)",
     "schedule_policy": "order of admission: lpm (longest prefix match), dfs-weight (keeps prefix sharers together), fcfs",
     "disable_radix_cache": "turn the prefix cache off (every prompt is prefilled in full)",
+    "prefix_cache_mode": "prefix cache: radix (token-level tree, partial pages shared) or block_hash "
+                         "(vLLM's chained hashes of full pages, for comparison)",
+    "enable_hierarchical_cache": "keep prefixes evicted from the KV pool in a host-memory pool and copy them back on "
+                                 "a hit instead of recomputing them (SGLang's HiCache)",
+    "hicache_ratio": "host pool size as a multiple of the device KV pool",
+    "hicache_size": "host pool size in GiB (0: sized by --hicache-ratio)",
+    "hicache_write_policy": "write_back (copy to the host when evicted) or write_through (when cached)",
+    "eviction_policy": "prefix cache eviction: lru (least recently used), lfu (least reused) or cost "
+                       "(lowest recency-decayed reuse x recompute cost)",
     "context_length": "cap the context length below the model's own",
     "num_threads": "CPU threads torch may use in the engine process",
     "attention_backend": "attention implementation: auto (triton on CUDA; cpu on CPU in float32, torch if it cannot be built), "
@@ -68,6 +81,8 @@ class ServerArgs:
     log_level: str = "warning"
     restart_engine: bool = True
     client_timeout_s: float = 10.0
+    tool_call_parser: str | None = None  # None: detected from the chat template (plait.tool_parsers)
+    reasoning_parser: str | None = None  # None: reasoning stays in the content (plait.reasoning)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -82,6 +97,15 @@ class ServerArgs:
             raise ValueError(f"client_timeout_s={self.client_timeout_s!r} is invalid; allowed: seconds in (0, 3600]")
         if not isinstance(self.restart_engine, bool):
             raise ValueError(f"restart_engine={self.restart_engine!r} is invalid; allowed: true or false")
+        from plait.reasoning import REASONING_PARSERS
+        from plait.tool_parsers import TOOL_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r} is invalid; allowed: {', '.join(TOOL_PARSERS)} "
+                             f"or None (detected from the chat template)")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is invalid; allowed: "
+                             f"{', '.join(REASONING_PARSERS)} or None")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level={self.log_level!r} is invalid; allowed: {', '.join(LOG_LEVELS)}")
         if self.zmq_address is not None and not (
@@ -135,6 +159,10 @@ _SERVER_HELP = {
     "(default: ipc in a private temp folder)",
     "log_level": "logging level of the server processes: " + ", ".join(LOG_LEVELS),
     "client_timeout_s": "abort the requests of a language client that pings and then goes silent this long",
+    "tool_call_parser": "format of tool calls in model output: hermes, llama3_json, mistral, pythonic (default: "
+    "detected from the chat template, else hermes with plait's generic tool prompt)",
+    "reasoning_parser": "split <think>...</think> reasoning into reasoning_content: deepseek-r1 or qwen3 "
+    "(default: off)",
     "restart_engine": "start a new engine process when it dies (503 with Retry-After meanwhile); stops after "
     "3 deaths within 60 s",
 }
@@ -150,7 +178,13 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _annotation_type(annotation: str) -> type:
+def _int_or_auto(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def _annotation_type(annotation: str) -> Any:
+    if annotation == "int | str":
+        return _int_or_auto
     for t in (bool, int, float):
         if t.__name__ in annotation.split(" | "):
             return t

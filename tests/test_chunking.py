@@ -1,0 +1,50 @@
+"""chunked_prefill_size='auto': chunk sizes follow measured step times."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.runtime import Engine, EngineConfig
+from plait.runtime.chunking import ChunkSizer
+
+
+def _feed(sizer: ChunkSizer, a: float, d: float, p: float) -> None:
+    """Steps of a machine whose step time is exactly a + d * decodes + p * tokens."""
+    for i in range(40):
+        decodes, tokens = 4 + i % 5, (i * 37) % 300
+        sizer.observe(decodes, tokens, a + d * decodes + p * tokens)
+
+
+def test_the_chunk_keeps_a_mixed_step_within_twice_a_decode_step():
+    sizer = ChunkSizer()
+    assert sizer.budget(8) == 512 and sizer.budget(0) == 4096  # before any measurement; idle
+    _feed(sizer, a=0.010, d=0.001, p=0.0001)
+    a, d, p = sizer.fit
+    assert a == pytest.approx(0.010) and d == pytest.approx(0.001) and p == pytest.approx(0.0001)
+    decode_step = 0.010 + 0.001 * 8
+    chunk = sizer.budget(8)
+    assert decode_step + p * chunk <= 2 * decode_step + 1e-9 < decode_step + p * (chunk + 1)
+    assert sizer.budget(0) == 4096  # nothing decodes: no latency to protect
+
+
+def test_an_explicit_target_and_the_bounds():
+    sizer = ChunkSizer(itl_target_ms=30.0, min_chunk=32, max_chunk=1000)
+    _feed(sizer, a=0.010, d=0.001, p=0.0001)
+    assert sizer.budget(8) == int((0.030 - 0.018) / 0.0001)  # 120 tokens
+    assert sizer.budget(25) == 32  # the decodes alone exceed the target: the smallest chunk
+    fast = ChunkSizer(itl_target_ms=1000.0, max_chunk=1000)
+    _feed(fast, a=0.010, d=0.001, p=0.0001)
+    assert fast.budget(8) == 1000
+
+
+def test_auto_is_the_default_and_engines_run_with_it(tiny_model_factory):
+    assert EngineConfig().chunked_prefill_size == "auto"
+    with pytest.raises(ValueError, match="chunked_prefill_size"):
+        EngineConfig(chunked_prefill_size="big")
+    with Engine(str(tiny_model_factory("llama")), kv_cache_tokens=4096, page_size=4) as e:
+        prompts = [list(range(10, 10 + 300 + i)) for i in range(3)]
+        outs = e.generate(input_ids=prompts, sampling_params={"max_new_tokens": 20, "temperature": 0.0,
+                                                               "ignore_eos": True})
+        assert all(len(o["output_ids"]) == 20 for o in outs)
+        assert e.scheduler.chunks is not None
+        e.check_invariants()
