@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from plait.runtime.eviction import EvictionPolicy
 from plait.runtime.memory import PageAllocator
 from plait.runtime.radix_cache import MatchResult, RadixCache, TreeNode
+
+if TYPE_CHECKING:
+    from plait.runtime.kv_events import KVEventSink
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -56,8 +60,8 @@ class BlockHashCache(RadixCache):
     """
 
     def __init__(self, allocator: PageAllocator, disable: bool = False, *,
-                 policy: EvictionPolicy | None = None) -> None:
-        super().__init__(allocator, disable, policy=policy)
+                 policy: EvictionPolicy | None = None, events: KVEventSink | None = None) -> None:
+        super().__init__(allocator, disable, policy=policy, events=events)
         self._blocks: dict[bytes, Block] = {}
         self._orphans: dict[bytes, list[Block]] = {}
 
@@ -107,6 +111,9 @@ class BlockHashCache(RadixCache):
                 parent.children[digest] = block
                 self._blocks[digest] = block
                 self._evictable_pages += 1
+                if self.events is not None:
+                    self.events.stored(salt, int(parent.value[0]) // ps if isinstance(parent, Block) else None, page,
+                                       [int(block.value[0]) // ps])
                 for orphan in self._orphans.pop(digest, []):  # computed again: relink
                     orphan.parent = block
                     block.children[orphan.digest] = orphan

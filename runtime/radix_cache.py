@@ -11,11 +11,15 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from plait.runtime.eviction import LRU, EvictionPolicy, decayed
 from plait.runtime.memory import PageAllocator
+
+if TYPE_CHECKING:
+    from plait.runtime.kv_events import KVEventSink
 
 
 class TreeNode:
@@ -75,8 +79,10 @@ class RadixCache:
         *,
         policy: EvictionPolicy | None = None,
         on_evict: Callable[[list[int], torch.Tensor, str | None], None] | None = None,
+        events: KVEventSink | None = None,
     ) -> None:
         self.allocator = allocator
+        self.events = events  # told of pages entering and leaving (plait.runtime.kv_events)
         self.page_size = allocator.page_size
         self.disable = disable
         self.policy = policy if policy is not None else LRU()
@@ -158,7 +164,31 @@ class RadixCache:
             leaf.start = pos
             node.children[self._child_key(leaf.key)] = leaf
             self._evictable_pages += (n - pos) // ps
+            if self.events is not None:
+                self.events.stored(salt, None if node.parent is None else int(node.value[-1]) // ps, leaf.key,
+                                   self.allocator.slots_to_pages(leaf.value))
         return dup
+
+    def divergence(self, tokens: Sequence[int], salt: str | None, limit: int) -> int | None:
+        """Where ``tokens`` leave a longer cached sequence, token by token (not
+        rounded to pages), if that happens within the first ``limit`` tokens; None
+        when they do not diverge there (they match beyond it, or the cache holds
+        nothing longer on their path)."""
+        node, pos = self._roots.get(salt), 0
+        while node is not None and pos < min(limit, len(tokens)):
+            best, i = None, 0
+            for c in node.children.values():  # page-keyed children may share a first token
+                k = 0
+                while k < len(c.key) and pos + k < len(tokens) and c.key[k] == tokens[pos + k]:
+                    k += 1
+                if k > i:
+                    best, i = c, k
+            if best is None:
+                return pos if node.children and pos > 0 else None
+            if i < len(best.key):
+                return pos + i if pos + i < min(limit, len(tokens)) else None
+            node, pos = best, pos + i
+        return None
 
     def record_hit(self, node: TreeNode) -> None:
         """An admitted request reuses the prefix ending at ``node``: count it on the
@@ -221,6 +251,8 @@ class RadixCache:
             self.allocator.free(self.allocator.slots_to_pages(node.value))
         self._roots = {None: self._new_root()}
         self._evictable_pages = 0
+        if self.events is not None:
+            self.events.cleared()
 
     def drop_namespace(self, salt: str) -> int:
         """Drop the tree of ``salt`` (nothing in it may be locked); returns the pages
@@ -336,6 +368,8 @@ class RadixCache:
     def _free_node(self, node: TreeNode) -> int:
         """Return an unlocked node's pages to the allocator."""
         pages = self.allocator.slots_to_pages(node.value)
+        if self.events is not None:
+            self.events.removed(pages)
         self.allocator.free(pages)
         self._evictable_pages -= len(pages)
         return len(pages)

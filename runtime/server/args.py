@@ -59,6 +59,9 @@ ENGINE_HELP: dict[str, str] = {
     "cpu_gemm": "CPU float32 GEMMs: auto (onednn where available), onednn (weights packed once for oneDNN's JIT GEMM) or torch (F.linear, MKL)",
     "disable_cuda_graph": "CUDA: run decode steps eagerly instead of replaying recorded CUDA graphs",
     "cuda_graph_max_bs": "CUDA: largest decode batch that replays a recorded graph (bucketed sizes up to it)",
+    "kv_events_endpoint": "publish KV-cache events (vLLM's format: BlockStored/BlockRemoved/AllBlocksCleared) on a "
+                          "ZMQ PUB socket: tcp://*:PORT binds, tcp://HOST:PORT connects, ipc://PATH binds; replica i "
+                          "of --dp-size uses PORT+i (default: off)",
     "pin_budget_fraction": "share of the KV pool that pinned prefixes (run_batch) may hold together; 0 disables pinning",
 }
 
