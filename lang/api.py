@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from plait.ir import (
     ExprList, Gen, RoleBegin, RoleEnd, Select, ToolSpec, check_choices, check_json_schema, check_name, check_stop,
     dtype_regex,
 )
+from plait.lint import DEFAULT_MIN_TOKENS, LayoutIssue, PromptLayoutWarning, lint_graph, shared_arguments
 from plait.regex import check_regex
 from plait.tracer import (
     MIN_PIN_CHARS, BatchPlan, ProgramGraph, TracingState, plan_batch, token_safe_cut, trace_program,
@@ -173,6 +175,9 @@ class Function:
     def _iter_batch(self, b: Any, batch: list[dict[str, Any]], defaults: dict[str, Any], num_threads: int | str,
                     progress_bar: bool, pin_prefixes: bool) -> Iterator[ProgramState]:
         plan = self.plan(batch, b)
+        if len(batch) > 1:
+            for issue in lint_graph(self.trace(**shared_arguments(batch))):
+                warnings.warn(str(issue), PromptLayoutWarning, stacklevel=3)
         pins: list[str] = []
         if pin_prefixes and len(batch) > 1 and plan.pins and b.supports_pinning:
             # all pins at once; the runtime acknowledges a pin before its prefill ends,
@@ -205,6 +210,15 @@ class Function:
             return False
         b.cache_prefix(text)
         return True
+
+    def lint(self, instances: list[Any] | None = None, *, min_tokens: int = DEFAULT_MIN_TOKENS,
+             count_tokens: Callable[[str], int] | None = None) -> list[LayoutIssue]:
+        """Prompt-layout problems (:mod:`plait.lint`): values that differ between calls
+        placed before long constant text. With ``instances`` (a batch's arguments),
+        arguments they all share count as constants."""
+        given = [self._kwargs(tuple(a), {}) if isinstance(a, (list, tuple)) else self._kwargs((), dict(a))
+                 for a in instances or []]
+        return lint_graph(self.trace(**shared_arguments(given)), min_tokens, count_tokens)
 
     def compile(self, *, backend: Any = None) -> CompiledFunction:
         """SGLang's ``compile()``: the program with its graph traced once (tracing is

@@ -21,6 +21,12 @@ def main(argv: list[str] | None = None) -> int:
         description="Run the plait server: a front process (HTTP + ZMQ) and an engine process. "
         "Stop it with Ctrl-C or SIGTERM.",
     )
+    lint = sub.add_parser("lint", help="check a program's prompt layout for prefix-cache reuse (plait.lint)",
+                          description="Trace a plait function and report values that differ between calls (arguments, "
+                          "model outputs) placed before long constant text, with the tokens of reuse lost. Exit "
+                          "status 1 when there is something to report.")
+    lint.add_argument("target", help="module:function, e.g. myapp.prompts:answer")
+    lint.add_argument("--min-tokens", type=int, default=32, help="report constant text of at least this many tokens")
     from plait.runtime.server.args import add_server_arguments  # torch-free
 
     add_server_arguments(serve, default_port=30000)
@@ -36,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
         return run(server_args, announce=True)
 
+    if args.command == "lint":
+        return _lint(parser, args.target, args.min_tokens)
+
     if args.command == "generate":
         from plait.runtime import Engine
 
@@ -48,6 +57,29 @@ def main(argv: list[str] | None = None) -> int:
         for prompt, out in zip(args.prompt, outs):
             print(f"### {prompt}\n{out['text']}\n")
     return 0
+
+
+def _lint(parser: argparse.ArgumentParser, target: str, min_tokens: int) -> int:
+    import importlib
+
+    from plait.api import Function
+
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        parser.error(f"lint target {target!r} must be module:function")
+    sys.path.insert(0, "")  # modules of the current directory, as python -m does
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        parser.error(f"cannot load {target}: {e}")
+    if not isinstance(fn, Function):
+        parser.error(f"{target} is not a plait function (decorate it with @plait.function)")
+    issues = fn.lint(min_tokens=min_tokens)
+    for issue in issues:
+        print(issue)
+    if not issues:
+        print(f"{target}: no prompt-layout problems found")
+    return 1 if issues else 0
 
 
 if __name__ == "__main__":

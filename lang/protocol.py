@@ -279,6 +279,9 @@ class EngineStats(_Msg, tag="stats"):
     cache_hit_tokens: int = 0
     cache_evicted_tokens: int = 0
     retractions: int = 0
+    cache_early_divergences: int = 0
+    hicache_saved_tokens: int = 0
+    hicache_loaded_tokens: int = 0
 
 
 class EngineOutputs(_Msg, tag="outputs"):

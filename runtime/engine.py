@@ -624,6 +624,7 @@ class Engine:
             "retractions": self.scheduler.num_retractions,
             "hicache_saved_tokens": self.tier.saved_tokens if self.tier is not None else 0,
             "hicache_loaded_tokens": self.tier.loaded_tokens if self.tier is not None else 0,
+            "cache_early_divergences": self.scheduler.early_divergences,
         }
 
     # -- lifetime -------------------------------------------------------------------------

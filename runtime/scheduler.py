@@ -46,6 +46,9 @@ class ScheduleBatch:
         return sum(n for _, n in self.extends) + len(self.decodes)
 
 
+# a prompt that leaves a cached prefix this early lost (almost) all reuse
+EARLY_DIVERGENCE_TOKENS = 64
+
 class Scheduler:
     def __init__(
         self,
@@ -71,6 +74,9 @@ class Scheduler:
         self.new_token_ratio = config.init_new_token_ratio
         self.num_retractions = 0
         self.jump_forward_tokens = 0  # tokens written by jump-forward without a model step
+        # long prompts that left a longer cached prefix within their first tokens: the
+        # symptom of a per-request value (a timestamp) early in a shared prompt
+        self.early_divergences = 0
         # counters (exported as metrics): tokens fed as prefill/extend vs as decode
         self.prefill_tokens_computed = 0
         self.decode_tokens_computed = 0
@@ -329,6 +335,9 @@ class Scheduler:
             self.cache.hit_tokens += match.length
             if match.length:
                 self.cache.record_hit(match.node)
+            if (not self.cache.disable and match.length < EARLY_DIVERGENCE_TOKENS <= r.prompt_len // 2
+                    and self.cache.divergence(r.token_ids, r.cache_salt, EARLY_DIVERGENCE_TOKENS) is not None):
+                self.early_divergences += 1
             r.cached_tokens = match.length
             r.admitted_once = True
         r.row = self.req_to_token.alloc_row()

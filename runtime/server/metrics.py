@@ -47,6 +47,11 @@ class _EngineCollector(Collector):
         yield counter("plait_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", s.cache_hit_tokens)
         yield counter("plait_prefix_cache_evicted_tokens", "Tokens evicted from the prefix cache.", s.cache_evicted_tokens)
         yield counter("plait_retractions", "Requests retracted for lack of KV memory.", s.retractions)
+        yield counter("plait_prefix_cache_early_divergences", "Long prompts that left a longer cached prefix within "
+                      "their first 64 tokens (a per-request value early in a shared prompt?).", s.cache_early_divergences)
+        yield counter("plait_hicache_saved_tokens", "Tokens copied to the host-memory tier.", s.hicache_saved_tokens)
+        yield counter("plait_hicache_loaded_tokens", "Tokens copied back from the host-memory tier instead of "
+                      "recomputed.", s.hicache_loaded_tokens)
 
 
 class Metrics:
