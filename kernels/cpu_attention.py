@@ -120,7 +120,7 @@ def load() -> ctypes.CDLL:
             fn = lib.plait_paged_decode_f32
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             _error = f"the native CPU decode kernel is unavailable: {e}"
@@ -146,11 +146,13 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention, the same contract as :func:`plait.kernels.decode_attention.decode_attention_ref`:
     q [B, H, D] (rows may be strided; heads and dims contiguous), k/v buffers
-    [slots, KVH, D], req_to_token int32 [rows, context], req_rows / seq_lens int64 [B].
-    Returns [B, H, D]."""
+    [slots, KVH, D], req_to_token int32 [rows, context], req_rows / seq_lens int64 [B];
+    ``starts`` int64 [B]: first position each request attends to (a sliding window),
+    None: 0. Returns [B, H, D]."""
     B, H, D = q.shape
     kvh = k_buffer.shape[1]
     if not supports(H, kvh, D, q.dtype):
@@ -164,13 +166,16 @@ def paged_decode(
         raise ValueError("native decode kernel: float32 K/V buffers and an int32 page table are required")
     req_rows = req_rows.to(torch.int64).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
+    if starts is not None:
+        starts = starts.to(torch.int64).contiguous()
     if out is None:
         out = torch.empty((B, H, D), dtype=q.dtype)
     if B == 0:
         return out
     rc = load().plait_paged_decode_f32(
         q.data_ptr(), q.stride(0), k_buffer.data_ptr(), v_buffer.data_ptr(), req_to_token.data_ptr(),
-        req_to_token.stride(0), req_rows.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+        req_to_token.stride(0), req_rows.data_ptr(), seq_lens.data_ptr(),
+        starts.data_ptr() if starts is not None else None, out.data_ptr(),
         B, H, kvh, D, scale, torch.get_num_threads(),
     )
     if rc != 0:

@@ -35,18 +35,21 @@ def decode_attention_ref(
     req_rows: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Pure-torch reference, one request at a time, softmax in fp32.
 
     q: [B, heads, dim]; k_buffer, v_buffer: [num_slots, kv_heads, dim];
     req_to_token: [rows, max_context] slot ids; req_rows, seq_lens: [B].
+    ``sliding_window`` W > 0: only the last W positions are attended to.
     Returns [B, heads, dim] in q's dtype.
     """
     num_heads, kv_heads = q.shape[1], k_buffer.shape[1]
     group = num_heads // kv_heads
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
-        slots = req_to_token[int(req_rows[b]), : int(seq_lens[b])].long()
+        first = max(0, int(seq_lens[b]) - sliding_window) if sliding_window else 0
+        slots = req_to_token[int(req_rows[b]), first : int(seq_lens[b])].long()
         k = k_buffer[slots].float().repeat_interleave(group, dim=1)  # [L, heads, dim]
         v = v_buffer[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale  # [heads, L]
@@ -59,6 +62,7 @@ def _decode_split_kernel(
     Q, K_buf, V_buf, Req_to_token, Req_rows, Seq_lens,
     Mid_o, Mid_lse,
     scale,
+    window,  # sliding window (0: none): attend to the last `window` positions only
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -83,10 +87,12 @@ def _decode_split_kernel(
 
     seq_len = tl.load(Seq_lens + b)
     row = tl.load(Req_rows + b).to(tl.int64)
-    # Every split but the last covers split_len positions; trailing splits may be empty
-    # (short context), and stage 2 skips them by the same arithmetic.
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * split_len
+    # The visible range first..seq_len is split: every split but the last covers
+    # split_len positions; trailing splits may be empty (short context), and stage 2
+    # skips them by the same arithmetic.
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    split_len = tl.cdiv(seq_len - first, NUM_SPLITS)
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     if end > start:
@@ -140,6 +146,7 @@ def _decode_split_kernel(
 @jit
 def _decode_merge_kernel(
     Mid_o, Mid_lse, Seq_lens, Out,
+    window,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
     stride_ob, stride_oh,
@@ -151,7 +158,8 @@ def _decode_merge_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(Seq_lens + b)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    span = seq_len - tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # visible positions
+    split_len = tl.cdiv(span, NUM_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
@@ -159,7 +167,7 @@ def _decode_merge_kernel(
     total = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for s in range(NUM_SPLITS):
-        if s * split_len < seq_len:  # same emptiness test as stage 1
+        if s * split_len < span:  # same emptiness test as stage 1
             o_s = tl.load(Mid_o + b * stride_mob + h * stride_moh + s * stride_mos + offs_d, mask=mask_d, other=0.0)
             lse_s = tl.load(Mid_lse + b * stride_mlb + h * stride_mlh + s)
             m_new = tl.maximum(m, lse_s)
@@ -182,6 +190,7 @@ def decode_attention(
     num_kv_splits: int = 8,
     out: torch.Tensor | None = None,
     block_n: int = 64,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Triton paged decode attention; same contract as :func:`decode_attention_ref`.
 
@@ -215,6 +224,7 @@ def decode_attention(
         q, k_buffer, v_buffer, req_to_token, req_rows, seq_lens,
         mid_o, mid_lse,
         scale,
+        sliding_window,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -226,6 +236,7 @@ def decode_attention(
     )
     _decode_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, seq_lens, out,
+        sliding_window,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),

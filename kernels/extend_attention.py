@@ -29,8 +29,10 @@ def extend_attention_ref(
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """Pure-torch reference, one request at a time, softmax in fp32.
+    """Pure-torch reference, one request at a time, softmax in fp32. ``sliding_window``
+    W > 0: a query at position p sees keys p - W + 1 .. p only.
 
     q: [sum(extend_lens), heads, dim], requests back to back; k_buffer, v_buffer:
     [num_slots, kv_heads, dim]; req_to_token: [rows, max_context]; req_rows,
@@ -48,7 +50,10 @@ def extend_attention_ref(
         scores = torch.einsum("qhd,lhd->hql", q[start : start + n].float(), k) * scale  # [heads, n, L]
         q_pos = torch.arange(prefix, prefix + n, device=q.device)[:, None]
         k_pos = torch.arange(prefix + n, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if sliding_window:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[start : start + n] = torch.einsum("hql,lhd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
         start += n
     return out
@@ -58,6 +63,7 @@ def extend_attention_ref(
 def _extend_kernel(
     Q, Out, K_buf, V_buf, Req_to_token, Req_rows, Prefix_lens, Extend_lens, Start_loc,
     scale,
+    window,  # sliding window (0: none): a query at p sees keys p - window + 1 .. p
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_ks, stride_kh,
@@ -104,7 +110,12 @@ def _extend_kernel(
         # Keys up to the tile's last valid query position; position 0 is visible to every
         # row (padded rows too: q_pos >= 0), so m_i is finite after block 0.
         kv_end = prefix + tl.minimum((m_block + 1) * BLOCK_M, n_new)
-        for n0 in range(0, kv_end, BLOCK_N):
+        # With a window, keys start at the tile's first query's window, and a row whose
+        # window starts later sees nothing in the first blocks: m_safe keeps its
+        # all-masked blocks from producing inf - inf.
+        kv_start = tl.where(window > 0, tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0), 0)
+        lowest = tl.where(window > 0, q_pos - window, -1)  # keys at or below are outside the window
+        for n0 in range(kv_start, kv_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < kv_end
             slots = tl.load(Req_to_token + row * stride_table + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -126,7 +137,7 @@ def _extend_kernel(
 
         tl.store(
             Out + (first_tok + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-            (acc / l_i[:, None]).to(Out.dtype.element_ty),
+            (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(Out.dtype.element_ty),  # padded rows: l_i may be 0
             mask=mask_m[:, None] & mask_d[None, :],
         )
 
@@ -145,6 +156,7 @@ def extend_attention(
     out: torch.Tensor | None = None,
     block_m: int = 32,
     block_n: int = 64,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Triton paged extend attention; same contract as :func:`extend_attention_ref`.
 
@@ -176,6 +188,7 @@ def extend_attention(
         q, out, k_buffer, v_buffer, req_to_token, req_rows,
         prefix_lens.to(torch.int32), extend_lens, extend_start_loc.to(torch.int32),
         scale,
+        sliding_window,
         q.stride(0), q.stride(1),
         out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),

@@ -237,6 +237,7 @@ int plait_paged_decode_f32(
     int64_t table_stride,
     const int64_t *rows,       /* [B] page-table row of each request */
     const int64_t *seq_lens,   /* [B] context length, the new token included */
+    const int64_t *starts,     /* [B] first visible position (sliding window), or NULL: 0 */
     float *out,                /* [B, H, D] */
     int64_t B, int64_t H, int64_t KVH, int64_t D, float scale, int num_threads) {
     if (KVH <= 0 || H % KVH != 0 || H / KVH > MAX_GROUP || D > MAX_DIM) return 1;
@@ -257,23 +258,24 @@ int plait_paged_decode_f32(
         const int64_t b = item / per_req, h = item % per_req * heads_per_item;
         const float *qh = q + b * q_row_stride + h * group * D;
         const float *k = k_buf + h * D, *v = v_buf + h * D;
-        const int32_t *slots = table + rows[b] * table_stride;
+        const int64_t first = starts ? starts[b] : 0, len = seq_lens[b] - first;
+        const int32_t *slots = table + rows[b] * table_stride + first;
         float *oh = out + (b * H + h * group) * D;
 #if defined(__AVX512F__)
         if (D == 64) {
-            attend_avx512(qh, k, v, row_stride, slots, seq_lens[b], heads_per_item, group, 64, scale, oh);
+            attend_avx512(qh, k, v, row_stride, slots, len, heads_per_item, group, 64, scale, oh);
             continue;
         }
         if (D == 128) {
-            attend_avx512(qh, k, v, row_stride, slots, seq_lens[b], heads_per_item, group, 128, scale, oh);
+            attend_avx512(qh, k, v, row_stride, slots, len, heads_per_item, group, 128, scale, oh);
             continue;
         }
         if (D % 16 == 0) {
-            attend_avx512(qh, k, v, row_stride, slots, seq_lens[b], heads_per_item, group, D, scale, oh);
+            attend_avx512(qh, k, v, row_stride, slots, len, heads_per_item, group, D, scale, oh);
             continue;
         }
 #endif
-        attend_generic(qh, k, v, row_stride, slots, seq_lens[b], group, D, scale, oh);
+        attend_generic(qh, k, v, row_stride, slots, len, group, D, scale, oh);
     }
     return 0;
 }

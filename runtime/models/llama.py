@@ -1,15 +1,22 @@
-"""One decoder for the Llama family and Qwen2/Qwen3.
+"""One decoder for every supported family: Llama, Mistral, Qwen2/Qwen3, Gemma 3, Phi-3
+and the mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral).
 
 Parameter names follow Hugging Face checkpoints; :meth:`CausalLM.load_weights` takes
-HF names and fuses q/k/v and gate/up into single projections (one GEMM each).
-Architecture differences are flags on :class:`ModelConfig`: q/k/v bias (Qwen2),
-per-head q/k RMSNorm (Qwen3), tied embeddings, rope scaling (llama3, linear).
+HF names and fuses q/k/v and gate/up into single projections (one GEMM each; Phi-3
+checkpoints arrive fused). Architecture differences are flags on :class:`ModelConfig`:
+q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), tied embeddings, rope
+scaling (llama3, linear, longrope), Gemma 3's ``(1 + w)`` norms, sandwich norms,
+embedding scale, GELU-tanh, soft-capped logits and sliding-window layers with their own
+rope base, and routed experts in place of the MLP (:mod:`plait.runtime.models.moe`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
+
+import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +38,7 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self._args = (head_dim, max_pos, theta, rope_scaling)
-        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(*self._args), persistent=False)
+        self.register_buffer("cos_sin_cache", cos_sin_cache(*self._args), persistent=False)
         self.triton_ops = triton_ops
         self._positions: torch.Tensor | None = None  # the step whose cos/sin are cached
         self._cos = self._sin = None
@@ -40,7 +47,7 @@ class RotaryEmbedding(nn.Module):
         """Fill the cos/sin cache again (float32) where the buffer now lives: a module
         built on the meta device and materialised with ``to_empty`` has no values."""
         device = self.cos_sin_cache.device
-        self.cos_sin_cache = rope_cos_sin_cache(*self._args).to(device)
+        self.cos_sin_cache = cos_sin_cache(*self._args).to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, heads, dim], k: [T, kv_heads, dim]
@@ -60,15 +67,47 @@ class RotaryEmbedding(nn.Module):
         return rotate_ref(x, self._cos, self._sin)
 
 
+def cos_sin_cache(head_dim: int, max_pos: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
+    """``[max_pos, head_dim]`` cos | sin, fp32 (:func:`plait.kernels.rotary.rope_cos_sin_cache`),
+    and longrope (Phi-3) here.
+
+    NOTE: transformers picks longrope's short or long factors per forward call, by the
+    longest position in it; a serving cache needs one rule per position: positions below
+    ``original_max_position_embeddings`` rotate with the short factors, later ones with the
+    long factors. That is what transformers computes for every sequence whose prompt fits
+    in the original length (its later tokens are computed one at a time, past the limit
+    with the long factors); a longer prompt is rotated by transformers with the long
+    factors throughout, here its first positions with the short ones.
+    """
+    if not rope_scaling or rope_scaling.get("rope_type") != "longrope":
+        return rope_cos_sin_cache(head_dim, max_pos, theta, rope_scaling)
+    orig = int(rope_scaling["original_max_position_embeddings"])
+    factor = rope_scaling.get("factor") or rope_scaling["max_position_embeddings"] / orig
+    attention_factor = rope_scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    pos = torch.arange(max_pos, dtype=torch.float32)
+    rows = []
+    for ext, span in ((rope_scaling["short_factor"], pos[:orig]), (rope_scaling["long_factor"], pos[orig:])):
+        inv_freq = 1.0 / (torch.tensor(ext, dtype=torch.float32) * theta**exponents)
+        freqs = torch.outer(span, inv_freq)
+        rows.append(torch.cat([freqs.cos() * attention_factor, freqs.sin() * attention_factor], dim=-1))
+    return torch.cat(rows)
+
+
 class RMSNorm(nn.Module):
     """HF RMSNorm. With ``residual``: ``residual = x + residual`` first, and returns
-    ``(norm(residual), residual)`` (fused into one kernel on the triton path)."""
+    ``(norm(residual), residual)`` (fused into one kernel on the triton path).
+    ``unit_offset`` (Gemma): scales by ``1 + w`` in fp32 before rounding, as HF's Gemma
+    norm does (on the torch path: the triton kernel takes ``w`` as it is)."""
 
-    def __init__(self, dim: int, eps: float, triton_ops: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, triton_ops: bool = False, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.triton_ops = triton_ops
+        self.unit_offset = unit_offset
+        self.triton_ops = triton_ops and not unit_offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
         if self.triton_ops:
@@ -85,6 +124,8 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
@@ -92,6 +133,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, triton_ops: bool = False) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.sliding_window = cfg.layer_windows[layer_id]  # None: full attention
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -99,8 +141,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, triton_ops)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, triton_ops)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, triton_ops, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, triton_ops, cfg.norm_unit_offset)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend, fb: ForwardBatch
@@ -118,17 +160,18 @@ class Attention(nn.Module):
         else:  # q and k are adjacent in the fused output: rotate them as one tensor
             qk = rope.rotate(positions, qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim))
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        o = attn.forward(q, k, v, self.layer_id, fb)  # [T, heads, dim]
+        o = attn.forward(q, k, v, self.layer_id, fb, self.sliding_window)  # [T, heads, dim]
         return self.o_proj(o.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, triton_ops: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, triton_ops: bool = False, intermediate_size: int = 0) -> None:
         super().__init__()
-        self.triton_ops = triton_ops
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.triton_ops = triton_ops and cfg.hidden_act == "silu"
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
+        self.inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -136,18 +179,35 @@ class MLP(nn.Module):
             from plait.kernels.activation import silu_and_mul
 
             return self.down_proj(silu_and_mul(gate_up))
-        # in place, in the GEMM's output: no fresh [tokens, intermediate] buffers
-        gate = F.silu(gate_up[:, : self.inter], inplace=True)
-        return self.down_proj(gate.mul_(gate_up[:, self.inter :]))
+        return self.down_proj(act_and_mul(gate_up, self.inter, self.gelu))
+
+
+def act_and_mul(gate_up: torch.Tensor, inter: int, gelu: bool) -> torch.Tensor:
+    """``act(gate) * up`` for ``gate_up`` [T, 2 * inter] (SiLU, or GELU-tanh for Gemma);
+    in place, in the GEMM's output: no fresh [tokens, intermediate] buffers."""
+    gate = gate_up[:, :inter]
+    gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate, inplace=True)
+    return gate.mul_(gate_up[:, inter:])
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, triton_ops: bool = False) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, triton_ops)
-        self.mlp = MLP(cfg, triton_ops)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton_ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton_ops)
+        if cfg.sparse_layers[layer_id]:
+            from plait.runtime.models.moe import SparseMoeBlock
+
+            self.mlp: nn.Module = SparseMoeBlock(cfg, triton_ops)
+        else:
+            self.mlp = MLP(cfg, triton_ops)
+        self.rope_local = cfg.rope_local_theta is not None and self.self_attn.sliding_window is not None
+        norm = (cfg.hidden_size, cfg.rms_norm_eps, triton_ops, cfg.norm_unit_offset)
+        self.input_layernorm = RMSNorm(*norm)
+        self.post_attention_layernorm = RMSNorm(*norm)
+        self.sandwich_norms = cfg.sandwich_norms
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(*norm)
+            self.post_feedforward_layernorm = RMSNorm(*norm)
 
     def forward(
         self,
@@ -159,14 +219,18 @@ class DecoderLayer(nn.Module):
         fb: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous sublayer's output (the embeddings for layer 0, with no
-        residual yet). Residual adds are fused into the norms that follow them."""
+        residual yet). Residual adds are fused into the norms that follow them; with
+        sandwich norms (Gemma) each sublayer's output is normalised before its add."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, rope, attn, fb)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        if not self.sandwich_norms:
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self.mlp(h), residual
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class DecoderModel(nn.Module):
@@ -174,8 +238,14 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, triton_ops) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton_ops)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton_ops, cfg.norm_unit_offset)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, triton_ops)
+        self.rotary_local: RotaryEmbedding | None = None  # Gemma 3's sliding layers
+        if any(layer.rope_local for layer in self.layers):
+            self.rotary_local = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_local_theta, None, triton_ops)
+
+    def rotary_embeddings(self) -> list[RotaryEmbedding]:
+        return [r for r in (self.rotary, self.rotary_local) if r is not None]
 
 
 class CausalLM(nn.Module):
@@ -201,24 +271,34 @@ class CausalLM(nn.Module):
         # cast on the meta device first: materialising float32 and casting after would
         # need the weights in both dtypes at once (3x the bf16 size at the peak)
         self.to(dtype).to_empty(device=device)
-        self.model.rotary.recompute_cache()
+        for rotary in self.model.rotary_embeddings():
+            rotary.recompute_cache()
         return self
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         m = self.model
         x, residual = m.embed_tokens(fb.input_ids), None
+        if self.config.scale_embeddings:
+            # by sqrt(hidden) rounded to the model dtype, as HF's Gemma does
+            x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype).item()
         for layer in m.layers:
-            x, residual = layer(x, residual, fb.positions, m.rotary, attn, fb)
+            rope = m.rotary_local if layer.rope_local else m.rotary
+            x, residual = layer(x, residual, fb.positions, rope, attn, fb)
         return m.norm(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.config.tie_word_embeddings:
-            return self.lm_head(hidden).float()
-        if self.packed_lm_head is not None:
-            return packed_linear(hidden, self.packed_lm_head, None).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+            logits = self.lm_head(hidden).float()
+        elif self.packed_lm_head is not None:
+            logits = packed_linear(hidden, self.packed_lm_head, None).float()
+        else:
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def pack_for_cpu(self) -> None:
         """Run every projection and the LM head on oneDNN with weights packed now
@@ -231,50 +311,64 @@ class CausalLM(nn.Module):
             self.packed_lm_head = pack_weight(self.model.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load from Hugging Face names; q/k/v and gate/up are fused on the way in.
-        Raises if a parameter is missing or a name is unknown."""
+        """Load from Hugging Face names; q/k/v, gate/up and per-expert weights are fused on
+        the way in (:func:`weight_target`). Raises if a parameter is missing or a name is
+        unknown, misshapen or given twice."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
         cfg = self.config
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        inter = cfg.intermediate_size
-        fused = {  # hf shard -> (fused name, row offset, rows)
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
-            "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
-            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
-            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
-        }
+        filled: dict[str, int] = dict.fromkeys(params, 0)  # elements written per parameter
+        seen: set[tuple[str, tuple]] = set()
         with torch.no_grad():
             for name, tensor in weights:
                 if "rotary_emb.inv_freq" in name:
                     continue
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
-                target, rows = name, None
-                for shard, (fused_name, off, n) in fused.items():
-                    if f".{shard}." in name:
-                        target, rows = name.replace(shard, fused_name), (off, n)
-                        break
+                target, region = weight_target(name, cfg)
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {cfg.architecture} model")
-                p = params[target]
-                if rows is None:
-                    if p.shape != tensor.shape:
-                        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
-                    p.copy_(tensor)
-                    loaded.add(target)
-                else:
-                    off, n = rows
-                    p[off : off + n].copy_(tensor)
-                    loaded.add(f"{target}#{off}")
-        expected = set()
-        for pname in params:
-            shards = [(off) for (fname, off, _n) in fused.values() if pname.endswith(fname + ".weight") or pname.endswith(fname + ".bias")]
-            if shards:
-                expected.update(f"{pname}#{off}" for off in shards)
-            else:
-                expected.add(pname)
-        missing = sorted(expected - loaded)
+                if (target, region) in seen:
+                    raise ValueError(f"checkpoint tensor {name!r} is given twice")
+                seen.add((target, region))
+                dest = params[target]
+                if region:
+                    index, off, n = region
+                    dest = dest[index] if index is not None else dest
+                    dest = dest[off : off + n] if n else dest
+                if dest.shape != tensor.shape:
+                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+                dest.copy_(tensor)
+                filled[target] += tensor.numel()
+        missing = sorted(n for n, p in params.items() if filled[n] != p.numel())
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+
+# HF shard -> (fused parameter, which half: 0 first rows, 1 the rows after). q/k/v go
+# through _QKV (three parts of different sizes).
+_GATE_UP = {"gate_proj": 0, "up_proj": 1, "w1": 0, "w3": 1}  # Mixtral's experts: w1 gate, w3 up, w2 down
+_QKV = ("q_proj", "k_proj", "v_proj")
+_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+
+
+def weight_target(name: str, cfg: ModelConfig) -> tuple[str, tuple]:
+    """Where an HF checkpoint tensor goes: ``(parameter name, region)``, region ``()`` for
+    the whole parameter or ``(expert index | None, row offset, rows)`` (rows 0: all)."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's checkpoint name of the MoE block
+    m = _EXPERT.match(name)
+    if m:  # one expert's projection -> its slice of the stacked [E, ...] parameters
+        block, e, proj = m.group(1), int(m.group(2)), m.group(3)
+        inter = cfg.moe_intermediate_size
+        if proj in ("down_proj", "w2"):
+            return f"{block}.experts.down_proj", (e, 0, 0)
+        return f"{block}.experts.gate_up_proj", (e, _GATE_UP[proj] * inter, inter)
+    base, _, suffix = name.rpartition(".")
+    module, _, proj = base.rpartition(".")
+    if proj in _QKV and module.endswith("self_attn"):
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        off = {"q_proj": 0, "k_proj": q, "v_proj": q + kv}[proj]
+        return f"{module}.qkv_proj.{suffix}", (None, off, q if proj == "q_proj" else kv)
+    if proj in ("gate_proj", "up_proj") and module.endswith(("mlp", "shared_expert")):
+        layer_inter = cfg.shared_expert_intermediate_size if module.endswith("shared_expert") else cfg.intermediate_size
+        return f"{module}.gate_up_proj.{suffix}", (None, _GATE_UP[proj] * layer_inter, layer_inter)
+    return name, ()
