@@ -16,14 +16,27 @@ run. Timings are reported, never asserted. Targets (issue 5): ``json`` >= 0.9x `
 tokens/s; ``json+jf`` >= 30% fewer model steps than ``json`` on key-heavy schemas.
 
     python benchmarks/bench_constrained.py --num-requests 16 --max-new-tokens 160
+
+``--corpus`` instead measures coverage over the real-world schemas of
+``benchmarks/schema_corpus/`` (see its README): each schema is compiled by the
+``--grammar-backend`` and classified as compiled, rejected by name (the keyword and its
+location), over a limit, or crashed; for compiled ones random instances of the
+constraint are validated with ``jsonschema`` (an admitted invalid instance is an
+*unsound admit*; there must be none). Reports compile time p50/p99 and the top refusal
+reasons. No model is loaded.
+
+    python benchmarks/bench_constrained.py --corpus --grammar-backend outlines --jobs 2
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import gzip
 import json
+import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     # many keys, short values: where jump-forward saves most
@@ -168,6 +181,182 @@ def run_outlines(args: argparse.Namespace, texts: list[str], schema: dict[str, A
     return res
 
 
+# -- corpus coverage (--corpus) --------------------------------------------------------------
+CORPUS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema_corpus")
+
+
+def load_corpus(folder: str, limit: int | None = None) -> list[tuple[str, Any]]:
+    """(source, schema) of every line of the corpus' ``*.jsonl.gz`` files."""
+    rows: list[tuple[str, Any]] = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.jsonl.gz"))):
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            file_rows = [json.loads(line) for line in f if line.strip()]
+        rows.extend((r["source"], r["schema"]) for r in file_rows[:limit])
+    return rows
+
+
+class Compiled:
+    """One compiled constraint, as the corpus section needs it: its compile time and a
+    way to draw random instances of what it admits (texts)."""
+
+    def __init__(self, compile_s: float, sample: Callable[[int, int], list[str]], check: Callable[[str], bool]):
+        self.compile_s = compile_s
+        self.sample = sample  # (n, seed) -> texts the constraint admits
+        self.check = check  # text -> does the compiled constraint itself accept it (sampler sanity)
+
+
+def compile_outlines(schema: Any) -> Compiled:
+    """plait's JSON Schema -> regex translation (what the outlines-core backend compiles;
+    the index over a tokenizer is a function of the regex alone and is not built here)."""
+    import re
+
+    from plait.runtime.constrained.json_schema import schema_to_regex
+    from regex_sampling import sample
+
+    t0 = time.perf_counter()
+    regex = schema_to_regex(schema)
+    dt = time.perf_counter() - t0
+    pattern = re.compile(regex)
+    return Compiled(dt, lambda n, seed: sample(regex, n, seed), lambda text: pattern.fullmatch(text) is not None)
+
+
+def compile_backend(name: str) -> Callable[[Any], Compiled]:
+    """The compile function of ``--grammar-backend``. ``outlines`` is plait's regex
+    translation. HOOK: ``llguidance``/``auto`` need the grammar-backend interface of
+    ``plait.runtime.constrained`` (compile a json_schema constraint and walk its matcher
+    to draw instances); until that exists they are refused here."""
+    if name == "outlines":
+        return compile_outlines
+    raise SystemExit(f"--grammar-backend {name}: no such backend in plait.runtime.constrained yet")
+
+
+def classify_error(e: BaseException) -> tuple[str, str]:
+    """(status, reason) of a compile error: ``rejected`` (a keyword or value named),
+    ``limit`` (size, expansion or time limits) or ``crashed`` (anything else)."""
+    import re
+
+    from plait.runtime.constrained.json_schema import SchemaError
+
+    msg = str(e)
+    if not isinstance(e, (SchemaError, ValueError)):
+        return "crashed", f"{type(e).__name__}: {msg[:80]}"
+    if re.search(r"took longer|too large|characters; allowed|expands to more|nested (too|more)|values; it is too", msg):
+        return "limit", re.sub(r"\d[\d.,]*", "N", msg.split(";")[0])[:90]
+    msg = re.sub(r" at #\S*", "", msg)  # the location: one reason across schemas
+    m = re.search(r"keywords? ('[^']+'(?: and '[^']+')*)", msg) or re.search(r"json_schema ('[^']+')", msg)
+    head = m.group(1) if m else msg[:60]
+    tail = msg.split(":", 1)[1].strip() if ":" in msg else ""
+    if "'format'" in head or "'$ref'" in head:
+        head = msg.split(" is not supported")[0].split(" points")[0].replace("json_schema ", "")
+        head = re.sub(r"'\$ref' (.*\(('[^']*')\).*|.*)", lambda mm: "'$ref' " + ("recursive" if "recursive" in msg else
+                      "non-local" if "not supported" in msg else "unresolved"), head)
+    return "rejected", (head + (": " + tail[:70] if tail and len(head) < 40 else ""))[:110]
+
+
+def corpus_one(job: tuple[str, Any, str, int, int]) -> dict[str, Any]:
+    """Compile one schema and check the instances it admits (runs in a worker)."""
+    import signal
+
+    import jsonschema
+
+    source, schema, backend, samples, timeout_s = job
+    out: dict[str, Any] = {"source": source}
+
+    def alarm(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"over {timeout_s} s")
+
+    signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(timeout_s)
+    try:
+        try:
+            compiled = compile_backend(backend)(schema)
+        except TimeoutError as e:
+            out.update(status="limit", reason=f"compile {e} (harness timeout)")
+            return out
+        except (RecursionError, MemoryError) as e:
+            out.update(status="crashed", reason=type(e).__name__)
+            return out
+        except Exception as e:
+            out["status"], out["reason"] = classify_error(e)
+            return out
+        out.update(status="compiled", compile_s=compiled.compile_s, unsound=[], checked=0)
+        try:
+            cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+            validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+            for text in compiled.sample(samples, hash(source) & 0xFFFF):
+                if not compiled.check(text):
+                    out["sampler_error"] = text[:200]  # the sampler drew a text the constraint refuses
+                    continue
+                try:
+                    errors = list(validator.iter_errors(json.loads(text)))
+                except (ValueError, RecursionError) as e:
+                    errors = [e]
+                except jsonschema.exceptions._WrappedReferencingError as e:
+                    out["unverifiable"] = str(e)[:120]
+                    break
+                out["checked"] += 1
+                if errors:
+                    out["unsound"].append({"text": text[:300], "error": str(errors[0])[:300]})
+        except TimeoutError:
+            out["check_timeout"] = True
+        except Exception as e:  # a sampler or validator limitation, not the constraint's
+            out["unverifiable"] = f"{type(e).__name__}: {str(e)[:120]}"
+        return out
+    finally:
+        signal.alarm(0)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def run_corpus(args: argparse.Namespace) -> None:
+    import collections
+    import multiprocessing
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(CORPUS_DIR), "..", "tests"))
+    sys.setrecursionlimit(20_000)
+    rows = load_corpus(args.corpus_dir, args.corpus_limit)
+    compile_backend(args.grammar_backend)  # refuse an unknown backend before starting workers
+    jobs = [(src, schema, args.grammar_backend, args.corpus_samples, args.corpus_timeout) for src, schema in rows]
+    with multiprocessing.get_context("fork").Pool(args.jobs, maxtasksperchild=50) as pool:
+        results = list(pool.imap(corpus_one, jobs, chunksize=4))
+    if args.corpus_out:
+        with open(args.corpus_out, "w") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+
+    by_set: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for r in results:
+        name = r["source"].split("/")[0]
+        by_set[name][r["status"]] += 1
+        by_set["all"][r["status"]] += 1
+    statuses = ("compiled", "rejected", "limit", "crashed")
+    print(f"\nJSON Schema corpus coverage, backend {args.grammar_backend}, {len(results)} schemas "
+          f"({args.corpus_samples} random instances each validated with jsonschema)\n")
+    print(f"{'set':<22} {'schemas':>8} " + " ".join(f"{s:>9}" for s in statuses) + f" {'compiled %':>11}")
+    for name, c in sorted(by_set.items(), key=lambda kv: kv[0] == "all"):
+        n = sum(c.values())
+        print(f"{name:<22} {n:>8} " + " ".join(f"{c[s]:>9}" for s in statuses) + f" {100 * c['compiled'] / n:>10.1f}%")
+    compiled = [r for r in results if r["status"] == "compiled"]
+    times = [r["compile_s"] * 1e3 for r in compiled]
+    unsound = [r for r in compiled if r["unsound"]]
+    print(f"\ncompile ms: p50 {_pct(times, 0.5):.2f}  p99 {_pct(times, 0.99):.2f}  max {max(times, default=0):.1f}")
+    print(f"instances validated: {sum(r['checked'] for r in compiled)}; unsound admits: "
+          f"{sum(len(r['unsound']) for r in compiled)} in {len(unsound)} schemas; "
+          f"unverifiable: {sum('unverifiable' in r for r in compiled)}; "
+          f"check timeouts: {sum('check_timeout' in r for r in compiled)}; "
+          f"sampler errors: {sum('sampler_error' in r for r in compiled)}")
+    for r in unsound[:10]:
+        print(f"  UNSOUND {r['source']}\n    {r['unsound'][0]['text'][:160]}\n    {r['unsound'][0]['error'][:160]}")
+    reasons = collections.Counter(r["reason"] for r in results if r["status"] != "compiled")
+    print(f"\ntop refusal reasons ({sum(reasons.values())} schemas not compiled):")
+    for reason, n in reasons.most_common(args.corpus_top):
+        print(f"  {n:>5}  {reason}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder, .gguf or hub id (default: SmolLM2-135M GGUF)")
@@ -177,7 +366,19 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--no-outlines", action="store_true", help="skip the outlines/transformers comparison")
+    ap.add_argument("--corpus", action="store_true", help="coverage over the real-world schema corpus (no model)")
+    ap.add_argument("--corpus-dir", default=CORPUS_DIR)
+    ap.add_argument("--corpus-limit", type=int, default=None, help="at most this many schemas of each file")
+    ap.add_argument("--corpus-samples", type=int, default=5, help="random instances validated per schema")
+    ap.add_argument("--corpus-timeout", type=int, default=60, help="seconds per schema (compile and checks)")
+    ap.add_argument("--corpus-top", type=int, default=25, help="refusal reasons listed")
+    ap.add_argument("--corpus-out", default=None, help="write one JSON result per schema here")
+    ap.add_argument("--grammar-backend", default="outlines", choices=("outlines", "llguidance", "auto"))
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes for --corpus")
     args = ap.parse_args()
+    if args.corpus:
+        run_corpus(args)
+        return
 
     from plait.runtime import Engine
 

@@ -188,7 +188,8 @@ def test_whitespace_is_compact_by_default_and_configurable():
     "schema, keyword",
     [
         ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
-        ({"type": "object", "patternProperties": {"^x": {"type": "string"}}}, "patternProperties"),
+        ({"type": "object", "patternProperties": {"^x": {"type": "string"}, "^xy": {"type": "integer"}}},
+         "patternProperties"),
         ({"type": "number", "minimum": 0.5}, "minimum"),
         ({"type": "number", "exclusiveMaximum": 2.5}, "exclusiveMaximum"),
         ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf"),
@@ -196,10 +197,11 @@ def test_whitespace_is_compact_by_default_and_configurable():
         ({"type": "integer", "multipleOf": 3}, "multipleOf"),
         ({"not": {"required": ["x"]}}, "not"),
         ({"type": "object", "minProperties": 2}, "minProperties"),
-        ({"type": "string", "format": "idn-email"}, "format"),
-        ({"type": "string", "pattern": "^[A-Z].*$"}, "pattern"),
+        ({"type": "string", "format": "color"}, "format"),
+        ({"type": "string", "pattern": "^(?!a)[a-z]$"}, "pattern"),
         ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
-        ({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}, "$ref"),
+        ({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}},
+          "$ref": "#/$defs/n"}, "$ref"),
         ({"$ref": "#/$defs/missing"}, "$ref"),
         ({"type": "strin"}, "type"),
         ({"type": "object", "required": ["x"], "additionalProperties": False}, "additionalProperties"),
@@ -567,8 +569,8 @@ def test_min_and_max_properties_count_the_written_properties(lo, hi):
 
 
 def test_property_counts_need_listed_properties():
-    with pytest.raises(SchemaError, match="minProperties"):
-        schema_to_regex({"type": "object", "minProperties": 1})
+    with pytest.raises(SchemaError, match="minProperties"):  # free-form keys could repeat
+        schema_to_regex({"type": "object", "minProperties": 2})
     with pytest.raises(SchemaError, match="at most 8 optional"):
         schema_to_regex({"type": "object", "properties": {f"p{i}": {"type": "null"} for i in range(9)},
                          "maxProperties": 2})

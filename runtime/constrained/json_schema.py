@@ -56,8 +56,8 @@ TYPE_KEYWORDS: dict[str, frozenset[str]] = {
 COMBINATORS = frozenset({"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"})
 KNOWN = COMBINATORS | frozenset().union(*TYPE_KEYWORDS.values())
 WHY_NOT = {
-    "uniqueItems": "a regex cannot keep array items distinct (allowed only with maxItems <= 1)",
-    "patternProperties": "keys matched by a pattern cannot be enforced; list the keys in 'properties'",
+    "uniqueItems": "a regex cannot keep array items distinct (allowed when the items are an enum or const of "
+                   "scalars, booleans or null, or with maxItems <= 1)",
     "multipleOf": "divisibility cannot be enforced by the regex",
     "not": "negated schemas cannot be enforced",
     "if": "conditional schemas cannot be enforced",
@@ -66,7 +66,6 @@ WHY_NOT = {
     "dependentRequired": "dependencies between properties cannot be enforced",
     "dependentSchemas": "dependencies between properties cannot be enforced",
     "dependencies": "dependencies between properties cannot be enforced",
-    "propertyNames": "key patterns cannot be enforced; list the keys in 'properties'",
     "contains": "'contains' cannot be enforced",
     "minContains": "'contains' cannot be enforced",
     "maxContains": "'contains' cannot be enforced",
@@ -118,17 +117,39 @@ FORMATS = {
                      r"(?:\?" + _QUERY + r")?(?:#" + _QUERY + r")?",
 }
 FORMATS["date-time"] = FORMATS["date"] + "T" + FORMATS["time"]
+_UT_LITERAL = r"[A-Za-z0-9._~:/?#@!$&()*+,;=-]"  # RFC 6570 literals (a subset)
+_UT_VAR = r"[A-Za-z0-9_]{1,16}(?::[1-9][0-9]{0,3}|\*)?"
+_JSON_POINTER = r"(?:/(?:[^/~\"\\\x00-\x1f]|~[01]){0,24}){0,8}"  # RFC 6901
+FORMATS.update({
+    "uri-template": r"(?:" + _UT_LITERAL + r"|\{[+#./;?&]?" + _UT_VAR + r"(?:," + _UT_VAR + r"){0,3}\}){0,40}",
+    "json-pointer": _JSON_POINTER,
+    "relative-json-pointer": r"(?:0|[1-9][0-9]{0,8})(?:#|" + _JSON_POINTER + ")",
+    "regex": r"[A-Za-z0-9 _-]{0,40}",  # literal text: a valid regex in every dialect
+    # every URI, e-mail address and ASCII host name is also an IRI / IDN one (host labels
+    # without hyphens, so none reads as punycode)
+    "iri": FORMATS["uri"], "iri-reference": FORMATS["uri-reference"], "idn-email": FORMATS["email"],
+    "idn-hostname": r"[A-Za-z0-9]{1,40}(?:\.[A-Za-z0-9]{1,40}){0,5}",
+    # draft 3's names
+    "ip-address": FORMATS["ipv4"], "host-name": FORMATS["hostname"], "utc-millisec": r"(?:0|[1-9][0-9]{0,12})",
+    # OpenAPI's base64 ("byte")
+    "byte": r"(?:[A-Za-z0-9+/]{4}){0,16}(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?",
+})
+# format values some draft defines: those outside FORMATS are refused by name; any
+# other value (OpenAPI's "int64", "password", vendors') is an annotation
+STANDARD_FORMATS = frozenset(FORMATS) | {"color", "style", "phone"}
 ANY_DEPTH = 2  # nesting of a free-form value ({} or true): objects/arrays this deep
 # Limits checked before and during translation, so a hostile schema costs little:
 MAX_SCHEMA_CHARS = 1 << 20  # the schema's JSON text
 MAX_SCHEMA_DEPTH = 64  # nesting of JSON objects/arrays in the schema document
 MAX_SCHEMA_EXPANSION = 20_000  # subschemas translated, each $ref use counted again
 MAX_REF_DEPTH = 64  # $refs being expanded inside each other
+RECURSION_UNROLL = 2  # a recursive $ref is expanded this many times inside itself, then ended
 MAX_REGEX_CHARS = 1 << 20  # the translated regex
 MAX_TRANSLATE_S = 5.0  # wall time of one translation (checked at every subschema)
 OPEN_BOUND_LIMIT = 10**9  # exclusive number bounds: |bound| below this ...
 OPEN_BOUND_FRACTION = 6  # ... and at most this many fraction digits (float-safe near the bound)
 MAX_COUNTED_OPTIONAL = 8  # optional properties under minProperties/maxProperties (2**8 branches)
+MAX_UNIQUE_VALUES = 64  # uniqueItems: values of the items' enum
 JSON_WHITESPACE = r"[ \t\n\r]*"
 
 
@@ -154,6 +175,8 @@ def schema_to_regex(schema: Any, whitespace: str | None = None) -> str:
         ws = "(?:" + check_whitespace(whitespace) + ")"
     try:
         out = _Translator(schema, ws).value(schema, "#")
+    except _Cutoff as e:
+        raise SchemaError(str(e)) from None
     except RecursionError:  # a guard: the limits above keep translation shallow
         raise SchemaError(f"json_schema is nested too deeply; allowed: at most {MAX_SCHEMA_DEPTH} levels") from None
     if len(out) > MAX_REGEX_CHARS:
@@ -205,6 +228,7 @@ class _Translator:
         self.refs: list[str] = []  # $refs being expanded (recursion check)
         self.expanded = 0  # subschemas translated so far (MAX_SCHEMA_EXPANSION)
         self.deadline = time.monotonic() + MAX_TRANSLATE_S
+        self._validator: Any = None  # jsonschema's validator of the root, made on first use
 
     # -- dispatch ---------------------------------------------------------------------
     def value(self, s: Any, path: str) -> str:
@@ -252,6 +276,10 @@ class _Translator:
                 continue
             if k in ("dependentRequired", "dependencies") and _required_deps(s) is not None:
                 continue
+            if k == "uniqueItems" and self.unique_domain(s, path) is not None:
+                continue
+            if k in ("patternProperties", "propertyNames"):  # object(): enforced or refused there
+                continue
             if k in WHY_NOT:
                 raise SchemaError(f"json_schema keyword {k!r} at {path} is not supported: {WHY_NOT[k]}")
             # any other keyword (draft-4 "id", OpenAPI's "nullable" or "example", vendor
@@ -293,6 +321,9 @@ class _Translator:
 
     # -- combinators --------------------------------------------------------------------
     def resolve(self, ref: Any, path: str) -> Any:
+        base = self.root.get("$id", self.root.get("id")) if isinstance(self.root, dict) else None
+        if isinstance(ref, str) and isinstance(base, str) and base and ref.split("#")[0] == base.split("#")[0]:
+            ref = "#" + ref.split("#", 1)[1] if "#" in ref else "#"  # the root's own URI: local
         if not isinstance(ref, str) or not ref.startswith("#"):
             raise SchemaError(f"json_schema '$ref' at {path} is not supported: {ref!r}; allowed: local references ('#/...')")
         node: Any = self.root
@@ -308,8 +339,10 @@ class _Translator:
 
     def ref(self, s: dict[str, Any], path: str) -> str:
         ref = s["$ref"]
-        if ref in self.refs:
-            raise SchemaError(f"json_schema '$ref' at {path} is recursive ({ref!r}): recursive schemas cannot be a regex")
+        if self.refs.count(ref) > RECURSION_UNROLL:
+            raise _Cutoff(f"json_schema '$ref' at {path} is recursive ({ref!r}) and no value of it ends within "
+                          f"{RECURSION_UNROLL + 1} levels (optional properties, empty arrays or other alternatives end "
+                          "a recursion in the regex)")
         if len(self.refs) >= MAX_REF_DEPTH:
             raise SchemaError(f"json_schema '$ref' at {path} is expanded inside {MAX_REF_DEPTH} others; allowed: at most "
                               f"{MAX_REF_DEPTH}")
@@ -332,15 +365,20 @@ class _Translator:
         """One schema equivalent to all of ``subs`` (allOf), or ``SchemaError``."""
         out: dict[str, Any] = {}
         flat: list[Any] = []
-        for sub in subs:
-            while isinstance(sub, dict) and "$ref" in sub and set(sub) - ANNOTATIONS == {"$ref"}:
-                sub = self.resolve(sub["$ref"], path)
+        todo = list(subs)
+        while todo:
+            sub = todo.pop(0)
+            if len(flat) + len(todo) > MAX_SCHEMA_EXPANSION:
+                raise SchemaError(f"json_schema 'allOf' at {path} expands to more than {MAX_SCHEMA_EXPANSION} schemas")
             if sub is True:
                 continue
             if sub is False or not isinstance(sub, dict):
                 raise SchemaError(f"json_schema 'allOf' at {path} contains {sub!r}: no value can satisfy it")
-            if "allOf" in sub:
-                flat.extend(self.all_of(sub, path))
+            if "$ref" in sub:  # the target and the keywords beside it, all of them
+                rest = {k: v for k, v in sub.items() if k != "$ref"}
+                todo[:0] = [self.resolve(sub["$ref"], path)] + ([rest] if set(rest) - ANNOTATIONS else [])
+            elif "allOf" in sub:
+                todo[:0] = self.all_of(sub, path)
             else:
                 flat.append(sub)
         for sub in flat:
@@ -368,9 +406,25 @@ class _Translator:
                 elif k in ("maximum", "maxLength", "maxItems", "exclusiveMaximum") and _is_num(v) and _is_num(out[k]):
                     out[k] = min(out[k], v)
                 elif k == "enum" and isinstance(v, list):
-                    out[k] = [x for x in out[k] if x in v]
+                    out[k] = [x for x in out[k] if any(_json_equal(x, y) for y in v)]
+                elif k == _FORBID:
+                    out[k] = [*out[k], *v]
                 elif out[k] != v:
                     raise SchemaError(f"json_schema 'allOf' at {path}: conflicting values for {k!r} cannot be merged")
+        # a property one part lists is, for a part that does not list it, an additional
+        # property: that part's additionalProperties applies to it too
+        props = out.get("properties")
+        if isinstance(props, dict):
+            props = dict(props)
+            for sub in flat:
+                extra = sub.get("additionalProperties", True)
+                if extra is True or not isinstance(sub.get("properties", {}), dict):
+                    continue
+                for name in props:
+                    own = sub.get("properties", {})
+                    if name not in own and not any(_search(p, name) for p in sub.get("patternProperties", {})):
+                        props[name] = extra if extra is False else {"allOf": [props[name], extra]}
+            out["properties"] = props
         return out
 
     def alternatives(self, s: dict[str, Any], key: str, path: str) -> str:
@@ -378,29 +432,162 @@ class _Translator:
         if not isinstance(subs, list) or not subs:
             raise SchemaError(f"json_schema {key!r} at {path} must be a non-empty list")
         rest = {k: v for k, v in s.items() if k != key}
-        branches = [
-            self.value(self.merge([sub, rest], f"{path}/{key}/{i}") if rest else sub, f"{path}/{key}/{i}")
-            for i, sub in enumerate(subs)
-        ]
+        schemas = [self.merge([sub, rest], f"{path}/{key}/{i}") if rest else sub for i, sub in enumerate(subs)]
         if key == "oneOf":
-            _check_disjoint(branches, path)
+            schemas = self.exclusive(schemas, path)
+        branches = []
+        for i, sub in enumerate(schemas):
+            try:
+                branches.append(self.value(sub, f"{path}/{key}/{i}"))
+            except (_Cutoff, _NoValue):  # no value of this branch fits: the others remain
+                continue
+        if not branches:
+            raise _NoValue(f"json_schema {key!r} at {path}: no branch admits a value")
         return _alt(branches)
+
+    def exclusive(self, schemas: list[Any], path: str) -> list[Any]:
+        """``oneOf`` means exactly one branch: the branches as they are when no value
+        satisfies two of them (by type, finite value sets or a discriminating
+        property), or with the other branches' ``required`` sets forbidden (an object
+        that lacks a name of another branch's ``required`` fails that branch)."""
+        out = [dict(x) if isinstance(x, dict) else x for x in schemas]
+        for i in range(len(out)):
+            for j in range(i + 1, len(out)):
+                if self.disjoint(out[i], out[j], path):
+                    continue
+                ri, rj = self.object_required(out[i], path), self.object_required(out[j], path)
+                if ri and rj:
+                    out[i][_FORBID] = [*out[i].get(_FORBID, []), rj]
+                    out[j][_FORBID] = [*out[j].get(_FORBID, []), ri]
+                    continue
+                raise SchemaError(
+                    f"json_schema 'oneOf' at {path}: branches {i} and {j} can match the same value, so 'exactly one' "
+                    "cannot be enforced; use 'anyOf', or make the branches exclusive (distinct types, a property with "
+                    "distinct 'const' values, or distinct 'required' sets)"
+                )
+        return out
+
+    def deref(self, s: Any, path: str) -> Any:
+        for _ in range(MAX_REF_DEPTH):
+            if not (isinstance(s, dict) and "$ref" in s):
+                return s
+            rest = {k: v for k, v in s.items() if k != "$ref" and k not in ANNOTATIONS}
+            target = self.resolve(s["$ref"], path)
+            s = {"allOf": [target, rest]} if rest else target
+        raise SchemaError(f"json_schema '$ref' at {path} is nested more than {MAX_REF_DEPTH} deep")
+
+    def atoms(self, s: Any, path: str, depth: int = 0) -> frozenset[str]:
+        """The kinds of JSON values ``s`` may admit: null, boolean, string, object,
+        array, int (a whole number) and frac (a number with a fraction)."""
+        every = frozenset({"null", "boolean", "string", "object", "array", "int", "frac"})
+        s = self.deref(s, path)
+        if s is True or depth > 16:
+            return every
+        if s is False or not isinstance(s, dict):
+            return frozenset()
+        out = every
+        t = s.get("type")
+        if t is not None:
+            ts = t if isinstance(t, list) else [t]
+            kinds: set[str] = set()
+            for x in ts:
+                kinds |= {"number": {"int", "frac"}, "integer": {"int"}}.get(x, {x})
+            out &= kinds
+        if "enum" in s or "const" in s:
+            values = [s["const"]] if "const" in s else s["enum"] if isinstance(s["enum"], list) else []
+            out &= {_atom(v) for v in values}
+        not_types = _type_negation(s.get("not"))
+        if not_types:
+            out -= {k for x in not_types for k in ({"number": {"int", "frac"}, "integer": {"int"}}.get(x, {x}))}
+        for sub in s.get("allOf", []) if isinstance(s.get("allOf"), list) else []:
+            out &= self.atoms(sub, path, depth + 1)
+        for key in ("anyOf", "oneOf"):
+            if isinstance(s.get(key), list):
+                out &= frozenset().union(*(self.atoms(sub, path, depth + 1) for sub in s[key]))
+        return out
+
+    def finite(self, s: Any, path: str) -> list[Any] | None:
+        """The values ``s`` allows when it lists them (enum/const), else None."""
+        s = self.deref(s, path)
+        if isinstance(s, dict) and ("enum" in s or "const" in s):
+            return [s["const"]] if "const" in s else s["enum"] if isinstance(s["enum"], list) else None
+        if isinstance(s, dict) and isinstance(s.get("allOf"), list):
+            for sub in s["allOf"]:
+                found = self.finite(sub, path)
+                if found is not None:
+                    return found
+        return None
+
+    def object_required(self, s: Any, path: str) -> list[str] | None:
+        """``required`` of a schema that admits only objects, else None."""
+        s = self.deref(s, path)
+        if not isinstance(s, dict) or self.atoms(s, path) != {"object"}:
+            return None
+        req = s.get("required")
+        return list(req) if isinstance(req, list) and req and all(isinstance(x, str) for x in req) else None
+
+    def disjoint(self, a: Any, b: Any, path: str) -> bool:
+        """No value satisfies both ``a`` and ``b`` (a proof from their keywords)."""
+        if not (self.atoms(a, path) & self.atoms(b, path)):
+            return True
+        fa, fb = self.finite(a, path), self.finite(b, path)
+        if fa is not None and fb is not None and not any(_json_equal(x, y) for x in fa for y in fb):
+            return True
+        da, db = self.deref(a, path), self.deref(b, path)
+        if not (isinstance(da, dict) and isinstance(db, dict)):
+            return False
+        if self.atoms(da, path) <= {"object"} and self.atoms(db, path) <= {"object"}:
+            pa, pb = da.get("properties", {}), db.get("properties", {})
+            req = set(da.get("required", [])) | set(db.get("required", []))
+            for name in set(pa) & set(pb) & req if isinstance(pa, dict) and isinstance(pb, dict) else ():
+                va, vb = self.finite(pa[name], path), self.finite(pb[name], path)
+                if va is not None and vb is not None and not any(_json_equal(x, y) for x in va for y in vb):
+                    return True  # a discriminator: the property has distinct values on each side
+        return False
 
     def enum(self, s: dict[str, Any], path: str) -> str:
         values = [s["const"]] if "const" in s else s["enum"]
         if not isinstance(values, list) or not values:
             raise SchemaError(f"json_schema 'enum' at {path} must be a non-empty list")
-        if "const" in s and "enum" in s:
-            values = [v for v in s["enum"] if v == s["const"]]
-        extra = [k for k in s if k not in ANNOTATIONS and k not in ("enum", "const", "type")]
-        if extra:
-            raise SchemaError(f"json_schema keyword {extra[0]!r} at {path} cannot be combined with 'enum'/'const'")
-        types = self.types(s, path) if "type" in s else None
-        if types is not None:
-            values = [v for v in values if any(_json_type_ok(v, t) for t in types)]
+        values = self.finite_values(s, path)
         if not values:
             raise SchemaError(f"json_schema 'enum' at {path}: no value satisfies the schema")
         return _alt([escape(self.dump(v)) for v in values])
+
+    def finite_values(self, s: dict[str, Any], path: str) -> list[Any]:
+        """The values of ``enum``/``const`` that satisfy all of ``s`` (its other
+        keywords, whatever they are, checked by ``jsonschema`` itself: a finite set is
+        enforced exactly), without repeats."""
+        values = [s["const"]] if "const" in s else list(s["enum"])
+        if "const" in s and "enum" in s:
+            values = [v for v in s["enum"] if _json_equal(v, s["const"])]
+        if set(s) - {"enum", "const"} - ANNOTATIONS:
+            check = self.validator(s)
+            values = [v for v in values if check(v)]
+        out: list[Any] = []
+        for v in values:
+            if not any(_json_equal(v, w) for w in out):
+                out.append(v)
+        return out
+
+    def validator(self, s: dict[str, Any]) -> Any:
+        """``jsonschema``'s is_valid for the subschema ``s`` of the root (its $refs
+        resolve against the root), formats checked."""
+        import jsonschema
+
+        if self._validator is None:
+            root = self.root if isinstance(self.root, dict) else {}
+            cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
+            self._validator = cls(root, format_checker=cls.FORMAT_CHECKER)
+        v = self._validator.evolve(schema={k: x for k, x in s.items() if not k.startswith(_INTERNAL)})
+
+        def check(value: Any) -> bool:
+            try:
+                return bool(v.is_valid(value))
+            except Exception:  # an unresolvable $ref or the like: not proved valid
+                return False
+
+        return check
 
     def dump(self, v: Any) -> str:
         return json.dumps(v, ensure_ascii=False, separators=(",", ":"))
@@ -410,19 +597,23 @@ class _Translator:
         lo, hi = s.get("minLength", 0), s.get("maxLength")
         if not is_int(lo) or lo < 0 or (hi is not None and (not is_int(hi) or hi < lo)):
             raise SchemaError(f"json_schema 'minLength'/'maxLength' at {path} are invalid: {lo!r}, {hi!r}")
-        present = [k for k in ("pattern", "format") if k in s]
-        lengths = "minLength" in s or "maxLength" in s
-        if len(present) > 1 or (present and lengths):
-            what = present + (["minLength/maxLength"] if lengths else [])
-            raise SchemaError(f"json_schema keywords {' and '.join(map(repr, what))} at {path} cannot be combined")
+        fmt = s.get("format")
+        if fmt is not None and fmt not in FORMATS:
+            if fmt in STANDARD_FORMATS:  # defined by a draft, not enforced here
+                raise SchemaError(f"json_schema 'format' {fmt!r} at {path} is not supported; allowed: "
+                                  f"{', '.join(sorted(FORMATS))} (other values are annotations)")
+            fmt = None  # not a format of any draft (OpenAPI's "password", vendors'): an annotation
+        lengths = (lo, hi) if "minLength" in s or "maxLength" in s else None
+        if "pattern" in s and fmt is not None:
+            raise SchemaError(f"json_schema keywords 'pattern' and 'format' at {path} cannot be combined")
         if "pattern" in s:
-            return '"' + _json_safe_pattern(s["pattern"], path) + '"'
-        if "format" in s:
-            fmt = s["format"]
-            if fmt not in FORMATS:
-                raise SchemaError(
-                    f"json_schema 'format' {fmt!r} at {path} is not supported; allowed: {', '.join(sorted(FORMATS))}"
-                )
+            return '"' + _json_safe_pattern(s["pattern"], path, lengths) + '"'
+        if fmt is not None:
+            if lengths is not None:
+                wmin, wmax = _pattern_tree(FORMATS[fmt], path).getwidth()
+                if wmin < lo or (hi is not None and wmax > hi):
+                    raise SchemaError(f"json_schema keywords 'format' {fmt!r} and 'minLength'/'maxLength' at {path} "
+                                      f"cannot be combined: the format's values have {wmin} to {wmax} characters")
             return '"(?:' + FORMATS[fmt] + ')"'
         if lo == 0 and hi is None:
             return JSON_STRING
@@ -493,43 +684,73 @@ class _Translator:
         props = s.get("properties", {})
         required = s.get("required", [])
         extra = s.get("additionalProperties", True)
+        patterns = s.get("patternProperties", {})
         if not isinstance(props, dict) or not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise SchemaError(f"json_schema 'properties'/'required' at {path} are invalid")
         if not isinstance(extra, (bool, dict)):
             raise SchemaError(f"json_schema 'additionalProperties' at {path} must be a boolean or a schema")
+        if not isinstance(patterns, dict):
+            raise SchemaError(f"json_schema 'patternProperties' at {path} must be an object")
         lo, hi = s.get("minProperties", 0), s.get("maxProperties")
         if not is_int(lo) or lo < 0 or (hi is not None and (not is_int(hi) or hi < lo)):
             raise SchemaError(f"json_schema 'minProperties'/'maxProperties' at {path} are invalid: {lo!r}, {hi!r}")
         deps = _required_deps(s) or {}
-        counted = "minProperties" in s or "maxProperties" in s or bool(deps)
-        fields = [(name, sub) for name, sub in props.items()]
-        for name in required:
-            if name not in props:
-                if extra is False:
-                    raise SchemaError(
-                        f"json_schema at {path} requires {name!r}, which additionalProperties: false forbids"
-                    )
-                fields.append((name, extra))
-        if not fields:
-            if extra is False:
-                if lo > 0:
-                    raise SchemaError(f"json_schema at {path}: no object satisfies 'minProperties' here")
-                return r"\{" + ws + r"\}"
-            value = self.value(extra, path + "/additionalProperties") if isinstance(extra, dict) else self.any(ANY_DEPTH - 1, path)
-            pair = JSON_STRING + ws + ":" + ws + value
-            if counted:  # NOTE: keys may repeat in the text; JSON parsers keep the last one
-                raise SchemaError(f"json_schema 'minProperties'/'maxProperties'/'dependentRequired' at {path} need "
-                                  f"'properties' to be listed (free-form keys could repeat)")
-            return r"\{" + ws + "(?:" + pair + "(?:" + ws + "," + ws + pair + ")*)?" + ws + r"\}"
-        sep = ws + "," + ws
-        pairs = [
-            (escape(self.dump(name)) + ws + ":" + ws + self.value(sub, f"{path}/properties/{name}"), name in required)
-            for name, sub in fields
-        ]
+        forbids = [set(f) for f in s.get(_FORBID, [])]
+        names_ok = None
+        if "propertyNames" in s:  # a listed name the schema of names refuses is never written
+            pn = s["propertyNames"]
+            names_ok = self.validator(pn) if isinstance(pn, dict) else (lambda name, ok=bool(pn): ok)
 
-        if counted:
-            names = [name for name, _ in fields]
-            return r"\{" + ws + self.counted_fields(pairs, names, lo, hi, deps, path) + ws + r"\}"
+        def value_schema(name: str, own: Any) -> Any:
+            # a listed or required name: its own schema, and every patternProperties
+            # schema whose pattern it contains (as jsonschema reads the pattern)
+            import re as _re
+
+            hits = []
+            for pat, sub in patterns.items():
+                try:
+                    if _re.search(pat, name):
+                        hits.append(sub)
+                except _re.error:
+                    raise SchemaError(f"json_schema 'patternProperties' at {path}: {pat!r} is not a valid pattern") from None
+            if own is None:
+                own = extra if not hits else True
+            return own if not hits else {"allOf": [own, *hits]}
+
+        fields = []
+        for name in [*props, *[r for r in required if r not in props]]:
+            own = props.get(name)
+            if own is None and extra is False and not any(_search(p, name) for p in patterns):
+                raise SchemaError(f"json_schema at {path} requires {name!r}, which additionalProperties: false forbids")
+            if names_ok is not None and not names_ok(name):
+                if name in required:
+                    raise SchemaError(f"json_schema at {path} requires {name!r}, which 'propertyNames' forbids")
+                continue
+            sub = value_schema(name, own)
+            if sub is False and name not in required:
+                continue  # an optional property no value satisfies: never written
+            fields.append((name, sub))
+        if not fields:
+            return self.free_object(s, patterns, extra, lo, hi, path)
+        sep = ws + "," + ws
+        pairs: list[tuple[str, bool]] = []
+        names: list[str] = []
+        for name, sub in fields:
+            try:
+                value = self.value(sub, f"{path}/properties/{name}")
+            except _Cutoff:  # a recursion unrolled to its limit: the optional property is left out
+                if name in required:
+                    raise
+                continue
+            pairs.append((escape(self.dump(name)) + ws + ":" + ws + value, name in required))
+            names.append(name)
+        if not pairs:
+            return self.free_object(s, {}, False, lo, hi, path)
+        written = set(names)
+        forbids = [f for f in forbids if f <= written]  # a set with an unwritten name never appears whole
+        counting = "minProperties" in s or "maxProperties" in s
+        if counting or deps or forbids:
+            return r"\{" + ws + self.counted_fields(pairs, names, lo, hi, deps, forbids, counting, path) + ws + r"\}"
 
         def rest(i: int, first: bool) -> str:
             # properties i.. given whether one was written already
@@ -545,37 +766,100 @@ class _Translator:
 
         return r"\{" + ws + rest(0, True) + ws + r"\}"
 
+    def free_object(self, s: dict[str, Any], patterns: dict[str, Any], extra: Any, lo: int, hi: int | None,
+                    path: str) -> str:
+        """An object without listed properties: keys from ``propertyNames``, from the
+        patterns of ``patternProperties`` (full matches, each pattern's keys matching no
+        other pattern), or any key with the ``additionalProperties`` schema. A key may
+        repeat in the text (JSON parsers keep the last one), so ``maxProperties`` bounds
+        the pairs written and only ``minProperties`` <= 1 is enforced."""
+        ws = self.ws
+        if lo > 1:
+            raise SchemaError(f"json_schema 'minProperties' at {path} is supported up to 1 on objects without listed "
+                              f"'properties' (free-form keys could repeat); got {lo}")
+        if patterns:
+            if "propertyNames" in s:
+                raise SchemaError(f"json_schema 'patternProperties' with 'propertyNames' at {path} is not supported")
+            options = []
+            for i, (pat, sub) in enumerate(patterns.items()):
+                where = f"{path}/patternProperties/{pat}"
+                others = [q for q in patterns if q != pat]
+                key = '"' + _json_safe_pattern(pat, where) + '"'
+                if others:
+                    _check_keys_exclusive(key, others, where)
+                try:
+                    options.append(key + ws + ":" + ws + self.value(sub, where))
+                except _Cutoff:
+                    continue
+            if not options:
+                return r"\{" + ws + r"\}"
+            pair = _alt(options)
+        else:
+            if extra is False:
+                if lo > 0:
+                    raise SchemaError(f"json_schema at {path}: no object satisfies 'minProperties' here")
+                return r"\{" + ws + r"\}"
+            names = s.get("propertyNames", True)
+            if not isinstance(names, (dict, bool)):
+                raise SchemaError(f"json_schema 'propertyNames' at {path} must be a schema")
+            if names is False:
+                return r"\{" + ws + r"\}"
+            key = JSON_STRING if names is True else self.value({**names, "type": "string"}, path + "/propertyNames")
+            try:
+                value = (self.value(extra, path + "/additionalProperties") if isinstance(extra, dict)
+                         else self.any(ANY_DEPTH - 1, path))
+            except _Cutoff:
+                return r"\{" + ws + r"\}"
+            pair = key + ws + ":" + ws + value
+        if _required_deps(s):
+            raise SchemaError(f"json_schema 'dependentRequired' at {path} needs 'properties' to be listed")
+        more = _repeat("(?:" + ws + "," + ws + pair + ")", 0, None if hi is None else hi - 1)
+        body = pair + more
+        if hi == 0:
+            return r"\{" + ws + r"\}"
+        return r"\{" + ws + (body if lo >= 1 else "(?:" + body + ")?") + ws + r"\}"
+
     def counted_fields(self, pairs: list[tuple[str, bool]], names: list[str], lo: int, hi: int | None,
-                       deps: dict[str, list[str]], path: str) -> str:
+                       deps: dict[str, list[str]], forbids: list[set[str]], counting: bool, path: str) -> str:
         """The listed properties in order, required ones present, with between ``lo``
-        and ``hi`` written in all (min/maxProperties), and every property in ``deps``
-        written only with the ones it depends on (dependentRequired). Each choice of
-        optional properties is its own branch, so at most MAX_COUNTED_OPTIONAL optional
-        ones."""
+        and ``hi`` written in all (min/maxProperties, when ``counting``), every property
+        in ``deps`` written only with the ones it depends on (dependentRequired), and no
+        set of ``forbids`` written whole. Each choice of the optional properties these
+        involve is its own branch, so at most MAX_COUNTED_OPTIONAL of them."""
         sep = self.ws + "," + self.ws
+        involved = set(deps) | {x for v in deps.values() for x in v} | {x for f in forbids for x in f}
         optional = [i for i, (_, req) in enumerate(pairs) if not req]
-        if len(optional) > MAX_COUNTED_OPTIONAL:
+        branching = [i for i in optional if counting or names[i] in involved]
+        if len(branching) > MAX_COUNTED_OPTIONAL:
             raise SchemaError(
-                f"json_schema 'minProperties'/'maxProperties' at {path} are supported with at most "
-                f"{MAX_COUNTED_OPTIONAL} optional properties; this object has {len(optional)}"
+                f"json_schema 'minProperties'/'maxProperties'/'dependentRequired' (or exclusive 'oneOf' branches) at "
+                f"{path} are supported with at most {MAX_COUNTED_OPTIONAL} optional properties involved; "
+                f"this object has {len(branching)}"
             )
         n_req = len(pairs) - len(optional)
         need_lo, need_hi = lo - n_req, None if hi is None else hi - n_req
+        if not counting:
+            need_lo, need_hi = 0, None
         left_after = [sum(1 for j in optional if j >= i) for i in range(len(pairs) + 1)]
 
         def rest(i: int, first: bool, taken: int, present: frozenset[str]) -> str | None:
             # properties i.. given whether one was written already, the optional ones
-            # taken and the names written so far
+            # taken and the involved names written so far
             if taken + left_after[i] < need_lo or (need_hi is not None and taken > need_hi):
                 return None
             if i == len(pairs):
-                return "" if all(set(deps.get(n, ())) <= present for n in present) else None
+                ok = all(set(deps.get(n, ())) <= present for n in present) and not any(f <= present for f in forbids)
+                return "" if ok else None
             pair, req = pairs[i]
             lead = pair if first else sep + pair
+            mark = present | {names[i]} if names[i] in involved else present
             if req:
-                tail = rest(i + 1, False, taken, present | {names[i]})
+                tail = rest(i + 1, False, taken, mark)
                 return None if tail is None else lead + tail
-            take = rest(i + 1, False, taken + 1, present | {names[i]})
+            if not first and i not in branching:  # free to write or not: same state after
+                tail = rest(i + 1, False, taken, present)
+                return None if tail is None else "(?:" + lead + ")?" + tail
+            take = rest(i + 1, False, taken + 1, mark)
             skip = rest(i + 1, first, taken, present)
             options = ([lead + take] if take is not None else []) + ([skip] if skip is not None else [])
             if not options:
@@ -586,16 +870,79 @@ class _Translator:
 
         body = rest(0, True, 0, frozenset())
         if body is None:
-            raise SchemaError(
-                f"json_schema at {path}: no object satisfies 'minProperties'/'maxProperties'/'dependentRequired' here"
+            raise _NoValue(
+                f"json_schema at {path}: no object satisfies 'minProperties'/'maxProperties'/'dependentRequired' "
+                "(or the exclusive 'oneOf' branches) here"
             )
         return body
+
+    def unique_domain(self, s: dict[str, Any], path: str) -> list[Any] | None:
+        """For ``uniqueItems``: the distinct values the items may take, when ``items``
+        allows finitely many scalars (an enum/const, boolean, null) and there are no
+        prefix items; else None."""
+        items = s.get("items", True)
+        if s.get("uniqueItems") is not True or "prefixItems" in s or not isinstance(items, dict):
+            return None
+        try:
+            items = self.deref(items, path)
+            if not isinstance(items, dict):
+                return None
+            if "enum" in items or "const" in items:
+                values = self.finite_values(items, path)
+            elif self.atoms(items, path) <= {"boolean", "null"} and "type" in items:
+                values = [v for v in (False, True, None) if _atom(v) in self.atoms(items, path)]
+            else:
+                return None
+        except SchemaError:
+            return None
+        if not all(v is None or isinstance(v, (str, int, float, bool)) for v in values):
+            return None
+        return values
+
+    def unique_array(self, values: list[Any], lo: int, hi: int | None, path: str) -> str:
+        """Arrays of distinct values in the order ``values`` lists them (each set of
+        values written one way), with between ``lo`` and ``hi`` items."""
+        ws, sep = self.ws, self.ws + "," + self.ws
+        texts = [escape(self.dump(v)) for v in values]
+        k = len(texts)
+        hi = k if hi is None else min(hi, k)
+        if lo > hi:
+            raise SchemaError(f"json_schema at {path}: 'uniqueItems' with {k} possible values cannot reach 'minItems' {lo}")
+        if k > MAX_UNIQUE_VALUES or (lo > 1 or hi < k) and k > MAX_COUNTED_OPTIONAL:
+            raise SchemaError(f"json_schema 'uniqueItems' at {path} is supported over at most {MAX_UNIQUE_VALUES} "
+                              f"values (at most {MAX_COUNTED_OPTIONAL} with minItems > 1 or a maxItems); got {k}")
+
+        def rest(i: int, first: bool, taken: int) -> str | None:
+            # values i.. given whether one was written and how many
+            if taken + (k - i) < lo or taken > hi:
+                return None
+            if i == k:
+                return ""
+            lead = texts[i] if first else sep + texts[i]
+            if not first and lo <= 1 and hi == k:  # counts do not matter past the first
+                tail = rest(i + 1, False, taken + 1)
+                return "(?:" + lead + ")?" + (tail or "")
+            take, skip = rest(i + 1, False, taken + 1), rest(i + 1, first, taken)
+            options = ([lead + take] if take is not None else []) + ([skip] if skip is not None else [])
+            if not options:
+                return None
+            if len(options) == 1:
+                return options[0]
+            return "(?:" + options[0] + ")?" if options[1] == "" else "(?:" + options[0] + "|" + options[1] + ")"
+
+        body = rest(0, True, 0)
+        return r"\[" + ws + (body or "") + ws + r"\]"
 
     def array(self, s: dict[str, Any], path: str) -> str:
         ws = self.ws
         lo, hi = s.get("minItems", 0), s.get("maxItems")
         if not is_int(lo) or lo < 0 or (hi is not None and (not is_int(hi) or hi < lo)):
             raise SchemaError(f"json_schema 'minItems'/'maxItems' at {path} are invalid: {lo!r}, {hi!r}")
+        if s.get("uniqueItems") is True and not (hi is not None and hi <= 1):
+            values = self.unique_domain(s, path)
+            if values is None:  # check_keywords let it through only with a domain
+                raise SchemaError(f"json_schema keyword 'uniqueItems' at {path} is not supported: {WHY_NOT['uniqueItems']}")
+            return self.unique_array(values, lo, hi, path)
         items = s.get("items", True)
         prefix = s.get("prefixItems", [])
         if isinstance(items, list):  # draft 4: items as a list, additionalItems for the rest
@@ -605,7 +952,12 @@ class _Translator:
         if not isinstance(prefix, list):
             raise SchemaError(f"json_schema 'prefixItems' at {path} must be a list")
         pre = [self.value(p, f"{path}/prefixItems/{i}") for i, p in enumerate(prefix)]
-        item = None if items is False else self.value(items, path + "/items")
+        try:
+            item = None if items is False else self.value(items, path + "/items")
+        except _Cutoff:  # a recursion unrolled to its limit: arrays no longer than the prefix
+            if lo > len(pre):
+                raise
+            item = None
         sep = ws + "," + ws
         k = len(pre)
         options = []
@@ -638,7 +990,8 @@ class _Translator:
 
 
 # -- helpers ------------------------------------------------------------------------------
-_FRACTIONAL = "\x00fractional"  # internal mark (never a key of a user's schema)
+_INTERNAL = "\x00"  # internal marks start with it (never a key of a user's schema)
+_FRACTIONAL = "\x00fractional"  # the number has a non-zero fraction (not: {type: integer})
 
 
 def _type_negation(sub: Any) -> set[str] | None:
@@ -691,6 +1044,71 @@ def _multiples_regex(k: int) -> str:
         return r"(?:0|-?" + single + "|-?[1-9][0-9]{0,%d}" % (MAX_DIGITS - 2) + last + ")"
     zeros = len(str(k)) - 1
     return r"(?:0|-?[1-9][0-9]{0,%d}" % (MAX_DIGITS - zeros - 1) + "0" * zeros + ")"
+
+
+_FORBID = "\x00forbid"  # name sets the object must not have all of (exclusive oneOf branches)
+
+
+class _NoValue(SchemaError):
+    """No value satisfies this subschema (an alternative holding it is left out)."""
+
+
+class _Cutoff(Exception):
+    """A recursive $ref reached its unrolling limit: the optional place holding it is
+    left out (the property, the array's items, the alternative)."""
+
+
+def _search(pattern: str, name: str) -> bool:
+    import re as _re
+
+    try:
+        return _re.search(pattern, name) is not None
+    except _re.error:
+        return False
+
+
+def _check_keys_exclusive(key: str, others: list[str], path: str) -> None:
+    """No key that ``key`` (a JSON string regex) writes contains a match of another
+    pattern of ``patternProperties`` (whose schema would then apply too)."""
+    import interegular
+
+    content = key[1:-1]
+    try:
+        fsm = interegular.parse_pattern(content).to_fsm()
+        for q in others:
+            q = q[1:] if q.startswith("^") else ".*" + q
+            q = q[:-1] if q.endswith("$") and not q.endswith("\\$") else q + ".*"
+            if not (fsm & interegular.parse_pattern(q).to_fsm()).empty():
+                raise SchemaError(f"json_schema 'patternProperties' at {path}: keys of this pattern can also match "
+                                  f"{q!r}; supported: patterns whose keys are exclusive")
+    except SchemaError:
+        raise
+    except Exception as e:
+        raise SchemaError(f"json_schema 'patternProperties' at {path}: could not check the patterns are exclusive "
+                          f"({str(e)[:80]})") from None
+
+
+def _atom(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "int" if float(v).is_integer() else "frac"
+    return {str: "string", dict: "object", list: "array"}.get(type(v), "string")
+
+
+def _json_equal(a: Any, b: Any) -> bool:
+    """JSON equality (as ``enum`` and ``uniqueItems`` compare): 1 == 1.0, true != 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_json_equal(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
 
 
 def _alt(parts: list[str]) -> str:
@@ -815,79 +1233,236 @@ def number_range_regex(lo: int | None, hi: int | None, lo_open: bool = False, hi
 
 
 _UNSAFE = frozenset('"\\') | frozenset(chr(c) for c in range(0x20))
+# the unsafe characters JSON can write with a short escape, as the text that writes them
+_SHORT_ESCAPES = {'"': r'\\"', "\\": r"\\\\", "\n": r"\\n", "\t": r"\\t", "\r": r"\\r", "\b": r"\\b", "\f": r"\\f"}
 
 
-def _json_safe_pattern(pattern: Any, path: str) -> str:
-    """A JSON Schema ``pattern`` as the full content of a JSON string. A match anywhere
-    is what the schema asks; a full match is a stricter, valid choice. Patterns that
-    could produce a quote, a backslash or a control character are rejected. The check
-    reads the parsed pattern's character classes (linear time, no automaton)."""
-    import interegular
+def _pattern_tree(pattern: Any, path: str) -> Any:
+    """A JSON Schema ``pattern`` parsed by Python's ``re`` (whose reading ``jsonschema``
+    validates with), or ``SchemaError``."""
+    from re import _parser  # type: ignore[attr-defined]
 
     if not isinstance(pattern, str):
         raise SchemaError(f"json_schema 'pattern' at {path} must be a string")
-    p = pattern[1:] if pattern.startswith("^") else pattern
-    if p.endswith("$") and not p.endswith("\\$"):
-        p = p[:-1]
-    check_regex(p, f"json_schema 'pattern' at {path}")
     try:
-        safe = _chars_are_safe(interegular.parse_pattern(p))
+        return _parser.parse(pattern)
     except Exception as e:
-        raise SchemaError(f"json_schema 'pattern' at {path} uses syntax plait cannot check: {e}") from None
-    if not safe:
-        raise SchemaError(
-            f"json_schema 'pattern' at {path} ({pattern!r}) can produce a quote, backslash or control character, "
-            "which a JSON string must escape; exclude them from its character classes (e.g. [^\"\\\\] instead of .)"
-        )
-    return "(?:" + p + ")"
+        raise SchemaError(f"json_schema 'pattern' at {path} ({pattern[:80]!r}) cannot be parsed: {e}") from None
 
 
-def _chars_are_safe(node: Any) -> bool:
-    """No character class in the parsed pattern can produce a character of ``_UNSAFE``."""
-    import dataclasses
+def _json_safe_pattern(pattern: Any, path: str, lengths: tuple[int, int | None] | None = None) -> str:
+    """A JSON Schema ``pattern`` as the text of a JSON string's content. A match
+    anywhere is what the schema asks; a full match is a stricter, valid choice, so
+    anchors at the ends are dropped (others are refused). Characters JSON must escape
+    are written escaped (a quote as ``\\"``), control characters without a short escape
+    are left out, and classes such as ``\\d`` or ``\\S`` are narrowed to ASCII, where
+    every regex engine reads them alike: each change only narrows the language.
 
-    from interegular import patterns
-
-    if isinstance(node, patterns._CharGroup):
-        return _UNSAFE <= node.chars if node.negated else not (_UNSAFE & node.chars)
-    if node is patterns._DOT or type(node).__name__.endswith("DotCls"):
-        return False  # '.' produces quotes and backslashes
-    if not dataclasses.is_dataclass(node):
-        return True
-    for f in dataclasses.fields(node):
-        v = getattr(node, f.name)
-        children = v if isinstance(v, (tuple, list, frozenset)) else (v,)
-        for c in children:
-            if isinstance(c, patterns._BasePattern) and not _chars_are_safe(c):
-                return False
-    return True
-
-
-# oneOf is checked on the branches' automata (pure Python): only for branches this small
-MAX_ONEOF_CHECK_CHARS = 4000
-MAX_ONEOF_CHECK_REPEAT = 64
-
-
-def _check_disjoint(branches: list[str], path: str) -> None:
-    """oneOf means exactly one branch: enforced when no text matches two branches."""
-    import interegular
-    import re
-
-    bounds = [int(x) for b in branches for pair in re.findall(r"\{(\d+)(?:,(\d*))?\}", b) for x in pair if x]
-    if sum(map(len, branches)) > MAX_ONEOF_CHECK_CHARS or any(n > MAX_ONEOF_CHECK_REPEAT for n in bounds):
-        raise SchemaError(
-            f"json_schema 'oneOf' at {path}: the branches are too large to prove exclusive; use 'anyOf'"
-        )
+    ``lengths`` (minLength, maxLength): enforced when every match has such a length,
+    or when the pattern is one repeated character class between fixed characters (the
+    repeat count is narrowed); otherwise refused by name."""
+    tree = _pattern_tree(pattern, path)
+    items = list(tree)
+    if lengths is not None:
+        lo, hi = lengths
+        wmin, wmax = tree.getwidth()
+        if not (wmin >= lo and (hi is None or wmax <= hi)):
+            items = _narrow_repeat(items, lo, hi, pattern, path)
     try:
-        fsms = [interegular.parse_pattern(b).to_fsm() for b in branches]
-        for i in range(len(fsms)):
-            for j in range(i + 1, len(fsms)):
-                if not (fsms[i] & fsms[j]).empty():
-                    raise SchemaError(
-                        f"json_schema 'oneOf' at {path}: branches {i} and {j} can match the same value, so "
-                        "'exactly one' cannot be enforced; use 'anyOf' or make the branches exclusive"
-                    )
-    except SchemaError:
-        raise
-    except Exception as e:
-        raise SchemaError(f"json_schema 'oneOf' at {path}: could not check that the branches are exclusive ({e})") from None
+        out = _Emit(path, pattern).seq(items, True, True)
+    except _Unsupported as e:
+        raise SchemaError(f"json_schema 'pattern' at {path} ({pattern[:80]!r}) uses {e}, which constrained decoding "
+                          "does not support; allowed: regular expressions without look-around, back-references, "
+                          "inline flags or inner anchors") from None
+    out = "(?:" + out + ")"
+    check_regex(out, f"json_schema 'pattern' at {path}")
+    return out
+
+
+def _narrow_repeat(items: list[Any], lo: int, hi: int | None, pattern: str, path: str) -> list[Any]:
+    """``items`` with its one variable repeat of a single character narrowed so that
+    the whole has between ``lo`` and ``hi`` characters."""
+    from re import _constants as C  # type: ignore[attr-defined]
+
+    body = [it for it in items if it[0] is not C.AT]
+    fixed, var = 0, None
+    for i, (op, av) in enumerate(body):
+        w = _width(op, av)
+        if w[0] == w[1]:
+            fixed += w[0]
+        elif var is None and op in (C.MAX_REPEAT, C.MIN_REPEAT) and [_width(o, a) for o, a in av[2]] == [(1, 1)]:
+            var = i
+        else:
+            var = -1
+    if var is None or var < 0:
+        raise SchemaError(
+            f"json_schema keywords 'pattern' and 'minLength'/'maxLength' at {path} cannot be combined for "
+            f"{pattern[:80]!r}: allowed when every match has an allowed length, or when the pattern is one repeated "
+            "character (class) between fixed characters"
+        )
+    op, (rlo, rhi, sub) = body[var]
+    top = None if rhi is C.MAXREPEAT else rhi
+    nlo, nhi = max(rlo, lo - fixed), top if hi is None else (hi - fixed if top is None else min(top, hi - fixed))
+    if nhi is not None and nhi < nlo:
+        raise SchemaError(f"json_schema at {path}: no string matches 'pattern' with these 'minLength'/'maxLength'")
+    body[var] = (op, (nlo, C.MAXREPEAT if nhi is None else nhi, sub))
+    return body
+
+
+def _width(op: Any, av: Any) -> tuple[int, int]:
+    from re import _parser  # type: ignore[attr-defined]
+
+    sub = _parser.SubPattern(_parser.State(), [(op, av)])
+    return sub.getwidth()
+
+
+class _Unsupported(Exception):
+    pass
+
+
+class _Emit:
+    """Python ``re`` parse tree -> regex over the JSON text of a string's content."""
+
+    def __init__(self, path: str, pattern: str) -> None:
+        self.path, self.pattern = path, pattern
+
+    def seq(self, items: list[Any], at_start: bool, at_end: bool) -> str:
+        from re import _constants as C  # type: ignore[attr-defined]
+
+        out = []
+        n = len(items)
+        for i, (op, av) in enumerate(items):
+            lead = at_start and all(o is C.AT for o, _ in items[:i])
+            tail = at_end and all(o is C.AT for o, _ in items[i + 1:])
+            if op is C.AT:
+                ok = (lead and av in (C.AT_BEGINNING, C.AT_BEGINNING_STRING)) or (
+                    tail and av in (C.AT_END, C.AT_END_STRING))
+                if not ok:
+                    raise _Unsupported("an anchor or word boundary inside the pattern")
+                continue
+            out.append(self.node(op, av, lead, tail))
+        del n
+        return "".join(out)
+
+    def node(self, op: Any, av: Any, lead: bool, tail: bool) -> str:
+        from re import _constants as C  # type: ignore[attr-defined]
+
+        if op is C.LITERAL:
+            return _emit_chars({chr(av)}, False)
+        if op is C.NOT_LITERAL:
+            return _emit_class([(C.NEGATE, None), (C.LITERAL, av)])
+        if op is C.ANY:
+            return _emit_class([(C.NEGATE, None), (C.LITERAL, 10)])
+        if op is C.IN:
+            return _emit_class(av)
+        if op is C.CATEGORY:
+            return _emit_class([(C.CATEGORY, av)])
+        if op is C.BRANCH:
+            return "(?:" + "|".join(self.seq(list(b), lead, tail) for b in av[1]) + ")"
+        if op is C.SUBPATTERN:
+            _, add, dele, body = av
+            if add or dele:
+                raise _Unsupported("an inline flag")
+            return "(?:" + self.seq(list(body), lead, tail) + ")"
+        if op in (C.MAX_REPEAT, C.MIN_REPEAT):
+            lo, hi, body = av
+            inner = "(?:" + self.seq(list(body), False, False) + ")"
+            if hi is C.MAXREPEAT:
+                return inner + ("*" if lo == 0 else "+" if lo == 1 else "{%d,}" % lo)
+            return inner + ("{%d}" % lo if lo == hi else "{%d,%d}" % (lo, hi))
+        names = {"ASSERT": "a look-ahead", "ASSERT_NOT": "a negative look-ahead", "GROUPREF": "a back-reference",
+                 "GROUPREF_EXISTS": "a conditional", "POSSESSIVE_REPEAT": "a possessive repeat",
+                 "ATOMIC_GROUP": "an atomic group"}
+        raise _Unsupported(names.get(str(op), str(op).lower()))
+
+
+_CATEGORY_RE = {"CATEGORY_DIGIT": r"\d", "CATEGORY_NOT_DIGIT": r"\D", "CATEGORY_SPACE": r"\s",
+                "CATEGORY_NOT_SPACE": r"\S", "CATEGORY_WORD": r"\w", "CATEGORY_NOT_WORD": r"\W"}
+
+
+def _class_has(items: list[Any], c: int) -> bool:
+    """Whether character ``c`` is in the parsed class ``items`` (Python's reading)."""
+    import re as _re
+    from re import _constants as C  # type: ignore[attr-defined]
+
+    neg, hit = False, False
+    for op, av in items:
+        if op is C.NEGATE:
+            neg = True
+        elif op is C.LITERAL:
+            hit |= c == av
+        elif op is C.RANGE:
+            hit |= av[0] <= c <= av[1]
+        elif op is C.CATEGORY:
+            hit |= _re.fullmatch(_CATEGORY_RE[str(av)], chr(c)) is not None
+        else:
+            raise _Unsupported(f"the class item {op}")
+    return hit != neg
+
+
+def _emit_class(items: list[Any]) -> str:
+    """One character of the class: its printable ASCII members (every engine agrees on
+    those), escaped when JSON must escape them, plus its non-ASCII members when the
+    class reads them the same in Rust and Python (no \\d, \\w, \\s inside)."""
+    from re import _constants as C  # type: ignore[attr-defined]
+
+    ascii_members = {chr(c) for c in range(0x80) if _class_has(items, c)}
+    has_category = any(op is C.CATEGORY for op, _ in items)
+    negated = bool(items) and items[0][0] is C.NEGATE
+    extra = ""
+    if not has_category:
+        if negated:  # every non-ASCII character but the listed ones
+            listed = [(op, av) for op, av in items[1:]]
+            extra = "[^\\x00-\\x7f" + "".join(_class_item(op, av) for op, av in listed if _item_top(op, av) >= 0x80) + "]"
+        else:
+            extra = "".join(_class_item(op, av) for op, av in items if _item_top(op, av) >= 0x80)
+            extra = "[" + extra + "]" if extra else ""
+    return _emit_chars(ascii_members, False, extra)
+
+
+def _item_top(op: Any, av: Any) -> int:
+    from re import _constants as C  # type: ignore[attr-defined]
+
+    return av if op is C.LITERAL else av[1] if op is C.RANGE else -1
+
+
+def _class_item(op: Any, av: Any) -> str:
+    """A literal or range of a class, non-ASCII part only (ASCII is listed separately)."""
+    from re import _constants as C  # type: ignore[attr-defined]
+
+    if op is C.LITERAL:
+        return chr(av)
+    lo = max(av[0], 0x80)
+    return chr(lo) if lo == av[1] else chr(lo) + "-" + chr(av[1])
+
+
+def _emit_chars(chars: set[str], _unused: bool, extra: str = "") -> str:
+    """One of ``chars`` (ASCII, or any) as JSON text, plus the class ``extra``."""
+    safe = sorted(c for c in chars if c not in _UNSAFE)
+    parts = []
+    if safe:
+        if len(safe) == 1 and not extra:
+            parts.append(escape(safe[0]) if ord(safe[0]) < 0x80 else safe[0])
+        else:
+            parts.append("[" + _ranges(safe) + "]")
+    if extra:
+        parts.append(extra)
+    parts += [_SHORT_ESCAPES[c] for c in sorted(chars) if c in _SHORT_ESCAPES]
+    if not parts:
+        raise _Unsupported("a character class with only control characters (JSON cannot write them unescaped)")
+    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
+
+
+def _ranges(chars: list[str]) -> str:
+    """A class body for the sorted ASCII ``chars`` (as runs)."""
+    out, i = [], 0
+    codes = [ord(c) for c in chars]
+    while i < len(codes):
+        j = i
+        while j + 1 < len(codes) and codes[j + 1] == codes[j] + 1:
+            j += 1
+        a, b = codes[i], codes[j]
+        one = (lambda c: chr(c) if chr(c).isalnum() or c >= 0x80 else "\\x%02x" % c)
+        out.append(one(a) if a == b else one(a) + ("-" if b > a + 1 else "") + one(b))
+        i = j + 1
+    return "".join(out)
