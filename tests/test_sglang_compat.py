@@ -145,7 +145,7 @@ def test_runtime_takes_sglang_option_names(runtime, folder):
 
 @pytest.mark.parametrize("option, match", [
     (dict(tp_size=2), "tp_size=2 is not supported by plait: tensor parallelism"),
-    (dict(dp_size=2), "dp_size=2 is not supported by plait: data parallelism"),
+    (dict(pp_size=2), "pp_size=2 is not supported by plait: pipeline parallelism"),
     (dict(quantization="fp8"), r"quantization='fp8' is not supported by plait: .*\.gguf"),
     (dict(enable_torch_compile=True), "enable_torch_compile=True is not supported by plait: .*CUDA graphs"),
     (dict(tokenizer_path="/elsewhere"), "tokenizer_path='/elsewhere' is not supported by plait"),

@@ -84,6 +84,7 @@ class ServerArgs:
     log_level: str = "warning"
     restart_engine: bool = True
     client_timeout_s: float = 10.0
+    dp_size: int = 1  # engine replicas (data parallel) behind this front
     tool_call_parser: str | None = None  # None: detected from the chat template (plait.tool_parsers)
     reasoning_parser: str | None = None  # None: reasoning stays in the content (plait.reasoning)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -98,6 +99,8 @@ class ServerArgs:
         if isinstance(self.client_timeout_s, bool) or not isinstance(self.client_timeout_s, (int, float)) \
                 or not 0 < self.client_timeout_s <= 3600:
             raise ValueError(f"client_timeout_s={self.client_timeout_s!r} is invalid; allowed: seconds in (0, 3600]")
+        if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or not 1 <= self.dp_size <= 64:
+            raise ValueError(f"dp_size={self.dp_size!r} is invalid; allowed: an integer in [1, 64] (engine replicas)")
         if not isinstance(self.restart_engine, bool):
             raise ValueError(f"restart_engine={self.restart_engine!r} is invalid; allowed: true or false")
         from plait.reasoning import REASONING_PARSERS
@@ -161,6 +164,8 @@ _SERVER_HELP = {
     "zmq_address": "socket of language clients: tcp://HOST:PORT (PORT * or 0 for a free one) or ipc://PATH "
     "(default: ipc in a private temp folder)",
     "log_level": "logging level of the server processes: " + ", ".join(LOG_LEVELS),
+    "dp_size": "data parallel: engine processes (replicas, each with its own model copy and KV cache) behind one "
+    "front; requests go to the replica with the fewest tokens in flight; --num-threads applies to each",
     "client_timeout_s": "abort the requests of a language client that pings and then goes silent this long",
     "tool_call_parser": "format of tool calls in model output: hermes, llama3_json, mistral, pythonic (default: "
     "detected from the chat template, else hermes with plait's generic tool prompt)",
@@ -204,7 +209,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, default_port: int =
         kwargs: dict[str, Any] = {"default": default, "help": _SERVER_HELP[f.name] + _default_note(default)}
         if f.name == "log_level":
             kwargs["choices"] = LOG_LEVELS
-        elif f.name == "port":
+        elif f.name in ("port", "dp_size"):
             kwargs["type"] = int
         elif f.name == "client_timeout_s":
             kwargs["type"] = float

@@ -1,6 +1,7 @@
 """The engine process: one loop — receive, schedule, run a step, send what it produced.
 
-Started by the front process as ``python -m plait.runtime.server.engine_proc SPEC``.
+Started by the front process as ``python -m plait.runtime.server.engine_proc SPEC``, once
+per data-parallel replica (``dp_rank`` in the spec).
 It owns the model and the KV memory; nothing else touches them. It connects a PULL
 socket (requests from the front) and a PUSH socket (outputs to the front), both
 bound by the front on private ``ipc://`` paths. Each step's output is one
@@ -179,7 +180,7 @@ def main(spec_json: str) -> int:
     push.connect(spec["out_addr"])
     try:
         # validated by the front's settings, once: rebuilt here without checking again
-        engine = Engine(spec["model"], config=build_trusted(EngineConfig, spec["engine"]))
+        engine = Engine(spec["model"], config=build_trusted(EngineConfig, spec["engine"]), dp_rank=spec["dp_rank"])
     except Exception as e:  # noqa: BLE001  (any load failure is reported to the front)
         logger.error("engine failed to start:\n%s", traceback.format_exc())
         push.send(P.encode(P.EngineStartupError(f"{type(e).__name__}: {e}")))

@@ -47,7 +47,9 @@ Sink = Callable[[P.ServerResponse], None]  # where a request's outputs go (HTTP 
 
 @dataclass
 class ReqState:
-    """One in-flight generate request (all ``n`` sequences of one prompt)."""
+    """One in-flight generate request (all ``n`` sequences of one prompt), on the
+    engine replica ``replica``; ``cost`` is the tokens each sequence may take there
+    (prompt + max_new_tokens), counted in that replica's load until it finishes."""
 
     rid: str
     n: int
@@ -56,19 +58,53 @@ class ReqState:
     owner: bytes | None  # ZMQ identity of a language client; None for HTTP
     prompt_tokens: int
     text_in_logprobs: bool = False
+    replica: int = 0
+    cost: int = 0
     created: float = field(default_factory=time.monotonic)
     done: set[int] = field(default_factory=set)
     last_token: dict[int, float] = field(default_factory=dict)
 
 
+@dataclass
+class Replica:
+    """One engine process of the server (``--dp-size`` of them) and what the front
+    knows of it; the front is the one writer. ``push`` sends to it; ``restart`` starts
+    a new process after a death (None: no restarts); ``load_tokens`` /
+    ``load_requests``: what is in flight there (the dispatch policy's input)."""
+
+    rank: int
+    proc: subprocess.Popen
+    push: zmq.asyncio.Socket
+    restart: Callable[[], subprocess.Popen] | None = None
+    alive: bool = True
+    restarting: bool = False
+    exit_code: int | None = None
+    last_error: str = ""
+    deaths: list[float] = field(default_factory=list)
+    stats: P.EngineStats = field(default_factory=P.EngineStats)
+    load_tokens: int = 0
+    load_requests: int = 0
+
+    def state(self) -> str:
+        """``ok``, ``restarting`` or ``down``."""
+        return "ok" if self.alive else ("restarting" if self.restarting else "down")
+
+
 class Front:
-    """Validates and routes requests. ``push`` sends to the engine process
-    ``engine_proc``; ``router`` is the language clients' socket, bound at
-    ``zmq_address`` (both made by :mod:`plait.runtime.server.serve`)."""
+    """Validates and routes requests to the engine replicas (``replicas``, made by
+    :mod:`plait.runtime.server.serve`); ``router`` is the language clients' socket,
+    bound at ``zmq_address``.
+
+    Dispatch (data parallel): a generate request goes to the live replica with the
+    fewest tokens in flight (prompt + max_new_tokens of its unfinished sequences;
+    fewest requests, then lowest rank, on a tie); the ``n`` sequences of one request
+    stay together on one replica, so they share the prompt's KV. Cache flushes and
+    weight updates go to every replica (they succeed where all succeed); a pin is taken
+    on every live replica, so a batch's requests hit the pinned prefix wherever the
+    dispatcher sends them (each replica spends its own pin budget on it)."""
 
     def __init__(self, args: ServerArgs, tokenizer: Any, model_info: dict[str, Any], *,
-                 engine_proc: subprocess.Popen, push: zmq.asyncio.Socket, router: zmq.asyncio.Socket,
-                 zmq_address: str, restart_engine: Callable[[], subprocess.Popen] | None = None) -> None:
+                 replicas: list[Replica], router: zmq.asyncio.Socket, zmq_address: str) -> None:
         self.args = args
         self.tokenizer = tokenizer
         self.model_info = model_info  # context_len, vocab_size, ... from the engine
@@ -79,19 +115,12 @@ class Front:
         self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer else 1
         self.max_prompt_chars = self.context_len * max(self.max_token_chars, 1)
         self.table: dict[str, ReqState] = {}
-        self.pending: dict[str, tuple[asyncio.Future, str]] = {}  # control id -> (future, client rid)
-        self.stats = P.EngineStats()
-        self.metrics = Metrics(args.model_name, lambda: self.stats)
-        self.engine_alive = True
-        self.engine_exit: int | None = None
-        # engine restarts (--restart-engine): a new process after a death, unless the
-        # deaths form a crash loop (CRASH_LOOP_DEATHS within CRASH_LOOP_WINDOW_S)
-        self.restart_engine = restart_engine
-        self.restarting = False
-        self.last_error = ""
-        self._deaths: list[float] = []
-        self.engine_proc = engine_proc
-        self.push = push
+        # control id -> (future, client rid, replica rank)
+        self.pending: dict[str, tuple[asyncio.Future, str, int]] = {}
+        # a client's pin id -> (expiry, [(replica rank, that replica's pin id)])
+        self.pins: dict[str, tuple[float, list[tuple[int, str]]]] = {}
+        self.replicas = replicas
+        self.metrics = Metrics(args.model_name, lambda: [r.stats for r in self.replicas], len(replicas))
         self.router = router
         self.zmq_address = zmq_address
         self._engine_decoder = msgspec.msgpack.Decoder(P.EngineMessage)
@@ -126,26 +155,37 @@ class Front:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     def engine_state(self) -> str:
-        """``ok``, ``restarting`` or ``down``; a dead process is noticed here at once."""
-        if self.engine_alive and self.engine_proc.poll() is not None:
-            self.on_engine_death(self.engine_proc.returncode)
-        if self.engine_alive:
-            return "ok"
-        return "restarting" if self.restarting else "down"
+        """``ok`` while a replica serves, else ``restarting`` while one restarts, else
+        ``down``; a dead process is noticed here at once."""
+        states = [self._poll(r) for r in self.replicas]
+        return next((st for st in ("ok", "restarting") if st in states), "down")
+
+    def _poll(self, r: Replica) -> str:
+        if r.alive and r.proc.poll() is not None:
+            self.on_engine_death(r, r.proc.returncode)
+        return r.state()
 
     def check_up(self) -> None:
+        """Raise a 503 unless a replica serves."""
         state = self.engine_state()
+        if state == "ok":
+            return
+        r = next((r for r in self.replicas if r.state() == state), self.replicas[0])
+        which = "the engine process" if len(self.replicas) == 1 else f"every engine replica is down; replica {r.rank}"
         if state == "restarting":
-            raise RequestError(
-                f"the engine process exited (code {self.engine_exit}) and is restarting; retry shortly",
-                None, 503, "server_error",
-            )
-        if state == "down":
-            raise RequestError(
-                f"the engine process is not running (exit code {self.engine_exit}); the server cannot serve requests"
-                + (f" ({self.last_error})" if self.last_error else ""),
-                None, 503, "server_error",
-            )
+            raise RequestError(f"{which} exited (code {r.exit_code}) and is restarting; retry shortly",
+                               None, 503, "server_error")
+        raise RequestError(
+            f"{which} is not running (exit code {r.exit_code}); the server cannot serve requests"
+            + (f" ({r.last_error})" if r.last_error else ""),
+            None, 503, "server_error",
+        )
+
+    def pick_replica(self) -> Replica:
+        """The dispatch policy: the live replica with the fewest tokens in flight
+        (then fewest requests, then lowest rank). Call after :meth:`check_up`."""
+        live = [r for r in self.replicas if r.alive]
+        return min(live, key=lambda r: (r.load_tokens, r.load_requests, r.rank))
 
     async def submit(self, req: P.GenerateRequest, sink: Sink, owner: bytes | None = None,
                      prompt_param: str | None = None) -> ReqState:
@@ -194,15 +234,30 @@ class Front:
             data = P.encode(inp.to_wire())
         except (OverflowError, TypeError, msgspec.EncodeError) as e:
             raise RequestError(f"the request holds a value that cannot be sent to the engine: {e}", "sampling_params") from None
-        st = ReqState(req.rid, inp.params.n, req.stream, sink, owner, len(ids), req.return_text_in_logprobs)
+        replica = self.pick_replica()
+        cost = len(ids) + inp.params.max_new_tokens
+        st = ReqState(req.rid, inp.params.n, req.stream, sink, owner, len(ids), req.return_text_in_logprobs,
+                      replica.rank, cost)
         self.table[req.rid] = st
-        self.push.send(data, zmq.NOBLOCK)
+        replica.load_tokens += cost * st.n
+        replica.load_requests += 1
+        replica.push.send(data, zmq.NOBLOCK)
         return st
 
+    def _settle(self, st: ReqState, sequences: int, ended: bool) -> None:
+        """``sequences`` of ``st`` ended: their tokens leave the replica's load; when the
+        request ``ended`` (all of them), it leaves the table."""
+        r = self.replicas[st.replica]
+        r.load_tokens -= st.cost * sequences
+        if ended:
+            r.load_requests -= 1
+            self.table.pop(st.rid, None)
+
     def abort(self, rid: str) -> bool:
-        if rid not in self.table or not self.engine_alive:
+        st = self.table.get(rid)
+        if st is None or not self.replicas[st.replica].alive:
             return False
-        self.push.send(P.encode(P.AbortRequest(rid)), zmq.NOBLOCK)
+        self.replicas[st.replica].push.send(P.encode(P.AbortRequest(rid)), zmq.NOBLOCK)
         return True
 
     def abort_all(self, owner: bytes | None = None, everyone: bool = False) -> list[str]:
@@ -213,61 +268,124 @@ class Front:
 
     async def control(self, msg: P.FlushCacheRequest | P.ServerInfoRequest | P.PinRequest | P.UnpinRequest
                       | P.UpdateWeightsRequest, client_rid: str = "") -> P.ServerResponse | P.UpdateWeightsResult:
-        """Send a flush/info/pin/unpin/update message to the engine and wait for its answer."""
+        """Send a flush/info/pin/unpin/update message to the engine replicas it concerns
+        (the class docstring says which) and wait for their answer."""
         self.check_up()
+        if isinstance(msg, P.PinRequest):
+            return await self._pin(msg, client_rid)
+        if isinstance(msg, P.UnpinRequest):
+            return await self._unpin(msg, client_rid)
+        live = [r for r in self.replicas if r.alive]
+        replies = await asyncio.gather(*(self._ask(r, msg, client_rid) for r in live))
+        if isinstance(msg, P.ServerInfoRequest):
+            return replies[0]
+        return _all_ok(replies, [r.rank for r in live])
+
+    async def _ask(self, replica: Replica, msg: Any, client_rid: str) -> Any:
+        """One control message to one replica, and its answer (``rid``: ``client_rid``)."""
         cid = f"ctl-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         msg = msgspec.structs.replace(msg, rid=cid, api_key=None)
         fut = asyncio.get_running_loop().create_future()
-        self.pending[cid] = (fut, client_rid)
-        self.push.send(P.encode(msg), zmq.NOBLOCK)
+        self.pending[cid] = (fut, client_rid, replica.rank)
+        replica.push.send(P.encode(msg), zmq.NOBLOCK)
         try:
             return await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
         finally:
             self.pending.pop(cid, None)
 
+    async def _pin(self, msg: P.PinRequest, client_rid: str) -> P.ServerResponse:
+        now = time.monotonic()
+        self.pins = {k: v for k, v in self.pins.items() if v[0] > now}  # expired in the engines too
+        live = [r for r in self.replicas if r.alive]
+        replies = await asyncio.gather(*(self._ask(r, msg, client_rid) for r in live))
+        held = [(r.rank, rep.pin_id) for r, rep in zip(live, replies) if isinstance(rep, P.PinResult)]
+        failed = next((rep for rep in replies if not isinstance(rep, P.PinResult)), None)
+        if failed is not None:  # all or nothing: release what the others took
+            await asyncio.gather(*(self._ask(self.replicas[rank], P.UnpinRequest("", pin_id), client_rid)
+                                   for rank, pin_id in held))
+            return failed
+        if len(held) == 1 and len(self.replicas) == 1:
+            return replies[0]  # one replica: its own pin id
+        pin_id = f"pin-{uuid.uuid4().hex}"
+        self.pins[pin_id] = (now + msg.ttl_s, held)
+        return P.PinResult(client_rid, pin_id, replies[0].num_tokens)
+
+    async def _unpin(self, msg: P.UnpinRequest, client_rid: str) -> P.ServerResponse:
+        if len(self.replicas) == 1:
+            return await self._ask(self.replicas[0], msg, client_rid)
+        entry = self.pins.pop(msg.pin_id, None)
+        if entry is None:
+            return P.UnpinResult(client_rid, False)
+        held = [(self.replicas[rank], pin_id) for rank, pin_id in entry[1] if self.replicas[rank].alive]
+        replies = await asyncio.gather(*(self._ask(r, P.UnpinRequest("", pin_id), client_rid) for r, pin_id in held))
+        return P.UnpinResult(client_rid, any(isinstance(rep, P.UnpinResult) and rep.ok for rep in replies))
+
     async def server_info(self) -> dict[str, Any]:
+        """The engines' facts and state (SGLang's ``get_server_info``): the first live
+        replica's at the top level with the counters summed over replicas, and each
+        replica's own under ``replicas``."""
+        live = [r for r in self.replicas if r.alive]
+        replies = await asyncio.gather(*(self._ask(r, P.ServerInfoRequest(""), "") for r in live))
+        by_rank = {r.rank: rep.info for r, rep in zip(live, replies) if isinstance(rep, P.ServerInfo)}
+        replicas = []
+        for r in self.replicas:
+            entry = dict(by_rank.get(r.rank, {}))
+            entry.update(dp_rank=r.rank, engine_state=self._poll(r), last_engine_error=r.last_error,
+                         load_tokens=r.load_tokens, load_requests=r.load_requests)
+            replicas.append(entry)
         info: dict[str, Any] = {}
-        if self.engine_alive:
-            reply = await self.control(P.ServerInfoRequest(""))
-            if isinstance(reply, P.ServerInfo):  # else the engine died while asked
-                info.update(reply.info)
+        if by_rank:  # else every engine died while asked
+            infos = list(by_rank.values())
+            info.update(infos[0])
+            for key in _SUMMED:
+                if all(key in i for i in infos):
+                    info[key] = sum(i[key] for i in infos)
+            if all("pool" in i for i in infos):
+                info["pool"] = {k: sum(i["pool"].get(k, 0) for i in infos) for k in infos[0]["pool"]}
+            info["invariant_ok"] = all(i.get("invariant_ok", True) for i in infos)
+            info["invariant_error"] = "; ".join(i["invariant_error"] for i in infos if i.get("invariant_error"))
+        state = self.engine_state()
         info.update(
             front_pid=os.getpid(),
             served_model_name=self.args.model_name,
             zmq_address=self.zmq_address,
             protocol_version=P.PROTOCOL_VERSION,
             in_flight=len(self.table),
-            healthy=self.engine_alive,
-            engine_state=self.engine_state(),
-            last_engine_error=self.last_error,
+            healthy=state == "ok",
+            engine_state=state,
+            last_engine_error="; ".join(r.last_error for r in self.replicas if r.last_error),
+            dp_size=len(self.replicas),
+            engine_pids=[r.proc.pid for r in self.replicas],
+            replicas=replicas,
             **chat_template_info(self.tokenizer),
         )
         return info
 
     # -- engine outputs -------------------------------------------------------------------
-    async def engine_reader(self, pull: zmq.asyncio.Socket) -> None:
+    async def engine_reader(self, replica: Replica, pull: zmq.asyncio.Socket) -> None:
+        """Read what engine replica ``replica`` sends on ``pull`` (its own socket)."""
         while True:
             data = await pull.recv()
             try:
                 msg = self._engine_decoder.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                logger.error("malformed message from the engine: %s", e)
+                logger.error("malformed message from engine replica %d: %s", replica.rank, e)
                 continue
             if isinstance(msg, P.EngineOutputs):
-                self.on_outputs(msg)
+                self.on_outputs(msg, replica)
             elif isinstance(msg, P.EngineReady):
-                self._on_engine_ready(msg)
+                self._on_engine_ready(replica, msg)
             elif isinstance(msg, P.EngineStartupError):
-                self.last_error = f"the restarted engine failed to start: {msg.message}"
-                logger.error("%s", self.last_error)
+                replica.last_error = f"the restarted engine failed to start: {msg.message}"
+                logger.error("replica %d: %s", replica.rank, replica.last_error)
             else:
                 entry = self.pending.get(getattr(msg, "rid", ""))
                 if entry is not None and not entry[0].done():
                     entry[0].set_result(msgspec.structs.replace(msg, rid=entry[1]))
 
-    def on_outputs(self, out: P.EngineOutputs) -> None:
+    def on_outputs(self, out: P.EngineOutputs, replica: Replica) -> None:
         if out.stats is not None:
-            self.stats = out.stats
+            replica.stats = out.stats
         now = time.monotonic()
         for c in out.chunks:
             st = self.table.get(c.rid)
@@ -295,71 +413,76 @@ class Front:
             if st.text_in_logprobs:
                 add_token_text(meta, self.token_text)
             st.done.add(r.index)
-            if len(st.done) == st.n:
-                del self.table[r.rid]
+            self._settle(st, 1, len(st.done) == st.n)
             st.sink(r)
         for e in out.errors:
-            st = self.table.pop(e.rid, None)
+            st = self.table.get(e.rid)
             if st is None:
                 continue
+            self._settle(st, st.n - len(st.done), True)
             self.metrics.requests.labels(self.metrics.model, "error").inc()
             st.sink(e)
 
-    # -- engine process -------------------------------------------------------------------
+    # -- engine processes -----------------------------------------------------------------
     async def watchdog(self) -> None:
-        """Notice the engine's death (and a restarted engine's death while starting)."""
+        """Notice each replica's death (and a restarted replica's death while starting)."""
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            if self.engine_proc.poll() is None:
-                continue
-            if self.engine_alive:
-                self.on_engine_death(self.engine_proc.returncode)
-            elif self.restarting:  # the new process died before it was ready
-                self.restarting = False
-                self._restart(self.engine_proc.returncode)
-            if not self.restarting and not self.engine_alive:
+            for r in self.replicas:
+                if r.proc.poll() is None:
+                    continue
+                if r.alive:
+                    self.on_engine_death(r, r.proc.returncode)
+                elif r.restarting:  # the new process died before it was ready
+                    r.restarting = False
+                    self._restart(r, r.proc.returncode)
+            if all(r.state() == "down" for r in self.replicas):
                 return
 
-    def _restart(self, code: int | None) -> None:
+    def _restart(self, r: Replica, code: int | None) -> None:
         now = time.monotonic()
-        self._deaths = [t for t in self._deaths if now - t < CRASH_LOOP_WINDOW_S] + [now]
-        if self.restart_engine is None:
+        r.deaths = [t for t in r.deaths if now - t < CRASH_LOOP_WINDOW_S] + [now]
+        if r.restart is None:
             return
-        if len(self._deaths) >= CRASH_LOOP_DEATHS:
-            self.last_error = (f"the engine died {len(self._deaths)} times within {CRASH_LOOP_WINDOW_S:g} s "
-                               f"(last exit code {code}); not restarting it again"
-                               + (f"; {self.last_error}" if self.last_error else ""))
-            logger.error("%s", self.last_error)
+        if len(r.deaths) >= CRASH_LOOP_DEATHS:
+            r.last_error = (f"the engine died {len(r.deaths)} times within {CRASH_LOOP_WINDOW_S:g} s "
+                            f"(last exit code {code}); not restarting it again"
+                            + (f"; {r.last_error}" if r.last_error else ""))
+            logger.error("replica %d: %s", r.rank, r.last_error)
             return
-        logger.warning("restarting the engine process")
-        self.engine_proc = self.restart_engine()
-        self.restarting = True
-        self.metrics.engine_restarts.labels(self.metrics.model).inc()
+        logger.warning("restarting engine replica %d", r.rank)
+        r.proc = r.restart()
+        r.restarting = True
+        self.metrics.engine_restarts.labels(self.metrics.model, str(r.rank)).inc()
 
-    def _on_engine_ready(self, msg: P.EngineReady) -> None:
-        if not self.restarting:
+    def _on_engine_ready(self, r: Replica, msg: P.EngineReady) -> None:
+        if not r.restarting:
             return
-        self.restarting = False
-        self.engine_alive = True
-        self.engine_exit = None
-        self.last_error = ""
-        logger.warning("the restarted engine process %s is ready", msg.info.get("engine_pid"))
+        r.restarting = False
+        r.alive = True
+        r.exit_code = None
+        r.last_error = ""
+        logger.warning("the restarted engine process %s (replica %d) is ready", msg.info.get("engine_pid"), r.rank)
 
-    def on_engine_death(self, code: int | None) -> None:
-        if not self.engine_alive:
+    def on_engine_death(self, r: Replica, code: int | None) -> None:
+        """Replica ``r`` died: its in-flight requests and control messages fail (503),
+        the other replicas serve on; a restart is started unless it is a crash loop."""
+        if not r.alive:
             return
-        self.engine_alive = False
-        self.engine_exit = code
-        logger.error("the engine process exited with code %s; failing %d in-flight requests", code, len(self.table))
+        r.alive = False
+        r.exit_code = code
+        r.stats = P.EngineStats()
+        lost = {rid: st for rid, st in self.table.items() if st.replica == r.rank}
+        logger.error("engine replica %d exited with code %s; failing %d in-flight requests", r.rank, code, len(lost))
         message = f"the engine process exited (code {code}) before the request finished"
-        table, self.table = self.table, {}
-        for rid, st in table.items():
+        for rid, st in lost.items():
+            self._settle(st, st.n - len(st.done), True)
             self.metrics.requests.labels(self.metrics.model, "error").inc()
             st.sink(P.ErrorResponse(rid, message, 503, "server_error"))
-        for fut, client_rid in list(self.pending.values()):
-            if not fut.done():
+        for fut, client_rid, rank in list(self.pending.values()):
+            if rank == r.rank and not fut.done():
                 fut.set_result(P.ErrorResponse(client_rid, message, 503, "server_error"))
-        self._restart(code)
+        self._restart(r, code)
 
     # -- language clients (ZMQ ROUTER) ----------------------------------------------------
     async def client_watchdog(self) -> None:
@@ -441,6 +564,27 @@ class Front:
             self._send_client(ident, reply)
 
 
+# server_info counters summed over the replicas (the rest is the first replica's)
+_SUMMED = ("running", "waiting", "live_requests", "pages_total", "pages_used", "pages_evictable",
+           "cache_queried_tokens", "cache_hit_tokens", "cache_evicted_tokens", "retractions", "kv_events_published")
+
+
+def _all_ok(replies: list[Any], ranks: list[int]) -> Any:
+    """One answer for a flush or weight update sent to several replicas: the first
+    error, else a refusal naming the replicas that refused, else the first reply."""
+    error = next((r for r in replies if isinstance(r, P.ErrorResponse)), None)
+    if error is not None:
+        return error
+    refused = [(rank, r) for rank, r in zip(ranks, replies) if not r.ok]
+    if not refused:
+        return replies[0]
+    first = refused[0][1]
+    if len(replies) == 1:
+        return first
+    which = ", ".join(str(rank) for rank, _ in refused)
+    return msgspec.structs.replace(first, message=f"replica {which}: {first.message}")
+
+
 def check_rid(rid: Any, table: dict[str, ReqState]) -> None:
     if not isinstance(rid, str) or not rid or len(rid) > P.MAX_RID_LEN or "#" in rid:
         raise RequestError(
@@ -462,12 +606,16 @@ def _rid_of(payload: bytes) -> str:
 
 
 # -- process entry ---------------------------------------------------------------------------
-def start_engine(args: ServerArgs, model_path: str | None, in_addr: str, out_addr: str) -> subprocess.Popen:
+def start_engine(args: ServerArgs, model_path: str | None, in_addr: str, out_addr: str,
+                 dp_rank: int = 0) -> subprocess.Popen:
+    """Start engine replica ``dp_rank``, reading from ``in_addr`` and writing to
+    ``out_addr`` (both bound by the front)."""
     import dataclasses
 
     spec = {
         "model": model_path,
         "engine": dataclasses.asdict(args.engine),
+        "dp_rank": dp_rank,
         "in_addr": in_addr,
         "out_addr": out_addr,
         "parent_pid": os.getpid(),

@@ -67,8 +67,9 @@ def _private_ipc_dir(zmq_address: str) -> str | None:
 
 class RuntimeProcess:
     """A running plait server: ``url`` (HTTP base), ``zmq_address`` (for language
-    clients), ``pid`` (front process), ``engine_pid``. ``shutdown()`` stops both
-    processes; so does leaving a ``with`` block, or this process exiting."""
+    clients), ``pid`` (front process), ``engine_pid`` (the first engine replica's) and
+    ``engine_pids`` (all of them, ``dp_size`` > 1). ``shutdown()`` stops every process;
+    so does leaving a ``with`` block, or this process exiting."""
 
     def __init__(self, proc: subprocess.Popen, info: dict[str, Any], args: ServerArgs, pump: _LogPump) -> None:
         self._proc = proc
@@ -78,6 +79,7 @@ class RuntimeProcess:
         self.zmq_address: str = info["zmq_address"]
         self.pid: int = info["pid"]
         self.engine_pid: int = info["engine_pid"]
+        self.engine_pids: list[int] = info["engine_pids"]  # one per --dp-size replica, engine_pid first
         self._private_dir = None if args.zmq_address else _private_ipc_dir(self.zmq_address)
         self._finalizer = weakref.finalize(self, _stop, proc, 15.0, self._private_dir)
 

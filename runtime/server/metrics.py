@@ -16,25 +16,38 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
-class _EngineCollector(Collector):
-    """Reads the engine's latest :class:`EngineStats` at scrape time."""
+class _ByReplica:
+    """The replicas' stats by field: ``s.running`` is ``[replica 0's, replica 1's, ...]``."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model: str) -> None:
+    def __init__(self, stats: list[EngineStats]) -> None:
+        self._stats = stats
+
+    def __getattr__(self, name: str) -> list[float]:
+        return [getattr(s, name) for s in self._stats]
+
+
+class _EngineCollector(Collector):
+    """Reads each engine replica's latest :class:`EngineStats` at scrape time: one
+    sample per replica (label ``replica``, its data-parallel rank)."""
+
+    def __init__(self, stats: Callable[[], list[EngineStats]], model: str) -> None:
         self.stats = stats
         self.model = model
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        s = self.stats()
-        labels = ["model_name"]
+        s = _ByReplica(self.stats())
+        labels = ["model_name", "replica"]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        def gauge(name: str, doc: str, values: list[float]) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric([self.model], value)
+            for rank, value in enumerate(values):
+                g.add_metric([self.model, str(rank)], value)
             return g
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        def counter(name: str, doc: str, values: list[float]) -> CounterMetricFamily:
             c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric([self.model], value)
+            for rank, value in enumerate(values):
+                c.add_metric([self.model, str(rank)], value)
             return c
 
         yield gauge("plait_num_running_reqs", "Requests running in the engine.", s.running)
@@ -55,7 +68,10 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, model: str, stats: Callable[[], EngineStats]) -> None:
+    """The front's series (requests, latencies: the whole server) and each engine
+    replica's (``stats()``: their latest :class:`EngineStats`, by rank)."""
+
+    def __init__(self, model: str, stats: Callable[[], list[EngineStats]], dp_size: int = 1) -> None:
         disable_created_metrics()  # no `_created` series (this runs in the front process only)
         self.registry = CollectorRegistry()
         self.model = model
@@ -75,8 +91,9 @@ class Metrics:
         self.e2e = Histogram("plait_e2e_request_latency_seconds", "Arrival to last token.",
                              ["model_name"], buckets=_E2E_BUCKETS, registry=r)
         self.engine_restarts = Counter("plait_engine_restarts", "Engine processes restarted after dying.",
-                                       ["model_name"], registry=r)
-        self.engine_restarts.labels(model)  # exported from the start, at 0
+                                       ["model_name", "replica"], registry=r)
+        for rank in range(dp_size):
+            self.engine_restarts.labels(model, str(rank))  # exported from the start, at 0
         r.register(_EngineCollector(stats, model))
 
     def finished(self, reason: str, prompt_tokens: int, completion_tokens: int,

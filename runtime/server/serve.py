@@ -1,9 +1,10 @@
-"""The front process's main: bind sockets, start the engine process, serve until told
-to stop, then shut everything down (the engine process included).
+"""The front process's main: bind sockets, start the engine processes (``--dp-size``
+replicas), serve until told to stop, then shut everything down (the engines included).
 
 Run as ``python -m plait.runtime.server [flags]`` (what ``launch()`` does) or through
 ``plait serve``. With ``--ready-fd`` it writes one JSON line to that file descriptor:
-``{"url", "zmq_address", "pid", "engine_pid"}`` once it serves, or ``{"error"}`` if it
+``{"url", "zmq_address", "pid", "engine_pid", "engine_pids"}`` once it serves (``engine_pid``:
+the first of the ``--dp-size`` engine replicas), or ``{"error"}`` if it
 cannot start. With ``--parent-pid`` it exits when that process is gone.
 """
 
@@ -28,7 +29,7 @@ import zmq.asyncio
 
 from plait import protocol as P
 from plait.runtime.server.args import ServerArgs, setup_logging
-from plait.runtime.server.front import Front, start_engine
+from plait.runtime.server.front import Front, Replica, start_engine
 from plait.runtime.server.http_api import build_app
 
 logger = logging.getLogger("plait.serve")
@@ -138,28 +139,34 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
     except (OSError, ValueError) as e:
         raise StartupError(f"model {args.model!r}: {e}") from None
     ctx = zmq.asyncio.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDHWM, 0)
-    push.setsockopt(zmq.LINGER, 0)
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, 0)
-    pull.setsockopt(zmq.LINGER, 0)
+    sockets: list[zmq.asyncio.Socket] = []
+
+    def socket(kind: int, address: str) -> zmq.asyncio.Socket:
+        s = ctx.socket(kind)
+        s.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind(address)
+        sockets.append(s)
+        return s
+
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.SNDHWM, 100_000)
     router.setsockopt(zmq.LINGER, 0)
-    in_addr, out_addr = f"ipc://{tmpdir}/engine-in.sock", f"ipc://{tmpdir}/engine-out.sock"
-    push.bind(in_addr)
-    pull.bind(out_addr)
-    proc = None
+    sockets.append(router)
+    # one private pair of sockets per engine replica: requests in, outputs out
+    addrs = [(f"ipc://{tmpdir}/engine-{i}-in.sock", f"ipc://{tmpdir}/engine-{i}-out.sock") for i in range(args.dp_size)]
+    pushes = [socket(zmq.PUSH, a_in) for a_in, _ in addrs]
+    pulls = [socket(zmq.PULL, a_out) for _, a_out in addrs]
+    procs: list[Any] = []
     front: Front | None = None
     tasks: list[asyncio.Task] = []
     try:
         zmq_address = bind_zmq(router, args.zmq_address, tmpdir)
         sock = bind_http(args.host, args.port)
-        proc = start_engine(args, source.path, in_addr, out_addr)
+        procs = [start_engine(args, source.path, a_in, a_out, rank) for rank, (a_in, a_out) in enumerate(addrs)]
         tokenizer_task = asyncio.ensure_future(asyncio.to_thread(source.load_tokenizer))
         try:
-            info = await _wait_engine(pull, proc)
+            infos = await asyncio.gather(*(_wait_engine(pull, proc) for pull, proc in zip(pulls, procs)))
         except BaseException:
             tokenizer_task.cancel()
             raise
@@ -167,15 +174,20 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
             tokenizer = await tokenizer_task
         except Exception as e:  # noqa: BLE001
             raise StartupError(f"cannot load the tokenizer of {source.path}: {type(e).__name__}: {e}") from None
-        restart = (lambda: start_engine(args, source.path, in_addr, out_addr)) if args.restart_engine else None
-        front = Front(args, tokenizer, info, engine_proc=proc, push=push, router=router, zmq_address=zmq_address,
-                      restart_engine=restart)
+
+        def restarter(rank: int) -> Any:
+            a_in, a_out = addrs[rank]
+            return (lambda: start_engine(args, source.path, a_in, a_out, rank)) if args.restart_engine else None
+
+        replicas = [Replica(rank, proc, push, restarter(rank)) for rank, (proc, push) in enumerate(zip(procs, pushes))]
+        front = Front(args, tokenizer, infos[0], replicas=replicas, router=router, zmq_address=zmq_address)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        tasks = [asyncio.ensure_future(c) for c in (front.engine_reader(pull), front.client_loop(), front.watchdog(),
-                                                       front.client_watchdog())]
+        tasks = [asyncio.ensure_future(c) for c in (
+            *(front.engine_reader(r, pull) for r, pull in zip(replicas, pulls)),
+            front.client_loop(), front.watchdog(), front.client_watchdog())]
         if parent_pid is not None:
             tasks.append(asyncio.ensure_future(_watch_parent(parent_pid, stop)))
         config = uvicorn.Config(build_app(front), log_level=args.log_level, access_log=False, lifespan="off",
@@ -188,11 +200,13 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
                 raise StartupError("the HTTP server stopped while starting")
             await asyncio.sleep(0.01)
         url = http_url(sock)
-        report({"url": url, "zmq_address": zmq_address, "pid": os.getpid(), "engine_pid": proc.pid})
-        logger.info("plait server ready: %s (language clients: %s)", url, zmq_address)
+        report({"url": url, "zmq_address": zmq_address, "pid": os.getpid(), "engine_pid": procs[0].pid,
+                "engine_pids": [p.pid for p in procs]})
+        logger.info("plait server ready: %s (language clients: %s, %d engine replicas)", url, zmq_address,
+                    len(procs))
         stop_task = asyncio.ensure_future(stop.wait())
         await asyncio.wait({stop_task, serve_task}, return_when=asyncio.FIRST_COMPLETED)
-        # shut down: end in-flight requests, stop HTTP, then the engine
+        # shut down: end in-flight requests, stop HTTP, then the engines
         front.abort_all(everyone=True)
         await asyncio.sleep(0.05)
         server.should_exit = True
@@ -203,10 +217,9 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
         for t in tasks:
             t.cancel()
         if front is not None:
-            proc = front.engine_proc  # the current one, after any restarts
-        if proc is not None:
-            await _stop_engine(push, proc)
-        for s in (push, pull, router):
+            procs = [r.proc for r in front.replicas]  # the current ones, after any restarts
+        await asyncio.gather(*(_stop_engine(push, proc) for push, proc in zip(pushes, procs)))
+        for s in sockets:
             s.close(linger=0)
         ctx.term()
 

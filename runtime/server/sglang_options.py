@@ -24,6 +24,8 @@ ALIASES: dict[str, str] = {
     "model_path": "model",
     "max_total_tokens": "kv_cache_tokens",
     "random_seed": "seed",
+    "data_parallel_size": "dp_size",
+    "dp": "dp_size",
 }
 
 VALUE_ALIASES: dict[str, dict[str, str]] = {
@@ -57,8 +59,6 @@ _ONE_DEVICE = "a plait server runs one model on one device; for more throughput 
 FOREIGN: dict[str, Foreign] = {
     "tp_size": Foreign(_only(1), "tensor parallelism is not implemented; " + _ONE_DEVICE, int,
                        ("--tp", "--tensor-parallel-size")),
-    "dp_size": Foreign(_only(1), "data parallelism inside one server is not implemented; " + _ONE_DEVICE, int,
-                       ("--dp", "--data-parallel-size")),
     "pp_size": Foreign(_only(1), "pipeline parallelism is not implemented; " + _ONE_DEVICE, int,
                        ("--pipeline-parallel-size",)),
     "ep_size": Foreign(_only(1), "expert parallelism is not implemented; " + _ONE_DEVICE, int,

@@ -1,0 +1,113 @@
+"""Data parallel (``dp_size``): one front, several engine replicas. Outputs equal one
+replica's; requests are spread by load; each replica is watched, restarted and
+reported (/metrics ``replica`` label, /server_info ``replicas``) on its own."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from plait.runtime.server import launch
+
+OPTS = {"num_threads": 1, "kv_cache_tokens": 4096, "max_running_requests": 16, "echo_logs": False}
+GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 6}
+LONG = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 900}
+PROMPTS = [f"Replica test {i}: the {w} is" for i, w in enumerate(["sky", "sea", "hill", "road", "tree", "lake"])]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_factory):
+    model = str(tiny_model_factory("llama"))
+    with launch(model, dp_size=2, **OPTS) as two, launch(model, **OPTS) as one:
+        yield two, one
+
+
+def metric(url: str, name: str, replica: int) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = re.search(rf'^{name}{{[^}}]*replica="{replica}"[^}}]*}} ([0-9.e+]+)$', text, re.M)
+    assert m, f"{name} of replica {replica} missing"
+    return float(m.group(1))
+
+
+def test_two_replicas_serve_what_one_serves(servers):
+    two, one = servers
+    assert len(two.engine_pids) == 2 and two.engine_pid == two.engine_pids[0]
+    body = {"text": PROMPTS, "sampling_params": GREEDY}
+    # one batch: all its prompts are dispatched while the others are in flight
+    got = httpx.post(two.url + "/generate", json=body, timeout=120)
+    want = httpx.post(one.url + "/generate", json=body, timeout=120)
+    assert got.status_code == want.status_code == 200, got.text
+    assert [o["output_ids"] for o in got.json()] == [o["output_ids"] for o in want.json()]
+    # concurrent single requests, n > 1 included
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futs = {url: [pool.submit(httpx.post, url + "/generate", timeout=120,
+                                  json={"text": p, "sampling_params": {**GREEDY, "n": 2}}) for p in PROMPTS]
+                for url in (two.url, one.url)}
+        outs = {url: [f.result().json() for f in fs] for url, fs in futs.items()}
+    assert [[o["output_ids"] for o in r] for r in outs[two.url]] == [[o["output_ids"] for o in r] for r in outs[one.url]]
+    # both replicas did work, and each reports its own
+    for rank in (0, 1):
+        assert metric(two.url, "plait_prefix_cache_queried_tokens_total", rank) > 0
+        assert metric(two.url, "plait_kv_pages_total", rank) > 0
+    info = _idle(two.url)
+    assert info["dp_size"] == 2 and [r["dp_rank"] for r in info["replicas"]] == [0, 1]
+    assert [r["engine_pid"] for r in info["replicas"]] == two.engine_pids
+    assert info["cache_queried_tokens"] == sum(r["cache_queried_tokens"] for r in info["replicas"])
+    assert info["pool"]["total"] == sum(r["pool"]["total"] for r in info["replicas"])
+    assert all(r["load_tokens"] == 0 and r["load_requests"] == 0 for r in info["replicas"])
+    assert info["invariant_ok"], info["invariant_error"]
+    # a flush reaches every replica
+    assert httpx.post(two.url + "/flush_cache", timeout=30).json()["success"] is True
+    assert all(r["pool"]["evictable"] == 0 for r in httpx.get(two.url + "/server_info", timeout=30).json()["replicas"])
+
+
+def test_a_dead_replica_fails_its_requests_and_restarts_while_the_other_serves(servers):
+    two, _ = servers
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        # the first long request goes to replica 0; while it runs, the next goes to replica 1
+        a = pool.submit(httpx.post, two.url + "/generate", timeout=120,
+                        json={"text": "long one", "sampling_params": LONG, "rid": "long-a"})
+        _wait(lambda i: i["replicas"][0]["load_requests"] == 1, two.url)
+        b = pool.submit(httpx.post, two.url + "/generate", timeout=120,
+                        json={"text": "long two", "sampling_params": LONG, "rid": "long-b"})
+        _wait(lambda i: i["replicas"][1]["running"] == 1, two.url)
+        victim = two.engine_pids[1]
+        os.kill(victim, signal.SIGKILL)
+        r = b.result()
+        assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"]
+        # the server stays up on replica 0: health is ok, new requests are served there
+        assert httpx.get(two.url + "/health", timeout=10).status_code == 200
+        ok = httpx.post(two.url + "/generate", json={"text": "hi", "sampling_params": GREEDY}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 6
+        httpx.post(two.url + "/abort_request", json={"rid": "long-a"}, timeout=10)
+        assert a.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
+    info = _wait(lambda i: i["replicas"][1]["engine_state"] == "ok", two.url)
+    assert info["replicas"][1]["engine_pid"] != victim and info["replicas"][0]["engine_pid"] == two.engine_pids[0]
+    assert metric(two.url, "plait_engine_restarts_total", 1) == 1 and metric(two.url, "plait_engine_restarts_total", 0) == 0
+    # the restarted replica takes requests again
+    outs = httpx.post(two.url + "/generate", json={"text": PROMPTS[:2], "sampling_params": GREEDY}, timeout=60)
+    assert outs.status_code == 200
+    assert _wait(lambda i: i["replicas"][1]["cache_queried_tokens"] > 0, two.url)
+
+
+def _wait(cond: Any, url: str, seconds: float = 90.0) -> dict[str, Any]:
+    for _ in range(int(seconds / 0.05)):
+        info = httpx.get(url + "/server_info", timeout=10).json()
+        try:
+            if cond(info):
+                return info
+        except (KeyError, IndexError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"condition not reached: {info}")
+
+
+def _idle(url: str) -> dict[str, Any]:
+    return _wait(lambda i: i["running"] == 0 and i["waiting"] == 0 and i["in_flight"] == 0, url)
