@@ -361,6 +361,29 @@ class Front:
         )
         return info
 
+    def loads(self) -> dict[str, Any]:
+        """Each replica's load in SGLang's ``/v1/loads`` shape (what SMG's load-aware
+        policies read): ``num_total_tokens`` is the tokens in flight there (prompt +
+        max_new_tokens of unfinished sequences, the dispatcher's own measure)."""
+        entries = []
+        for r in self.replicas:
+            s = r.stats
+            queried = s.cache_queried_tokens
+            entries.append({
+                "dp_rank": r.rank, "num_running_reqs": s.running, "num_waiting_reqs": s.waiting,
+                "num_total_tokens": r.load_tokens, "num_used_tokens": s.pages_used * s.page_size,
+                "max_total_num_tokens": s.pages_total * s.page_size,
+                "token_usage": s.pages_used / s.pages_total if s.pages_total else 0.0,
+                "cache_hit_rate": s.cache_hit_tokens / queried if queried else 0.0,
+                "engine_state": self._poll(r),
+            })
+        return {
+            "timestamp": time.time(), "dp_rank_count": len(entries), "loads": entries,
+            "aggregate": {"total_running_reqs": sum(e["num_running_reqs"] for e in entries),
+                          "total_waiting_reqs": sum(e["num_waiting_reqs"] for e in entries),
+                          "total_tokens": sum(e["num_total_tokens"] for e in entries)},
+        }
+
     # -- engine outputs -------------------------------------------------------------------
     async def engine_reader(self, replica: Replica, pull: zmq.asyncio.Socket) -> None:
         """Read what engine replica ``replica`` sends on ``pull`` (its own socket)."""

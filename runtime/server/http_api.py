@@ -374,13 +374,17 @@ def build_app(front: Front) -> ASGIApp:
 
         return JSONResponse({"version": plait.__version__, "protocol_version": P.PROTOCOL_VERSION})
 
+    async def loads(request: Request) -> Response:
+        return JSONResponse(front.loads())
+
     async def metrics(request: Request) -> Response:
         return Response(front.metrics.render(), media_type=CONTENT_TYPE)
 
     # -- OpenAI -------------------------------------------------------------------------------
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
-            "id": front.args.model_name, "object": "model", "created": 0, "owned_by": "plait",
+            # "sglang": routers (SMG) read it to pick the worker protocol, and plait speaks SGLang's
+            "id": front.args.model_name, "object": "model", "created": 0, "owned_by": "sglang",
             "root": front.model_info.get("model_path"), "max_model_len": front.context_len,
         }]})
 
@@ -449,6 +453,7 @@ def build_app(front: Front) -> ASGIApp:
         Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/loads", loads, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
@@ -474,13 +479,22 @@ def _per_item(body: dict[str, Any], name: str, count: int, kind: str, default: A
 
 
 NATIVE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                 "return_text_in_logprobs", "stream", "rid", "cache_salt", "model"}
+                 "return_text_in_logprobs", "stream", "rid", "cache_salt", "model", "log_metrics", "no_logs",
+                 "background", "return_bytes", "return_entropy"}
+# SGLang's /generate fields that routers (SMG) forward at their defaults: accepted at
+# any value where nothing changes (metrics and logs are always on), refused when true
+_OFF_ONLY = ("background", "return_bytes", "return_entropy")
 
 
 def parse_native(front: Front, body: dict[str, Any]) -> tuple[list[P.GenerateRequest], bool, bool]:
     """Native ``/generate`` body -> engine requests, whether it was a single prompt,
     and whether to stream."""
     oa.check_fields(body, NATIVE_FIELDS)
+    for name in _OFF_ONLY:
+        if oa.get_field(body, name, "bool", False):
+            raise RequestError(f"{name}=true is not supported by plait; allowed: false", name)
+    oa.get_field(body, "log_metrics", "bool", True)
+    oa.get_field(body, "no_logs", "bool", False)
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise RequestError("exactly one of text and input_ids is required", "text" if text is None else "input_ids")
