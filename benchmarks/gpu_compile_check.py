@@ -8,10 +8,14 @@ launchers themselves on small CPU tensors of real model shapes (SmolLM2-135M: 9/
 heads of dim 64; Llama-3-8B: 32/8 heads of dim 128; Qwen3-8B: Llama-3-8B's attention
 plus its per-head q/k norm), in bfloat16 and float32: the attention backend's
 ``forward`` (KV store, extend, decode split + merge), RoPE, RMSNorm, fused add-RMSNorm
-and SiLU-and-mul. Triton's JIT specializes and compiles each launch exactly as on a
-GPU; a compile-only driver (:class:`CompileOnlyDriver`) stands in for CUDA, names the
-target, and turns each launch into a no-op. Nothing here chooses a block size, warp
-count or stage count.
+and SiLU-and-mul, and the grammar bitmask kernel over each model's vocabulary. The
+attention case runs a mixed step and a decode-only step over a page table as wide as
+the model's context, as a CUDA graph records it (the decode split count of graph
+bucket 1). Triton's JIT specializes and compiles each launch exactly as on a GPU; a
+compile-only driver (:class:`CompileOnlyDriver`) stands in for CUDA, names the target
+(its SM count is an A100's / H100's), and turns each launch into a no-op. Nothing here
+chooses a block size, warp count or stage count: the settings the launchers choose per
+target (extend tiles and warps, decode splits per batch size) are printed first.
 
 For each compiled kernel the PTX is assembled again with ``ptxas -v`` (Triton's own
 flags) to read the registers per thread and the spill stores/loads, and the PTX tells
@@ -59,12 +63,23 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 import plait.kernels  # noqa: E402
 from plait.kernels import _triton  # noqa: E402
 
-# Supported targets: Triton arch number and the largest shared memory one block may use
-# (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN of an A100 / H100), which is what
-# Triton checks before a launch. Triton compiles arch 90 for sm_90a (wgmma needs the "a").
-TARGETS: dict[str, tuple[int, int]] = {
-    "sm_80": (80, 166912),
-    "sm_90a": (90, 232448),
+
+
+@dataclass(frozen=True)
+class Target:
+    """A CUDA target: Triton's arch number, the largest shared memory one block may use
+    (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, which Triton checks before a
+    launch) and the SM count (the decode split count depends on it), of an A100 / H100."""
+
+    arch: int
+    max_shared_mem: int
+    sm_count: int
+
+
+# Triton compiles arch 90 for sm_90a (wgmma needs the "a").
+TARGETS: dict[str, Target] = {
+    "sm_80": Target(80, 166912, 108),
+    "sm_90a": Target(90, 232448, 132),
 }
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # ptxas flags of Triton's own cubin step (triton/backends/nvidia/compiler.py make_cubin),
@@ -83,22 +98,26 @@ class ModelShape:
     head_dim: int
     hidden: int
     intermediate: int
+    vocab: int
+    context: int  # the page table's width: the longest context
     qk_norm: bool = False  # Qwen3's per-head RMSNorm on q and k
 
 
 MODELS = [
-    ModelShape("SmolLM2-135M", 9, 3, 64, 576, 1536),
-    ModelShape("Llama-3-8B", 32, 8, 128, 4096, 14336),
-    ModelShape("Qwen3-8B", 32, 8, 128, 4096, 12288, qk_norm=True),
+    ModelShape("SmolLM2-135M", 9, 3, 64, 576, 1536, 49152, 8192),
+    ModelShape("Llama-3-8B", 32, 8, 128, 4096, 14336, 128256, 8192),
+    ModelShape("Qwen3-8B", 32, 8, 128, 4096, 12288, 151936, 40960, qk_norm=True),
 ]
+# batch sizes whose decode split counts are printed (CUDA-graph buckets)
+SPLIT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
 class Case:
-    """One shipped launcher call: ``launch(model, dtype)`` runs it on CPU tensors."""
+    """One shipped launcher call: ``launch(model, dtype, target)`` runs it on CPU tensors."""
 
     name: str
-    launch: Callable[[ModelShape, torch.dtype], object]
+    launch: Callable[[ModelShape, torch.dtype, Target], object]
     has_head_dim: bool  # the kernels it launches take a head-dim constexpr
 
 
@@ -190,9 +209,11 @@ def qkv_views(m: ModelShape, tokens: int, dtype: torch.dtype) -> tuple[torch.Ten
             v.view(tokens, m.kv_heads, m.head_dim))
 
 
-def run_attention(m: ModelShape, dtype: torch.dtype) -> object:
-    """One mixed step through the Triton attention backend: an extend request (16 new
-    tokens on 16 cached) and a decode request (context 40)."""
+def run_attention(m: ModelShape, dtype: torch.dtype, target: Target) -> object:
+    """Two steps through the Triton attention backend: a mixed step, an extend request
+    (16 new tokens on 16 cached) and a decode request (context 40); and that decode
+    request alone over the metadata a CUDA graph of bucket 1 records (the split count
+    of the page table's width, the model's context)."""
     from plait.runtime.attention.triton_backend import TritonAttentionBackend
     from plait.runtime.forward_batch import ForwardBatch
     from plait.runtime.memory import KVPool
@@ -200,7 +221,7 @@ def run_attention(m: ModelShape, dtype: torch.dtype) -> object:
     prefix, new, context = 16, 16, 40
     tokens = new + 1
     pool = KVPool(num_slots=128, num_layers=1, kv_heads=m.kv_heads, head_dim=m.head_dim, dtype=dtype, device="cpu")
-    table = torch.zeros((2, 64), dtype=torch.int32)
+    table = torch.zeros((2, m.context), dtype=torch.int32)
     table[0, : prefix + new] = torch.arange(1, 1 + prefix + new)
     table[1, :context] = torch.arange(64, 64 + context)
     fb = ForwardBatch(
@@ -211,12 +232,19 @@ def run_attention(m: ModelShape, dtype: torch.dtype) -> object:
         req_to_token=table,
         num_extends=1, extend_prefix_lens=[prefix], extend_seq_lens=[new], decode_seq_lens=[context],
     )
-    backend = TritonAttentionBackend(pool, m.num_heads, m.head_dim**-0.5)
+    backend = TritonAttentionBackend(pool, m.num_heads, m.head_dim**-0.5, sm_count=target.sm_count)
     q, k, v = qkv_views(m, tokens, dtype)
-    return backend.forward(q, k, v, 0, fb.with_attn_metadata(backend.init_forward(fb)))
+    backend.forward(q, k, v, 0, fb.with_attn_metadata(backend.init_forward(fb)))
+    decode = ForwardBatch(
+        input_ids=fb.input_ids[-1:], positions=fb.positions[-1:], out_slots=fb.out_slots[-1:],
+        req_rows=fb.req_rows[1:], req_to_token=table,
+        num_extends=0, extend_prefix_lens=[], extend_seq_lens=[], decode_seq_lens=[context],
+        attn_metadata=backend.decode_metadata(table, fb.req_rows[1:], torch.tensor([context], dtype=torch.int32)),
+    )
+    return backend.forward(q[-1:], k[-1:], v[-1:], 0, decode)
 
 
-def run_rotary(m: ModelShape, dtype: torch.dtype) -> object:
+def run_rotary(m: ModelShape, dtype: torch.dtype, target: Target) -> object:
     from plait.kernels.rotary import apply_rotary, rope_cos_sin_cache
 
     q, k, _ = qkv_views(m, TOKENS, dtype)
@@ -224,20 +252,20 @@ def run_rotary(m: ModelShape, dtype: torch.dtype) -> object:
     return apply_rotary(q, k, torch.arange(TOKENS), cos_sin)
 
 
-def run_rmsnorm(m: ModelShape, dtype: torch.dtype) -> object:
+def run_rmsnorm(m: ModelShape, dtype: torch.dtype, target: Target) -> object:
     from plait.kernels.rmsnorm import rmsnorm
 
     return rmsnorm(torch.randn(TOKENS, m.hidden).to(dtype), torch.ones(m.hidden, dtype=dtype), 1e-6)
 
 
-def run_fused_add_rmsnorm(m: ModelShape, dtype: torch.dtype) -> object:
+def run_fused_add_rmsnorm(m: ModelShape, dtype: torch.dtype, target: Target) -> object:
     from plait.kernels.rmsnorm import fused_add_rmsnorm
 
     x, residual = (torch.randn(TOKENS, m.hidden).to(dtype) for _ in range(2))
     return fused_add_rmsnorm(x, residual, torch.ones(m.hidden, dtype=dtype), 1e-6)
 
 
-def run_qk_norm(m: ModelShape, dtype: torch.dtype) -> object | None:
+def run_qk_norm(m: ModelShape, dtype: torch.dtype, target: Target) -> object | None:
     """Qwen3's per-head norm: rmsnorm over the last dim of the strided q view."""
     if not m.qk_norm:
         return None
@@ -247,10 +275,20 @@ def run_qk_norm(m: ModelShape, dtype: torch.dtype) -> object | None:
     return rmsnorm(q, torch.ones(m.head_dim, dtype=dtype), 1e-6)
 
 
-def run_silu_and_mul(m: ModelShape, dtype: torch.dtype) -> object:
+def run_silu_and_mul(m: ModelShape, dtype: torch.dtype, target: Target) -> object:
     from plait.kernels.activation import silu_and_mul
 
     return silu_and_mul(torch.randn(TOKENS, 2 * m.intermediate).to(dtype))
+
+
+def run_bitmask(m: ModelShape, dtype: torch.dtype, target: Target) -> object:
+    """Grammar masks over the model's vocabulary: on every row, and on a subset of rows."""
+    from plait.kernels.bitmask import apply_token_bitmask_inplace
+
+    logits = torch.randn(TOKENS, m.vocab).to(dtype)
+    bitmask = torch.zeros(TOKENS, -(-m.vocab // 32), dtype=torch.int32)
+    apply_token_bitmask_inplace(logits, bitmask)
+    return apply_token_bitmask_inplace(logits, bitmask[:2], torch.tensor([1, 3]))
 
 
 CASES = [
@@ -260,6 +298,7 @@ CASES = [
     Case("fused_add_rmsnorm", run_fused_add_rmsnorm, has_head_dim=False),
     Case("rmsnorm (q/k norm)", run_qk_norm, has_head_dim=True),
     Case("silu_and_mul", run_silu_and_mul, has_head_dim=False),
+    Case("token bitmask", run_bitmask, has_head_dim=False),
 ]
 
 
@@ -341,8 +380,8 @@ def error_text(e: Exception) -> str:
 def compile_target(target_name: str, device: int, ptxas: str,
                    dtypes: Sequence[str]) -> tuple[list[Row], list[Failure]]:
     """Every case, model and dtype for one target; each distinct compiled kernel once."""
-    arch, max_shared = TARGETS[target_name]
-    drv = CompileOnlyDriver(device, GPUTarget("cuda", arch, 32), max_shared)
+    target = TARGETS[target_name]
+    drv = CompileOnlyDriver(device, GPUTarget("cuda", target.arch, 32), target.max_shared_mem)
     triton_driver.set_active(drv)
     rows: list[Row] = []
     failures: list[Failure] = []
@@ -352,7 +391,7 @@ def compile_target(target_name: str, device: int, ptxas: str,
             for case in CASES:
                 start = len(drv.launched)
                 try:
-                    case.launch(model, DTYPES[dtype_name])
+                    case.launch(model, DTYPES[dtype_name], target)
                 except Exception as e:  # a compile failure is a result, reported with the others
                     failures.append(Failure(case.name, model.name, target_name, dtype_name, error_text(e)))
                 # the kernels launched before any failure still count
@@ -373,6 +412,33 @@ def compile_target(target_name: str, device: int, ptxas: str,
                         mma_kind(kernel), constexpr_summary(kernel),
                     ))
     return rows, failures
+
+
+def launch_settings(targets: Sequence[str], dtypes: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """What the launchers choose per target: extend attention's tiles and warps per
+    dtype and head dim, and the decode split count per batch size for each model (the
+    count a CUDA graph of that bucket records: page table as wide as the context)."""
+    from plait.kernels.decode_attention import decode_num_splits
+    from plait.kernels.extend_attention import extend_launch_settings
+
+    head_dims = sorted({m.head_dim for m in MODELS})
+    extend = [{"target": t, "dtype": d, "head_dim": hd, **extend_launch_settings(TARGETS[t].arch, DTYPES[d], hd)._asdict()}
+              for t in targets for d in dtypes for hd in head_dims]
+    decode = [{"target": t, "sm_count": TARGETS[t].sm_count, "model": m.name, "kv_heads": m.kv_heads,
+               "context": m.context, "batches": list(SPLIT_BATCHES),
+               "splits": [decode_num_splits(b, m.kv_heads, TARGETS[t].sm_count, m.context) for b in SPLIT_BATCHES]}
+              for t in targets for m in MODELS]
+    return {"extend": extend, "decode": decode}
+
+
+def print_settings(settings: dict[str, list[dict[str, Any]]]) -> None:
+    print("launch settings the launchers choose:")
+    for e in settings["extend"]:
+        print(f"  extend {e['target']} {e['dtype']} head_dim={e['head_dim']}: BLOCK_M={e['block_m']} "
+              f"BLOCK_N={e['block_n']} num_warps={e['num_warps']}")
+    for d in settings["decode"]:
+        print(f"  decode splits {d['target']} ({d['sm_count']} SMs) {d['model']} ({d['kv_heads']} KV heads, "
+              f"context {d['context']}), batch " + " ".join(f"{b}:{n}" for b, n in zip(d["batches"], d["splits"])))
 
 
 def print_table(rows: list[Row]) -> None:
@@ -432,6 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"triton {triton.__version__}, torch {torch.__version__}, ptxas {ptxas_ver} ({args.ptxas}), "
           f"CUDA device: {'yes' if torch.cuda.is_available() else 'none (compile only)'}")
 
+    settings = launch_settings(args.targets, args.dtypes)
+    print_settings(settings)
     t0 = time.time()
     expected = discover_kernels()
     rows: list[Row] = []
@@ -464,7 +532,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "triton": triton.__version__, "torch": torch.__version__, "ptxas": ptxas_ver,
-            "kernels": expected, "rows": [asdict(r) for r in rows], "failures": [asdict(f) for f in failures],
+            "kernels": expected, "settings": settings,
+            "rows": [asdict(r) for r in rows], "failures": [asdict(f) for f in failures],
         }, indent=1))
 
     bf16_spills = [r for r in spills if r.dtype == "bfloat16"]

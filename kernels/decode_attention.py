@@ -25,6 +25,33 @@ from plait.kernels._triton import dot, dot_options, jit, next_pow2, tl, triton
 # Query heads per program. 16 is the smallest M of a tensor-core dot; groups smaller than
 # 16 (GQA ratio 1..8) pad with masked heads, which costs FLOPs decode does not lack.
 _BLOCK_H = 16
+# Largest split count decode_num_splits picks, and the fewest keys it gives a split (one
+# BLOCK_N tile: a shorter split pays a partial output and a merge for a part-empty tile).
+MAX_KV_SPLITS = 32
+MIN_KEYS_PER_SPLIT = 64
+
+
+def decode_num_splits(
+    batch: int, kv_heads: int, sm_count: int, max_context_len: int, max_splits: int = MAX_KV_SPLITS
+) -> int:
+    """Split-KV count for a decode launch of ``batch`` requests over ``kv_heads`` KV heads
+    on a GPU with ``sm_count`` SMs, for contexts of at most ``max_context_len`` tokens.
+
+    Stage 1 runs ``batch * kv_heads`` programs per split (for GQA groups up to
+    ``_BLOCK_H`` query heads). The count is ``ceil(2 * sm_count / (batch * kv_heads))``
+    (two programs per SM, so that a small batch does not leave most SMs idle), at most
+    ``ceil(max_context_len / MIN_KEYS_PER_SPLIT)`` and ``max_splits``, rounded down to a
+    power of two (at least one program per SM still), so that eager steps of varying
+    sizes compile a handful of kernel variants (``NUM_SPLITS`` is a compile-time
+    constant). Pure: a CUDA graph recorded for a batch-size bucket gets the count of
+    that bucket's size and the page table's width, fixed for all its replays.
+    """
+    for name, value in (("batch", batch), ("kv_heads", kv_heads), ("sm_count", sm_count),
+                        ("max_context_len", max_context_len), ("max_splits", max_splits)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    want = min(-(-2 * sm_count // (batch * kv_heads)), -(-max_context_len // MIN_KEYS_PER_SPLIT), max_splits)
+    return 1 << (want.bit_length() - 1)  # the largest power of two <= want
 
 
 def decode_attention_ref(
@@ -197,8 +224,9 @@ def decode_attention(
     q: [B, heads, dim] (any strides with a contiguous last dim); k_buffer, v_buffer:
     [num_slots, kv_heads, dim]; req_to_token: [rows, max_context] int32;
     req_rows: [B] int; seq_lens: [B] int32, every entry >= 1.
-    ``num_kv_splits`` is fixed per call (not derived from the lengths) so the launch
-    shape depends only on B. ``out`` ([B, heads, dim], may be a view) receives the result.
+    ``num_kv_splits`` is fixed per call (not derived from the lengths on the device) so
+    the launch shape depends only on B (:func:`decode_num_splits` chooses it per batch
+    size). ``out`` ([B, heads, dim], may be a view) receives the result.
     """
     batch, num_heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
@@ -233,6 +261,9 @@ def decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=_BLOCK_H, BLOCK_N=block_n,
         NUM_SPLITS=num_kv_splits, HEAD_BLOCKS=head_blocks, **dot_options(k_buffer.dtype),
+        # 4 warps spill nowhere (ptxas, benchmarks/gpu_compile_check.py): at head_dim 128,
+        # 111 (sm_80) / 96 (sm_90a) registers in bf16, 160 / 136 in fp32
+        num_warps=4,
     )
     _decode_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, seq_lens, out,

@@ -14,10 +14,51 @@ are never loaded.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 # triton comes through _triton, which sets up interpreter mode before importing it
-from plait.kernels._triton import dot, dot_options, jit, next_pow2, tl, triton
+from plait.kernels._triton import INTERPRET, dot, dot_options, jit, next_pow2, tl, triton
+
+
+class ExtendLaunch(NamedTuple):
+    """Launch settings of :func:`extend_attention`: query/key tile rows and warps."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+def extend_launch_settings(arch: int | None, dtype: torch.dtype, head_dim: int) -> ExtendLaunch:
+    """The tiles and warps extend attention launches with on CUDA arch ``arch`` (e.g. 80,
+    90; None: no GPU, the interpreter) for K/V of ``dtype`` at ``head_dim``.
+
+    From ptxas on sm_80 and sm_90a (benchmarks/gpu_compile_check.py; a sweep of BLOCK_M
+    32/64/128 x BLOCK_N 32/64 x 4/8 warps):
+
+    - sm_90 with 16-bit K/V: BLOCK_M=64, one warpgroup's rows, is the smallest tile on
+      Hopper's wgmma (BLOCK_M=32 stays on mma.sync), without spills at 4 warps (head_dim
+      64) or 8 (128); BLOCK_M=128 with 4 warps spills at head_dim 128.
+    - otherwise BLOCK_M=32, as before (on sm_80 a larger tile changes no instruction;
+      it stays on mma.sync). fp32 (``ieee`` dots: no MMA, whole tiles in registers)
+      spills at BLOCK_M=64 with BLOCK_N=64 even with 8 warps. A ``[BLOCK_M, 128]`` fp32
+      accumulator plus the q/k/v tiles (and fp32 tiles at any head_dim) spill with 4
+      warps, so 8 warps halve each thread's share there.
+    """
+    wide = head_dim > 64 or dtype == torch.float32
+    if arch is not None and arch >= 90 and dtype in (torch.bfloat16, torch.float16):
+        return ExtendLaunch(64, 64, 8 if wide else 4)
+    return ExtendLaunch(32, 64, 8 if wide else 4)
+
+
+def _current_arch() -> int | None:
+    """The CUDA arch Triton compiles for now (its active driver's target: the current
+    device, or the target of a compile-only driver); None under the interpreter."""
+    if INTERPRET:
+        return None
+    target = triton.runtime.driver.active.get_current_target()
+    return target.arch if target.backend == "cuda" and isinstance(target.arch, int) else None
 
 
 def extend_attention_ref(
@@ -154,8 +195,9 @@ def extend_attention(
     max_extend_len: int | None = None,
     extend_start_loc: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    block_m: int = 32,
-    block_n: int = 64,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
     sliding_window: int = 0,
 ) -> torch.Tensor:
     """Triton paged extend attention; same contract as :func:`extend_attention_ref`.
@@ -163,7 +205,9 @@ def extend_attention(
     ``max_extend_len`` (the grid's third dimension) and ``extend_start_loc`` ([E] int32,
     offsets of each request's first token in q) are computed from ``extend_lens`` when not
     given; a caller that already has them on the host saves a device sync. ``out``
-    ([sum(extend_lens), heads, dim], may be a view) receives the result.
+    ([sum(extend_lens), heads, dim], may be a view) receives the result. ``block_m``,
+    ``block_n`` and ``num_warps`` default to :func:`extend_launch_settings` for the
+    current target.
     """
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
@@ -183,6 +227,10 @@ def extend_attention(
     if extend_start_loc is None:
         extend_start_loc = torch.cumsum(extend_lens, 0, dtype=torch.int32) - extend_lens
 
+    shipped = extend_launch_settings(_current_arch(), k_buffer.dtype, head_dim)
+    block_m = block_m or shipped.block_m
+    block_n = block_n or shipped.block_n
+    num_warps = num_warps or shipped.num_warps
     grid = (num_reqs, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q, out, k_buffer, v_buffer, req_to_token, req_rows,
@@ -195,10 +243,6 @@ def extend_attention(
         v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
-        BLOCK_M=block_m, BLOCK_N=block_n, **dot_options(k_buffer.dtype),
-        # a [BLOCK_M, 128] float32 accumulator plus the q/k/v tiles (and float32 tiles at
-        # any head_dim) spill with 4 warps (ptxas on sm_80 and sm_90a,
-        # benchmarks/gpu_compile_check.py); 8 warps halve each thread's share
-        num_warps=8 if head_dim > 64 or k_buffer.dtype == torch.float32 else 4,
+        BLOCK_M=block_m, BLOCK_N=block_n, **dot_options(k_buffer.dtype), num_warps=num_warps,
     )
     return out

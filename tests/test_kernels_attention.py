@@ -24,8 +24,19 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 import triton  # noqa: F401  (pinned in the test extra; a missing triton must fail, not skip)
 
-from plait.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
-from plait.kernels.extend_attention import extend_attention, extend_attention_ref  # noqa: E402
+from plait.kernels.decode_attention import (  # noqa: E402
+    MAX_KV_SPLITS,
+    MIN_KEYS_PER_SPLIT,
+    decode_attention,
+    decode_attention_ref,
+    decode_num_splits,
+)
+from plait.kernels.extend_attention import (  # noqa: E402
+    ExtendLaunch,
+    extend_attention,
+    extend_attention_ref,
+    extend_launch_settings,
+)
 from plait.runtime.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from plait.runtime.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from plait.runtime.forward_batch import ForwardBatch  # noqa: E402
@@ -109,6 +120,35 @@ def test_decode_attention_split_counts(num_kv_splits: int) -> None:
     _close(out, ref, torch.float32)
 
 
+def test_decode_num_splits_fills_the_sms_at_small_batch() -> None:
+    # an H100 (132 SMs) and Llama-3-8B's 8 KV heads over a 128k page table
+    assert [decode_num_splits(b, 8, 132, 131072) for b in (1, 2, 4, 8, 16, 32, 64, 256)] == [
+        32, 16, 8, 4, 2, 2, 1, 1]
+    assert decode_num_splits(1, 8, 108, 131072) == 16  # A100: 27 wanted, rounded down
+    assert decode_num_splits(1, 8, 132, 131072, max_splits=8) == 8
+    assert decode_num_splits(1, 8, 132, 1) == 1  # one key: one split
+    assert decode_num_splits(1, 8, 132, 3 * MIN_KEYS_PER_SPLIT) == 2  # 3 pieces -> 2
+    for bad in ((0, 8, 132, 64), (1, 0, 132, 64), (1, 8, 0, 64), (1, 8, 132, 0)):
+        with pytest.raises(ValueError):
+            decode_num_splits(*bad)
+
+
+@pytest.mark.parametrize("sm_count", [1, 7, 108, 132])
+def test_decode_num_splits_bounds(sm_count: int) -> None:
+    for batch in (1, 2, 3, 5, 16, 100, 512):
+        for kv_heads in (1, 2, 8):
+            for ctx in (1, 63, 64, 65, 1000, 8192, 131072):
+                n = decode_num_splits(batch, kv_heads, sm_count, ctx)
+                programs = batch * kv_heads
+                assert n & (n - 1) == 0 and 1 <= n <= MAX_KV_SPLITS  # a power of two
+                assert n <= -(-ctx // MIN_KEYS_PER_SPLIT)  # no split shorter than its share
+                assert (n - 1) * programs < 2 * sm_count  # no more than ~2 programs per SM
+                # at least one program per SM unless a cap binds
+                capped = 2 * n > min(MAX_KV_SPLITS, -(-ctx // MIN_KEYS_PER_SPLIT))
+                assert capped or n * programs >= sm_count
+                assert decode_num_splits(batch + 1, kv_heads, sm_count, ctx) <= n  # more work, fewer splits
+
+
 def test_decode_attention_bf16_and_strided_out() -> None:
     lens = [3, 90]
     ctx = PagedContexts(lens, 1, 1, 128, dtype=torch.bfloat16, seed=7)
@@ -154,6 +194,41 @@ def test_extend_attention_bf16_odd_blocks() -> None:
     _close(out, ref, torch.bfloat16)
 
 
+# The settings extend_attention ships, per (arch, dtype, head_dim): each distinct one is
+# run under the interpreter at its dtype and head_dim (arch None: no GPU).
+SHIPPED_EXTEND = sorted(
+    {(extend_launch_settings(arch, dtype, hd), dtype, hd)
+     for arch in (None, 80, 90) for dtype in (torch.bfloat16, torch.float32) for hd in (64, 128)},
+    key=str,
+)
+
+
+def test_extend_launch_settings_use_wgmma_tiles_on_hopper() -> None:
+    for hd in (64, 128):
+        assert extend_launch_settings(90, torch.bfloat16, hd).block_m == 64  # wgmma's M
+        assert extend_launch_settings(80, torch.bfloat16, hd).block_m == 32
+        assert extend_launch_settings(90, torch.float32, hd) == extend_launch_settings(80, torch.float32, hd)
+        assert extend_launch_settings(None, torch.bfloat16, hd) == extend_launch_settings(80, torch.bfloat16, hd)
+    assert extend_launch_settings(90, torch.bfloat16, 128).num_warps == 8
+    assert extend_launch_settings(80, torch.float32, 64).num_warps == 8
+    assert {s.block_m for s, _, _ in SHIPPED_EXTEND} == {32, 64}
+
+
+@pytest.mark.parametrize("settings,dtype,head_dim", SHIPPED_EXTEND, ids=str)
+def test_extend_attention_at_shipped_settings(settings: ExtendLaunch, dtype: torch.dtype, head_dim: int) -> None:
+    # chunks shorter and longer than both tiles, on unaligned and long prefixes; GQA 3
+    reqs = [(0, 1), (5, 64), (70, 65), (0, 130)]
+    ctx = PagedContexts([p + n for p, n in reqs], 16, 2, head_dim, dtype=dtype, seed=head_dim + settings.block_m)
+    prefix = torch.tensor([p for p, _ in reqs], device=DEVICE)
+    lens = torch.tensor([n for _, n in reqs], device=DEVICE)
+    q = torch.randn(int(lens.sum()), 6, head_dim, device=DEVICE, dtype=dtype)
+    scale = head_dim**-0.5
+    out = extend_attention(q, ctx.k(), ctx.v(), ctx.table.table, ctx.rows, prefix, lens, scale,
+                           block_m=settings.block_m, block_n=settings.block_n, num_warps=settings.num_warps)
+    ref = extend_attention_ref(q, ctx.k(), ctx.v(), ctx.table.table, ctx.rows, prefix, lens, scale)
+    _close(out, ref, dtype)
+
+
 # ----------------------------------------------------------------------------- backend
 
 
@@ -188,16 +263,17 @@ def _mixed_batch(
 
 
 @pytest.mark.parametrize(
-    "page_size,gqa,head_dim,extends,decode_lens",
+    "page_size,gqa,head_dim,extends,decode_lens,sm_count,splits",
     [
-        (1, 3, 64, [(0, 7), (33, 12), (120, 1)], [1, 20, 77, 150]),  # mixed, one-token decode
-        (16, 1, 128, [(0, 16), (32, 21)], [17, 64]),  # mixed, page-aligned prefix
-        (16, 8, 64, [(0, 5), (48, 40)], []),  # extend only
-        (1, 8, 128, [], [3, 200]),  # decode only
+        (1, 3, 64, [(0, 7), (33, 12), (120, 1)], [1, 20, 77, 150], 16, 2),  # mixed, one-token decode
+        (16, 1, 128, [(0, 16), (32, 21)], [17, 64], 1, 1),  # mixed, page-aligned prefix
+        (16, 8, 64, [(0, 5), (48, 40)], [], 1, 1),  # extend only
+        (1, 8, 128, [], [3, 200], 132, 4),  # decode only
     ],
 )
 def test_triton_backend_matches_torch_backend(
-    page_size: int, gqa: int, head_dim: int, extends: list[tuple[int, int]], decode_lens: list[int]
+    page_size: int, gqa: int, head_dim: int, extends: list[tuple[int, int]], decode_lens: list[int],
+    sm_count: int, splits: int,
 ) -> None:
     kv_heads, num_heads = KV_HEADS[gqa], KV_HEADS[gqa] * gqa
     num_layers = 2
@@ -212,8 +288,10 @@ def test_triton_backend_matches_torch_backend(
         triton_pool.k_buffers[layer].copy_(torch_pool.k_buffers[layer])
         triton_pool.v_buffers[layer].copy_(torch_pool.v_buffers[layer])
     reference = TorchAttentionBackend(torch_pool, num_heads, scale)
-    backend = TritonAttentionBackend(triton_pool, num_heads, scale)
+    backend = TritonAttentionBackend(triton_pool, num_heads, scale, sm_count=sm_count)
     fb_ref, fb = fb.with_attn_metadata(reference.init_forward(fb)), fb.with_attn_metadata(backend.init_forward(fb))
+    # the split count comes from the decodes' count and longest context
+    assert fb.attn_metadata.num_kv_splits == splits
 
     for layer in range(num_layers):  # per-step metadata is shared by all layers
         q = torch.randn(fb.num_tokens, num_heads, head_dim, device=DEVICE)
@@ -231,6 +309,27 @@ def test_triton_backend_matches_torch_backend(
         if layer == 0 and fb.num_decodes:
             n_ext = fb.num_extend_tokens
             _close(backend.forward_decode(q[n_ext:], layer, fb), expected[n_ext:], torch.float32)
+
+
+def test_decode_metadata_splits_depend_on_the_bucket_not_the_lengths() -> None:
+    # what a CUDA graph records: the count of the bucket's size and the table's width
+    pool = KVPool(64, 1, 2, 64, torch.float32, DEVICE)
+    backend = TritonAttentionBackend(pool, 6, 0.125, sm_count=132)
+    table = torch.zeros((16, 4096), dtype=torch.int32, device=DEVICE)
+    for bs in (1, 4, 16):
+        rows = torch.zeros(bs, dtype=torch.long, device=DEVICE)
+        for fill in (1, 4000):  # the lengths the graph will replay with do not matter
+            m = backend.decode_metadata(table, rows, torch.full((bs,), fill, dtype=torch.int32, device=DEVICE))
+            assert m.num_kv_splits == decode_num_splits(bs, 2, 132, 4096) == backend.num_kv_splits(bs, 4096)
+    rows = torch.zeros(4, dtype=torch.long, device=DEVICE)
+    lens = torch.ones(4, dtype=torch.int32, device=DEVICE)
+    assert backend.decode_metadata(table, rows, lens, num_kv_splits=3).num_kv_splits == 3
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        backend.decode_metadata(table, rows, lens, num_kv_splits=0)
+    with pytest.raises(ValueError, match="sm_count"):
+        TritonAttentionBackend(pool, 6, 0.125, sm_count=0)
+    assert TritonAttentionBackend(pool, 6, 0.125).sm_count == (
+        torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 1)
 
 
 def test_triton_backend_from_factory() -> None:

@@ -12,17 +12,21 @@ from dataclasses import dataclass
 
 import torch
 
-from plait.kernels.decode_attention import decode_attention
+from plait.kernels.decode_attention import MAX_KV_SPLITS, decode_attention, decode_num_splits
 from plait.kernels.extend_attention import extend_attention
 from plait.kernels.kv_store import store_kv
 from plait.runtime.attention.base import AttentionBackend
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.memory import KVPool
 
-# Decode splits per request. Fixed (not derived from lengths) so the decode launch shape
-# depends only on the batch size, which CUDA-graph capture per batch-size bucket needs;
-# 8 splits of a 4k context are 512 keys each, enough work per program.
-DEFAULT_NUM_KV_SPLITS = 8
+
+
+def device_sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``; 1 elsewhere (the interpreter runs
+    one program at a time, so more splits are only overhead there)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -32,16 +36,26 @@ class TritonAttentionBackend(AttentionBackend):
     :meth:`init_forward` uploads the per-step metadata once (int32 lengths, rows, token
     offsets) into a :class:`TritonMetadata`; every layer's :meth:`forward` then launches the KV store, the extend
     kernel and the decode kernel, writing both attention parts into one output tensor.
+
+    The decode split-KV count is chosen per step by :meth:`num_kv_splits` from the
+    batch size, the KV heads, ``sm_count`` (default: the pool device's SMs) and the
+    longest context, and travels in the metadata.
     """
 
     def __init__(
-        self, pool: KVPool, num_heads: int, scale: float, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS,
+        self, pool: KVPool, num_heads: int, scale: float, sm_count: int | None = None,
+        max_kv_splits: int = MAX_KV_SPLITS,
         windows: tuple[int, ...] = (),
     ) -> None:
         super().__init__(pool, num_heads, scale, windows)
-        if num_kv_splits < 1:
-            raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
-        self.num_kv_splits = num_kv_splits
+        self.sm_count = device_sm_count(pool.device) if sm_count is None else sm_count
+        self.max_kv_splits = max_kv_splits
+        decode_num_splits(1, pool.kv_heads, self.sm_count, 1, max_kv_splits)  # raises on a bad value
+
+    def num_kv_splits(self, batch: int, max_context_len: int) -> int:
+        """Decode split count for ``batch`` requests with contexts up to
+        ``max_context_len`` tokens (:func:`~plait.kernels.decode_attention.decode_num_splits`)."""
+        return decode_num_splits(batch, self.pool.kv_heads, self.sm_count, max_context_len, self.max_kv_splits)
 
     def init_forward(self, fb: ForwardBatch) -> TritonMetadata:
         device = fb.req_to_token.device
@@ -56,15 +70,25 @@ class TritonAttentionBackend(AttentionBackend):
             i32(fb.extend_start_loc), max(fb.extend_seq_lens, default=0),
             # decode part: [D]
             fb.req_rows[fb.num_extends :], i32(fb.decode_seq_lens),
+            self.num_kv_splits(fb.num_decodes, max(fb.decode_seq_lens)) if fb.num_decodes else 1,
         )
 
     def decode_metadata(self, req_to_token: torch.Tensor, req_rows: torch.Tensor,
-                        seq_lens: torch.Tensor) -> TritonMetadata:
+                        seq_lens: torch.Tensor, num_kv_splits: int | None = None) -> TritonMetadata:
         """Metadata of a decode-only step over device tensors that the caller refills
         in place before each step: what a CUDA graph records over this backend and
-        replays (the capture hook of :mod:`plait.runtime.cuda_graph`). seq_lens: int32."""
+        replays (the capture hook of :mod:`plait.runtime.cuda_graph`). seq_lens: int32.
+
+        The graph's launch grid includes the split count, so it must not depend on the
+        lengths of the step being replayed: by default it is :meth:`num_kv_splits` of
+        the rows' count (the bucket size) and the page table's width (the longest
+        context any replay can have); a caller may pass its own."""
+        if num_kv_splits is None:
+            num_kv_splits = self.num_kv_splits(max(req_rows.numel(), 1), req_to_token.shape[1])
+        elif num_kv_splits < 1:
+            raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
         empty = torch.zeros(0, dtype=torch.int32, device=req_to_token.device)
-        return TritonMetadata(req_to_token, req_rows[:0], empty, empty, empty, 0, req_rows, seq_lens)
+        return TritonMetadata(req_to_token, req_rows[:0], empty, empty, empty, 0, req_rows, seq_lens, num_kv_splits)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch,
@@ -103,7 +127,7 @@ class TritonAttentionBackend(AttentionBackend):
         # q, out: [decodes, heads, dim]; window 0: full attention
         return decode_attention(
             q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], m.req_to_token,
-            m.dec_rows, m.dec_lens, self.scale, num_kv_splits=self.num_kv_splits, out=out, sliding_window=window,
+            m.dec_rows, m.dec_lens, self.scale, num_kv_splits=m.num_kv_splits, out=out, sliding_window=window,
         )
 
 
@@ -119,3 +143,4 @@ class TritonMetadata:
     max_extend: int
     dec_rows: torch.Tensor
     dec_lens: torch.Tensor  # int32
+    num_kv_splits: int  # decode split-KV count: part of the decode launch grid
