@@ -172,7 +172,8 @@ class Breakdown:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="plait model (default: SmolLM2-135M-Instruct GGUF)")
+    ap.add_argument("--model", default=None, help="plait model: a folder, a .gguf, a hub id or a named model such as gemma3-270m "
+                                                "(default: SmolLM2-135M-Instruct GGUF)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--quick", action="store_true", help="a small version of every workload")
     # 32 was transformers' fastest on workload (a) in a sweep of 8/16/32/64 (README)

@@ -3,7 +3,8 @@ layers (window 16, shorter than most prompts) interleaved with a global layer, s
 rope bases, (1 + w) and sandwich norms, GELU-tanh, embedding scale, query_pre_attn_scalar
 unlike head_dim, and final logit soft-capping. Greedy tokens identical and prompt
 logprobs within 1e-4 (fp32) with the torch and cpu attention backends, under prefix-cache
-hits on prompts longer than the window, chunked prefill and retraction."""
+hits on prompts longer than the window, chunked prefill and retraction; and Mistral's
+window on every layer."""
 
 from __future__ import annotations
 
@@ -51,3 +52,15 @@ def test_gemma3_matches_hf_fresh_and_from_the_prefix_cache(gemma3, options):
 
 def test_gemma3_under_retraction(gemma3):
     check_retracted(gemma3)
+
+
+def test_mistral_sliding_window_on_every_layer_matches_hf(tmp_path, tokenizer_dir):
+    """Mistral's window applies to every layer (no layer_types): the same backends'
+    window, now past the window instead of capping the context at it."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(**COMMON, sliding_window=WINDOW, architectures=["MistralForCausalLM"])
+    refs = build_refs(tmp_path, tokenizer_dir, config, n_prompts=6)
+    cfg = resolve_model(str(tmp_path)).load_config()
+    assert cfg.layer_windows == (WINDOW, WINDOW) and cfg.context_length == 1024
+    check_fresh_and_cached(refs, attention_backend="cpu", chunked_prefill_size=7)
