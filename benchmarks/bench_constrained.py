@@ -183,6 +183,8 @@ def run_outlines(args: argparse.Namespace, texts: list[str], schema: dict[str, A
 
 # -- corpus coverage (--corpus) --------------------------------------------------------------
 CORPUS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema_corpus")
+CORPUS_SETS = {"ShishirPatil": "bfcl (function calls)", "github": "github (REST API)",
+               "willthames": "kubernetes", "SchemaStore": "schemastore"}
 
 
 def load_corpus(folder: str, limit: int | None = None) -> list[tuple[str, Any]]:
@@ -220,14 +222,101 @@ def compile_outlines(schema: Any) -> Compiled:
     return Compiled(dt, lambda n, seed: sample(regex, n, seed), lambda text: pattern.fullmatch(text) is not None)
 
 
+_BYTE_TOKENIZER: Any = None
+
+
+def byte_tokenizer() -> Any:
+    """An llguidance tokenizer with one token per byte (id 256: EOS), so that random
+    walks of a grammar's matcher draw any text the grammar admits."""
+    global _BYTE_TOKENIZER
+    if _BYTE_TOKENIZER is None:
+        import llguidance
+
+        class _Bytes:
+            tokens = [bytes([i]) for i in range(256)] + [b"\xff[eos]"]
+            eos_token_id = 256
+            bos_token_id = None
+            special_token_ids = [256]
+
+            def __call__(self, text: str | bytes) -> list[int]:
+                return list(text.encode() if isinstance(text, str) else text)
+
+        _BYTE_TOKENIZER = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()), n_vocab=257, eos_token=[256])
+    return _BYTE_TOKENIZER
+
+
+def compile_llguidance(schema: Any) -> Compiled:
+    """The llguidance backend's translation (plait.runtime.constrained.llguidance_backend:
+    its checks and llguidance's JSON compiler) and the matcher over a byte tokenizer;
+    instances are random walks of that matcher."""
+    import random
+
+    import llguidance
+    import llguidance.numpy as lln
+    import numpy as np
+
+    from plait.runtime.constrained.llguidance_backend import parser_limits, schema_grammar
+
+    t0 = time.perf_counter()
+    grammar = schema_grammar(schema, None)
+    tok = byte_tokenizer()
+    root = llguidance.LLMatcher(tok, grammar, limits=parser_limits())
+    if root.is_error():
+        raise ValueError(root.get_error())
+    dt = time.perf_counter() - t0
+
+    def walk(n: int, seed: int) -> list[str]:
+        rng = random.Random(seed)
+        out = []
+        mask = lln.allocate_token_bitmask(1, 257)
+        for _ in range(n):
+            m, text = root.deep_copy(), bytearray()
+            while not m.is_stopped() and len(text) < 4000:
+                lln.fill_next_token_bitmask(m, mask)
+                bits = np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:257]
+                allowed = [int(i) for i in np.flatnonzero(bits)]
+                if m.is_accepting() and (256 in allowed) and (len(text) > 200 or rng.random() < 0.2):
+                    break
+                choices = [t for t in allowed if t != 256]
+                if not choices:
+                    break
+                # prefer structure over long strings: printable ASCII most of the time
+                ascii_ = [t for t in choices if 0x20 <= t < 0x7F]
+                t = rng.choice(ascii_ if ascii_ and rng.random() < 0.9 else choices)
+                m.consume_token(t)
+                text.append(t)
+            out.append(text.decode("utf-8", errors="replace"))
+        return out
+
+    def accepts(text: str) -> bool:
+        m = root.deep_copy()
+        for b in text.encode():
+            if not m.consume_token(b):
+                return False
+        return m.is_accepting()
+
+    return Compiled(dt, walk, accepts)
+
+
+def compile_auto(schema: Any) -> Compiled:
+    """``auto``: the backends in the order plait.runtime.sampling_params.choose_backend
+    gives for json_schema; the first that compiles the schema enforces it."""
+    from plait.runtime.sampling_params import choose_backend
+
+    errors = []
+    for b in choose_backend("json_schema"):
+        try:
+            return compile_backend(b)(schema)
+        except ValueError as e:
+            errors.append(e)
+    raise errors[-1]
+
+
 def compile_backend(name: str) -> Callable[[Any], Compiled]:
-    """The compile function of ``--grammar-backend``. ``outlines`` is plait's regex
-    translation. HOOK: ``llguidance``/``auto`` need the grammar-backend interface of
-    ``plait.runtime.constrained`` (compile a json_schema constraint and walk its matcher
-    to draw instances); until that exists they are refused here."""
-    if name == "outlines":
-        return compile_outlines
-    raise SystemExit(f"--grammar-backend {name}: no such backend in plait.runtime.constrained yet")
+    """The compile function of ``--grammar-backend``: ``outlines`` is plait's JSON
+    Schema -> regex translation, ``llguidance`` the llguidance backend's translation,
+    ``auto`` the engine's rule between them."""
+    return {"outlines": compile_outlines, "llguidance": compile_llguidance, "auto": compile_auto}[name]
 
 
 def classify_error(e: BaseException) -> tuple[str, str]:
@@ -240,8 +329,9 @@ def classify_error(e: BaseException) -> tuple[str, str]:
     msg = str(e)
     if not isinstance(e, (SchemaError, ValueError)):
         return "crashed", f"{type(e).__name__}: {msg[:80]}"
-    if re.search(r"took longer|too large|characters; allowed|expands to more|nested (too|more)|values; it is too", msg):
-        return "limit", re.sub(r"\d[\d.,]*", "N", msg.split(";")[0])[:90]
+    if re.search(r"took longer|too large|translates to a regex|characters; allowed|expands to more|nested (too|more)|"
+                 r"values; it is too", msg):
+        return "limit", re.sub(r"\d[\d.,]*", "N", re.sub(r" at #\S*", "", msg).split(";")[0])[:90]
     msg = re.sub(r" at #\S*", "", msg)  # the location: one reason across schemas
     m = re.search(r"keywords? ('[^']+'(?: and '[^']+')*)", msg) or re.search(r"json_schema ('[^']+')", msg)
     head = m.group(1) if m else msg[:60]
@@ -330,7 +420,7 @@ def run_corpus(args: argparse.Namespace) -> None:
 
     by_set: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for r in results:
-        name = r["source"].split("/")[0]
+        name = CORPUS_SETS.get(r["source"].split("/")[0], r["source"].split("/")[0])
         by_set[name][r["status"]] += 1
         by_set["all"][r["status"]] += 1
     statuses = ("compiled", "rejected", "limit", "crashed")

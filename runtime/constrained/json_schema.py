@@ -4,15 +4,11 @@ The rule: a keyword is either enforced by the regex or rejected with a ``SchemaE
 (a ``ValueError``) that names it and where it is. Nothing that constrains a value is
 silently dropped. Annotations (``title``, ``description``, ``default``...) are ignored.
 
-Enforced: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``required``,
-``additionalProperties`` (false, true or a schema), ``items``, ``prefixItems``
-(and draft-4 list ``items`` / ``additionalItems``), ``minItems``, ``maxItems``,
-``minLength``, ``maxLength``, ``pattern`` (when it cannot produce characters JSON must
-escape), ``format`` (date, time, date-time, uuid, email, ipv4, uri), ``minimum`` /
-``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum`` (integers; integral inclusive
-bounds for numbers), ``anyOf``, ``oneOf`` (when interegular proves the branches
-disjoint), ``allOf`` (merged into one schema), local ``$ref`` (not recursive),
-``uniqueItems`` when ``maxItems <= 1``.
+What is enforced and what is refused is listed in docs/constrained.md ("JSON Schema
+support"); tests/test_json_schema_coverage.py checks each form against ``jsonschema``.
+Where a keyword is enforced on part of its values only (a pattern narrowed to
+JSON-safe characters, an ordered ``uniqueItems``, a recursion unrolled), the regex
+admits a subset of the valid texts, never more.
 
 Output layout: properties in declared order, optional ones may be left out; no
 whitespace between tokens unless ``whitespace`` (a regex over spaces, tabs and
@@ -752,19 +748,28 @@ class _Translator:
         if counting or deps or forbids:
             return r"\{" + ws + self.counted_fields(pairs, names, lo, hi, deps, forbids, counting, path) + ws + r"\}"
 
-        def rest(i: int, first: bool) -> str:
-            # properties i.. given whether one was written already
-            if i == len(pairs):
-                return ""
+        # tail[i]: properties i.. after one was written; lead[i]: properties i.. before
+        # any was (a leading optional one is written or skipped), built from the end
+        n = len(pairs)
+        tail, lead = [""] * (n + 1), [""] * (n + 1)
+        for i in range(n - 1, -1, -1):
             pair, req = pairs[i]
-            if not first:
-                return (sep + pair if req else "(?:" + sep + pair + ")?") + rest(i + 1, False)
+            tail[i] = (sep + pair if req else "(?:" + sep + pair + ")?") + tail[i + 1]
             if req:
-                return pair + rest(i + 1, False)
-            alt = rest(i + 1, True)
-            return "(?:" + pair + rest(i + 1, False) + (")?" if not alt else "|" + alt + ")")
+                lead[i] = pair + tail[i + 1]
+            else:
+                lead[i] = "(?:" + pair + tail[i + 1] + (")?" if not lead[i + 1] else "|" + lead[i + 1] + ")")
+            self.check_size(len(lead[i]), path)  # lead[0] is the object's text: no piece is longer
+        return r"\{" + ws + lead[0] + ws + r"\}"
 
-        return r"\{" + ws + rest(0, True) + ws + r"\}"
+    def check_size(self, n: int, path: str) -> None:
+        """The regex being built stays under MAX_REGEX_CHARS and the wall-time limit."""
+        if n > MAX_REGEX_CHARS:
+            raise SchemaError(f"json_schema translates to a regex of more than {MAX_REGEX_CHARS} characters at {path}; "
+                              "allowed: at most that (fewer optional properties, enums or alternatives)")
+        if time.monotonic() > self.deadline:
+            raise SchemaError(f"json_schema took longer than {MAX_TRANSLATE_S:g} s to translate; allowed: at most "
+                              f"{MAX_TRANSLATE_S:g} s (a smaller schema, fewer alternatives)")
 
     def free_object(self, s: dict[str, Any], patterns: dict[str, Any], extra: Any, lo: int, hi: int | None,
                     path: str) -> str:
@@ -866,6 +871,7 @@ class _Translator:
                 return None
             if len(options) == 1:
                 return options[0]
+            self.check_size(len(options[0]) + len(options[1]), path)
             return "(?:" + options[0] + ")?" if options[1] == "" else "(?:" + options[0] + "|" + options[1] + ")"
 
         body = rest(0, True, 0, frozenset())
@@ -1330,7 +1336,6 @@ class _Emit:
         from re import _constants as C  # type: ignore[attr-defined]
 
         out = []
-        n = len(items)
         for i, (op, av) in enumerate(items):
             lead = at_start and all(o is C.AT for o, _ in items[:i])
             tail = at_end and all(o is C.AT for o, _ in items[i + 1:])
@@ -1341,14 +1346,13 @@ class _Emit:
                     raise _Unsupported("an anchor or word boundary inside the pattern")
                 continue
             out.append(self.node(op, av, lead, tail))
-        del n
         return "".join(out)
 
     def node(self, op: Any, av: Any, lead: bool, tail: bool) -> str:
         from re import _constants as C  # type: ignore[attr-defined]
 
         if op is C.LITERAL:
-            return _emit_chars({chr(av)}, False)
+            return _emit_chars({chr(av)})
         if op is C.NOT_LITERAL:
             return _emit_class([(C.NEGATE, None), (C.LITERAL, av)])
         if op is C.ANY:
@@ -1417,7 +1421,7 @@ def _emit_class(items: list[Any]) -> str:
         else:
             extra = "".join(_class_item(op, av) for op, av in items if _item_top(op, av) >= 0x80)
             extra = "[" + extra + "]" if extra else ""
-    return _emit_chars(ascii_members, False, extra)
+    return _emit_chars(ascii_members, extra)
 
 
 def _item_top(op: Any, av: Any) -> int:
@@ -1436,7 +1440,7 @@ def _class_item(op: Any, av: Any) -> str:
     return chr(lo) if lo == av[1] else chr(lo) + "-" + chr(av[1])
 
 
-def _emit_chars(chars: set[str], _unused: bool, extra: str = "") -> str:
+def _emit_chars(chars: set[str], extra: str = "") -> str:
     """One of ``chars`` (ASCII, or any) as JSON text, plus the class ``extra``."""
     safe = sorted(c for c in chars if c not in _UNSAFE)
     parts = []
