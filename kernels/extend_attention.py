@@ -165,11 +165,13 @@ def _extend_kernel(
                         mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             qk = dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # [BLOCK_M, BLOCK_N]
             visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])  # prefix + causal
+            visible = visible & (offs_n[None, :] > lowest[:, None])
             qk = tl.where(visible, qk, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(qk - m_safe[:, None])
             v = tl.load(V_buf + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
                         mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)

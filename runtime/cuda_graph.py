@@ -28,6 +28,7 @@ import torch
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.memory import ReqToToken
 from plait.runtime.models.llama import CausalLM
+from plait.runtime.staging import Staging
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class DecodeGraphRunner:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self.replays = 0  # steps served by a graph (or its eager stand-in)
+        self._staging = Staging(device, torch.int32)
 
     @property
     def max_bs(self) -> int:
@@ -148,7 +150,8 @@ class DecodeGraphRunner:
         self.positions[:bs].copy_(fb.positions)
         self.out_slots[:bs].copy_(fb.out_slots)
         self.req_rows[:bs].copy_(fb.req_rows)
-        self.seq_lens[:bs].copy_(torch.tensor(fb.decode_seq_lens, dtype=torch.int32))
+        (lens,) = self._staging.to_device(fb.decode_seq_lens)
+        self.seq_lens[:bs].copy_(lens)
         if g > bs:
             self._pad(bs)
         self.replays += 1

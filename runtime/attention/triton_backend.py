@@ -18,6 +18,7 @@ from plait.kernels.kv_store import store_kv
 from plait.runtime.attention.base import AttentionBackend
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.memory import KVPool
+from plait.runtime.staging import Staging
 
 
 
@@ -51,6 +52,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.sm_count = device_sm_count(pool.device) if sm_count is None else sm_count
         self.max_kv_splits = max_kv_splits
         decode_num_splits(1, pool.kv_heads, self.sm_count, 1, max_kv_splits)  # raises on a bad value
+        self._staging = Staging(pool.device, torch.int32)  # a step's metadata lists, one transfer
 
     def num_kv_splits(self, batch: int, max_context_len: int) -> int:
         """Decode split count for ``batch`` requests with contexts up to
@@ -58,18 +60,14 @@ class TritonAttentionBackend(AttentionBackend):
         return decode_num_splits(batch, self.pool.kv_heads, self.sm_count, max_context_len, self.max_kv_splits)
 
     def init_forward(self, fb: ForwardBatch) -> TritonMetadata:
-        device = fb.req_to_token.device
-
-        def i32(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
-
+        prefix_lens, seq_lens, start_loc, decode_lens = self._staging.to_device(
+            fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc, fb.decode_seq_lens)
         return TritonMetadata(
             fb.req_to_token,
             # extend part: [E] metadata; lengths also kept on the host for the grid size
-            fb.req_rows[: fb.num_extends], i32(fb.extend_prefix_lens), i32(fb.extend_seq_lens),
-            i32(fb.extend_start_loc), max(fb.extend_seq_lens, default=0),
+            fb.req_rows[: fb.num_extends], prefix_lens, seq_lens, start_loc, max(fb.extend_seq_lens, default=0),
             # decode part: [D]
-            fb.req_rows[fb.num_extends :], i32(fb.decode_seq_lens),
+            fb.req_rows[fb.num_extends :], decode_lens,
             self.num_kv_splits(fb.num_decodes, max(fb.decode_seq_lens)) if fb.num_decodes else 1,
         )
 
