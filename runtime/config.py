@@ -64,7 +64,12 @@ class EngineConfig:
     # they enter and leave the prefix cache, in vLLM's format; None: no events.
     kv_events_endpoint: str | None = None
     context_length: int | None = None
+    # CPU threads of each engine process; with tp_size > 1, of each rank (None: torch's
+    # default, or with tp_size > 1 on CPU the cores split evenly between the ranks)
     num_threads: int | None = None
+    # Tensor parallelism (plait.runtime.tp): the model sharded over tp_size processes on
+    # this node (gloo on CPU, NCCL on CUDA), rank 0 being the engine process
+    tp_size: int = 1
     attention_backend: str = "auto"
     # CPU float32 GEMMs: "onednn" packs the weights once for oneDNN's JIT GEMM
     # (plait.runtime.models.linear), "torch" keeps F.linear (MKL); "auto" is onednn on
@@ -133,6 +138,9 @@ class EngineConfig:
                  "context_length", self.context_length, "None or an integer >= 2")
         _require(self.num_threads is None or (is_int(self.num_threads) and self.num_threads >= 1),
                  "num_threads", self.num_threads, "None or a positive integer")
+        _require(is_int(self.tp_size) and 1 <= self.tp_size <= 64, "tp_size", self.tp_size, "an integer in [1, 64]")
+        _require(self.tp_size == 1 or not self.enable_hierarchical_cache, "enable_hierarchical_cache",
+                 self.enable_hierarchical_cache, "False with tp_size > 1 (the host tier copies rank 0's pool only)")
         _require(self.attention_backend in ("auto",) + ATTENTION_BACKENDS, "attention_backend",
                  self.attention_backend, "auto, " + ", ".join(ATTENTION_BACKENDS))
         _require(self.cpu_gemm in CPU_GEMMS, "cpu_gemm", self.cpu_gemm, ", ".join(CPU_GEMMS))
@@ -182,6 +190,15 @@ class EngineConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_num_threads(self) -> int | None:
+        """Threads of each rank: ``num_threads``, or with ``tp_size > 1`` on CPU the cores
+        split evenly (None: torch's default)."""
+        if self.num_threads is not None or self.tp_size == 1 or self.resolved_device() != "cpu":
+            return self.num_threads
+        import os
+
+        return max(1, (os.cpu_count() or 1) // self.tp_size)
 
     def resolved_mem_fraction_static(self) -> float:
         if self.mem_fraction_static is not None:

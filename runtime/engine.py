@@ -35,6 +35,8 @@ from plait.runtime.radix_cache import RadixCache
 from plait.runtime.request import FinishReason, LogprobState, Req, ReqKind
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler import ScheduleBatch, Scheduler
+from plait.runtime.models.parallel import check_tp
+from plait.runtime.tp import TPError, TPWorkers
 from plait.runtime.validation import GenerateInput, ModelLimits, check_cache_salt, check_prompt, check_ttl, validate_generate
 
 logger = logging.getLogger(__name__)
@@ -56,8 +58,8 @@ class Engine:
             raise ValueError("engine options cannot be given together with an EngineConfig")
         self.config = config if config is not None else EngineConfig.from_kwargs(**options)
         cfg = self.config
-        if cfg.num_threads is not None:
-            torch.set_num_threads(cfg.num_threads)
+        if cfg.resolved_num_threads() is not None:  # per rank with tensor parallelism
+            torch.set_num_threads(cfg.resolved_num_threads())
         self.device = torch.device(cfg.resolved_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was requested but CUDA is not available; allowed here: auto, cpu")
@@ -71,6 +73,9 @@ class Engine:
         self.context_len = min(cfg.context_length or mc.context_length, mc.context_length)
         # the triton backend brings the fused norm/rope/activation kernels with it
         self._triton_ops = cfg.resolved_attention_backend() == "triton"
+        check_tp(mc, cfg.tp_size)
+        # tensor parallelism: this process is rank 0; the other ranks start now (plait.runtime.tp)
+        self._tp = TPWorkers.start(model, cfg, self.device) if cfg.tp_size > 1 else None
         self.model = self._load_model()
         self.weights_fingerprint = weights_fingerprint(self.source.kind, self.source.path)
 
@@ -82,8 +87,9 @@ class Engine:
         num_slots = self._kv_cache_tokens()
         ps = cfg.page_size
         num_pages = num_slots // ps + 1  # + the reserved padding page
-        self.pool = KVPool(
-            num_pages * ps, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device, page_size=ps
+        self.pool = KVPool(  # this rank's KV heads (all of them without tensor parallelism)
+            num_pages * ps, mc.num_layers, self.model.config.num_kv_heads, mc.head_dim, self.dtype, self.device,
+            page_size=ps,
         )
         self.allocator = PageAllocator(num_pages, ps)
         self.req_to_token = ReqToToken(cfg.max_running_requests, self.context_len, self.device)
@@ -105,8 +111,11 @@ class Engine:
         )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         attn = self._attention_backend()
+        if self._tp is not None:
+            self._tp.serve(num_pages * ps, self.context_len, attn)
         self.runner = ModelRunner(
-            self.model, attn, self.req_to_token, self.device, sorted(self.eos_ids), graphs=self._capture_graphs(attn)
+            self._tp.model(self.model) if self._tp is not None else self.model, attn, self.req_to_token, self.device,
+            sorted(self.eos_ids), graphs=self._capture_graphs(attn),
         )
         self._ids = itertools.count()
         self._reqs: dict[str, Req] = {}  # unfinished client requests by rid
@@ -124,7 +133,8 @@ class Engine:
     def _load_model(self) -> CausalLM:
         mc = self.model_config
         with torch.device("meta"):
-            model = model_class(mc)(mc, max_pos=self.context_len, triton_ops=self._triton_ops)
+            model = model_class(mc)(mc, max_pos=self.context_len, triton_ops=self._triton_ops,
+                                    tp=self._tp.group if self._tp is not None else None)
         model = model.materialize(self.device, self.dtype)
         model.load_weights(self.source.iter_weights())
         if self.config.resolved_cpu_gemm() == "onednn":
@@ -134,7 +144,7 @@ class Engine:
     def _attention_backend(self) -> AttentionBackend:
         cfg, mc = self.config, self.model_config
         name = cfg.resolved_attention_backend()
-        args = (self.pool, mc.num_heads, mc.attention_scale, tuple(w for w in mc.layer_windows if w))
+        args = (self.pool, self.model.config.num_heads, mc.attention_scale, tuple(w for w in mc.layer_windows if w))
         if name == "cpu" and cfg.attention_backend == "auto":
             try:
                 return create_attention_backend(name, *args)
@@ -146,7 +156,7 @@ class Engine:
     def _capture_graphs(self, attn: AttentionBackend) -> DecodeGraphRunner | None:
         """Decode CUDA graphs (CUDA with the triton backend), or None."""
         cfg = self.config
-        if self.device.type != "cuda" or not self._triton_ops or cfg.disable_cuda_graph:
+        if self.device.type != "cuda" or not self._triton_ops or cfg.disable_cuda_graph or self._tp is not None:
             return None
         graphs = DecodeGraphRunner(
             self.model, attn, self.req_to_token, min(cfg.cuda_graph_max_bs, cfg.max_running_requests), self.device
@@ -175,7 +185,7 @@ class Engine:
         cfg, mc = self.config, self.model_config
         if cfg.kv_cache_tokens is not None:
             return max(cfg.kv_cache_tokens, cfg.page_size)
-        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(mc.num_layers, self.model.config.num_kv_heads, mc.head_dim, self.dtype)
         weights = sum(t.nbytes for t in itertools.chain(self.model.parameters(), self.model.buffers()))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # memory the allocator caches but does not use counts as free
@@ -355,6 +365,8 @@ class Engine:
                 self.scheduler.chunks.observe(len(batch.decodes), sum(n for _, n in batch.extends),
                                               time.perf_counter() - t0)
             return self.scheduler.process_batch(batch, sampled)
+        except TPError:  # a rank is gone: no step can run any more
+            raise
         except Exception as e:  # noqa: BLE001  (a bug or a device fault in one step)
             logger.exception("a step failed; failing its %d requests", len(batch.reqs))
             error = RequestError(
@@ -506,6 +518,9 @@ class Engine:
         if tokenizer_fingerprint(source.load_tokenizer()) != tokenizer_fingerprint(self.tokenizer):
             raise RequestError(f"model_path={model_path!r} has another tokenizer; start a new engine for it",
                                "model_path")
+        if self._tp is not None:
+            raise RequestError("update_weights_from_disk is not supported with tp_size > 1; restart the server with "
+                               "the new model", "model_path")
         if self.scheduler.has_work():
             return False
         fingerprint = weights_fingerprint(source.kind, source.path)
@@ -634,6 +649,8 @@ class Engine:
 
     def shutdown(self) -> None:
         self._closed = True
+        if self._tp is not None:
+            self._tp.close()
         if self._kv_publisher is not None:
             self._kv_publisher.close()
         if self._compiler is not None:

@@ -27,6 +27,7 @@ from plait.runtime.attention.base import AttentionBackend
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.models.config import ModelConfig
 from plait.runtime.models.linear import Linear, pack_weight, packed_linear
+from plait.runtime.models.parallel import RowParallelLinear, TPGroup, VocabParallelEmbedding, shard_config, shard_weights
 
 
 class RotaryEmbedding(nn.Module):
@@ -130,7 +131,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, triton_ops: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, triton_ops: bool = False, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.sliding_window = cfg.layer_windows[layer_id]  # None: full attention
@@ -138,7 +139,10 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if tp is not None:  # this rank's heads in, partial sums all-reduced
+            self.o_proj: Linear = RowParallelLinear(self.q_size, cfg.hidden_size, tp)
+        else:
+            self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, triton_ops, cfg.norm_unit_offset)
@@ -165,13 +169,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, triton_ops: bool = False, intermediate_size: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, triton_ops: bool = False, intermediate_size: int = 0,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         self.triton_ops = triton_ops and cfg.hidden_act == "silu"
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
         self.inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
+        if tp is not None:  # this rank's intermediate features in, partial sums all-reduced
+            self.down_proj: Linear = RowParallelLinear(self.inter, cfg.hidden_size, tp)
+        else:
+            self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -191,15 +199,15 @@ def act_and_mul(gate_up: torch.Tensor, inter: int, gelu: bool) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, triton_ops: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, triton_ops: bool = False, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id, triton_ops)
+        self.self_attn = Attention(cfg, layer_id, triton_ops, tp)
         if cfg.sparse_layers[layer_id]:
             from plait.runtime.models.moe import SparseMoeBlock
 
             self.mlp: nn.Module = SparseMoeBlock(cfg, triton_ops)
         else:
-            self.mlp = MLP(cfg, triton_ops)
+            self.mlp = MLP(cfg, triton_ops, tp=tp)
         self.rope_local = cfg.rope_local_theta is not None and self.self_attn.sliding_window is not None
         norm = (cfg.hidden_size, cfg.rms_norm_eps, triton_ops, cfg.norm_unit_offset)
         self.input_layernorm = RMSNorm(*norm)
@@ -234,10 +242,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_pos: int, triton_ops: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, max_pos: int, triton_ops: bool = False, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, triton_ops) for i in range(cfg.num_layers))
+        if tp is not None:
+            self.embed_tokens: nn.Embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        else:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, triton_ops, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton_ops, cfg.norm_unit_offset)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, triton_ops)
         self.rotary_local: RotaryEmbedding | None = None  # Gemma 3's sliding layers
@@ -254,13 +265,22 @@ class CausalLM(nn.Module):
 
     ``triton_ops`` swaps RMSNorm (+ fused residual add), rotary and SiLU-and-mul for the
     kernels in :mod:`plait.kernels` (the default with the triton backend on CUDA).
+
+    ``tp``: this rank of a tensor-parallel group (:mod:`plait.runtime.models.parallel`);
+    ``config`` is then the rank's shard of ``full_config`` (the checkpoint's shapes),
+    :meth:`load_weights` takes the full checkpoint and keeps this rank's slices, and
+    :meth:`compute_logits` returns the whole vocabulary on every rank.
     """
 
-    def __init__(self, cfg: ModelConfig, max_pos: int | None = None, triton_ops: bool = False) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_pos: int | None = None, triton_ops: bool = False, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
-        self.config = cfg
+        self.full_config = cfg
+        self.tp = tp
+        self.config = cfg = shard_config(cfg, tp.size) if tp is not None else cfg
         self.triton_ops = triton_ops
-        self.model = DecoderModel(cfg, max_pos or cfg.context_length, triton_ops)
+        self.model = DecoderModel(cfg, max_pos or cfg.context_length, triton_ops, tp)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.packed_lm_head: torch.Tensor | None = None  # tied embeddings, packed for oneDNN
@@ -295,6 +315,8 @@ class CausalLM(nn.Module):
             logits = packed_linear(hidden, self.packed_lm_head, None).float()
         else:
             logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        if self.tp is not None:  # [rows, V / size] per rank -> [rows, V]
+            logits = self.tp.gather_vocab(logits, self.full_config.vocab_size)
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -316,6 +338,8 @@ class CausalLM(nn.Module):
         unknown, misshapen or given twice."""
         params = dict(self.named_parameters())
         cfg = self.config
+        if self.tp is not None:
+            weights = shard_weights(weights, self.full_config, self.tp.rank, self.tp.size)
         filled: dict[str, int] = dict.fromkeys(params, 0)  # elements written per parameter
         seen: set[tuple[str, tuple]] = set()
         with torch.no_grad():

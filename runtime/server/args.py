@@ -42,7 +42,10 @@ ENGINE_HELP: dict[str, str] = {
     "eviction_policy": "prefix cache eviction: lru (least recently used), lfu (least reused) or cost "
                        "(lowest recency-decayed reuse x recompute cost)",
     "context_length": "cap the context length below the model's own",
-    "num_threads": "CPU threads torch may use in the engine process",
+    "num_threads": "CPU threads torch may use in the engine process (with --tp-size > 1: in each rank; default "
+                   "there: the cores split evenly between the ranks)",
+    "tp_size": "tensor parallelism: shard the model over this many processes on this node (gloo on CPU, NCCL on "
+               "CUDA, one GPU per rank); Llama, Mistral, Qwen2 and Qwen3 models",
     "attention_backend": "attention implementation: auto (triton on CUDA; cpu on CPU in float32, torch if it cannot be built), "
                          "torch (pure PyTorch, the reference), cpu (torch with a native decode kernel compiled on first use), triton",
     "seed": "base seed of sampling when a request gives none",

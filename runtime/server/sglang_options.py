@@ -26,6 +26,8 @@ ALIASES: dict[str, str] = {
     "random_seed": "seed",
     "data_parallel_size": "dp_size",
     "dp": "dp_size",
+    "tp": "tp_size",
+    "tensor_parallel_size": "tp_size",
 }
 
 VALUE_ALIASES: dict[str, dict[str, str]] = {
@@ -54,18 +56,17 @@ def _always(v: Any, model: str | None) -> bool:
     return True
 
 
+_ONE_NODE = "for more machines run one server per machine behind a router (--dp-size, SMG)"
 _ONE_DEVICE = "a plait server runs one model on one device; for more throughput run one server per device behind a router"
 
 FOREIGN: dict[str, Foreign] = {
-    "tp_size": Foreign(_only(1), "tensor parallelism is not implemented; " + _ONE_DEVICE, int,
-                       ("--tp", "--tensor-parallel-size")),
     "pp_size": Foreign(_only(1), "pipeline parallelism is not implemented; " + _ONE_DEVICE, int,
                        ("--pipeline-parallel-size",)),
     "ep_size": Foreign(_only(1), "expert parallelism is not implemented; " + _ONE_DEVICE, int,
                        ("--expert-parallel-size",)),
-    "nnodes": Foreign(_only(1), _ONE_DEVICE, int),
-    "node_rank": Foreign(_only(0), _ONE_DEVICE, int),
-    "dist_init_addr": Foreign(_only(None), _ONE_DEVICE),
+    "nnodes": Foreign(_only(1), "tensor parallelism runs on one node (--tp-size); " + _ONE_NODE, int),
+    "node_rank": Foreign(_only(0), "tensor parallelism runs on one node (--tp-size); " + _ONE_NODE, int),
+    "dist_init_addr": Foreign(_only(None), "tensor parallelism runs on one node (--tp-size); " + _ONE_NODE),
     "base_gpu_id": Foreign(_only(0), "choose the GPU with CUDA_VISIBLE_DEVICES (device=cuda uses the first visible one)",
                            int),
     # plait runs its own model implementations and never executes code from a

@@ -1,0 +1,175 @@
+"""Tensor parallelism (plait.runtime.tp, gloo on CPU): greedy tokens identical to
+tp_size=1 and prompt logprobs within 1e-4 on tiny random Llama / Qwen2 / Qwen3 models
+(split KV heads) and on one with a single KV head over 3 ranks (replicated KV heads),
+under chunked prefill, prefix hits and forced retraction; a killed rank stops the engine
+with TPError and leaves no process behind, in-process and behind a server."""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+from conftest import build_tiny_model
+from test_server_failures import pid_alive, wait_dead
+
+from plait.runtime import Engine
+from plait.runtime.config import EngineConfig
+from plait.runtime.models.config import ModelConfig
+from plait.runtime.models.parallel import check_tp
+from plait.runtime.server.args import add_server_arguments, args_from_namespace
+from plait.runtime.tp import TPError
+
+LOGPROB_ATOL = 1e-4
+GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+SMALL = {"num_threads": 1, "kv_cache_tokens": 4096, "max_running_requests": 16}
+
+
+def make_prompts(n: int = 6) -> list[list[int]]:
+    """Prompts of 1 to ~60 tokens, the odd ones sharing a prefix."""
+    g = torch.Generator().manual_seed(99)
+    shared = torch.randint(3, 40000, (30,), generator=g).tolist()
+    return [(shared[: 6 * i] if i % 2 else []) + torch.randint(3, 40000, (1 + 5 * i,), generator=g).tolist()
+            for i in range(n)]
+
+
+def run(folder: str, prompts: list[list[int]], **options) -> tuple[list[dict], dict[str, int]]:
+    """Outputs with prompt logprobs of one round, then the same prompts again (prefix
+    hits); returns the first round and the engine's stats after both."""
+    with Engine(folder, num_threads=1, **options) as engine:
+        first = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
+        engine.check_invariants()
+        second = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in second] == [o["output_ids"] for o in first]
+        assert any(o["meta_info"]["cached_tokens"] > 0 for o in second)
+        engine.check_invariants()
+        assert engine.pool_usage()["locked"] == 0
+        return first, engine.stats()
+
+
+def assert_same(got: list[dict], want: list[dict]) -> None:
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g["output_ids"] == w["output_ids"], f"prompt {i}"
+        lg = torch.tensor([lp for lp, _ in g["meta_info"]["input_token_logprobs"][1:]] or [0.0])
+        lw = torch.tensor([lp for lp, _ in w["meta_info"]["input_token_logprobs"][1:]] or [0.0])
+        torch.testing.assert_close(lg, lw, atol=LOGPROB_ATOL, rtol=0)
+        og = torch.tensor([lp for lp, _ in g["meta_info"]["output_token_logprobs"]])
+        ow = torch.tensor([lp for lp, _ in w["meta_info"]["output_token_logprobs"]])
+        torch.testing.assert_close(og, ow, atol=LOGPROB_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tp2_matches_tp1(tiny_model_factory, arch):
+    folder, prompts = str(tiny_model_factory(arch)), make_prompts()
+    want, _ = run(folder, prompts, kv_cache_tokens=4096)
+    if arch == "llama":
+        # a pool too small for all prompts at once (retraction), 7-token chunks, 4-token pages
+        got, stats = run(folder, prompts, tp_size=2, kv_cache_tokens=72, page_size=4, chunked_prefill_size=7,
+                         init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+        assert stats["retractions"] > 0
+    else:
+        got, _ = run(folder, prompts, tp_size=2, kv_cache_tokens=4096)
+    assert_same(got, want)
+
+
+def test_tp3_replicates_a_single_kv_head(tmp_path, tokenizer_dir):
+    # 6 q heads over 3 ranks, one KV head: every rank keeps a copy of it
+    folder = str(build_tiny_model(tmp_path / "mqa", tokenizer_dir, "llama", hidden_size=96, intermediate_size=192,
+                                  num_attention_heads=6, num_key_value_heads=1))
+    prompts = make_prompts(4)
+    want, _ = run(folder, prompts, kv_cache_tokens=2048)
+    got, _ = run(folder, prompts, tp_size=3, kv_cache_tokens=2048, chunked_prefill_size=16)
+    assert_same(got, want)
+
+
+def test_tp3_default_model():
+    """SmolLM2-135M (GGUF, 9 heads, 3 KV heads): three q heads and one KV head per rank."""
+    prompts = [list(range(1000, 1040)), [504, 2116, 314, 260, 1345]]
+    want, _ = run(None, prompts, kv_cache_tokens=1024)
+    got, _ = run(None, prompts, tp_size=3, kv_cache_tokens=1024)
+    assert_same(got, want)
+
+
+def test_a_killed_rank_stops_the_engine_and_leaves_no_process(tiny_model_factory):
+    engine = Engine(str(tiny_model_factory("llama")), tp_size=2, **SMALL)
+    try:
+        worker = engine._tp.procs[0]
+        (r,) = engine.add_request([5, 6, 7], {**GREEDY, "max_new_tokens": 500})
+        for _ in range(3):
+            engine.step()
+        assert r.output_len > 0 and not r.finished
+        os.kill(worker.pid, signal.SIGKILL)
+        with pytest.raises(TPError, match="rank 1"):
+            for _ in range(500):  # the step after the kill raises
+                engine.step()
+        with pytest.raises(TPError):  # and every later one
+            engine.step()
+    finally:
+        engine.shutdown()
+    assert worker.poll() is not None and not pid_alive(worker.pid)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def test_a_killed_rank_behind_a_server_fails_requests_and_restarts(tiny_model_factory):
+    from plait.runtime.server import launch
+
+    long = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 900}
+    with launch(str(tiny_model_factory("llama")), echo_logs=False, tp_size=2, **SMALL) as rt:
+        first_engine = rt.engine_pid
+        (worker,) = _children(first_engine)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(httpx.post, rt.url + "/generate", timeout=60.0,
+                                json={"text": "in flight", "sampling_params": long})
+            for _ in range(600):
+                if httpx.get(rt.url + "/server_info", timeout=5).json()["running"] == 1:
+                    break
+                time.sleep(0.05)
+            os.kill(worker, signal.SIGKILL)
+            r = plain.result()
+            assert r.status_code >= 500 and "tensor-parallel" in r.json()["error"]["message"]
+        assert wait_dead(first_engine)  # the engine exited with its rank; the front starts another
+        for _ in range(1200):
+            if httpx.get(rt.url + "/health", timeout=5.0).status_code == 200:
+                break
+            time.sleep(0.1)
+        ok = httpx.post(rt.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3}}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 3
+        engine = httpx.get(rt.url + "/server_info", timeout=5).json()["engine_pid"]
+        assert engine != first_engine
+        (new_worker,) = _children(engine)
+    assert wait_dead(engine) and wait_dead(new_worker) and not pid_alive(worker)
+
+
+def parse(argv: list[str]) -> EngineConfig:
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    return args_from_namespace(parser.parse_args(argv)).engine
+
+
+def test_options_and_refusals():
+    assert parse(["--tp", "2"]).tp_size == 2 and parse(["--tp-size", "3"]).tp_size == 3
+    assert parse(["--tensor-parallel-size", "2"]).tp_size == 2
+    with pytest.raises(ValueError, match="tp_size"):
+        EngineConfig(tp_size=0)
+    with pytest.raises(ValueError, match="enable_hierarchical_cache"):
+        EngineConfig(tp_size=2, enable_hierarchical_cache=True)
+    dense = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=1, head_dim=16)
+    check_tp(ModelConfig("llama", num_heads=4, num_kv_heads=2, **dense), 4)  # replicated KV heads
+    with pytest.raises(ValueError, match=r"tp_size=3 .* 4 attention heads"):
+        check_tp(ModelConfig("llama", num_heads=4, num_kv_heads=2, **dense), 3)
+    with pytest.raises(ValueError, match=r"tp_size=2 .* 3 KV heads"):
+        check_tp(ModelConfig("qwen2", num_heads=6, num_kv_heads=3, **dense), 2)
+    with pytest.raises(ValueError, match="gemma3 family"):
+        check_tp(ModelConfig("gemma3", num_heads=4, num_kv_heads=2, **dense), 2)
