@@ -76,21 +76,26 @@ def _writable_cache_dir() -> Path:
     raise RuntimeError(f"no writable folder for the compiled kernel (tried {cache_dir()} and the temp dir)")
 
 
-def _build(cc: str) -> Path:
+def _build(
+    cc: str, path: Path | None = None, flag_sets: tuple[list[str], ...] = _FLAG_SETS, what: str = "the CPU decode kernel"
+) -> Path:
+    """The shared library of the C file ``path`` (None: this module's kernel), built with
+    the first of ``flag_sets`` that compiles, or found in the cache."""
+    path = path or SOURCE
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    source = SOURCE.read_bytes()
+    source = path.read_bytes()
     folder = _writable_cache_dir()
     errors = []
-    for flags in _FLAG_SETS:
+    for flags in flag_sets:
         key = hashlib.sha256(source + "\0".join([version, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
-        target = folder / f"paged_decode_cpu-{key}.so"
+        target = folder / f"{path.stem}-{key}.so"
         if target.exists():
             return target
         # build beside the target and rename: concurrent builders never see half a file
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+            proc = subprocess.run([cc, *flags, str(path), "-o", tmp], capture_output=True, text=True, timeout=120)
             if proc.returncode == 0:
                 os.replace(tmp, target)
                 return target
@@ -98,7 +103,7 @@ def _build(cc: str) -> Path:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    raise RuntimeError("compiling the CPU decode kernel failed: " + " | ".join(errors))
+    raise RuntimeError(f"compiling {what} failed: " + " | ".join(errors))
 
 
 def load() -> ctypes.CDLL:

@@ -17,6 +17,8 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_GEMMS = ("auto", "onednn", "torch")
 PREFIX_CACHE_MODES = ("radix", "block_hash")
+QUANTIZATIONS = ("none", "int8", "q4")  # plait.runtime.models.quant
+SPECULATIVE = ("none", "ngram")
 
 
 def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
@@ -75,6 +77,11 @@ class EngineConfig:
     # (plait.runtime.models.linear), "torch" keeps F.linear (MKL); "auto" is onednn on
     # CPU in float32 where the torch build has it, else torch.
     cpu_gemm: str = "auto"
+    # Weight-only quantization (plait.runtime.models.quant; CPU, float32): "none" keeps
+    # float32 weights (the exact path); "int8" runs projections and LM head on torch's
+    # dynamic int8 GEMM; "q4" keeps projections in 4-bit blocks of 32 (a GGUF's Q4_0/Q4_1/
+    # Q4_K blocks as they are) and the LM head in int8.
+    quantization: str = "none"
     seed: int = 0
     # Admission reserves ``new_token_ratio * remaining max_new_tokens`` slots for each
     # running request's future decode; the ratio decays while memory is plentiful and
@@ -100,6 +107,15 @@ class EngineConfig:
     # CUDA graphs recorded at start-up for bucketed batch sizes (plait.runtime.cuda_graph).
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
+    # Draft-free speculative decoding (plait.runtime.speculative): "ngram" proposes up to
+    # speculative_num_draft_tokens tokens that followed the latest earlier occurrence of
+    # the longest n-gram (speculative_ngram_min..max tokens) ending the request's context,
+    # and verifies them in one forward pass; outputs are those of "none" (greedy: the
+    # same tokens; sampled: the same distribution).
+    speculative: str = "none"
+    speculative_num_draft_tokens: int = 4
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 5
 
     def __post_init__(self) -> None:
         _require(self.device in DEVICES, "device", self.device, ", ".join(DEVICES))
@@ -150,6 +166,14 @@ class EngineConfig:
             _require(self.resolved_device() == "cpu" and self.resolved_dtype() == "float32" and onednn_gemm_available(),
                      "cpu_gemm", self.cpu_gemm,
                      "onednn only with device cpu, dtype float32 and a torch build with oneDNN; auto or torch otherwise")
+        _require(self.quantization in QUANTIZATIONS, "quantization", self.quantization, ", ".join(QUANTIZATIONS))
+        if self.quantization != "none":
+            import torch
+
+            _require(self.resolved_device() == "cpu" and self.resolved_dtype() == "float32"
+                     and hasattr(torch.ops.quantized, "linear_dynamic"), "quantization", self.quantization,
+                     "none on CUDA and in 16-bit dtypes (the int8 and q4 kernels are CPU float32 ones; no GPU "
+                     "kernels yet); int8 or q4 with device cpu and dtype float32")
         _require(is_int(self.seed), "seed", self.seed, "an integer")
         _require(_is_num(self.init_new_token_ratio) and 0 <= self.init_new_token_ratio <= 1,
                  "init_new_token_ratio", self.init_new_token_ratio, "a number in [0, 1]")
@@ -169,6 +193,13 @@ class EngineConfig:
         _require(isinstance(self.disable_cuda_graph, bool), "disable_cuda_graph", self.disable_cuda_graph, "True or False")
         _require(is_int(self.cuda_graph_max_bs) and 1 <= self.cuda_graph_max_bs <= 4096,
                  "cuda_graph_max_bs", self.cuda_graph_max_bs, "an integer in [1, 4096]")
+        _require(self.speculative in SPECULATIVE, "speculative", self.speculative, ", ".join(SPECULATIVE))
+        _require(is_int(self.speculative_num_draft_tokens) and 1 <= self.speculative_num_draft_tokens <= 64,
+                 "speculative_num_draft_tokens", self.speculative_num_draft_tokens, "an integer in [1, 64]")
+        _require(is_int(self.speculative_ngram_min) and 1 <= self.speculative_ngram_min <= 64,
+                 "speculative_ngram_min", self.speculative_ngram_min, "an integer in [1, 64]")
+        _require(is_int(self.speculative_ngram_max) and self.speculative_ngram_min <= self.speculative_ngram_max <= 64,
+                 "speculative_ngram_max", self.speculative_ngram_max, "an integer in [speculative_ngram_min, 64]")
         from plait.runtime.kv_events import check_endpoint
 
         _require(check_endpoint(self.kv_events_endpoint), "kv_events_endpoint", self.kv_events_endpoint,

@@ -135,9 +135,16 @@ class Engine:
         with torch.device("meta"):
             model = model_class(mc)(mc, max_pos=self.context_len, triton_ops=self._triton_ops,
                                     tp=self._tp.group if self._tp is not None else None)
+        quantization = self.config.quantization
+        if quantization == "q4":  # empty 4-bit projections, filled from blocks or floats
+            from plait.runtime.models.quant import quantize_projections
+
+            quantize_projections(model)
         model = model.materialize(self.device, self.dtype)
-        model.load_weights(self.source.iter_weights())
-        if self.config.resolved_cpu_gemm() == "onednn":
+        model.load_weights(self.source.iter_weights(q4_blocks=quantization == "q4"))
+        if quantization != "none":
+            model.pack_int8()  # every float projection left and the LM head
+        elif self.config.resolved_cpu_gemm() == "onednn":
             model.pack_for_cpu()
         return model.eval()
 
@@ -362,7 +369,9 @@ class Engine:
             t0 = time.perf_counter()
             sampled = self.runner.forward(batch)
             if self.scheduler.chunks is not None:
-                self.scheduler.chunks.observe(len(batch.decodes), sum(n for _, n in batch.extends),
+                # verifying requests decode too; their tokens cost what extend tokens cost
+                self.scheduler.chunks.observe(len(batch.decodes) + len(batch.verifies),
+                                              batch.num_tokens - len(batch.decodes) - len(batch.verifies),
                                               time.perf_counter() - t0)
             return self.scheduler.process_batch(batch, sampled)
         except TPError:  # a rank is gone: no step can run any more
@@ -640,6 +649,10 @@ class Engine:
             "hicache_saved_tokens": self.tier.saved_tokens if self.tier is not None else 0,
             "hicache_loaded_tokens": self.tier.loaded_tokens if self.tier is not None else 0,
             "cache_early_divergences": self.scheduler.early_divergences,
+            # speculative decoding: accepted tokens per step = 1 + accepted / verify steps
+            "spec_verify_steps": self.scheduler.spec_verify_steps,
+            "spec_draft_tokens": self.scheduler.spec_draft_tokens,
+            "spec_accepted_tokens": self.scheduler.spec_accepted_tokens,
         }
 
     # -- lifetime -------------------------------------------------------------------------

@@ -26,7 +26,8 @@ from plait.kernels.rotary import rope_cos_sin_cache, rotate_ref
 from plait.runtime.attention.base import AttentionBackend
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.models.config import ModelConfig
-from plait.runtime.models.linear import Linear, pack_weight, packed_linear
+from plait.runtime.models.linear import Linear, int8_linear, int8_vnni, pack_int8, pack_weight, packed_linear
+from plait.runtime.models.quant import QuantLinear, QuantWeight
 from plait.runtime.models.parallel import RowParallelLinear, TPGroup, VocabParallelEmbedding, shard_config, shard_weights
 
 
@@ -284,6 +285,7 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.packed_lm_head: torch.Tensor | None = None  # tied embeddings, packed for oneDNN
+        self.int8_lm_head: Any = None  # tied embeddings in dynamic int8 (quantization)
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> CausalLM:
         """Allocate a model built on the meta device on ``device`` in ``dtype``
@@ -313,6 +315,8 @@ class CausalLM(nn.Module):
             logits = self.lm_head(hidden).float()
         elif self.packed_lm_head is not None:
             logits = packed_linear(hidden, self.packed_lm_head, None).float()
+        elif self.int8_lm_head is not None:
+            logits = int8_linear(hidden, self.int8_lm_head, not int8_vnni())
         else:
             logits = F.linear(hidden, self.model.embed_tokens.weight).float()
         if self.tp is not None:  # [rows, V / size] per rank -> [rows, V]
@@ -332,15 +336,27 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.packed_lm_head = pack_weight(self.model.embed_tokens.weight)
 
+    def pack_int8(self) -> None:
+        """Run every float projection left (all with ``quantization='int8'``, the LM head
+        with ``q4``) and the LM head on torch's dynamic int8 GEMM; call after
+        :meth:`load_weights` (:mod:`plait.runtime.models.quant`)."""
+        for m in self.modules():
+            if type(m) is Linear:
+                m.pack_int8()
+        if self.config.tie_word_embeddings:
+            self.int8_lm_head = pack_int8(self.model.embed_tokens.weight, None)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load from Hugging Face names; q/k/v, gate/up and per-expert weights are fused on
         the way in (:func:`weight_target`). Raises if a parameter is missing or a name is
         unknown, misshapen or given twice."""
         params = dict(self.named_parameters())
+        # projections kept in 4-bit blocks: filled row range by row range, from blocks or floats
+        quantized = {f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, QuantLinear)}
         cfg = self.config
         if self.tp is not None:
             weights = shard_weights(weights, self.full_config, self.tp.rank, self.tp.size)
-        filled: dict[str, int] = dict.fromkeys(params, 0)  # elements written per parameter
+        filled: dict[str, int] = dict.fromkeys([*params, *quantized], 0)  # elements written per parameter
         seen: set[tuple[str, tuple]] = set()
         with torch.no_grad():
             for name, tensor in weights:
@@ -349,11 +365,17 @@ class CausalLM(nn.Module):
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
                 target, region = weight_target(name, cfg)
-                if target not in params:
+                if target not in params and target not in quantized:
                     raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {cfg.architecture} model")
                 if (target, region) in seen:
                     raise ValueError(f"checkpoint tensor {name!r} is given twice")
                 seen.add((target, region))
+                if target in quantized:
+                    quantized[target].load_rows(tensor, *(region[1:] if region else (0, 0)))
+                    filled[target] += tensor.numel()
+                    continue
+                if isinstance(tensor, QuantWeight):  # blocks for a float parameter
+                    tensor = tensor.dequantize()
                 dest = params[target]
                 if region:
                     index, off, n = region
@@ -363,7 +385,7 @@ class CausalLM(nn.Module):
                     raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
                 dest.copy_(tensor)
                 filled[target] += tensor.numel()
-        missing = sorted(n for n, p in params.items() if filled[n] != p.numel())
+        missing = sorted(n for n, p in [*params.items(), *quantized.items()] if filled[n] != p.numel())
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
 

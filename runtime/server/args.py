@@ -60,12 +60,23 @@ ENGINE_HELP: dict[str, str] = {
                        "with outlines-core as fallback, regex to outlines-core), outlines or llguidance; a request's "
                        "grammar_backend overrides it",
     "cpu_gemm": "CPU float32 GEMMs: auto (onednn where available), onednn (weights packed once for oneDNN's JIT GEMM) or torch (F.linear, MKL)",
+    "quantization": "weight-only quantization (CPU, dtype float32): none (float32 weights, the exact "
+                    "path), int8 (projections and LM head in per-row int8 on torch's dynamic int8 GEMM) or q4 "
+                    "(projections in 4-bit blocks of 32, a GGUF's Q4_0/Q4_1/Q4_K blocks kept as they are, on a "
+                    "native kernel; LM head int8)",
     "disable_cuda_graph": "CUDA: run decode steps eagerly instead of replaying recorded CUDA graphs",
     "cuda_graph_max_bs": "CUDA: largest decode batch that replays a recorded graph (bucketed sizes up to it)",
     "kv_events_endpoint": "publish KV-cache events (vLLM's format: BlockStored/BlockRemoved/AllBlocksCleared) on a "
                           "ZMQ PUB socket: tcp://*:PORT binds, tcp://HOST:PORT connects, ipc://PATH binds; replica i "
                           "of --dp-size uses PORT+i (default: off)",
     "pin_budget_fraction": "share of the KV pool that pinned prefixes (run_batch) may hold together; 0 disables pinning",
+    "speculative": "draft-free speculative decoding: none, or ngram (prompt lookup: drafts copied from the request's "
+                   "own context, verified in one forward pass; outputs unchanged); a request opts out with "
+                   "speculative=false",
+    "speculative_num_draft_tokens": "speculative decoding: most drafted tokens a request verifies per step",
+    "speculative_ngram_min": "speculative decoding: shortest n-gram ending the context that is looked up",
+    "speculative_ngram_max": "speculative decoding: longest n-gram ending the context that is looked up (the "
+                             "longest one found earlier wins)",
 }
 
 

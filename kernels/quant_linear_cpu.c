@@ -1,0 +1,242 @@
+/* Weight-only quantized linear layers for CPUs, the native half of plait.kernels.quant_cpu.
+ *
+ *   out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])     x, out float32; w in blocks of 32
+ *
+ * Two weight layouts, both planar (one array per field), a block being 32 consecutive
+ * weights of one output row:
+ *   Q8  (kind 0): qs int8 [N, K], scales float32 [N, K/32];  w = q * scale
+ *                 (GGUF Q8_0's math with a float32 scale)
+ *   Q4  (kind 1): qs uint8 [N, K/2], scales, mins float32 [N, K/32];  w = q * scale + min,
+ *                 q in 0..15; byte j of a block's 16 holds weight j in its low nibble
+ *                 and weight j + 16 in its high nibble (GGUF Q4_0/Q4_1's order)
+ *
+ * Each block is dequantized to float32 once (rounded as the Python reference does:
+ * one multiply, or one fused multiply-add for Q4) and multiplied against up to MT rows
+ * of x held in registers, so a weight is read once per MT rows; the activations stay
+ * float32 (no activation quantization). Output rows are split over OpenMP threads.
+ *
+ * Three paths with the same math: AVX-512F, AVX2+FMA (compiled per function with
+ * target attributes, so one library serves any x86-64 CPU) and portable C. The caller
+ * picks the path from the CPU's flags (plait.kernels.quant_cpu.choose_isa); a path the
+ * library was not compiled with (a non-x86 compiler) returns -2.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define PLAIT_X86 1
+#endif
+
+#define QBLOCK 32
+#define MT 4 /* rows of x per pass over a weight row */
+
+enum { KIND_Q8 = 0, KIND_Q4 = 1 };
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+/* ---- portable C ---------------------------------------------------------------- */
+
+static inline void dequant_block_c(int kind, const uint8_t *qs, float scale, float min, float *w) {
+    if (kind == KIND_Q8) {
+        const int8_t *q = (const int8_t *)qs;
+        for (int j = 0; j < QBLOCK; j++) w[j] = (float)q[j] * scale;
+    } else {
+        for (int j = 0; j < QBLOCK / 2; j++) {
+            w[j] = (float)(qs[j] & 0x0F) * scale + min;
+            w[j + 16] = (float)(qs[j] >> 4) * scale + min;
+        }
+    }
+}
+
+static void row_portable(int kind, const float *x, int64_t mt, int64_t K, const uint8_t *qs, const float *sc,
+                         const float *mn, float *acc) {
+    float w[QBLOCK];
+    const int64_t nb = K / QBLOCK, bb = kind == KIND_Q8 ? QBLOCK : QBLOCK / 2;
+    for (int64_t m = 0; m < mt; m++) acc[m] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        dequant_block_c(kind, qs + b * bb, sc[b], mn ? mn[b] : 0.0f, w);
+        for (int64_t m = 0; m < mt; m++) {
+            const float *xr = x + m * K + b * QBLOCK;
+            float s = 0.0f;
+            for (int j = 0; j < QBLOCK; j++) s += w[j] * xr[j];
+            acc[m] += s;
+        }
+    }
+}
+
+/* ---- AVX2 + FMA ---------------------------------------------------------------- */
+#ifdef PLAIT_X86
+__attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* block b of a row as 4 x 8 float32 weights */
+__attribute__((target("avx2,fma"))) static inline void decode_avx2(int kind, const uint8_t *qs, int64_t b, float scale,
+                                                                   float min, __m256 *w) {
+    const __m256 s = _mm256_set1_ps(scale);
+    if (kind == KIND_Q8) {
+        const __m128i q = _mm_loadu_si128((const __m128i *)(qs + b * QBLOCK));
+        const __m128i q2 = _mm_loadu_si128((const __m128i *)(qs + b * QBLOCK + 16));
+        w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s);
+        w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), s);
+        w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q2)), s);
+        w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q2, 8))), s);
+    } else {
+        const __m256 mv = _mm256_set1_ps(min);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(qs + b * (QBLOCK / 2)));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+        w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s, mv);
+        w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s, mv);
+        w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, mv);
+        w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s, mv);
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void row_avx2(int kind, const float *x, int64_t mt, int64_t K,
+                                                         const uint8_t *qs, const float *sc, const float *mn,
+                                                         float *out) {
+    __m256 acc[MT];
+    for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
+    const int64_t nb = K / QBLOCK;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 w[4];
+        decode_avx2(kind, qs, b, sc[b], mn ? mn[b] : 0.0f, w);
+        for (int m = 0; m < MT; m++) {
+            if (m >= mt) break;
+            const float *xr = x + m * K + b * QBLOCK;
+            __m256 a = acc[m];
+            a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a);
+            a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a);
+            a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a);
+            a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a);
+            acc[m] = a;
+        }
+    }
+    for (int m = 0; m < mt; m++) out[m] = hsum256(acc[m]);
+}
+
+/* ---- AVX-512F ------------------------------------------------------------------ */
+/* block b of a row as 2 x 16 float32 weights */
+__attribute__((target("avx512f"))) static inline void decode_avx512(int kind, const uint8_t *qs, int64_t b, float scale,
+                                                                    float min, __m512 *w0, __m512 *w1) {
+    const __m512 s = _mm512_set1_ps(scale);
+    if (kind == KIND_Q8) {
+        const __m128i q = _mm_loadu_si128((const __m128i *)(qs + b * QBLOCK));
+        const __m128i q2 = _mm_loadu_si128((const __m128i *)(qs + b * QBLOCK + 16));
+        *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), s);
+        *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q2)), s);
+    } else {
+        const __m512 mv = _mm512_set1_ps(min);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(qs + b * (QBLOCK / 2)));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+        *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, mv);
+        *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, mv);
+    }
+}
+
+/* whole rows to float32 */
+__attribute__((target("avx512f"))) static void dequant_row_avx512(int kind, const uint8_t *qs, const float *sc,
+                                                                  const float *mn, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 w0, w1;
+        decode_avx512(kind, qs, b, sc[b], mn ? mn[b] : 0.0f, &w0, &w1);
+        _mm512_storeu_ps(w + b * QBLOCK, w0);
+        _mm512_storeu_ps(w + b * QBLOCK + 16, w1);
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void dequant_row_avx2(int kind, const uint8_t *qs, const float *sc,
+                                                                 const float *mn, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 v[4];
+        decode_avx2(kind, qs, b, sc[b], mn ? mn[b] : 0.0f, v);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(w + b * QBLOCK + 8 * i, v[i]);
+    }
+}
+
+__attribute__((target("avx512f"))) static void row_avx512(int kind, const float *x, int64_t mt, int64_t K,
+                                                          const uint8_t *qs, const float *sc, const float *mn,
+                                                          float *out) {
+    __m512 acc[MT];
+    for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps();
+    const int64_t nb = K / QBLOCK;
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 w0, w1;
+        decode_avx512(kind, qs, b, sc[b], mn ? mn[b] : 0.0f, &w0, &w1);
+        for (int m = 0; m < MT; m++) {
+            if (m >= mt) break;
+            const float *xr = x + m * K + b * QBLOCK;
+            acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[m]));
+        }
+    }
+    for (int m = 0; m < mt; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
+/* out [M, N] = x [M, K] @ dequant(w)^T (+ bias). Returns 0, -1 for a bad shape or kind,
+ * -2 for a path this build lacks. */
+int plait_quant_linear_f32(int kind, int isa, const float *x, int64_t M, int64_t K, const void *qs_,
+                           const float *scales, const float *mins, int64_t N, const float *bias, float *out,
+                           int nthreads) {
+    const uint8_t *qs = (const uint8_t *)qs_;
+    if (K % QBLOCK || M < 0 || N < 0 || (kind != KIND_Q8 && kind != KIND_Q4) || (kind == KIND_Q4 && !mins)) return -1;
+#ifndef PLAIT_X86
+    if (isa != ISA_PORTABLE) return -2;
+#endif
+    const int64_t nb = K / QBLOCK, row_bytes = kind == KIND_Q8 ? K : K / 2;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *q = qs + n * row_bytes;
+        const float *sc = scales + n * nb, *mn = kind == KIND_Q4 ? mins + n * nb : NULL;
+        const float b = bias ? bias[n] : 0.0f;
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const int64_t mt = M - m0 < MT ? M - m0 : MT;
+            float acc[MT];
+            const float *xt = x + m0 * K;
+#ifdef PLAIT_X86
+            if (isa == ISA_AVX512)
+                row_avx512(kind, xt, mt, K, q, sc, mn, acc);
+            else if (isa == ISA_AVX2)
+                row_avx2(kind, xt, mt, K, q, sc, mn, acc);
+            else
+#endif
+                row_portable(kind, xt, mt, K, q, sc, mn, acc);
+            for (int64_t m = 0; m < mt; m++) out[(m0 + m) * N + n] = acc[m] + b;
+        }
+    }
+    return 0;
+}
+
+/* w [N, K] float32 = dequant(blocks), for GEMMs with many rows (run by the caller's BLAS). */
+int plait_quant_dequant_f32(int kind, int isa, const void *qs_, const float *scales, const float *mins, int64_t N,
+                            int64_t K, float *w, int nthreads) {
+    const uint8_t *qs = (const uint8_t *)qs_;
+    if (K % QBLOCK || N < 0 || (kind != KIND_Q8 && kind != KIND_Q4) || (kind == KIND_Q4 && !mins)) return -1;
+#ifndef PLAIT_X86
+    if (isa != ISA_PORTABLE) return -2;
+#endif
+    const int64_t nb = K / QBLOCK, row_bytes = kind == KIND_Q8 ? K : K / 2, bb = kind == KIND_Q8 ? QBLOCK : QBLOCK / 2;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *q = qs + n * row_bytes;
+        const float *sc = scales + n * nb, *mn = kind == KIND_Q4 ? mins + n * nb : NULL;
+#ifdef PLAIT_X86
+        if (isa == ISA_AVX512) {
+            dequant_row_avx512(kind, q, sc, mn, nb, w + n * K);
+            continue;
+        }
+        if (isa == ISA_AVX2) {
+            dequant_row_avx2(kind, q, sc, mn, nb, w + n * K);
+            continue;
+        }
+#endif
+        for (int64_t b = 0; b < nb; b++) dequant_block_c(kind, q + b * bb, sc[b], mn ? mn[b] : 0.0f, w + n * K + b * QBLOCK);
+    }
+    return 0;
+}

@@ -1,0 +1,210 @@
+"""Weight-only quantization of the linear projections and the LM head (CPU, float32).
+
+``EngineConfig.quantization`` names how the weights are kept (the kernels were chosen by
+measurement: README, Quantized weights):
+
+- ``none``: float32 weights (the exact reference path, :mod:`plait.runtime.models.linear`).
+- ``int8``: every projection and the LM head in int8 with one scale per output row,
+  run by torch's dynamic quantized linear (FBGEMM / oneDNN: activations quantized to
+  8 bits per tensor on the fly, VNNI dot products): ``Linear.pack_int8``. GGUF tensors
+  are dequantized first (no GGUF type has per-row scales).
+- ``q4``: every projection in Q4 blocks: 32 4-bit weights of one output row with a
+  float32 scale and minimum, ``w = q * scale + min`` (GGUF Q4_1's math), run by
+  :mod:`plait.kernels.quant_cpu` with float32 activations; the LM head in ``int8`` as
+  above (llama.cpp's 4-bit files keep theirs at 6-8 bits too: its error reaches the
+  logits directly). GGUF Q4_0 / Q4_1 / Q4_K tensors are converted block by block, never
+  through float32 (their float16 scales, and Q4_K's 6-bit sub-block scales times its
+  float16 super-scales, are exact in float32): the file's own weights, bit for bit.
+  Other tensors (Hugging Face floats, Q8_0, Q6_K, ...) are quantized from float32,
+  round to nearest.
+
+Embeddings, norms and routed experts stay float32. Steps with more than
+:data:`KERNEL_MAX_ROWS` rows (prefill) dequantize a Q4 weight into a float32 scratch
+matrix and run one BLAS GEMM, faster there than the row-by-row kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.kernels import quant_cpu
+from plait.kernels.quant_cpu import BLOCK
+
+QUANTIZATIONS = ("none", "int8", "q4")
+# steps with more rows than this go through dequantize + GEMM (measured: README)
+KERNEL_MAX_ROWS = 8
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A weight [rows, cols] in blocks of 32 along ``cols``: ``kind`` q8 (qs int8
+    [rows, cols], scales [rows, cols/32]) or q4 (qs uint8 [rows, cols/2], scales and mins
+    [rows, cols/32]); see the module docstring for the math."""
+
+    kind: str
+    qs: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scales.shape[0], self.scales.shape[1] * BLOCK
+
+    def numel(self) -> int:
+        rows, cols = self.shape
+        return rows * cols
+
+    def rows(self, index: torch.Tensor | slice) -> QuantWeight:
+        """The weight's rows ``index`` (a permutation or a slice)."""
+        return QuantWeight(self.kind, self.qs[index], self.scales[index], None if self.mins is None else self.mins[index])
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight, computed in torch (the reference the kernel is tested against)."""
+        rows, cols = self.shape
+        s = self.scales[:, :, None]
+        if self.kind == "q8":
+            return (self.qs.view(rows, -1, BLOCK).float() * s).reshape(rows, cols)
+        q = self.qs.view(rows, -1, BLOCK // 2)
+        q = torch.cat([q & 0x0F, q >> 4], dim=-1).float()  # byte j: weight j (low), j + 16 (high)
+        return torch.addcmul(self.mins[:, :, None], q, s).reshape(rows, cols)
+
+
+def quantize(w: torch.Tensor, kind: str) -> QuantWeight:
+    """Round-to-nearest quantization of a float weight [rows, cols] (cols a multiple of 32):
+    q8 symmetric (scale = max |w| / 127), q4 asymmetric (min and (max - min) / 15)."""
+    rows, cols = w.shape
+    if cols % BLOCK:
+        raise ValueError(f"a quantized weight needs a multiple of {BLOCK} input features, got {cols}")
+    b = w.detach().float().reshape(rows, cols // BLOCK, BLOCK)
+    if kind == "q8":
+        scale = b.abs().amax(-1) / 127
+        inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        q = (b * inv[:, :, None]).round().clamp(-127, 127).to(torch.int8)
+        return QuantWeight("q8", q.reshape(rows, cols).contiguous(), scale.contiguous(), None)
+    lo, hi = b.amin(-1), b.amax(-1)
+    scale = (hi - lo) / 15
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    q = ((b - lo[:, :, None]) * inv[:, :, None]).round().clamp(0, 15).to(torch.uint8)
+    packed = q[:, :, : BLOCK // 2] | (q[:, :, BLOCK // 2 :] << 4)
+    return QuantWeight("q4", packed.reshape(rows, cols // 2).contiguous(), scale.contiguous(), lo.contiguous())
+
+
+# --- GGUF blocks -------------------------------------------------------------------------
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)[..., 0]
+
+
+GGUF_Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> QuantWeight:
+    """A GGUF tensor's blocks (``data``: uint8 [rows, bytes per row]; ``type_name`` one of
+    :data:`GGUF_Q4_TYPES`) as q4 blocks with the same values."""
+    nb = cols // BLOCK
+    if type_name in ("Q4_0", "Q4_1"):  # [d f16]([m f16])[16 bytes: j low, j + 16 high]
+        head = 2 if type_name == "Q4_0" else 4
+        blocks = np.asarray(data).reshape(rows, nb, head + 16)
+        d = _f16(blocks[:, :, :2])
+        m = -8 * d if type_name == "Q4_0" else _f16(blocks[:, :, 2:4])  # (q - 8) d = q d + (-8 d), exact
+        qs = np.ascontiguousarray(blocks[:, :, head:]).reshape(rows, cols // 2)
+        return QuantWeight("q4", torch.from_numpy(qs), torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(m)))
+    if type_name == "Q4_K":  # 256-weight super-blocks: [d][dmin][12 bytes 6-bit scales/mins][128 bytes]
+        from gguf.quants import Q4_K
+
+        blocks = np.asarray(data).reshape(-1, 144)
+        d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+        scale = (d[:, None] * sc.astype(np.float32)).reshape(rows, nb)
+        minimum = (-(dmin[:, None] * mn.astype(np.float32))).reshape(rows, nb)
+        # 4 chunks of 32 bytes; chunk i: low nibbles = sub-block 2i, high nibbles = 2i + 1
+        raw = blocks[:, 16:].reshape(-1, 4, 1, 32)
+        q = ((raw >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(rows, nb, BLOCK)
+        packed = q[:, :, :16] | (q[:, :, 16:] << 4)
+        return QuantWeight("q4", torch.from_numpy(np.ascontiguousarray(packed).reshape(rows, cols // 2)),
+                           torch.from_numpy(np.ascontiguousarray(scale)), torch.from_numpy(np.ascontiguousarray(minimum)))
+    raise ValueError(f"GGUF type {type_name} has no q4 counterpart; those that do: {', '.join(GGUF_Q4_TYPES)}")
+
+
+# --- the layer -----------------------------------------------------------------------------
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is kept in q4 blocks (buffers ``qs`` uint8 [out, in/2],
+    ``scales`` and ``mins`` float32 [out, in/32]; the bias stays a float parameter),
+    filled row range by row range with :meth:`load_rows`, as the fused projections are."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, isa: str) -> None:
+        super().__init__()
+        if in_features % BLOCK:
+            raise ValueError(
+                f"quantization='q4' needs the input features of every projection to be a multiple of {BLOCK}; "
+                f"this model has a projection with {in_features}; use quantization='int8' or 'none'"
+            )
+        self.in_features, self.out_features, self.isa = in_features, out_features, isa
+        nb = in_features // BLOCK
+        self.register_buffer("qs", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.empty(out_features, nb))
+        self.register_buffer("mins", torch.empty(out_features, nb))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def numel(self) -> int:
+        return self.in_features * self.out_features
+
+    def weight(self) -> QuantWeight:
+        return QuantWeight("q4", self.qs, self.scales, self.mins)
+
+    def load_rows(self, tensor: torch.Tensor | QuantWeight, offset: int, rows: int) -> None:
+        """Write rows ``offset .. offset + rows`` (rows 0: all) from q4 blocks as they are,
+        or from a float tensor (quantized here) or other blocks (through float32)."""
+        rows = rows or self.out_features
+        if tuple(tensor.shape) != (rows, self.in_features):
+            raise ValueError(f"a weight of shape {tuple(tensor.shape)} for rows {offset}..{offset + rows} of a "
+                             f"[{self.out_features}, {self.in_features}] projection")
+        if isinstance(tensor, QuantWeight) and tensor.kind != "q4":
+            tensor = tensor.dequantize()
+        q = tensor if isinstance(tensor, QuantWeight) else quantize(tensor, "q4")
+        span = slice(offset, offset + rows)
+        self.qs[span].copy_(q.qs)
+        self.scales[span].copy_(q.scales)
+        self.mins[span].copy_(q.mins)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [rows, in] -> [rows, out]
+        if x.shape[0] > KERNEL_MAX_ROWS:
+            w = quant_cpu.dequantize("q4", self.qs, self.scales, self.mins, self.in_features, self.isa)
+            return F.linear(x, w, self.bias)
+        return quant_cpu.quant_linear(x.contiguous(), "q4", self.qs, self.scales, self.mins, self.bias, self.isa)
+
+
+def quantize_projections(model: nn.Module) -> None:
+    """Replace every projection (``plait.runtime.models.linear.Linear``) under ``model``
+    but its untied ``lm_head`` with an empty :class:`QuantLinear` (``quantization='q4'``).
+    Call on the meta device, before the weights are loaded."""
+    from plait.runtime.models.linear import Linear
+
+    isa = quant_cpu.choose_isa()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is Linear and not (parent is model and name == "lm_head"):
+                setattr(parent, name, QuantLinear(child.in_features, child.out_features, child.bias is not None, isa))
+
+
+def describe(mode: str) -> dict[str, Any]:
+    """What a benchmark prints about the quantized path on this machine."""
+    from plait.runtime.models.linear import int8_vnni
+
+    return {
+        "quantization": mode,
+        "q4_kernel_isa": quant_cpu.choose_isa(),
+        "q4_kernel_max_rows": KERNEL_MAX_ROWS,
+        "int8_engine": torch.backends.quantized.engine,
+        "int8_vnni": int8_vnni(),
+    }

@@ -1,0 +1,154 @@
+"""Weight-only quantization (EngineConfig.quantization): the native q4/q8 kernel against
+the torch dequantized reference on every path this machine runs (the portable one
+everywhere), the kernel chooser, GGUF blocks kept bit for bit, and engines of each mode
+loading and generating on a tiny model and the default model."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from plait.kernels import quant_cpu
+from plait.runtime import Engine
+from plait.runtime.config import EngineConfig
+from plait.runtime.model_loader import _iter_gguf_weights
+from plait.runtime.models.llama import weight_target
+from plait.runtime.models.quant import BLOCK, QuantLinear, from_gguf, quantize
+
+RUNNABLE = [isa for isa in quant_cpu.ISAS if quant_cpu.ISAS.index(isa) <= quant_cpu.ISAS.index(quant_cpu.choose_isa())]
+
+
+@pytest.mark.parametrize(
+    ("flags", "isa"),
+    [
+        ("fpu sse2 avx avx2 fma avx512f avx512bw", "avx512"),
+        ("fpu sse2 avx avx2 fma f16c", "avx2"),
+        ("fpu sse2 avx avx2", "portable"),  # AVX2 without FMA: the AVX2 path needs both
+        ("fp asimd evtstrm aes", "portable"),  # an ARM Features line
+        ("", "portable"),
+    ],
+)
+def test_choose_isa_reads_the_cpu_flags(flags, isa):
+    assert quant_cpu.choose_isa(flags) == isa
+
+
+def test_chosen_path_exists_here():
+    chosen = quant_cpu.choose_isa()
+    assert chosen in quant_cpu.ISAS and "portable" in RUNNABLE and chosen in RUNNABLE
+    x, w = torch.randn(2, 64), quantize(torch.randn(8, 64), "q4")
+    out = quant_cpu.quant_linear(x, "q4", w.qs, w.scales, w.mins, None, chosen)
+    torch.testing.assert_close(out, x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_kernel_matches_dequantized_reference(isa, kind, rows):
+    g = torch.Generator().manual_seed(rows)
+    N, K = 37, 4 * BLOCK
+    w = quantize(torch.randn(N, K, generator=g), kind)
+    x = torch.randn(rows, K, generator=g)
+    bias = torch.randn(N, generator=g)
+    ref = x.double() @ w.dequantize().double().T + bias.double()
+    out = quant_cpu.quant_linear(x, kind, w.qs, w.scales, w.mins, bias, isa)
+    # the kernel's math itself: float32 sums of exactly the reference's weights
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    deq = quant_cpu.dequantize(kind, w.qs, w.scales, w.mins, K, isa)
+    torch.testing.assert_close(deq, w.dequantize(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+def test_quantize_is_round_to_nearest(kind):
+    w = torch.randn(16, 3 * BLOCK)
+    q = quantize(w, kind)
+    step = q.scales.repeat_interleave(BLOCK, dim=1)
+    err = (q.dequantize() - w).abs()
+    assert (err <= step / 2 + 1e-6).all()
+    assert q.qs.dtype == (torch.int8 if kind == "q8" else torch.uint8)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_gguf_q4_blocks_convert_exactly(type_name):
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    w = np.random.default_rng(0).standard_normal((6, 4 * BLOCK)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, qtype)
+    ours = from_gguf(type_name, blocks, *w.shape).dequantize()
+    assert torch.equal(ours, torch.from_numpy(gguf.quants.dequantize(blocks, qtype)))
+
+
+def test_gguf_q4_k_blocks_convert_exactly():
+    # random super-blocks are valid Q4_K data once d and dmin are finite float16 values
+    rng = np.random.default_rng(1)
+    rows, cols = 3, 2 * 256
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)
+    blocks[:, 0:4] = rng.uniform(0.001, 0.1, size=(len(blocks), 2)).astype(np.float16).view(np.uint8)
+    blocks = blocks.reshape(rows, -1)
+    ours = from_gguf("Q4_K", blocks, rows, cols).dequantize()
+    ref = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K).reshape(rows, cols)
+    assert torch.equal(ours, torch.from_numpy(ref))
+
+
+def test_config_refuses_quantization_outside_cpu_float32():
+    with pytest.raises(ValueError, match="quantization='q8'"):
+        EngineConfig(quantization="q8")
+    with pytest.raises(ValueError, match="quantization='int8'.*device cpu and dtype float32"):
+        EngineConfig(device="cpu", dtype="bfloat16", quantization="int8")
+
+
+def test_q4_needs_block_aligned_projections():
+    with pytest.raises(ValueError, match="multiple of 32.*quantization='int8' or 'none'"):
+        QuantLinear(48, 16, False, "portable")
+
+
+PROMPTS = ["The capital of France is", "def add(a, b):"]
+GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("mode", ["int8", "q4"])
+def test_tiny_model_generates_in_each_mode(tiny_model_factory, mode):
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model_factory("qwen2")  # q/k/v biases: the bias path of both modes
+    with Engine(str(folder), kv_cache_tokens=1024, quantization=mode) as engine:
+        outs = engine.generate(PROMPTS, GREEDY)
+        model = engine.model
+        assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outs)
+        quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert len(quantized) == (4 * model.config.num_layers if mode == "q4" else 0)  # qkv, o, gate_up, down
+        if mode == "q4":  # fused q/k/v rows hold the checkpoint's weights to within half a step
+            hf = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+            attn = model.model.layers[0].self_attn
+            ref = torch.cat([hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+            step = attn.qkv_proj.scales.repeat_interleave(BLOCK, dim=1)
+            assert ((attn.qkv_proj.weight().dequantize() - ref).abs() <= step / 2 + 1e-6).all()
+
+
+def test_default_model_q4_keeps_the_gguf_blocks_and_generates():
+    """The default GGUF's Q4_1 projections are the file's values bit for bit (q/k rows
+    un-permuted, q/k/v and gate/up fused as in float32 loading), and it generates."""
+    with Engine(None, kv_cache_tokens=1024, quantization="q4") as engine:
+        outs = engine.generate(PROMPTS, GREEDY)
+        assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outs)
+        modules = dict(engine.model.named_modules())
+        checked = 0
+        for name, tensor in _iter_gguf_weights(engine.source._gguf()):  # float32, dequantized by gguf
+            if name.startswith("model.layers.1."):
+                break
+            if not name.startswith("model.layers.0.") or "norm" in name:
+                continue
+            target, region = weight_target(name, engine.model.config)
+            layer = modules[target.removesuffix(".weight")]
+            _, off, n = region or (None, 0, 0)
+            rows = layer.weight().dequantize()[off : off + (n or layer.out_features)]
+            assert torch.equal(rows, tensor), name
+            checked += 1
+        assert checked == 7  # q, k, v, o, gate, up, down
+
+
+def test_default_model_int8_generates():
+    with Engine(None, kv_cache_tokens=1024, quantization="int8") as engine:
+        outs = engine.generate(PROMPTS, GREEDY)
+        assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outs)
+        assert engine.model.int8_lm_head is not None  # SmolLM2 ties its embeddings
