@@ -157,6 +157,8 @@ class EngineConfig:
         _require(is_int(self.tp_size) and 1 <= self.tp_size <= 64, "tp_size", self.tp_size, "an integer in [1, 64]")
         _require(self.tp_size == 1 or not self.enable_hierarchical_cache, "enable_hierarchical_cache",
                  self.enable_hierarchical_cache, "False with tp_size > 1 (the host tier copies rank 0's pool only)")
+        _require(self.tp_size == 1 or self.quantization == "none", "quantization", self.quantization,
+                 "none with tp_size > 1 (quantized projections are not sharded)")
         _require(self.attention_backend in ("auto",) + ATTENTION_BACKENDS, "attention_backend",
                  self.attention_backend, "auto, " + ", ".join(ATTENTION_BACKENDS))
         _require(self.cpu_gemm in CPU_GEMMS, "cpu_gemm", self.cpu_gemm, ", ".join(CPU_GEMMS))

@@ -159,6 +159,8 @@ def test_options_and_refusals():
         EngineConfig(tp_size=0)
     with pytest.raises(ValueError, match="enable_hierarchical_cache"):
         EngineConfig(tp_size=2, enable_hierarchical_cache=True)
+    with pytest.raises(ValueError, match="quantization='int8' is invalid; allowed: none with tp_size > 1"):
+        EngineConfig(tp_size=2, quantization="int8")
     dense = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=1, head_dim=16)
     check_tp(ModelConfig("llama", num_heads=4, num_kv_heads=2, **dense), 4)  # replicated KV heads
     with pytest.raises(ValueError, match=r"tp_size=3 .* 4 attention heads"):
