@@ -79,8 +79,6 @@ FOREIGN: dict[str, Foreign] = {
     "skip_tokenizer_init": Foreign(_only(False), "send input_ids instead of text to skip tokenizing a prompt", bool),
     "load_format": Foreign(_only("auto"), "the format follows the files: a folder with config.json and "
                                           "*.safetensors / pytorch_model*.bin, or a .gguf file"),
-    "quantization": Foreign(_only(None), "quantized GGUF files load (dequantized to dtype); pass the .gguf file as "
-                                         "the model"),
     "kv_cache_dtype": Foreign(_only("auto"), "the KV cache has the model's dtype (set with dtype)"),
     "chat_template": Foreign(_only(None), "plait renders the model's own chat template (from tokenizer_config.json, "
                                           "chat_template.jinja or the GGUF file)"),
