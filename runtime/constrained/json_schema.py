@@ -759,7 +759,7 @@ class _Translator:
                 lead[i] = pair + tail[i + 1]
             else:
                 lead[i] = "(?:" + pair + tail[i + 1] + (")?" if not lead[i + 1] else "|" + lead[i + 1] + ")")
-            self.check_size(len(lead[i]), path)  # lead[0] is the object's text: no piece is longer
+            self.check_size(len(lead[i]) // 8, path)  # a runaway guard; schema_to_regex checks the result
         return r"\{" + ws + lead[0] + ws + r"\}"
 
     def check_size(self, n: int, path: str) -> None:
@@ -871,7 +871,7 @@ class _Translator:
                 return None
             if len(options) == 1:
                 return options[0]
-            self.check_size(len(options[0]) + len(options[1]), path)
+            self.check_size((len(options[0]) + len(options[1])) // 8, path)
             return "(?:" + options[0] + ")?" if options[1] == "" else "(?:" + options[0] + "|" + options[1] + ")"
 
         body = rest(0, True, 0, frozenset())
