@@ -363,6 +363,13 @@ def test_auto_picks_a_backend_per_constraint():
      "multipleOf"),
     ({"json_schema": {"type": "integer", "divisibleBy": 3}, "grammar_backend": "llguidance"}, "json_schema",
      "divisibleBy"),
+    # found unsound on the real-world corpus (benchmarks/schema_corpus): refused by name
+    ({"json_schema": {"type": "object", "patternProperties": {"^\\s*x$": {"type": "integer"}}},
+      "grammar_backend": "llguidance"}, "json_schema", "shorthand class"),
+    ({"json_schema": {"type": "object", "patternProperties": {".*": {"type": "integer"}, "^a": {"minimum": 3}}},
+      "grammar_backend": "llguidance"}, "json_schema", "2 patterns"),
+    ({"json_schema": {"type": "object", "properties": {"ab": {}}, "patternProperties": {"^a": {"type": "integer"}}},
+      "grammar_backend": "llguidance"}, "json_schema", "also matches"),
     ({"json_schema": {"properties": {"a": {"required": True}}}, "grammar_backend": "llguidance"}, "json_schema",
      "required"),
     ({"json_schema": {"type": "array", "contains": {"const": 1}}, "grammar_backend": "llguidance"}, "json_schema",

@@ -20,6 +20,7 @@ regex) compiled by llguidance, with per-step masks computed by its Earley parser
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict, deque
@@ -68,6 +69,18 @@ def _validate(grammar: str) -> str:
     return grammar
 
 
+# Python's (jsonschema's) shorthand classes are Unicode-aware; llguidance's are not the
+# same sets (\s: Python's includes \x1c-\x1f), so a pattern using them could admit a
+# string jsonschema refuses.
+_SHORTHAND = re.compile(r"(?<!\\)(?:\\\\)*\\[sSwWdDbB]")
+
+
+def _check_pattern(pattern: str, where: str) -> None:
+    if _SHORTHAND.search(pattern):
+        raise ValueError(f"{where}: {pattern!r} uses a shorthand class (\\s, \\w, \\d, \\b or a negation), "
+                         "whose set differs between the llguidance backend and JSON Schema's (Python's) regexes")
+
+
 def check_schema_for_llguidance(schema: Any, path: str = "#") -> None:
     """Refuse, naming the keyword and its location, what llguidance's JSON compiler
     would ignore or enforce unsoundly (an admitted instance that ``jsonschema`` rejects):
@@ -94,6 +107,23 @@ def check_schema_for_llguidance(schema: Any, path: str = "#") -> None:
         if v is not None and v is not False and not integer:
             raise ValueError(f"{k} at {path} on a non-integer number is not supported by the llguidance backend "
                              "(a bound cannot be kept exclusive through float parsing)")
+    patterns = schema.get("patternProperties")
+    if isinstance(patterns, dict):
+        if len(patterns) > 1:
+            raise ValueError(f"patternProperties with {len(patterns)} patterns at {path} is not supported by the "
+                             "llguidance backend (a key matching several patterns must satisfy each one's schema)")
+        listed = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        for pat in patterns:
+            _check_pattern(pat, f"{path}/patternProperties")
+            try:
+                clash = [name for name in listed if re.search(pat, name)]
+            except re.error:
+                clash = []
+            if clash:
+                raise ValueError(f"patternProperties at {path}: listed property {clash[0]!r} also matches {pat!r}, "
+                                 "which the llguidance backend does not enforce together")
+    if isinstance(schema.get("pattern"), str):
+        _check_pattern(schema["pattern"], f"{path}/pattern")
     m = schema.get("multipleOf")
     if m is not None and not (integer and isinstance(m, int) and not isinstance(m, bool)):
         raise ValueError(f"multipleOf: {m} at {path} is supported by the llguidance backend only as an integer on "
@@ -448,6 +478,22 @@ class LLGuidanceMatcher:
         if eos_ok and self.is_final:
             out |= g.model_eos
         return out.view(np.int32)
+
+    def draft_masks(self, drafts: list[int], eos_ok: bool) -> list[np.ndarray]:
+        """Speculative decoding: the :meth:`allowed` rows for the next token and after
+        each of ``drafts`` in turn, up to the first draft the grammar refuses (``1 +``
+        the number of drafts it takes). The drafts are consumed and rolled back: the
+        matcher ends where it began."""
+        masks = [self.allowed(eos_ok)]
+        taken = 0
+        for t in drafts:
+            if self.m.try_consume_tokens([t]) != 1:
+                break
+            taken += 1
+            masks.append(self.allowed(eos_ok))
+        if taken:
+            self.m.rollback(taken)
+        return masks
 
     # -- advancing ----------------------------------------------------------------------------
     def advance(self, token: int) -> bool:
