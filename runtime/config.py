@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_GEMMS = ("auto", "onednn", "torch")
 PREFIX_CACHE_MODES = ("radix", "block_hash")
 QUANTIZATIONS = ("none", "int8", "q4")  # plait.runtime.models.quant
+SPECULATIVE = ("none", "ngram")
 
 
 def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
@@ -106,6 +107,15 @@ class EngineConfig:
     # CUDA graphs recorded at start-up for bucketed batch sizes (plait.runtime.cuda_graph).
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
+    # Draft-free speculative decoding (plait.runtime.speculative): "ngram" proposes up to
+    # speculative_num_draft_tokens tokens that followed the latest earlier occurrence of
+    # the longest n-gram (speculative_ngram_min..max tokens) ending the request's context,
+    # and verifies them in one forward pass; outputs are those of "none" (greedy: the
+    # same tokens; sampled: the same distribution).
+    speculative: str = "none"
+    speculative_num_draft_tokens: int = 4
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 5
 
     def __post_init__(self) -> None:
         _require(self.device in DEVICES, "device", self.device, ", ".join(DEVICES))
@@ -185,6 +195,13 @@ class EngineConfig:
         _require(isinstance(self.disable_cuda_graph, bool), "disable_cuda_graph", self.disable_cuda_graph, "True or False")
         _require(is_int(self.cuda_graph_max_bs) and 1 <= self.cuda_graph_max_bs <= 4096,
                  "cuda_graph_max_bs", self.cuda_graph_max_bs, "an integer in [1, 4096]")
+        _require(self.speculative in SPECULATIVE, "speculative", self.speculative, ", ".join(SPECULATIVE))
+        _require(is_int(self.speculative_num_draft_tokens) and 1 <= self.speculative_num_draft_tokens <= 64,
+                 "speculative_num_draft_tokens", self.speculative_num_draft_tokens, "an integer in [1, 64]")
+        _require(is_int(self.speculative_ngram_min) and 1 <= self.speculative_ngram_min <= 64,
+                 "speculative_ngram_min", self.speculative_ngram_min, "an integer in [1, 64]")
+        _require(is_int(self.speculative_ngram_max) and self.speculative_ngram_min <= self.speculative_ngram_max <= 64,
+                 "speculative_ngram_max", self.speculative_ngram_max, "an integer in [speculative_ngram_min, 64]")
         from plait.runtime.kv_events import check_endpoint
 
         _require(check_endpoint(self.kv_events_endpoint), "kv_events_endpoint", self.kv_events_endpoint,

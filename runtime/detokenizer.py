@@ -42,9 +42,10 @@ class IncrementalDetokenizer:
         read = r.prompt_len
         return TextState(prefix=max(read - CONTEXT_TOKENS, 0), read=read, skip=skip)
 
-    def step(self, r: Req, st: TextState) -> str:
-        """Decode what the newest tokens add; returns the new piece ('' if held back)."""
-        ids = r.token_ids
+    def step(self, r: Req, st: TextState, end: int | None = None) -> str:
+        """Decode what the newest tokens (up to position ``end``, default all) add;
+        returns the new piece ('' if held back)."""
+        ids = r.token_ids if end is None else r.token_ids[:end]
         skip = r.params.skip_special_tokens
         prefix = self.tokenizer.decode(ids[st.prefix : st.read], skip_special_tokens=skip)
         full = self.tokenizer.decode(ids[st.prefix :], skip_special_tokens=skip)

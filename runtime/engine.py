@@ -369,7 +369,9 @@ class Engine:
             t0 = time.perf_counter()
             sampled = self.runner.forward(batch)
             if self.scheduler.chunks is not None:
-                self.scheduler.chunks.observe(len(batch.decodes), sum(n for _, n in batch.extends),
+                # verifying requests decode too; their tokens cost what extend tokens cost
+                self.scheduler.chunks.observe(len(batch.decodes) + len(batch.verifies),
+                                              batch.num_tokens - len(batch.decodes) - len(batch.verifies),
                                               time.perf_counter() - t0)
             return self.scheduler.process_batch(batch, sampled)
         except TPError:  # a rank is gone: no step can run any more
@@ -647,6 +649,10 @@ class Engine:
             "hicache_saved_tokens": self.tier.saved_tokens if self.tier is not None else 0,
             "hicache_loaded_tokens": self.tier.loaded_tokens if self.tier is not None else 0,
             "cache_early_divergences": self.scheduler.early_divergences,
+            # speculative decoding: accepted tokens per step = 1 + accepted / verify steps
+            "spec_verify_steps": self.scheduler.spec_verify_steps,
+            "spec_draft_tokens": self.scheduler.spec_draft_tokens,
+            "spec_accepted_tokens": self.scheduler.spec_accepted_tokens,
         }
 
     # -- lifetime -------------------------------------------------------------------------

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 
 import torch
 
 from plait.runtime.attention.base import AttentionBackend
-from plait.runtime.constrained.mask import apply_grammar_masks
+from plait.runtime.constrained.mask import apply_grammar_masks, apply_packed_masks
 from plait.runtime.cuda_graph import DecodeGraphRunner
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.memory import ReqToToken
@@ -16,6 +17,7 @@ from plait.runtime.models.llama import CausalLM
 from plait.runtime.request import Req
 from plait.runtime.sampler import Sampler, token_logprobs
 from plait.runtime.scheduler import ScheduleBatch
+from plait.runtime.speculative import Draft
 from plait.runtime.staging import Staging
 
 
@@ -41,14 +43,20 @@ class ModelRunner:
         self.sampler = Sampler(req_to_token.table.shape[0], device, eos_ids)
 
     def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
+        """Verifying requests are extends of their last token and their drafts."""
         ids: list[int] = []
         positions: list[int] = []
         token_rows: list[int] = []  # the page-table row of each token
+        spans = list(batch.extends) + [(r, 1 + len(d.tokens)) for r, d in batch.verifies]
         for r, n in batch.extends:
             start = r.num_computed
             ids.extend(r.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             token_rows.extend([r.row] * n)
+        for r, d in batch.verifies:
+            ids.extend(r.token_ids[r.num_computed :] + d.tokens)
+            positions.extend(range(r.num_computed, r.num_computed + 1 + len(d.tokens)))
+            token_rows.extend([r.row] * (1 + len(d.tokens)))
         for r in batch.decodes:
             ids.append(r.last_token)
             positions.append(r.num_computed)
@@ -61,16 +69,17 @@ class ModelRunner:
             out_slots=table[rows, pos].long(),  # one gather: the slot of every token
             req_rows=req_rows,
             req_to_token=table,
-            num_extends=len(batch.extends),
-            extend_prefix_lens=[r.num_computed for r, _ in batch.extends],
-            extend_seq_lens=[n for _, n in batch.extends],
+            num_extends=len(spans),
+            extend_prefix_lens=[r.num_computed for r, _ in spans],
+            extend_seq_lens=[n for _, n in spans],
             decode_seq_lens=[r.num_computed + 1 for r in batch.decodes],
         )
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduleBatch) -> dict[str, int]:
-        """Run one step. Records logprobs on the requests; returns the sampled token of
-        every request that catches up this step (keyed by request id)."""
+    def forward(self, batch: ScheduleBatch) -> dict[str, list[int]]:
+        """Run one step. Records logprobs on the requests; returns the tokens of every
+        request that catches up this step (keyed by request id): the sampled one, or
+        for a request verifying drafts the accepted drafts and one more."""
         if batch.new_pages:
             self.attn.pool.zero_pages(batch.new_pages)
         fb = self.build_forward_batch(batch)
@@ -79,7 +88,7 @@ class ModelRunner:
         # the decodes, which is what dominates a mixed step at small decode batches)
         graph_logits = None
         if self.graphs is not None and 1 <= fb.num_decodes <= self.graphs.max_bs:
-            if not batch.extends:
+            if not batch.extends and not batch.verifies:
                 return self._sample(self.graphs.run(fb), list(batch.decodes))
             fb, decode_fb = fb.split()
             graph_logits = self.graphs.run(decode_fb)
@@ -120,11 +129,13 @@ class ModelRunner:
                 next_rows.append(offset + n - 1)
                 next_reqs.append(r)
             offset += n
+        verify_rows = list(range(offset, offset + batch.num_draft_tokens + len(batch.verifies)))
+        offset += len(verify_rows)  # every position of a verifying request gets logits
         if graph_logits is None:
             sample_rows.extend(offset + i for i in range(len(batch.decodes)))
         sample_reqs.extend(batch.decodes)  # decodes always sample (max_new_tokens > 0)
 
-        rows = lp_rows + next_rows + sample_rows
+        rows = lp_rows + next_rows + verify_rows + sample_rows
         if not rows and graph_logits is None:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
@@ -135,9 +146,47 @@ class ModelRunner:
         skip = len(lp_rows) + len(next_rows)
         if next_rows:
             self._record_next_top(logits[len(lp_rows) : skip], next_reqs)
-        return self._sample(logits[skip:], sample_reqs)
+        out = self._verify(logits[skip : skip + len(verify_rows)], batch.verifies) if verify_rows else {}
+        out.update(self._sample(logits[skip + len(verify_rows) :], sample_reqs))
+        return out
 
-    def _sample(self, sample_logits: torch.Tensor, sample_reqs: list[Req]) -> dict[str, int]:
+    def _verify(self, logits: torch.Tensor, verifies: list[tuple[Req, Draft]]) -> dict[str, list[int]]:
+        """Grammar masks, verification and output logprobs for requests with drafts:
+        ``logits`` has ``1 + len(draft)`` rows per request, in order."""
+        starts, at = [], 0
+        for _, d in verifies:
+            starts.append(at)
+            at += 1 + len(d.tokens)
+        want_lp = [i for i, (r, _) in enumerate(verifies) if r.return_logprob]
+        lp_rows = [starts[i] + j for i in want_lp for j in range(1 + len(verifies[i][1].tokens))]
+        raw_lp = logits[lp_rows].log_softmax(-1) if want_lp else None
+        masked = [(starts[i] + j, m) for i, (_, d) in enumerate(verifies) if d.masks is not None
+                  for j, m in enumerate(d.masks)]
+        if masked:
+            t0 = time.perf_counter()
+            apply_packed_masks(logits, [m for _, m in masked], [row for row, _ in masked])
+            self.mask_time_s += time.perf_counter() - t0
+            self.mask_steps += 1
+        reqs = [r for r, _ in verifies]
+        accepted = self.sampler.verify(logits, reqs, [d.tokens for _, d in verifies])
+        if raw_lp is not None:
+            # entries for every token of the step, from its own row (as a one-token step would)
+            first = dict(zip(want_lp, itertools.accumulate([0] + [1 + len(verifies[i][1].tokens) for i in want_lp])))
+            pick = [first[i] + j for i in want_lp for j in range(len(accepted[i]))]
+            toks = [t for i in want_lp for t in accepted[i]]
+            top_n = max(reqs[i].logprobs.top_n for i in want_lp)
+            chosen, top = token_logprobs(raw_lp[pick], toks, top_n)
+            k = 0
+            for i in want_lp:
+                lp = reqs[i].logprobs
+                for t in accepted[i]:
+                    lp.output_token.append([chosen[k], t])
+                    if lp.top_n > 0:
+                        lp.output_top.append(top[k][: lp.top_n])
+                    k += 1
+        return {r.rid: toks for r, toks in zip(reqs, accepted)}
+
+    def _sample(self, sample_logits: torch.Tensor, sample_reqs: list[Req]) -> dict[str, list[int]]:
         """Grammar masks, sampling and output logprobs for one row per request."""
         want_lp = [i for i, r in enumerate(sample_reqs) if r.return_logprob]
         raw_lp = sample_logits[want_lp].log_softmax(-1) if want_lp else None
@@ -155,7 +204,7 @@ class ModelRunner:
                 lp.output_token.append([chosen[j], next_ids[i]])
                 if lp.top_n > 0:
                     lp.output_top.append(top[j][: lp.top_n])
-        return {r.rid: t for r, t in zip(sample_reqs, next_ids)}
+        return {r.rid: [t] for r, t in zip(sample_reqs, next_ids)}
 
     def _record_next_top(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         """One ``output_top`` row per request: the top logprobs of the token after its

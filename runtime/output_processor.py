@@ -107,12 +107,18 @@ class OutputProcessor:
         st, stops = cur.text, r.params.stop
         reason = r.finish_reason
         ended_by_token = reason is not None and reason.by_token
-        if r.token_ids and st.read < r.seq_len and not ended_by_token:
-            piece = self.detokenizer.step(r, st)
-            matched = match_stop(st, stops, piece)
-            if matched is not None:
-                self.scheduler.finish(r, FinishReason.stop(matched))
-                reason = r.finish_reason
+        if stops:
+            # token by token, as steps of one token would see them: a step may append
+            # several (verified drafts, jump-forward), and the output ends at the one
+            # that completes a stop string (before an ending EOS / stop id)
+            for end in range(st.read + 1, r.seq_len if ended_by_token else r.seq_len + 1):
+                matched = match_stop(st, stops, self.detokenizer.step(r, st, end))
+                if matched is not None:
+                    self.scheduler.finish(r, FinishReason.stop(matched), keep=end)
+                    reason = r.finish_reason
+                    break
+        elif r.token_ids and st.read < r.seq_len and not ended_by_token:
+            self.detokenizer.step(r, st)
         if reason is not None and not (reason.type == "stop" and isinstance(reason.matched, str)):
             self.detokenizer.flush(r, st)
         if reason is not None and reason.error is not None:

@@ -96,6 +96,13 @@ class LogprobState:
         self.input_done = self.start_len < 0
         self.input_pos = max(self.start_len, 1)
 
+    def drop_output(self, n: int) -> None:
+        """Forget the entries of the last ``n`` output tokens: tokens the scheduler did
+        not keep (verified drafts after a finish, an output cut at a stop string)."""
+        if n > 0:
+            del self.output_token[max(len(self.output_token) - n, 0) :]
+            del self.output_top[max(len(self.output_top) - n, 0) :]
+
 
 class Req:
     """State of one sequence. Scheduling is "computed tokens catch up to total tokens":

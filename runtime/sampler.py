@@ -94,13 +94,15 @@ class PenaltyCounts:
         logits[idx] = sub - counts * freq - (counts > 0).to(sub.dtype) * pres
 
 
-def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence[int], staging: Staging) -> None:
+def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence[int], staging: Staging,
+                    ahead: Sequence[int] | None = None) -> None:
     """In place: forbid EOS and stop ids until ``min_new_tokens`` are generated (one
-    scatter for the batch)."""
+    scatter for the batch). ``ahead[i]``: row ``i`` comes that many (drafted) tokens
+    after the request's output so far."""
     rows: list[int] = []
     cols: list[int] = []
     for i, r in enumerate(reqs):
-        if r.output_len < r.params.min_new_tokens:
+        if r.output_len + (ahead[i] if ahead is not None else 0) < r.params.min_new_tokens:
             banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(eos_ids))
             rows += [i] * len(banned)
             cols += banned
@@ -152,6 +154,7 @@ def _signed(v: int) -> int:
 
 
 _GOLDEN, _MIX1, _MIX2 = (_signed(v) for v in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+_UNIFORM_SALT = 0x5BD1E9955BD1E995  # seeds the acceptance draws of verification apart from the noise
 
 
 def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -191,26 +194,84 @@ class Sampler:
         out = logits.argmax(-1)  # greedy for everyone; sampled rows overwritten below
         sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
         if sampled:
-            vocab = logits.shape[1]
-            params = [reqs[i].params for i in sampled]
-            idx, top_k, seeds, steps = self._ints.to_device(
-                sampled, [p.top_k if 0 < p.top_k < vocab else vocab for p in params],
-                [_signed(reqs[i].seed & _U64) for i in sampled], [reqs[i].output_len for i in sampled])
-            temps, top_p, min_p = self._floats.to_device(
-                [p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params])
-            rows = _filter(_finite(logits[idx] / temps.unsqueeze(1)), top_k, top_p, min_p)
-            probs = rows.softmax(-1)
-            if self.counter_rng:
-                noise = counter_noise(seeds, steps, vocab)
-            else:
-                noise = torch.stack([
-                    torch.empty(vocab, dtype=probs.dtype, device=self.device).exponential_(generator=reqs[i].generator)
-                    for i in sampled
-                ])
+            idx, probs, ok = self._probs(logits, reqs, sampled, [0] * len(sampled))
+            noise = self._noise(reqs, sampled, [0] * len(sampled), logits.shape[1])
             draw = (probs / noise).nan_to_num_(nan=-1.0).argmax(-1)
-            ok = torch.isfinite(rows).any(-1)  # a row with nothing allowed keeps its greedy token
-            out[idx] = torch.where(ok, draw, out[idx])
+            out[idx] = torch.where(ok, draw, out[idx])  # a row with nothing allowed keeps its greedy token
         return out.tolist()
+
+    def verify(self, logits: torch.Tensor, reqs: Sequence[Req], drafts: Sequence[list[int]]) -> list[list[int]]:
+        """Speculative verification (see :mod:`plait.runtime.speculative`). logits:
+        ``[sum(1 + len(d)), V]`` raw float32 (modified in place), request by request,
+        row ``j`` of a request the position after its first ``j`` drafts (grammar masks
+        already applied). Per request: the drafts accepted, then one more token (the
+        greedy or residual draw of the first rejected row, or the draw of the last).
+        Requests with penalties never draft, so none are applied here."""
+        sizes = [1 + len(d) for d in drafts]
+        rows = [r for r, n in zip(reqs, sizes) for _ in range(n)]
+        ahead = [j for n in sizes for j in range(n)]
+        # the draft each row verifies; -1 in a request's last row (nothing to verify)
+        proposed = [t for d in drafts for t in [*d, -1]]
+        mask_min_tokens(logits, rows, self.eos_ids, self._ints, ahead)
+        _finite(logits)
+        final = logits.argmax(-1)  # greedy for every row; sampled rows overwritten below
+        accept = [True] * len(rows)  # greedy rows: accepted when the draft is the argmax (below)
+        sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if sampled:
+            vocab = logits.shape[1]
+            idx, probs, ok = self._probs(logits, rows, sampled, [ahead[i] for i in sampled])
+            (prop,) = self._ints.to_device([proposed[i] for i in sampled])
+            has = prop >= 0
+            col = prop.clamp(min=0).unsqueeze(1)
+            p_draft = probs.gather(1, col).squeeze(1)
+            # the residual: p without the draft (renormalising is implicit in the race)
+            rest = probs.scatter(1, col, torch.where(has, 0.0, p_draft).unsqueeze(1))
+            noise = self._noise(rows, sampled, [ahead[i] for i in sampled], vocab)
+            u = torch.exp(-self._noise(rows, sampled, [ahead[i] for i in sampled], 1, salt=_UNIFORM_SALT)[:, 0])
+            take = has & ok & ((u < p_draft) | (rest.sum(-1) <= 0))  # nothing else left: the draft
+            draw = (rest / noise).nan_to_num_(nan=-1.0).argmax(-1)
+            final[idx] = torch.where(ok, draw, final[idx])
+            for i, t in zip(sampled, take.tolist()):
+                accept[i] = t
+        final_l = final.tolist()
+        out, at = [], 0
+        for r, d in zip(reqs, drafts):
+            toks = []
+            for j, x in enumerate(d):
+                i = at + j
+                greedy_ok = r.params.is_greedy and final_l[i] == x
+                if not (greedy_ok if r.params.is_greedy else accept[i]):
+                    break
+                toks.append(x)
+            toks.append(final_l[at + len(toks)])
+            out.append(toks)
+            at += 1 + len(d)
+        return out
+
+    def _probs(self, logits: torch.Tensor, reqs: Sequence[Req], sampled: list[int],
+               ahead: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row indices, the sampling distribution of rows ``sampled`` after temperature,
+        top-k, top-p and min-p, whether any token is allowed in each)."""
+        vocab = logits.shape[1]
+        params = [reqs[i].params for i in sampled]
+        idx, top_k = self._ints.to_device(sampled, [p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+        temps, top_p, min_p = self._floats.to_device(
+            [p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params])
+        rows = _filter(_finite(logits[idx] / temps.unsqueeze(1)), top_k, top_p, min_p)
+        return idx, rows.softmax(-1), torch.isfinite(rows).any(-1)
+
+    def _noise(self, reqs: Sequence[Req], sampled: list[int], ahead: list[int], width: int,
+               salt: int = 0) -> torch.Tensor:
+        """Exp(1) noise ``[len(sampled), width]``: on CUDA a hash of (seed, output
+        position, column), on CPU drawn from each request's generator in row order."""
+        if self.counter_rng:
+            seeds, steps = self._ints.to_device([_signed((reqs[i].seed ^ salt) & _U64) for i in sampled],
+                                                [reqs[i].output_len + a for i, a in zip(sampled, ahead)])
+            return counter_noise(seeds, steps, width)
+        return torch.stack([
+            torch.empty(width, dtype=torch.float32, device=self.device).exponential_(generator=reqs[i].generator)
+            for i in sampled
+        ])
 
 
 def token_logprobs(

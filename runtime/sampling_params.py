@@ -53,6 +53,10 @@ class SamplingParams:
     ebnf: str | None = None
     whitespace_pattern: str | None = None
     grammar_backend: str | None = None
+    # False: this request never drafts when the engine decodes speculatively (its
+    # output is the same either way; under sampling, a fixed seed then reproduces the
+    # tokens of a non-speculative engine, not only their distribution)
+    speculative: bool = True
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | "SamplingParams" | None) -> "SamplingParams":
@@ -123,7 +127,7 @@ class SamplingParams:
                 f"stop_token_ids={self.stop_token_ids!r} is invalid; allowed: a list of non-negative token ids",
                 "stop_token_ids",
             )
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name}={getattr(self, name)!r} is invalid; allowed: true or false", name)
         if self.seed is not None:

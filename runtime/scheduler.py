@@ -23,6 +23,7 @@ from plait.runtime.memory import PageAllocator, ReqToToken
 from plait.runtime.radix_cache import MatchResult, RadixCache
 from plait.runtime.request import NO_SLOTS, FinishReason, Req, ReqStatus
 from plait.runtime.schedule_policy import order_waiting
+from plait.runtime.speculative import NONE, Draft, propose
 
 # A waiting request that shares this many more tokens with a request prefilled in
 # the same step than it finds in the cache waits one step, to reuse that KV.
@@ -31,19 +32,27 @@ IN_BATCH_PREFIX_DEFER = 32
 
 @dataclass
 class ScheduleBatch:
-    """What one step runs: prefill chunks ``(req, num_tokens)`` and decode requests."""
+    """What one step runs: prefill chunks ``(req, num_tokens)``, decoding requests that
+    verify speculative drafts ``(req, draft)`` (an extend of their last token and the
+    drafts), and decode requests (one token each)."""
 
     extends: list[tuple[Req, int]] = field(default_factory=list)
     decodes: list[Req] = field(default_factory=list)
     new_pages: list[int] = field(default_factory=list)  # allocated for this step
+    verifies: list[tuple[Req, Draft]] = field(default_factory=list)
 
     @property
     def reqs(self) -> list[Req]:
-        return [r for r, _ in self.extends] + self.decodes
+        """Extends, then verifies, then decodes: the order of the forward's rows."""
+        return [r for r, _ in self.extends] + [r for r, _ in self.verifies] + self.decodes
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(d.tokens) for _, d in self.verifies)
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.extends) + len(self.decodes)
+        return sum(n for _, n in self.extends) + len(self.verifies) + self.num_draft_tokens + len(self.decodes)
 
 
 # a prompt that leaves a cached prefix this early lost (almost) all reuse
@@ -80,6 +89,11 @@ class Scheduler:
         # counters (exported as metrics): tokens fed as prefill/extend vs as decode
         self.prefill_tokens_computed = 0
         self.decode_tokens_computed = 0
+        # speculative decoding: steps that verified drafts (one per request), drafts
+        # verified, drafts kept as output
+        self.spec_verify_steps = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
         # requests finished outside process_batch (aborted, never fit) since take_finished
         self._finished_outside: list[Req] = []
 
@@ -107,10 +121,17 @@ class Scheduler:
         self._finished_outside.append(r)
         return True
 
-    def finish(self, r: Req, reason: FinishReason) -> None:
+    def finish(self, r: Req, reason: FinishReason, keep: int | None = None) -> None:
         """End ``r`` with ``reason`` (the output processor ends a request whose stop
         string matched); a request that had already finished this step gets the new
-        reason (a stop string outranks the length limit and a constraint's end)."""
+        reason (a stop string outranks the length limit and a constraint's end).
+        ``keep``: the output ends after its first ``keep`` tokens of ``token_ids`` (a
+        stop string completed before the last of several tokens a step appended)."""
+        if keep is not None and keep < r.seq_len:
+            if r.logprobs is not None:
+                r.logprobs.drop_output(r.seq_len - keep)
+            del r.token_ids[keep:]
+            r.num_computed = min(r.num_computed, keep)
         if not r.finished:
             if r in self.running:
                 self.running.remove(r)
@@ -138,17 +159,17 @@ class Scheduler:
 
     def _schedule_once(self) -> ScheduleBatch | None:
         batch = ScheduleBatch()
-        decodes = self._schedule_decodes(batch)
-        batch.decodes = decodes
+        batch.decodes = self._schedule_decodes(batch)
+        decoding = len(batch.decodes) + len(batch.verifies)
         if self.chunks is not None:
-            budget = self.chunks.budget(len(decodes))
+            budget = self.chunks.budget(decoding) - batch.num_draft_tokens
         else:
-            budget = max(self.config.chunked_prefill_size - len(decodes), 0)
-        budget = self._continue_prefills(batch, budget)
+            budget = self.config.chunked_prefill_size - decoding - batch.num_draft_tokens
+        budget = self._continue_prefills(batch, max(budget, 0))
         self._admit(batch, budget)
-        if not batch.extends and not batch.decodes:
+        if not batch.extends and not decoding:
             return None
-        if batch.decodes:
+        if decoding:
             self.new_token_ratio = max(
                 self.new_token_ratio - self.config.new_token_ratio_decay, self.config.min_new_token_ratio
             )
@@ -163,7 +184,29 @@ class Scheduler:
             self._retract_one()
         for r in decodes:
             self._grow(r, 1, batch)
-        return decodes
+        if self.config.speculative == NONE:
+            return decodes
+        return self._draft(decodes, batch)
+
+    def _draft(self, decodes: list[Req], batch: ScheduleBatch) -> list[Req]:
+        """Propose drafts for decoding requests; those that get some verify them this
+        step (``batch.verifies``, slots allocated), the others are returned to decode
+        one token. Drafts never exceed what the request may still generate, and take
+        new pages only from the free list (never evicting cached prefixes for them)."""
+        cfg = self.config
+        rest = []
+        for r in decodes:
+            # the last verified position must leave room for one more token
+            room = min(cfg.speculative_num_draft_tokens, r.remaining_new_tokens - 1, self.context_len - r.seq_len - 1)
+            draft = propose(r, room, cfg.speculative_ngram_min, cfg.speculative_ngram_max)
+            if draft is not None and self._pages_needed(r, 1 + len(draft.tokens)) > self.allocator.num_free:
+                draft = draft.cut(r.capacity(self.page_size) - r.num_computed - 1)  # what r's pages hold
+            if draft is None or not draft.tokens:
+                rest.append(r)
+                continue
+            self._grow(r, 1 + len(draft.tokens), batch)
+            batch.verifies.append((r, draft))
+        return rest
 
     def _continue_prefills(self, batch: ScheduleBatch, budget: int) -> int:
         for r in self.running:
@@ -214,26 +257,32 @@ class Scheduler:
             reserved += need_tokens
 
     # -- results --------------------------------------------------------------------
-    def process_batch(self, batch: ScheduleBatch, next_ids: dict[str, int]) -> list[Req]:
-        """Advance counters after the forward pass; append sampled tokens; finish.
-        Returns the requests that caught up this step (a new token, or finished):
-        the ones whose outputs changed."""
+    def process_batch(self, batch: ScheduleBatch, next_ids: dict[str, list[int]]) -> list[Req]:
+        """Advance counters after the forward pass; append the step's tokens (one
+        sampled token, or verified drafts and one more); finish. Returns the requests
+        that caught up this step (new tokens, or finished): the ones whose outputs
+        changed."""
         for r, n in batch.extends:
             r.num_computed += n
         for r in batch.decodes:
             r.num_computed += 1
-        self.prefill_tokens_computed += batch.num_tokens - len(batch.decodes)
-        self.decode_tokens_computed += len(batch.decodes)
+        for r, _ in batch.verifies:
+            r.num_computed += 1  # its last token; accepted drafts count as they are taken
+        prefill = sum(n for _, n in batch.extends)
+        self.prefill_tokens_computed += prefill
+        self.decode_tokens_computed += batch.num_tokens - prefill
+        drafted = {r.rid: len(d.tokens) for r, d in batch.verifies}
         advanced = []
         for r in batch.reqs:
             if r.num_pending == 0:
-                if r.rid in next_ids:
-                    r.append_token(next_ids[r.rid])
-                    if r.grammar is not None:
-                        self._advance_grammar(r)
-                reason = self.check_finish(r)
-                if reason is not None:
-                    self.finish(r, reason)
+                tokens = next_ids.get(r.rid, [])
+                taken = self._take(r, tokens)
+                if taken < len(tokens) and r.logprobs is not None:
+                    r.logprobs.drop_output(len(tokens) - taken)  # recorded by the runner, not kept
+                if r.rid in drafted:
+                    self.spec_verify_steps += 1
+                    self.spec_draft_tokens += drafted[r.rid]
+                    self.spec_accepted_tokens += min(taken, len(tokens) - 1)  # the drafts among the kept
                 advanced.append(r)
         # share freshly prefilled KV with requests admitted from the next step on
         if not self.cache.disable:
@@ -242,20 +291,41 @@ class Scheduler:
                     self._cache_unfinished(r)
         return advanced
 
-    def _advance_grammar(self, r: Req) -> None:
+    def _take(self, r: Req, tokens: list[int]) -> int:
+        """Append ``tokens`` (one sampled token; after a verification the accepted
+        drafts, whose KV is computed, then one more) one at a time, as steps of one
+        token would: stop at a finish or a jump-forward. Returns how many were taken."""
+        for j, tok in enumerate(tokens):
+            if j:
+                r.num_computed += 1  # the token before was a draft: its KV is in the pool
+            r.append_token(tok)
+            jumped = r.grammar is not None and self._advance_grammar(r)
+            reason = self.check_finish(r)
+            if reason is not None:
+                self.finish(r, reason)
+            if reason is not None or jumped:
+                return j + 1
+        if not tokens:  # a prompt that generates nothing
+            reason = self.check_finish(r)
+            if reason is not None:
+                self.finish(r, reason)
+        return len(tokens)
+
+    def _advance_grammar(self, r: Req) -> bool:
         """Move ``r``'s grammar over its newest token; then jump forward: put the
         forced text after it (re-tokenized with it) in place of it, without a model
-        step. Jumped tokens are fed as a prefill chunk next step."""
+        step. Jumped tokens are fed as a prefill chunk next step. True if it jumped."""
         tok = r.last_token
         if tok in r.params.stop_token_ids or (tok in self.eos_ids and not r.params.ignore_eos):
-            return
+            return False
         if not r.grammar.advance(tok) or self.config.disable_jump_forward:
-            return
+            return False
         budget = min(r.params.max_new_tokens - r.output_len + 1, self.context_len - r.seq_len)
         jumped = r.grammar.jump_forward(tok, budget)
         if jumped:
             r.replace_last_token(jumped)
             self.jump_forward_tokens += len(jumped) - 1
+        return bool(jumped)
 
     def check_finish(self, r: Req) -> FinishReason | None:
         """Finish reason for ``r`` after its newest token, or None. Stop strings are

@@ -161,7 +161,7 @@ def test_cache_gets_host_tensors_when_the_page_table_is_on_another_device(page_s
     steps = 0
     while sched.has_work():
         batch = sched.schedule()
-        sched.process_batch(batch, {r.rid: 3 + steps % 50 for r in batch.reqs})  # a fake model: fixed ids
+        sched.process_batch(batch, {r.rid: [3 + steps % 50] for r in batch.reqs})  # a fake model: fixed ids
         steps += 1
         if steps == 2:
             for r in reqs[3:]:  # queued while the first ones hold the shared prefix

@@ -12,7 +12,8 @@ Behind the edge, every backend implements the same two objects:
   cache key, since each backend has its own compiler;
 - a per-request **matcher** (:class:`Matcher`): ``start``, ``jump_start``,
   ``allowed(eos_ok)`` (a packed ``int32 [vocab.mask_words]`` row), ``advance``,
-  ``is_final``, ``terminated``, ``jump_forward``.
+  ``is_final``, ``terminated``, ``jump_forward``, and ``draft_masks`` (the rows after
+  each speculative draft, the matcher left where it was).
 
 :class:`Grammars` holds one compiler per backend (created on first use) and makes the
 matcher a constraint needs. Torch-free; llguidance is imported only when used.
@@ -82,6 +83,10 @@ class Matcher(Protocol):
     def terminated(self) -> bool: ...
 
     def allowed(self, eos_ok: bool) -> np.ndarray: ...
+
+    def draft_masks(self, drafts: list[int], eos_ok: bool) -> list[np.ndarray]:
+        """``allowed`` now and after each draft, up to the first refused; state unchanged."""
+        ...
 
     def advance(self, token: int) -> bool: ...
 

@@ -33,7 +33,14 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: Sequence[Any]) -> None:
     rows = [i for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
     if not rows:
         return
-    masks = [reqs[i].grammar.allowed(eos_ok=not reqs[i].params.ignore_eos) for i in rows]
+    apply_packed_masks(logits, [reqs[i].grammar.allowed(eos_ok=not reqs[i].params.ignore_eos) for i in rows], rows)
+
+
+def apply_packed_masks(logits: torch.Tensor, masks: list[np.ndarray], rows: list[int]) -> None:
+    """logits: ``[B, V]``; row ``rows[i]`` keeps only the tokens packed row ``masks[i]``
+    allows (speculative drafts bring one mask per verified position)."""
+    if not rows:
+        return
     if logits.device.type == "cpu":
         _apply_on_host(logits, masks, rows)
     else:

@@ -123,17 +123,36 @@ class GrammarMatcher:
         """Packed allowed-token bits (``int32 [words]``) for the next token; EOS ids are
         allowed in final states when ``eos_ok``."""
         g = self.g
-        if self.heal:
-            m = g.pack(list(g.heal_table(self.heal)))
-        else:
-            m = g.mask(self.state)
-        if eos_ok and self.is_final and g.vocab.eos_ids:
+        if self.heal:  # never final while healing: no EOS
+            return g.pack(list(g.heal_table(self.heal)))
+        return self._state_mask(self.state, eos_ok)
+
+    def _state_mask(self, state: int, eos_ok: bool) -> np.ndarray:
+        g = self.g
+        m = g.mask(state)
+        if eos_ok and g.is_final(state) and g.vocab.eos_ids:
             u = m.view(np.uint32).copy()
             for e in g.vocab.eos_ids:
                 if e < g.words * 32:
                     u[e >> 5] |= np.uint32(1 << (e & 31))
             m = u.view(np.int32)
         return m
+
+    def draft_masks(self, drafts: list[int], eos_ok: bool) -> list[np.ndarray]:
+        """Speculative decoding: the :meth:`allowed` rows for the next token and after
+        each of ``drafts`` in turn, up to the first draft the grammar refuses (``1 +``
+        the number of drafts it takes). The matcher does not move (the walk is over
+        index states). None are taken while the boundary is healed."""
+        masks = [self.allowed(eos_ok)]
+        if self.heal:
+            return masks
+        state: int | None = self.state
+        for t in drafts:
+            state = self.g.next_state(state, t)
+            if state is None:
+                break
+            masks.append(self._state_mask(state, eos_ok))
+        return masks
 
     # -- advancing ------------------------------------------------------------------------
     def advance(self, token: int) -> bool:

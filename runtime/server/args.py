@@ -70,6 +70,13 @@ ENGINE_HELP: dict[str, str] = {
                           "ZMQ PUB socket: tcp://*:PORT binds, tcp://HOST:PORT connects, ipc://PATH binds; replica i "
                           "of --dp-size uses PORT+i (default: off)",
     "pin_budget_fraction": "share of the KV pool that pinned prefixes (run_batch) may hold together; 0 disables pinning",
+    "speculative": "draft-free speculative decoding: none, or ngram (prompt lookup: drafts copied from the request's "
+                   "own context, verified in one forward pass; outputs unchanged); a request opts out with "
+                   "speculative=false",
+    "speculative_num_draft_tokens": "speculative decoding: most drafted tokens a request verifies per step",
+    "speculative_ngram_min": "speculative decoding: shortest n-gram ending the context that is looked up",
+    "speculative_ngram_max": "speculative decoding: longest n-gram ending the context that is looked up (the "
+                             "longest one found earlier wins)",
 }
 
 

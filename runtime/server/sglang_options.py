@@ -28,11 +28,17 @@ ALIASES: dict[str, str] = {
     "dp": "dp_size",
     "tp": "tp_size",
     "tensor_parallel_size": "tp_size",
+    "speculative_algorithm": "speculative",
+    "speculative_ngram_min_match_window_size": "speculative_ngram_min",
+    "speculative_ngram_max_match_window_size": "speculative_ngram_max",
 }
 
 VALUE_ALIASES: dict[str, dict[str, str]] = {
     "dtype": {"half": "float16", "float": "float32"},
     "attention_backend": {"torch_native": "torch"},
+    # SGLang's draft-free algorithm (LOOKAHEAD before it was renamed); EAGLE & co. need a
+    # draft model plait does not run: refused by speculative's check
+    "speculative": {"NGRAM": "ngram", "LOOKAHEAD": "ngram"},
 }
 
 
@@ -86,7 +92,6 @@ FOREIGN: dict[str, Foreign] = {
     "download_dir": Foreign(_only(None), "set HF_HOME to choose where hub models are cached"),
     "is_embedding": Foreign(_only(False), "plait serves generation models only", bool),
     "lora_paths": Foreign(_only(None), "LoRA adapters are not supported; merge the adapter into the weights first"),
-    "speculative_algorithm": Foreign(_only(None), "speculative decoding is not implemented"),
     "enable_torch_compile": Foreign(_only(False), "torch.compile is not used; on CUDA, decode steps replay CUDA graphs "
                                                   "(disable_cuda_graph, cuda_graph_max_bs)", bool),
     "max_prefill_tokens": Foreign(_only(None), "chunked_prefill_size is the token budget of one step (prefill chunks "
