@@ -194,7 +194,7 @@ class Sampler:
         out = logits.argmax(-1)  # greedy for everyone; sampled rows overwritten below
         sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
         if sampled:
-            idx, probs, ok = self._probs(logits, reqs, sampled, [0] * len(sampled))
+            idx, probs, ok = self._probs(logits, reqs, sampled)
             noise = self._noise(reqs, sampled, [0] * len(sampled), logits.shape[1])
             draw = (probs / noise).nan_to_num_(nan=-1.0).argmax(-1)
             out[idx] = torch.where(ok, draw, out[idx])  # a row with nothing allowed keeps its greedy token
@@ -215,32 +215,29 @@ class Sampler:
         mask_min_tokens(logits, rows, self.eos_ids, self._ints, ahead)
         _finite(logits)
         final = logits.argmax(-1)  # greedy for every row; sampled rows overwritten below
-        accept = [True] * len(rows)  # greedy rows: accepted when the draft is the argmax (below)
+        accept: dict[int, bool] = {}  # sampled rows: the draft passed the test (greedy: it is the argmax)
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if sampled:
-            vocab = logits.shape[1]
-            idx, probs, ok = self._probs(logits, rows, sampled, [ahead[i] for i in sampled])
+            vocab, steps = logits.shape[1], [ahead[i] for i in sampled]
+            idx, probs, ok = self._probs(logits, rows, sampled)
             (prop,) = self._ints.to_device([proposed[i] for i in sampled])
             has = prop >= 0
             col = prop.clamp(min=0).unsqueeze(1)
             p_draft = probs.gather(1, col).squeeze(1)
             # the residual: p without the draft (renormalising is implicit in the race)
             rest = probs.scatter(1, col, torch.where(has, 0.0, p_draft).unsqueeze(1))
-            noise = self._noise(rows, sampled, [ahead[i] for i in sampled], vocab)
-            u = torch.exp(-self._noise(rows, sampled, [ahead[i] for i in sampled], 1, salt=_UNIFORM_SALT)[:, 0])
+            noise = self._noise(rows, sampled, steps, vocab)
+            u = torch.exp(-self._noise(rows, sampled, steps, 1, salt=_UNIFORM_SALT)[:, 0])  # uniform in (0, 1)
             take = has & ok & ((u < p_draft) | (rest.sum(-1) <= 0))  # nothing else left: the draft
             draw = (rest / noise).nan_to_num_(nan=-1.0).argmax(-1)
             final[idx] = torch.where(ok, draw, final[idx])
-            for i, t in zip(sampled, take.tolist()):
-                accept[i] = t
+            accept = dict(zip(sampled, take.tolist()))
         final_l = final.tolist()
         out, at = [], 0
         for r, d in zip(reqs, drafts):
             toks = []
             for j, x in enumerate(d):
-                i = at + j
-                greedy_ok = r.params.is_greedy and final_l[i] == x
-                if not (greedy_ok if r.params.is_greedy else accept[i]):
+                if not (final_l[at + j] == x if r.params.is_greedy else accept[at + j]):
                     break
                 toks.append(x)
             toks.append(final_l[at + len(toks)])
@@ -248,8 +245,8 @@ class Sampler:
             at += 1 + len(d)
         return out
 
-    def _probs(self, logits: torch.Tensor, reqs: Sequence[Req], sampled: list[int],
-               ahead: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _probs(self, logits: torch.Tensor, reqs: Sequence[Req],
+               sampled: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(row indices, the sampling distribution of rows ``sampled`` after temperature,
         top-k, top-p and min-p, whether any token is allowed in each)."""
         vocab = logits.shape[1]
