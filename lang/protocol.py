@@ -282,6 +282,9 @@ class EngineStats(_Msg, tag="stats"):
     cache_early_divergences: int = 0
     hicache_saved_tokens: int = 0
     hicache_loaded_tokens: int = 0
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class EngineOutputs(_Msg, tag="outputs"):

@@ -412,13 +412,17 @@ def test_flush_cache_and_metrics(http):
     assert http.post("/flush_cache").json()["success"] is True
     assert http.get("/server_info").json()["pool"]["evictable"] == 0
     assert generate(http, PROMPTS[11] * 3, 4)["meta_info"]["cached_tokens"] == 0
+    streamed = http.post("/generate", json={"text": PROMPTS[11], "stream": True,
+                                            "sampling_params": {**GREEDY, "max_new_tokens": 4}})
+    assert streamed.status_code == 200 and "[DONE]" in streamed.text  # streams feed the inter-token histogram
     text = http.get("/metrics").text
     for name in ("plait_requests_total", "plait_time_to_first_token_seconds_bucket",
                  "plait_time_per_output_token_seconds_bucket", "plait_inter_token_latency_seconds_bucket",
                  "plait_e2e_request_latency_seconds_bucket", "plait_prompt_tokens_total",
                  "plait_generation_tokens_total", "plait_prefix_cache_queried_tokens_total",
                  "plait_prefix_cache_hit_tokens_total", "plait_kv_pages_used", "plait_kv_pages_total",
-                 "plait_num_running_reqs", "plait_num_waiting_reqs"):
+                 "plait_num_running_reqs", "plait_num_waiting_reqs", "plait_prefix_cache_early_divergences_total",
+                 "plait_hicache_loaded_tokens_total", "plait_spec_accepted_tokens_total"):
         assert name in text, name
     values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line and not line.startswith("#")}

@@ -65,6 +65,9 @@ class _EngineCollector(Collector):
         yield counter("plait_hicache_saved_tokens", "Tokens copied to the host-memory tier.", s.hicache_saved_tokens)
         yield counter("plait_hicache_loaded_tokens", "Tokens copied back from the host-memory tier instead of "
                       "recomputed.", s.hicache_loaded_tokens)
+        yield counter("plait_spec_verify_steps", "Request-steps that verified speculative drafts.", s.spec_verify_steps)
+        yield counter("plait_spec_draft_tokens", "Speculative draft tokens proposed.", s.spec_draft_tokens)
+        yield counter("plait_spec_accepted_tokens", "Speculative draft tokens accepted.", s.spec_accepted_tokens)
 
 
 class Metrics:
