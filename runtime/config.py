@@ -77,10 +77,10 @@ class EngineConfig:
     # (plait.runtime.models.linear), "torch" keeps F.linear (MKL); "auto" is onednn on
     # CPU in float32 where the torch build has it, else torch.
     cpu_gemm: str = "auto"
-    # Weight-only quantization (plait.runtime.models.quant; CPU, float32): "none" keeps
-    # float32 weights (the exact path); "int8" runs projections and LM head on torch's
-    # dynamic int8 GEMM; "q4" keeps projections in 4-bit blocks of 32 (a GGUF's Q4_0/Q4_1/
-    # Q4_K blocks as they are) and the LM head in int8.
+    # Weight-only quantization (plait.runtime.models.quant; CPU, float32 activations):
+    # "none" keeps float32 weights (the exact path); "int8" keeps projections and LM head
+    # in int8 blocks of 32 (a GGUF's Q8_0 blocks as they are), "q4" the projections in
+    # 4-bit blocks of 32 (Q4_0/Q4_1/Q4_K blocks as they are) and the LM head in int8.
     quantization: str = "none"
     seed: int = 0
     # Admission reserves ``new_token_ratio * remaining max_new_tokens`` slots for each
@@ -170,10 +170,8 @@ class EngineConfig:
                      "onednn only with device cpu, dtype float32 and a torch build with oneDNN; auto or torch otherwise")
         _require(self.quantization in QUANTIZATIONS, "quantization", self.quantization, ", ".join(QUANTIZATIONS))
         if self.quantization != "none":
-            import torch
-
-            _require(self.resolved_device() == "cpu" and self.resolved_dtype() == "float32"
-                     and hasattr(torch.ops.quantized, "linear_dynamic"), "quantization", self.quantization,
+            _require(self.resolved_device() == "cpu" and self.resolved_dtype() == "float32", "quantization",
+                     self.quantization,
                      "none on CUDA and in 16-bit dtypes (the int8 and q4 kernels are CPU float32 ones; no GPU "
                      "kernels yet); int8 or q4 with device cpu and dtype float32")
         _require(is_int(self.seed), "seed", self.seed, "an integer")

@@ -136,14 +136,14 @@ class Engine:
             model = model_class(mc)(mc, max_pos=self.context_len, triton_ops=self._triton_ops,
                                     tp=self._tp.group if self._tp is not None else None)
         quantization = self.config.quantization
-        if quantization == "q4":  # empty 4-bit projections, filled from blocks or floats
+        if quantization != "none":  # empty quantized projections, filled from blocks or floats
             from plait.runtime.models.quant import quantize_projections
 
-            quantize_projections(model)
+            quantize_projections(model, quantization)
         model = model.materialize(self.device, self.dtype)
-        model.load_weights(self.source.iter_weights(q4_blocks=quantization == "q4"))
+        model.load_weights(self.source.iter_weights(gguf_blocks=quantization != "none"))
         if quantization != "none":
-            model.pack_int8()  # every float projection left and the LM head
+            model.quantize_tied_lm_head()
         elif self.config.resolved_cpu_gemm() == "onednn":
             model.pack_for_cpu()
         return model.eval()

@@ -127,16 +127,16 @@ class ModelSource:
             return _gguf_config(self._gguf())
         return _hf_config(self.path)
 
-    def iter_weights(self, q4_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, gguf_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` pairs, tensors float32 on CPU, one at a time.
 
         ``lm_head.weight`` is never yielded for a model with tied embeddings.
-        ``q4_blocks`` (``quantization='q4'``): GGUF Q4_0 / Q4_1 / Q4_K matrices other than
-        the embeddings come as :class:`~plait.runtime.models.quant.QuantWeight` blocks,
-        not dequantized.
+        ``gguf_blocks`` (``quantization`` on): GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K matrices other
+        than the embeddings come as :class:`~plait.runtime.models.quant.QuantWeight`
+        blocks, not dequantized.
         """
         if self.kind == "gguf":
-            return _iter_gguf_weights(self._gguf(), q4_blocks)
+            return _iter_gguf_weights(self._gguf(), gguf_blocks)
         return _iter_hf_weights(self.path)
 
     def load_tokenizer(self) -> Any:
@@ -504,10 +504,10 @@ def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _iter_gguf_weights(reader: Any, q4_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf_weights(reader: Any, gguf_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
-    from plait.runtime.models.quant import GGUF_Q4_TYPES, from_gguf
+    from plait.runtime.models.quant import GGUF_BLOCK_TYPES, from_gguf
 
     config = _gguf_config(reader)
     permuted = config.architecture in _PERMUTED_QK_ARCHS
@@ -515,7 +515,7 @@ def _iter_gguf_weights(reader: Any, q4_blocks: bool = False) -> Iterator[tuple[s
         if tensor.name == _GGUF_ROPE_FREQS:
             continue  # folded into config.rope_scaling
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists ne innermost-first
-        if (q4_blocks and tensor.tensor_type.name in GGUF_Q4_TYPES and len(shape) == 2
+        if (gguf_blocks and tensor.tensor_type.name in GGUF_BLOCK_TYPES and len(shape) == 2
                 and tensor.name != "token_embd.weight"):
             blocks = from_gguf(tensor.tensor_type.name, tensor.data, *shape)
             name = _gguf_hf_name(tensor.name, config.architecture)

@@ -69,8 +69,8 @@ def test_quantize_is_round_to_nearest(kind):
     assert q.qs.dtype == (torch.int8 if kind == "q8" else torch.uint8)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
-def test_gguf_q4_blocks_convert_exactly(type_name):
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_convert_exactly(type_name):
     qtype = getattr(gguf.GGMLQuantizationType, type_name)
     w = np.random.default_rng(0).standard_normal((6, 4 * BLOCK)).astype(np.float32)
     blocks = gguf.quants.quantize(w, qtype)
@@ -97,9 +97,9 @@ def test_config_refuses_quantization_outside_cpu_float32():
         EngineConfig(device="cpu", dtype="bfloat16", quantization="int8")
 
 
-def test_q4_needs_block_aligned_projections():
-    with pytest.raises(ValueError, match="multiple of 32.*quantization='int8' or 'none'"):
-        QuantLinear(48, 16, False, "portable")
+def test_quantization_needs_block_aligned_projections():
+    with pytest.raises(ValueError, match="multiple of 32.*quantization='none'"):
+        QuantLinear(48, 16, False, "q4", "portable")
 
 
 PROMPTS = ["The capital of France is", "def add(a, b):"]
@@ -115,14 +115,15 @@ def test_tiny_model_generates_in_each_mode(tiny_model_factory, mode):
         outs = engine.generate(PROMPTS, GREEDY)
         model = engine.model
         assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outs)
-        quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
-        assert len(quantized) == (4 * model.config.num_layers if mode == "q4" else 0)  # qkv, o, gate_up, down
-        if mode == "q4":  # fused q/k/v rows hold the checkpoint's weights to within half a step
-            hf = AutoModelForCausalLM.from_pretrained(folder).state_dict()
-            attn = model.model.layers[0].self_attn
-            ref = torch.cat([hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
-            step = attn.qkv_proj.scales.repeat_interleave(BLOCK, dim=1)
-            assert ((attn.qkv_proj.weight().dequantize() - ref).abs() <= step / 2 + 1e-6).all()
+        kinds = [m.kind for m in model.modules() if isinstance(m, QuantLinear)]
+        # qkv, o, gate_up, down per layer in the mode's layout, the (untied) LM head in q8
+        assert kinds == [{"int8": "q8", "q4": "q4"}[mode]] * 4 * model.config.num_layers + ["q8"]
+        # fused q/k/v rows hold the checkpoint's weights to within half a step
+        hf = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+        attn = model.model.layers[0].self_attn
+        ref = torch.cat([hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+        step = attn.qkv_proj.scales.repeat_interleave(BLOCK, dim=1)
+        assert ((attn.qkv_proj.weight().dequantize() - ref).abs() <= step / 2 + 1e-6).all()
 
 
 def test_default_model_q4_keeps_the_gguf_blocks_and_generates():
@@ -151,4 +152,6 @@ def test_default_model_int8_generates():
     with Engine(None, kv_cache_tokens=1024, quantization="int8") as engine:
         outs = engine.generate(PROMPTS, GREEDY)
         assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outs)
-        assert engine.model.int8_lm_head is not None  # SmolLM2 ties its embeddings
+        head = engine.model.quant_lm_head  # SmolLM2 ties its embeddings
+        assert head is not None and head.kind == "q8"
+        assert {m.kind for m in engine.model.modules() if isinstance(m, QuantLinear)} == {"q8"}

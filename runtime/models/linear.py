@@ -15,9 +15,6 @@ each weight: the model is then for inference only, and its state dict lacks them
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,50 +40,16 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def int8_vnni() -> bool:
-    """Whether the CPU multiplies int8 with VNNI (no 16-bit saturation in FBGEMM's kernels)."""
-    from plait.kernels.quant_cpu import cpu_flags
-
-    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(cpu_flags().split()))
-
-
-def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
-    """``weight`` [out, in] (float) as per-output-channel symmetric int8 (scale = max |row|
-    / 127), prepacked for torch's dynamic quantized linear (FBGEMM / oneDNN, the engine
-    ``torch.backends.quantized.engine`` names)."""
-    w = weight.detach().float()
-    scales = (w.abs().amax(1) / 127).clamp_min(1e-12).double()
-    with warnings.catch_warnings():  # torch 2.13 marks quantized tensors deprecated (README: Quantized weights)
-        warnings.simplefilter("ignore", UserWarning)
-        q = torch.quantize_per_channel(w, scales, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
-    return torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float())
-
-
-def int8_linear(x: torch.Tensor, packed: Any, reduce_range: bool) -> torch.Tensor:
-    """``x @ dequant(weight).T + bias``, ``x`` quantized to uint8 per tensor on the fly
-    (``reduce_range``: 7 bits, for CPUs without VNNI); float32 out."""
-    return torch.ops.quantized.linear_dynamic(x, packed, reduce_range)
-
-
 class Linear(nn.Linear):
-    """``nn.Linear`` that runs on a packed weight once :meth:`pack` (oneDNN float32) or
-    :meth:`pack_int8` (dynamic int8, ``EngineConfig.quantization``) was called."""
+    """``nn.Linear`` that runs on a packed weight once :meth:`pack` was called."""
 
     packed: torch.Tensor | None = None
-    packed_int8: Any = None
-    reduce_range: bool = False
 
     def pack(self) -> None:
         self.packed = pack_weight(self.weight)
         self.weight = None  # the packed copy is the weight from now on
 
-    def pack_int8(self) -> None:
-        self.packed_int8, self.reduce_range = pack_int8(self.weight, self.bias), not int8_vnni()
-        self.weight = self.bias = None  # both live in the packed parameters now
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
-        if self.packed_int8 is not None:
-            return int8_linear(x, self.packed_int8, self.reduce_range)
         return F.linear(x, self.weight, self.bias)

@@ -26,8 +26,8 @@ from plait.kernels.rotary import rope_cos_sin_cache, rotate_ref
 from plait.runtime.attention.base import AttentionBackend
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.models.config import ModelConfig
-from plait.runtime.models.linear import Linear, int8_linear, int8_vnni, pack_int8, pack_weight, packed_linear
-from plait.runtime.models.quant import QuantLinear, QuantWeight
+from plait.runtime.models.linear import Linear, pack_weight, packed_linear
+from plait.runtime.models.quant import QuantLinear, QuantWeight, quantized_lm_head
 from plait.runtime.models.parallel import RowParallelLinear, TPGroup, VocabParallelEmbedding, shard_config, shard_weights
 
 
@@ -285,7 +285,7 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.packed_lm_head: torch.Tensor | None = None  # tied embeddings, packed for oneDNN
-        self.int8_lm_head: Any = None  # tied embeddings in dynamic int8 (quantization)
+        self.quant_lm_head: QuantLinear | None = None  # tied embeddings in q8 blocks (quantization)
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> CausalLM:
         """Allocate a model built on the meta device on ``device`` in ``dtype``
@@ -315,8 +315,8 @@ class CausalLM(nn.Module):
             logits = self.lm_head(hidden).float()
         elif self.packed_lm_head is not None:
             logits = packed_linear(hidden, self.packed_lm_head, None).float()
-        elif self.int8_lm_head is not None:
-            logits = int8_linear(hidden, self.int8_lm_head, not int8_vnni())
+        elif self.quant_lm_head is not None:
+            logits = self.quant_lm_head(hidden)
         else:
             logits = F.linear(hidden, self.model.embed_tokens.weight).float()
         if self.tp is not None:  # [rows, V / size] per rank -> [rows, V]
@@ -336,15 +336,12 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.packed_lm_head = pack_weight(self.model.embed_tokens.weight)
 
-    def pack_int8(self) -> None:
-        """Run every float projection left (all with ``quantization='int8'``, the LM head
-        with ``q4``) and the LM head on torch's dynamic int8 GEMM; call after
-        :meth:`load_weights` (:mod:`plait.runtime.models.quant`)."""
-        for m in self.modules():
-            if type(m) is Linear:
-                m.pack_int8()
+    def quantize_tied_lm_head(self) -> None:
+        """With tied embeddings and ``quantization`` on: the LM head in q8 blocks from the
+        loaded embedding table (:mod:`plait.runtime.models.quant`); call after
+        :meth:`load_weights`."""
         if self.config.tie_word_embeddings:
-            self.int8_lm_head = pack_int8(self.model.embed_tokens.weight, None)
+            self.quant_lm_head = quantized_lm_head(self.model.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load from Hugging Face names; q/k/v, gate/up and per-expert weights are fused on

@@ -1,26 +1,26 @@
 """Weight-only quantization of the linear projections and the LM head (CPU, float32).
 
-``EngineConfig.quantization`` names how the weights are kept (the kernels were chosen by
-measurement: README, Quantized weights):
+``EngineConfig.quantization`` names the layout the weights are kept in; activations stay
+float32 and the products run in :mod:`plait.kernels.quant_cpu` (why that kernel and not
+torch's: README, Quantized weights):
 
 - ``none``: float32 weights (the exact reference path, :mod:`plait.runtime.models.linear`).
-- ``int8``: every projection and the LM head in int8 with one scale per output row,
-  run by torch's dynamic quantized linear (FBGEMM / oneDNN: activations quantized to
-  8 bits per tensor on the fly, VNNI dot products): ``Linear.pack_int8``. GGUF tensors
-  are dequantized first (no GGUF type has per-row scales).
-- ``q4``: every projection in Q4 blocks: 32 4-bit weights of one output row with a
-  float32 scale and minimum, ``w = q * scale + min`` (GGUF Q4_1's math), run by
-  :mod:`plait.kernels.quant_cpu` with float32 activations; the LM head in ``int8`` as
-  above (llama.cpp's 4-bit files keep theirs at 6-8 bits too: its error reaches the
-  logits directly). GGUF Q4_0 / Q4_1 / Q4_K tensors are converted block by block, never
-  through float32 (their float16 scales, and Q4_K's 6-bit sub-block scales times its
-  float16 super-scales, are exact in float32): the file's own weights, bit for bit.
-  Other tensors (Hugging Face floats, Q8_0, Q6_K, ...) are quantized from float32,
-  round to nearest.
+- ``int8``: every projection and the LM head in Q8 blocks: 32 int8 weights of one output
+  row and a float32 scale, ``w = q * scale`` (GGUF Q8_0's math).
+- ``q4``: every projection in Q4 blocks: 32 4-bit weights with a float32 scale and
+  minimum, ``w = q * scale + min`` (GGUF Q4_1's math); the LM head in Q8 blocks, as
+  llama.cpp's 4-bit files keep theirs at 6-8 bits (its error reaches the logits directly).
 
-Embeddings, norms and routed experts stay float32. Steps with more than
-:data:`KERNEL_MAX_ROWS` rows (prefill) dequantize a Q4 weight into a float32 scratch
-matrix and run one BLAS GEMM, faster there than the row-by-row kernel.
+GGUF tensors whose blocks carry the same math are converted block by block, never
+through float32 (float16 scales, and Q4_K's 6-bit sub-block scales times its float16
+super-scales, are exact in float32): Q8_0 into Q8; Q4_0 / Q4_1 / Q4_K into Q4 — the
+file's own weights, bit for bit. Everything else (Hugging Face floats, Q6_K, a Q4 tensor
+asked for in Q8 ...) is quantized from float32, round to nearest. The tied LM head is
+quantized from the float32 embedding table (which the lookup keeps). Embeddings, norms
+and routed experts stay float32.
+
+Steps with more than :data:`KERNEL_MAX_ROWS` rows (long prefills) dequantize a weight
+into a float32 scratch matrix and run one BLAS GEMM, faster there than the kernel.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from plait.kernels.quant_cpu import BLOCK
 
 QUANTIZATIONS = ("none", "int8", "q4")
 # steps with more rows than this go through dequantize + GEMM (measured: README)
-KERNEL_MAX_ROWS = 8
+KERNEL_MAX_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -102,13 +102,17 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)[..., 0]
 
 
-GGUF_Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+GGUF_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
 
 
 def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> QuantWeight:
     """A GGUF tensor's blocks (``data``: uint8 [rows, bytes per row]; ``type_name`` one of
-    :data:`GGUF_Q4_TYPES`) as q4 blocks with the same values."""
+    :data:`GGUF_BLOCK_TYPES`) as q8 (Q8_0) or q4 blocks with the same values."""
     nb = cols // BLOCK
+    if type_name == "Q8_0":  # [d f16][32 x int8]
+        blocks = np.asarray(data).reshape(rows, nb, 34)
+        qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, cols)
+        return QuantWeight("q8", torch.from_numpy(qs), torch.from_numpy(_f16(blocks[:, :, :2])), None)
     if type_name in ("Q4_0", "Q4_1"):  # [d f16]([m f16])[16 bytes: j low, j + 16 high]
         head = 2 if type_name == "Q4_0" else 4
         blocks = np.asarray(data).reshape(rows, nb, head + 16)
@@ -130,81 +134,87 @@ def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> QuantWe
         packed = q[:, :, :16] | (q[:, :, 16:] << 4)
         return QuantWeight("q4", torch.from_numpy(np.ascontiguousarray(packed).reshape(rows, cols // 2)),
                            torch.from_numpy(np.ascontiguousarray(scale)), torch.from_numpy(np.ascontiguousarray(minimum)))
-    raise ValueError(f"GGUF type {type_name} has no q4 counterpart; those that do: {', '.join(GGUF_Q4_TYPES)}")
+    raise ValueError(f"GGUF type {type_name} has no block counterpart; those that do: {', '.join(GGUF_BLOCK_TYPES)}")
 
 
 # --- the layer -----------------------------------------------------------------------------
 
 
 class QuantLinear(nn.Module):
-    """A linear layer whose weight is kept in q4 blocks (buffers ``qs`` uint8 [out, in/2],
-    ``scales`` and ``mins`` float32 [out, in/32]; the bias stays a float parameter),
-    filled row range by row range with :meth:`load_rows`, as the fused projections are."""
+    """A linear layer whose weight is kept in :class:`QuantWeight` blocks of ``kind``
+    (buffers ``qs``, ``scales`` float32 [out, in/32], ``mins`` for q4; the bias stays a
+    float parameter), filled row range by row range with :meth:`load_rows`, as the fused
+    projections are."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, isa: str) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, kind: str, isa: str) -> None:
         super().__init__()
         if in_features % BLOCK:
             raise ValueError(
-                f"quantization='q4' needs the input features of every projection to be a multiple of {BLOCK}; "
-                f"this model has a projection with {in_features}; use quantization='int8' or 'none'"
+                f"quantization needs the input features of every projection to be a multiple of {BLOCK}; "
+                f"this model has a projection with {in_features}; use quantization='none'"
             )
-        self.in_features, self.out_features, self.isa = in_features, out_features, isa
+        self.in_features, self.out_features, self.kind, self.isa = in_features, out_features, kind, isa
         nb = in_features // BLOCK
-        self.register_buffer("qs", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        q8 = kind == "q8"
+        self.register_buffer("qs", torch.empty(out_features, in_features if q8 else in_features // 2,
+                                               dtype=torch.int8 if q8 else torch.uint8))
         self.register_buffer("scales", torch.empty(out_features, nb))
-        self.register_buffer("mins", torch.empty(out_features, nb))
+        self.register_buffer("mins", None if q8 else torch.empty(out_features, nb))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def numel(self) -> int:
         return self.in_features * self.out_features
 
     def weight(self) -> QuantWeight:
-        return QuantWeight("q4", self.qs, self.scales, self.mins)
+        return QuantWeight(self.kind, self.qs, self.scales, self.mins)
 
     def load_rows(self, tensor: torch.Tensor | QuantWeight, offset: int, rows: int) -> None:
-        """Write rows ``offset .. offset + rows`` (rows 0: all) from q4 blocks as they are,
-        or from a float tensor (quantized here) or other blocks (through float32)."""
+        """Write rows ``offset .. offset + rows`` (rows 0: all) from blocks of this layer's
+        kind as they are, or from a float tensor (quantized here) or other blocks (through
+        float32)."""
         rows = rows or self.out_features
         if tuple(tensor.shape) != (rows, self.in_features):
             raise ValueError(f"a weight of shape {tuple(tensor.shape)} for rows {offset}..{offset + rows} of a "
                              f"[{self.out_features}, {self.in_features}] projection")
-        if isinstance(tensor, QuantWeight) and tensor.kind != "q4":
+        if isinstance(tensor, QuantWeight) and tensor.kind != self.kind:
             tensor = tensor.dequantize()
-        q = tensor if isinstance(tensor, QuantWeight) else quantize(tensor, "q4")
+        q = tensor if isinstance(tensor, QuantWeight) else quantize(tensor, self.kind)
         span = slice(offset, offset + rows)
         self.qs[span].copy_(q.qs)
         self.scales[span].copy_(q.scales)
-        self.mins[span].copy_(q.mins)
+        if self.mins is not None:
+            self.mins[span].copy_(q.mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] -> [rows, out]
         if x.shape[0] > KERNEL_MAX_ROWS:
-            w = quant_cpu.dequantize("q4", self.qs, self.scales, self.mins, self.in_features, self.isa)
+            w = quant_cpu.dequantize(self.kind, self.qs, self.scales, self.mins, self.in_features, self.isa)
             return F.linear(x, w, self.bias)
-        return quant_cpu.quant_linear(x.contiguous(), "q4", self.qs, self.scales, self.mins, self.bias, self.isa)
+        return quant_cpu.quant_linear(x.contiguous(), self.kind, self.qs, self.scales, self.mins, self.bias, self.isa)
 
 
-def quantize_projections(model: nn.Module) -> None:
+def quantize_projections(model: nn.Module, mode: str) -> None:
     """Replace every projection (``plait.runtime.models.linear.Linear``) under ``model``
-    but its untied ``lm_head`` with an empty :class:`QuantLinear` (``quantization='q4'``).
-    Call on the meta device, before the weights are loaded."""
+    with an empty :class:`QuantLinear` in the layout ``mode`` names (the untied
+    ``lm_head``: q8 in both modes). Call on the meta device, before the weights load."""
     from plait.runtime.models.linear import Linear
 
-    isa = quant_cpu.choose_isa()
+    isa, kind = quant_cpu.choose_isa(), {"int8": "q8", "q4": "q4"}[mode]
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is Linear and not (parent is model and name == "lm_head"):
-                setattr(parent, name, QuantLinear(child.in_features, child.out_features, child.bias is not None, isa))
+            if type(child) is Linear:
+                k = "q8" if parent is model and name == "lm_head" else kind
+                setattr(parent, name, QuantLinear(child.in_features, child.out_features, child.bias is not None, k, isa))
+
+
+def quantized_lm_head(embedding: torch.Tensor) -> QuantLinear:
+    """The tied LM head in q8 blocks, from the float32 embedding table [vocab, hidden]."""
+    vocab, hidden = embedding.shape
+    head = QuantLinear(hidden, vocab, False, "q8", quant_cpu.choose_isa())
+    head.load_rows(embedding, 0, 0)
+    return head
 
 
 def describe(mode: str) -> dict[str, Any]:
     """What a benchmark prints about the quantized path on this machine."""
-    from plait.runtime.models.linear import int8_vnni
-
-    return {
-        "quantization": mode,
-        "q4_kernel_isa": quant_cpu.choose_isa(),
-        "q4_kernel_max_rows": KERNEL_MAX_ROWS,
-        "int8_engine": torch.backends.quantized.engine,
-        "int8_vnni": int8_vnni(),
-    }
+    return {"quantization": mode, "kernel_isa": quant_cpu.choose_isa(), "kernel_max_rows": KERNEL_MAX_ROWS}

@@ -60,10 +60,10 @@ ENGINE_HELP: dict[str, str] = {
                        "with outlines-core as fallback, regex to outlines-core), outlines or llguidance; a request's "
                        "grammar_backend overrides it",
     "cpu_gemm": "CPU float32 GEMMs: auto (onednn where available), onednn (weights packed once for oneDNN's JIT GEMM) or torch (F.linear, MKL)",
-    "quantization": "weight-only quantization (CPU, dtype float32): none (float32 weights, the exact "
-                    "path), int8 (projections and LM head in per-row int8 on torch's dynamic int8 GEMM) or q4 "
-                    "(projections in 4-bit blocks of 32, a GGUF's Q4_0/Q4_1/Q4_K blocks kept as they are, on a "
-                    "native kernel; LM head int8)",
+    "quantization": "weight-only quantization (CPU, dtype float32; activations stay float32): none (float32 "
+                    "weights, the exact path), int8 (projections and LM head in int8 blocks of 32; a GGUF's Q8_0 "
+                    "blocks as they are) or q4 (projections in 4-bit blocks of 32, a GGUF's Q4_0/Q4_1/Q4_K blocks "
+                    "as they are; LM head int8), on a native kernel",
     "disable_cuda_graph": "CUDA: run decode steps eagerly instead of replaying recorded CUDA graphs",
     "cuda_graph_max_bs": "CUDA: largest decode batch that replays a recorded graph (bucketed sizes up to it)",
     "kv_events_endpoint": "publish KV-cache events (vLLM's format: BlockStored/BlockRemoved/AllBlocksCleared) on a "
