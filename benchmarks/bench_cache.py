@@ -98,7 +98,7 @@ def _rag(rng: random.Random, vocab: int) -> list[list[int]]:
     out = []
     for _ in range(16):
         picked = rng.sample(range(5), 3)
-        out.append(system + [t for d in picked for t in d] + _ids(rng, 15, vocab))
+        out.append(system + [t for i in picked for t in docs[i]] + _ids(rng, 15, vocab))
     return out
 
 
