@@ -164,4 +164,4 @@ def kv_pool_budget(mem_fraction_static: float, *, free: int, total: int) -> int:
     is in use (weights, runtime context, other processes) plus the pool stay within
     ``mem_fraction_static * total``, i.e. ``free - (1 - fraction) * total`` is left for
     the pool, and ``(1 - fraction) * total`` for activations. May be <= 0."""
-    return min(free, int(free - (1.0 - mem_fraction_static) * total))
+    return int(free - (1.0 - mem_fraction_static) * total)
