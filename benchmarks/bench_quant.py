@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
 import shutil
 import subprocess
 import time
@@ -33,6 +31,8 @@ from plait.runtime import Engine
 from plait.runtime.model_loader import resolve_model
 from plait.runtime.models.linear import pack_weight, packed_linear
 from plait.runtime.models.quant import KERNEL_MAX_ROWS, describe, quantize
+
+from machine import machine_line  # benchmarks/machine.py, the line every benchmark prints
 
 MODES = ("int8", "q4")
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -52,22 +52,6 @@ PROMPTS = [
     "The speed of light is", "How do I boil an egg?", "A recipe for pancakes:", "The French Revolution began in",
     "Translate 'good morning' into Spanish:", "The largest planet in the solar system is",
 ]
-
-
-def machine_line() -> str:
-    """CPU model, the ISA extensions the kernels use, cores, versions."""
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    flags = set(quant_cpu.cpu_flags().split())
-    isa = [n for n, f in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AVX512-VNNI", "avx512_vnni"),
-                          ("AVX-VNNI", "avx_vnni"), ("AMX", "amx_tile")) if f in flags]
-    return (f"{model or platform.processor() or platform.machine()}; {', '.join(isa) or 'no AVX2'}; "
-            f"{os.cpu_count()} cores; torch {torch.__version__} ({torch.get_num_threads()} threads); "
-            f"{describe('q4')}")
 
 
 def _time(fn) -> float:
@@ -180,7 +164,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt for the agreement check")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print("machine:", machine_line())
+    print("machine:", machine_line(args.threads))
+    print("quantized kernel:", describe("q4"))
     if not args.skip_kernels:
         bench_kernels(args.torch_weight_only)
     common = dict(num_threads=args.threads, kv_cache_tokens=32768, max_running_requests=64)

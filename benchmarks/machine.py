@@ -1,0 +1,66 @@
+"""The machine line every CPU benchmark prints: what it ran on and which kernels it chose.
+
+    from machine import machine_line, kernel_line   # benchmarks/ on sys.path
+    print("machine:", machine_line(threads))
+    print("kernels:", kernel_line(engine))
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+from typing import Any
+
+import torch
+
+import plait
+from plait.kernels import quant_cpu
+
+# (name printed, /proc/cpuinfo flag): the extensions plait's kernels and oneDNN use
+ISA_FLAGS = (("AVX2", "avx2"), ("FMA", "fma"), ("AVX-512", "avx512f"), ("AVX512-VNNI", "avx512_vnni"),
+             ("AVX512-BF16", "avx512_bf16"), ("AVX-VNNI", "avx_vnni"), ("AMX", "amx_tile"))
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        name = ""
+    return name or platform.processor() or platform.machine()
+
+
+def llama_cpp_version(exe: str = "llama-batched-bench") -> str | None:
+    """``version: N (commit)`` of an installed llama.cpp tool, or None when it is not on PATH."""
+    path = shutil.which(exe)
+    if path is None:
+        return None
+    try:
+        proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    m = re.search(r"version:\s*(\S+)(?:\s*\((\w+)\))?", proc.stdout + proc.stderr)
+    return (m.group(1) + (f" ({m.group(2)})" if m.group(2) else "")) if m else "unknown"
+
+
+def machine_line(threads: int | None = None) -> str:
+    """CPU model, the ISA extensions present, cores, threads, torch / plait / llama.cpp versions."""
+    flags = set(quant_cpu.cpu_flags().split())
+    isa = [name for name, flag in ISA_FLAGS if flag in flags]
+    lcpp = llama_cpp_version()
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"{cpu_model()}; {' '.join(isa) or 'no AVX2'}; {os.cpu_count()} cores; "
+            f"{threads or torch.get_num_threads()} threads; load {load}; torch {torch.__version__}; "
+            f"plait {plait.__version__}; llama.cpp {lcpp or 'not installed'}")
+
+
+def kernel_line(engine: Any) -> str:
+    """The kernels an engine chose: attention backend, float GEMM, quantization and its kernel ISA."""
+    cfg = engine.config
+    quant = cfg.quantization
+    if quant != "none":
+        quant += f" (native kernel {quant_cpu.choose_isa()})"
+    return f"attention {cfg.resolved_attention_backend()}; GEMM {cfg.resolved_cpu_gemm()}; quantization {quant}"
