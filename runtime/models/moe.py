@@ -9,7 +9,11 @@ weights are stacked: ``experts.gate_up_proj`` [E, 2 * I, H] and ``experts.down_p
 Tokens are grouped by expert, not looped over: the (token, expert) pairs are sorted by
 expert, each expert with tokens runs two GEMMs over its rows, and the weighted results
 are added into the output with ``index_add_`` -- in ascending expert order, the order in
-which transformers accumulates them, so fp32 results agree to the last bits.
+which transformers accumulates them, so fp32 results agree to the last bits. That is the
+CPU path and the reference; with ``triton_ops`` (the triton backend, the CUDA default)
+the experts run as the fused Triton kernel :func:`plait.kernels.fused_moe.fused_experts`
+instead (two grouped-GEMM launches, no host synchronisation, so CUDA graphs can record
+it), which agrees with this path to fp32 rounding (tests/test_fused_moe.py).
 """
 
 from __future__ import annotations
@@ -41,16 +45,23 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The routed experts, stacked; ``fused``: run them as the Triton fused-MoE kernel."""
+
+    def __init__(self, cfg: ModelConfig, fused: bool = False) -> None:
         super().__init__()
         e, h, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.inter = inter
+        self.fused = fused
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, inter))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; weights, experts: [T, k] -> sum over k of weight * expert(x): [T, H]."""
+        if self.fused:
+            from plait.kernels.fused_moe import fused_experts
+
+            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts, gelu=self.gelu)
         k = experts.shape[1]
         flat = experts.reshape(-1)  # [T * k] pair p = (token p // k, its (p % k)-th expert)
         order = torch.argsort(flat, stable=True)
@@ -78,7 +89,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, triton_ops: bool = False) -> None:
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = Experts(cfg)
+        self.experts = Experts(cfg, fused=triton_ops)
         self.shared_expert: nn.Module | None = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, triton_ops, intermediate_size=cfg.shared_expert_intermediate_size)
