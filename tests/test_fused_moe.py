@@ -143,3 +143,15 @@ def test_align_pairs_layout(block_m):
             assert len(mine) == -(-count // block_m) * block_m
             assert [p for p in mine if p < num_pairs] == (flat == e).nonzero().flatten().tolist()
     assert len(sizes) == 1
+
+
+def test_gpu_check_moe_engine_comparison_on_cpu(tmp_path, tokenizer_dir):
+    """benchmarks/gpu_check.py's fused-MoE engine check on a tiny random MoE model: the
+    torch backend (grouped torch experts) and the triton backend (the fused kernel, here
+    interpreted) give the same greedy tokens."""
+    from test_gpu_check import load_script
+
+    gpu_check = load_script()
+    folder = gpu_check.tiny_moe_model(tmp_path, tokenizer_dir)
+    cmp = gpu_check.compare_moe_backends(folder, ["The capital of France is", "1, 2, 3,"], max_new_tokens=3)
+    assert cmp["match"] and cmp["num_prompts"] == 2 and cmp["mismatches"] == []
