@@ -69,9 +69,14 @@ class EngineConfig:
     # CPU threads of each engine process; with tp_size > 1, of each rank (None: torch's
     # default, or with tp_size > 1 on CPU the cores split evenly between the ranks)
     num_threads: int | None = None
-    # Tensor parallelism (plait.runtime.tp): the model sharded over tp_size processes on
-    # this node (gloo on CPU, NCCL on CUDA), rank 0 being the engine process
+    # Tensor parallelism (plait.runtime.tp): the model sharded over tp_size processes
+    # (gloo on CPU, NCCL on CUDA), rank 0 being the engine process; with nnodes > 1 each
+    # node runs tp_size / nnodes of them, node node_rank > 0 only executing rank 0's steps,
+    # all rendezvoused at dist_init_addr (HOST:PORT of node 0; SGLang's names)
     tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     attention_backend: str = "auto"
     # CPU float32 GEMMs: "onednn" packs the weights once for oneDNN's JIT GEMM
     # (plait.runtime.models.linear), "torch" keeps F.linear (MKL); "auto" is onednn on
@@ -155,6 +160,15 @@ class EngineConfig:
         _require(self.num_threads is None or (is_int(self.num_threads) and self.num_threads >= 1),
                  "num_threads", self.num_threads, "None or a positive integer")
         _require(is_int(self.tp_size) and 1 <= self.tp_size <= 64, "tp_size", self.tp_size, "an integer in [1, 64]")
+        _require(is_int(self.nnodes) and 1 <= self.nnodes <= 64, "nnodes", self.nnodes, "an integer in [1, 64]")
+        _require(is_int(self.node_rank) and 0 <= self.node_rank < self.nnodes, "node_rank", self.node_rank,
+                 f"an integer in [0, nnodes={self.nnodes})")
+        _require(self.tp_size % self.nnodes == 0, "tp_size", self.tp_size,
+                 f"a multiple of nnodes={self.nnodes} (each node runs tp_size / nnodes ranks)")
+        _require(self.dist_init_addr is None or split_host_port(self.dist_init_addr) is not None, "dist_init_addr",
+                 self.dist_init_addr, "None or HOST:PORT (node 0's address and a free port, 1-65535)")
+        _require(self.nnodes == 1 or self.dist_init_addr is not None, "dist_init_addr", self.dist_init_addr,
+                 f"HOST:PORT of node 0 (where the nodes meet) with nnodes={self.nnodes}")
         _require(self.tp_size == 1 or not self.enable_hierarchical_cache, "enable_hierarchical_cache",
                  self.enable_hierarchical_cache, "False with tp_size > 1 (the host tier copies rank 0's pool only)")
         _require(self.tp_size == 1 or self.quantization == "none", "quantization", self.quantization,
@@ -223,13 +237,18 @@ class EngineConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_num_threads(self) -> int | None:
-        """Threads of each rank: ``num_threads``, or with ``tp_size > 1`` on CPU the cores
-        split evenly (None: torch's default)."""
+        """Threads of each rank: ``num_threads``, or with ``tp_size > 1`` on CPU the node's
+        cores split evenly between its ranks (None: torch's default)."""
         if self.num_threads is not None or self.tp_size == 1 or self.resolved_device() != "cpu":
             return self.num_threads
         import os
 
-        return max(1, (os.cpu_count() or 1) // self.tp_size)
+        return max(1, (os.cpu_count() or 1) // self.local_tp_size)
+
+    @property
+    def local_tp_size(self) -> int:
+        """Tensor-parallel ranks on each node."""
+        return self.tp_size // self.nnodes
 
     def resolved_mem_fraction_static(self) -> float:
         if self.mem_fraction_static is not None:
@@ -273,6 +292,18 @@ def build_trusted(cls: type[T], values: dict[str, Any]) -> T:
             v = f.default_factory()  # type: ignore[misc]
         object.__setattr__(obj, f.name, v)
     return obj
+
+
+def split_host_port(addr: Any) -> tuple[str, int] | None:
+    """``("HOST", PORT)`` of ``"HOST:PORT"`` (``[::1]:PORT`` for IPv6), or None when
+    ``addr`` is not one (no host, a port outside 1-65535)."""
+    if not isinstance(addr, str):
+        return None
+    host, sep, port = addr.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return None
+    return host, int(port)
 
 
 def _is_num(v: Any) -> bool:

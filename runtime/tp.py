@@ -6,8 +6,17 @@ it spawns (``python -m plait.runtime.tp``), each holding one shard of the model
 (:mod:`plait.runtime.models.parallel`) and a KV pool of its KV heads with the same page
 layout as rank 0's, so rank 0's page ids and page-table rows are valid on every rank.
 
-All ranks are one process group, rendezvoused through a TCP store on a free loopback
-port. Per step rank 0 broadcasts what the workers need, as int64 tensors (no Python
+All ranks are one process group, rendezvoused through a TCP store that rank 0 serves on
+``dist_init_addr`` (a free loopback port when none is given).
+
+Multi-node (``nnodes > 1``, SGLang's names): node ``n`` holds ranks
+``n * k .. n * k + k - 1`` (``k = tp_size / nnodes``). Node 0's engine process is rank 0
+and spawns ranks ``1 .. k - 1``; on every other node :func:`follow` (what ``plait serve
+--node-rank n`` runs instead of a server) joins the store, checks that its options are
+node 0's, spawns its ``k`` ranks and waits for them. Those nodes run no scheduler and no
+front: they only execute the steps rank 0 broadcasts.
+
+Per step rank 0 broadcasts what the workers need, as int64 tensors (no Python
 objects):
 
 - ``FORWARD``: the :class:`~plait.runtime.forward_batch.ForwardBatch` tensors
@@ -23,11 +32,14 @@ objects):
 A worker that dies (or a collective that fails) raises :class:`TPError` on rank 0, which
 the engine lets through: the engine stops (in a server its process exits, and the front
 fails its requests and restarts it), and :meth:`TPWorkers.close` kills the remaining
-workers. Workers die with their parent (parent-death signal and a watcher thread).
+workers. Workers die with their parent (parent-death signal and a watcher thread); a
+worker on another node whose group broke exits, and its node's :func:`follow` returns 1
+after killing the others there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -41,7 +53,7 @@ from typing import Any
 import torch
 
 from plait.runtime.attention.base import AttentionBackend
-from plait.runtime.config import ATTENTION_BACKENDS, EngineConfig, build_trusted
+from plait.runtime.config import ATTENTION_BACKENDS, EngineConfig, build_trusted, split_host_port
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.models.parallel import TPGroup
 
@@ -54,6 +66,9 @@ HEADER = 6  # op, tokens, requests, extends, decodes, page-table width
 # its process; a rank that hangs alive hangs the group.
 _NO_TIMEOUT = datetime.timedelta(days=365)
 START_TIMEOUT_S = 300.0
+GROUP_KEY = "group"  # rank 0's options, which every node must share (see _group_options)
+# options a node may set for itself: the rest must be node 0's
+PER_NODE_OPTIONS = ("node_rank", "num_threads")
 
 
 class TPError(RuntimeError):
@@ -73,9 +88,30 @@ def _process_group(store: Any, rank: int, size: int, device: torch.device) -> An
     return dist.ProcessGroupGloo(store, rank, size, _NO_TIMEOUT)
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank ``rank``'s device: its own GPU on CUDA (``cuda:rank``), the CPU otherwise."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """The device of the rank ``local_rank`` of its node: its own GPU on CUDA
+    (``cuda:local_rank``), the CPU otherwise."""
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
+
+
+def rendezvous(cfg: EngineConfig) -> tuple[str, int]:
+    """Where the ranks meet: ``dist_init_addr``, or a free loopback port (0) on one node."""
+    return split_host_port(cfg.dist_init_addr) or ("127.0.0.1", 0)
+
+
+def _group_options(cfg: EngineConfig, device: torch.device) -> dict[str, Any]:
+    """What every node of a group must agree on: the engine options but the per-node ones,
+    and the device type (which decides gloo or NCCL), as JSON values."""
+    values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_NODE_OPTIONS}
+    return json.loads(json.dumps({**values, "device": device.type}))
+
+
+def _spawn(model: str | None, cfg: EngineConfig, rank: int, local_rank: int, host: str, port: int,
+           device: torch.device) -> subprocess.Popen:
+    """Start worker ``rank`` (``local_rank`` of this node), joining the store at ``host:port``."""
+    spec = {"model": model, "engine": dataclasses.asdict(cfg), "rank": rank, "local_rank": local_rank,
+            "host": host, "port": port, "device": device.type, "parent_pid": os.getpid()}
+    return subprocess.Popen([sys.executable, "-m", "plait.runtime.tp", json.dumps(spec)])
 
 
 class TPWorkers:
@@ -84,26 +120,34 @@ class TPWorkers:
     builds its shard with :attr:`group`, then calls :meth:`serve` with the KV pool's
     geometry once it sized the pool."""
 
-    def __init__(self, group: TPGroup, procs: list[subprocess.Popen], store: Any, device: torch.device) -> None:
+    def __init__(self, group: TPGroup, procs: list[subprocess.Popen], store: Any, device: torch.device,
+                 nnodes: int = 1) -> None:
         self.group = group
-        self.procs = procs
+        self.procs = procs  # this node's workers: ranks 1 .. len(procs)
         self.store = store  # kept alive: the workers' rendezvous server
         self.device = device
+        self.nnodes = nnodes
         self.dead = False
 
     @classmethod
     def start(cls, model: str | None, cfg: EngineConfig, device: torch.device) -> TPWorkers:
         import torch.distributed as dist
 
+        if cfg.node_rank != 0:
+            raise ValueError(f"node_rank={cfg.node_rank} is invalid for an engine; allowed: 0 (node "
+                             f"{cfg.node_rank} runs no engine, only its ranks: start it with `plait serve "
+                             f"--node-rank {cfg.node_rank} ...` or plait.runtime.tp.follow)")
         size = cfg.tp_size
-        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
-                              wait_for_workers=False)
-        procs = []
-        for rank in range(1, size):
-            spec = {"model": model, "engine": dataclasses.asdict(cfg), "rank": rank, "size": size,
-                    "port": store.port, "device": device.type, "parent_pid": os.getpid()}
-            procs.append(subprocess.Popen([sys.executable, "-m", "plait.runtime.tp", json.dumps(spec)]))
-        workers = cls(TPGroup(0, size, None), procs, store, device)
+        host, port = rendezvous(cfg)
+        try:
+            store = dist.TCPStore(host, port, size, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+                                  wait_for_workers=False)
+        except RuntimeError as e:  # torch's DistNetworkError: the port is taken
+            raise TPError(f"cannot listen for the tensor-parallel ranks at dist_init_addr={cfg.dist_init_addr!r}: "
+                          f"{e}") from None
+        store.set(GROUP_KEY, json.dumps(_group_options(cfg, device)))
+        procs = [_spawn(model, cfg, rank, rank, host, store.port, device) for rank in range(1, cfg.local_tp_size)]
+        workers = cls(TPGroup(0, size, None), procs, store, device, cfg.nnodes)
         try:
             workers._wait_joined()
             group = TPGroup(0, size, _process_group(store, 0, size, device))
@@ -120,8 +164,14 @@ class TPWorkers:
         keys = [f"joined/{rank}" for rank in range(1, self.group.size)]
         while not self.store.check(keys):
             self._check_alive()
+            for node in range(1, self.nnodes):
+                if self.store.check([f"refused/{node}"]):
+                    raise TPError(f"node {node} did not join the tensor-parallel group: "
+                                  f"{self.store.get(f'refused/{node}').decode()}")
             if time.monotonic() > deadline:
-                raise TPError(f"tensor-parallel workers did not start within {START_TIMEOUT_S:.0f} s")
+                missing = [rank for rank in range(1, self.group.size) if not self.store.check([f"joined/{rank}"])]
+                hint = " (are the other nodes started with the same --dist-init-addr?)" if self.nnodes > 1 else ""
+                raise TPError(f"tensor-parallel ranks {missing} did not join within {START_TIMEOUT_S:.0f} s{hint}")
             time.sleep(0.05)
 
     def _check_alive(self) -> None:
@@ -146,7 +196,8 @@ class TPWorkers:
                 self._check_alive()
             finally:
                 self.dead = True
-            raise TPError(f"a tensor-parallel collective failed: {e}") from e
+            where = " (a rank on another node died or cannot be reached)" if self.nnodes > 1 else ""
+            raise TPError(f"a tensor-parallel collective failed{where}: {e}") from e
 
     def serve(self, num_slots: int, context_len: int, attn: AttentionBackend) -> None:
         """Tell the workers the KV pool's geometry and attention backend (theirs match
@@ -243,17 +294,18 @@ def worker_main(spec: dict[str, Any]) -> int:
 
     set_parent_death_signal()
     exit_when_parent_is_gone(spec["parent_pid"])
-    rank, size = spec["rank"], spec["size"]
-    cfg = build_trusted(EngineConfig, spec["engine"])  # validated by rank 0
+    rank = spec["rank"]
+    cfg = build_trusted(EngineConfig, spec["engine"])  # validated by the process that spawned this one
+    size = cfg.tp_size
     threads = cfg.resolved_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
-    device = rank_device(torch.device(spec["device"]), rank)
+    device = rank_device(torch.device(spec["device"]), spec["local_rank"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = getattr(torch, cfg.resolved_dtype())
     torch.manual_seed(cfg.seed)
-    store = dist.TCPStore("127.0.0.1", spec["port"], size, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+    store = dist.TCPStore(spec["host"], spec["port"], size, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
     store.set(f"joined/{rank}", "1")
     group = TPGroup(rank, size, _process_group(store, rank, size, device))
 
@@ -294,6 +346,70 @@ def worker_main(spec: dict[str, Any]) -> int:
                 model.compute_logits(hidden)
             else:
                 raise RuntimeError(f"unknown tensor-parallel op {h[0]}")
+
+
+# -- the other nodes -----------------------------------------------------------------------
+def follow(model: str | None, cfg: EngineConfig, announce: bool = False) -> int:
+    """Run node ``cfg.node_rank > 0`` of a multi-node group until the group ends: join
+    node 0's store at ``dist_init_addr`` (waiting up to :data:`START_TIMEOUT_S` for node
+    0 to listen), refuse to join when this node's options differ from node 0's (but the
+    :data:`PER_NODE_OPTIONS`) or its ``node_rank`` is taken, then start this node's ranks
+    and wait for them. ``model`` is this node's path to the same checkpoint.
+
+    Returns 0 when node 0 stopped the group, 1 when it broke (a rank here exited with an
+    error, or node 0 or another node went away: the ranks here then fail their next
+    collective), 2 when the join was refused; the ranks left here are killed first."""
+    import torch.distributed as dist
+
+    node = cfg.node_rank
+    if node == 0:
+        raise ValueError("node_rank=0 is invalid for follow(); allowed: 1 .. nnodes - 1 (node 0 runs the engine)")
+    host, port = rendezvous(cfg)
+    try:
+        store = dist.TCPStore(host, port, cfg.tp_size, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+    except RuntimeError as e:
+        logger.error("cannot reach node 0 at dist_init_addr=%r within %.0f s: %s", cfg.dist_init_addr,
+                     START_TIMEOUT_S, e)
+        return 2
+    device = torch.device(cfg.resolved_device())
+    refusal = None
+    if store.add(f"node/{node}", 1) != 1:
+        refusal = f"node_rank={node} was given to two nodes; give each node its own --node-rank"
+    else:
+        theirs, ours = json.loads(store.get(GROUP_KEY)), _group_options(cfg, device)
+        differ = [k for k in ours if ours[k] != theirs.get(k)]
+        if differ:
+            refusal = ("its options differ from node 0's: " + ", ".join(f"{k}={ours[k]!r} (node 0: {theirs.get(k)!r})"
+                                                                        for k in differ)
+                       + "; run the same command on every node, only --node-rank (and --num-threads) differing")
+    if refusal is not None:
+        store.set(f"refused/{node}", refusal)
+        logger.error("node %d cannot join the tensor-parallel group at %s: %s", node, cfg.dist_init_addr, refusal)
+        return 2
+    first = node * cfg.local_tp_size
+    ranks = range(first, first + cfg.local_tp_size)
+    procs = [_spawn(model, cfg, rank, rank - first, host, port, device) for rank in ranks]
+    if announce:
+        print(f"plait node {node} of {cfg.nnodes}: tensor-parallel ranks {ranks[0]}..{ranks[-1]} started, "
+              f"following node 0 at {cfg.dist_init_addr}", flush=True)
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(rank, code) for rank, code in zip(ranks, codes) if code not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                logger.error("tensor-parallel rank %d exited with code %d; node %d leaves the group", rank, code, node)
+                with contextlib.suppress(RuntimeError):  # tells a node 0 still waiting for the ranks to join
+                    store.set(f"refused/{node}", f"rank {rank} exited with code {code} (see node {node}'s log)")
+                return 1
+            if all(code == 0 for code in codes):
+                return 0
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
 
 
 if __name__ == "__main__":

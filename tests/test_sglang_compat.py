@@ -144,7 +144,7 @@ def test_runtime_takes_sglang_option_names(runtime, folder):
 
 
 @pytest.mark.parametrize("option, match", [
-    (dict(nnodes=2), "nnodes=2 is not supported by plait: tensor parallelism runs on one node"),
+    (dict(ep_size=2), "ep_size=2 is not supported by plait: expert parallelism"),
     (dict(pp_size=2), "pp_size=2 is not supported by plait: pipeline parallelism"),
     (dict(quantization="fp8"), r"quantization='fp8' is invalid; allowed: none, int8, q4"),  # plait's own option
     (dict(enable_torch_compile=True), "enable_torch_compile=True is not supported by plait: .*CUDA graphs"),
@@ -188,8 +188,8 @@ def test_serve_flags_take_sglang_spellings(folder, capsys):
     assert (a.model, a.engine.kv_cache_tokens, a.engine.seed, a.engine.mem_fraction_static, a.engine.dtype) == \
         (folder, 4096, 3, 0.4, "float16")
     with pytest.raises(SystemExit):
-        main(["serve", "--model-path", folder, "--nnodes", "2"])
-    assert "nnodes=2 is not supported by plait" in capsys.readouterr().err
+        main(["serve", "--model-path", folder, "--ep-size", "2"])
+    assert "ep_size=2 is not supported by plait" in capsys.readouterr().err
 
 
 # -- 4. frontend API ----------------------------------------------------------------------------------

@@ -46,6 +46,12 @@ ENGINE_HELP: dict[str, str] = {
                    "there: the cores split evenly between the ranks)",
     "tp_size": "tensor parallelism: shard the model over this many processes on this node (gloo on CPU, NCCL on "
                "CUDA, one GPU per rank); Llama, Mistral, Qwen2 and Qwen3 models",
+    "nnodes": "tensor parallelism over this many nodes (machines), --tp-size / --nnodes ranks on each; run the "
+              "same command on every node with its own --node-rank (docs/serving.md, 'Scaling out')",
+    "node_rank": "this node's place among --nnodes: 0 runs the server (front, scheduler, rank 0), the others only "
+                 "run their ranks, executing node 0's steps (no HTTP server)",
+    "dist_init_addr": "HOST:PORT where the nodes meet: node 0's address (reachable from the others) and a free "
+                      "port it listens on (needed with --nnodes > 1)",
     "attention_backend": "attention implementation: auto (triton on CUDA; cpu on CPU in float32, torch if it cannot be built), "
                          "torch (pure PyTorch, the reference), cpu (torch with a native decode kernel compiled on first use), triton",
     "seed": "base seed of sampling when a request gives none",
@@ -115,6 +121,9 @@ class ServerArgs:
             raise ValueError(f"client_timeout_s={self.client_timeout_s!r} is invalid; allowed: seconds in (0, 3600]")
         if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or not 1 <= self.dp_size <= 64:
             raise ValueError(f"dp_size={self.dp_size!r} is invalid; allowed: an integer in [1, 64] (engine replicas)")
+        if self.dp_size > 1 and self.engine.nnodes > 1:
+            raise ValueError(f"dp_size={self.dp_size} is invalid with nnodes={self.engine.nnodes}; allowed: 1 (a "
+                             f"multi-node tensor-parallel group is one replica; run more groups behind SMG)")
         if not isinstance(self.restart_engine, bool):
             raise ValueError(f"restart_engine={self.restart_engine!r} is invalid; allowed: true or false")
         from plait.reasoning import REASONING_PARSERS

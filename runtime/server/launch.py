@@ -122,6 +122,10 @@ def launch(model: str | None = None, *, host: str = "127.0.0.1", port: int = 0, 
     goes to this process's stderr unless ``echo_logs`` is False.
     """
     args = ServerArgs.from_kwargs(model, host=host, port=port, **options)
+    if args.engine.node_rank > 0:
+        raise ValueError(f"node_rank={args.engine.node_rank} is invalid for launch(); allowed: 0 (node 0 serves; "
+                         f"another node runs no server: start it with `plait serve --node-rank "
+                         f"{args.engine.node_rank} ...`)")
     read_fd, write_fd = os.pipe()
     # validated here, once: the server process rebuilds them without checking again
     cmd = [sys.executable, "-m", "plait.runtime.server", "--ready-fd", str(write_fd),

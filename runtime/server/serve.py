@@ -249,6 +249,10 @@ def run(args: ServerArgs, ready_fd: int | None = None, parent_pid: int | None = 
         announce: bool = False) -> int:
     """Serve until SIGTERM/SIGINT (or the parent's death). Returns the exit code."""
     setup_logging(args.log_level)
+    if args.engine.node_rank > 0:  # another node of a multi-node tensor-parallel group: its ranks, no front
+        from plait.runtime.tp import follow
+
+        return follow(args.model, args.engine, announce=announce)
 
     def report(obj: dict[str, Any]) -> None:
         if announce and "url" in obj:

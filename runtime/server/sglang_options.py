@@ -62,7 +62,6 @@ def _always(v: Any, model: str | None) -> bool:
     return True
 
 
-_ONE_NODE = "for more machines run one server per machine behind a router (--dp-size, SMG)"
 _ONE_DEVICE = "a plait server runs one model on one device; for more throughput run one server per device behind a router"
 
 FOREIGN: dict[str, Foreign] = {
@@ -70,9 +69,6 @@ FOREIGN: dict[str, Foreign] = {
                        ("--pipeline-parallel-size",)),
     "ep_size": Foreign(_only(1), "expert parallelism is not implemented; " + _ONE_DEVICE, int,
                        ("--expert-parallel-size",)),
-    "nnodes": Foreign(_only(1), "tensor parallelism runs on one node (--tp-size); " + _ONE_NODE, int),
-    "node_rank": Foreign(_only(0), "tensor parallelism runs on one node (--tp-size); " + _ONE_NODE, int),
-    "dist_init_addr": Foreign(_only(None), "tensor parallelism runs on one node (--tp-size); " + _ONE_NODE),
     "base_gpu_id": Foreign(_only(0), "choose the GPU with CUDA_VISIBLE_DEVICES (device=cuda uses the first visible one)",
                            int),
     # plait runs its own model implementations and never executes code from a
