@@ -82,6 +82,8 @@ _GGUF_GEMMA3_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Phi-3 keeps HF's fused projections: attn_qkv is qkv_proj, ffn_up is gate_up_proj (gate rows first).
+_GGUF_PHI3_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Mixture of experts: the router, shared expert, and experts stacked [E, rows, cols].
 _GGUF_MOE_LAYER_NAMES = {
     "ffn_gate_inp": "mlp.gate",
@@ -93,6 +95,8 @@ _GGUF_MOE_LAYER_NAMES = {
 _GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GGUF_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GGUF_ROPE_FREQS = "rope_freqs.weight"  # llama3 rope factors, folded into the config
+# Phi-3 longrope's per-frequency factors (HF long_factor / short_factor), folded into the config
+_GGUF_LONGROPE = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 _REQUIRED: Any = object()
 
 
@@ -361,8 +365,14 @@ def _gguf_config(reader: Any) -> ModelConfig:
         )
     )
     bos = _gguf_value(reader, "tokenizer.ggml.bos_token_id", None)
+    rope_dims = _gguf_value(reader, f"{arch}.rope.dimension_count", None)
+    if rope_dims is not None and int(rope_dims) != head_dim:  # e.g. Phi-4-mini (partial_rotary_factor 0.75)
+        raise ValueError(
+            f"GGUF {arch}.rope.dimension_count={rope_dims} rotates part of each head (head_dim {head_dim}); "
+            f"supported: {head_dim} (partial_rotary_factor 1.0)"
+        )
     sliding_window = None
-    if arch in ("mistral", "gemma3"):
+    if arch in ("mistral", "gemma3", "phi3"):  # llama.cpp writes 0 for none in phi3 files
         sliding_window = _gguf_value(reader, f"{arch}.attention.sliding_window", None)
     gemma = family == "gemma3"
     inter = int(_gguf_value(reader, f"{arch}.feed_forward_length", 0))
@@ -408,12 +418,33 @@ def _gguf_config(reader: Any) -> ModelConfig:
 def _gguf_rope_scaling(
     reader: Any, arch: str, tensors: dict[str, Any], head_dim: int, rope_theta: float
 ) -> dict[str, Any] | None:
-    """HF ``rope_scaling`` from GGUF: the ``rope.scaling.*`` keys, or llama3 factors.
+    """HF ``rope_scaling`` from GGUF: the ``rope.scaling.*`` keys, llama3 factors, or
+    Phi-3's longrope factors.
 
     llama.cpp's converter stores Llama 3.1-style scaling not as keys but as the tensor
     ``rope_freqs.weight`` (one divisor per rotary frequency); it is mapped back to
-    llama3 parameters. Unknown types pass through and are rejected by ``ModelConfig``.
+    llama3 parameters. Phi-3's longrope ("su") becomes the tensors ``rope_factors_long``
+    / ``rope_factors_short`` with ``rope.scaling.original_context_length`` and
+    ``rope.scaling.attn_factor``. Unknown types pass through and are rejected by
+    ``ModelConfig``.
     """
+    if any(name in tensors for name in _GGUF_LONGROPE):
+        scaling = {"rope_type": "longrope"}
+        for name, key in _GGUF_LONGROPE.items():
+            if name not in tensors:
+                raise ValueError(f"GGUF file {reader.data.filename!r} has longrope factors but no {name!r}")
+            factors = np.asarray(tensors[name].data, dtype=np.float64).reshape(-1)
+            if factors.size != head_dim // 2:
+                raise ValueError(
+                    f"GGUF tensor {name!r} has {factors.size} factors, expected head_dim / 2 = {head_dim // 2}")
+            scaling[key] = factors.tolist()
+        scaling["original_max_position_embeddings"] = int(
+            _gguf_value(reader, f"{arch}.rope.scaling.original_context_length"))
+        scaling["max_position_embeddings"] = int(_gguf_value(reader, f"{arch}.context_length"))
+        attention_factor = _gguf_value(reader, f"{arch}.rope.scaling.attn_factor", None)
+        if attention_factor is not None:
+            scaling["attention_factor"] = float(attention_factor)
+        return scaling
     if _GGUF_ROPE_FREQS in tensors:
         factors = np.asarray(tensors[_GGUF_ROPE_FREQS].data, dtype=np.float64).reshape(-1)
         return _llama3_rope_scaling(factors, head_dim, rope_theta)
@@ -486,7 +517,12 @@ def _gguf_hf_name(name: str, family: str) -> str:
     base, _, suffix = name.rpartition(".")
     if base in _GGUF_GLOBAL_NAMES and suffix in ("weight", "bias"):
         return f"{_GGUF_GLOBAL_NAMES[base]}.{suffix}"
-    names = _GGUF_GEMMA3_LAYER_NAMES if family == "gemma3" else {**_GGUF_LAYER_NAMES, **_GGUF_MOE_LAYER_NAMES}
+    if family == "gemma3":
+        names = _GGUF_GEMMA3_LAYER_NAMES
+    elif family == "phi3":
+        names = _GGUF_PHI3_LAYER_NAMES
+    else:
+        names = {**_GGUF_LAYER_NAMES, **_GGUF_MOE_LAYER_NAMES}
     m = _GGUF_LAYER_TENSOR.match(name)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
@@ -512,7 +548,7 @@ def _iter_gguf_weights(reader: Any, gguf_blocks: bool = False) -> Iterator[tuple
     config = _gguf_config(reader)
     permuted = config.architecture in _PERMUTED_QK_ARCHS
     for tensor in reader.tensors:
-        if tensor.name == _GGUF_ROPE_FREQS:
+        if tensor.name == _GGUF_ROPE_FREQS or tensor.name in _GGUF_LONGROPE:
             continue  # folded into config.rope_scaling
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists ne innermost-first
         if (gguf_blocks and tensor.tensor_type.name in GGUF_BLOCK_TYPES and len(shape) == 2

@@ -138,7 +138,8 @@ def test_align_pairs_layout(block_m):
             rows = rows[rows < num_pairs]
             assert (flat[rows.long()] == blocks[b]).all()
         for e in range(num_experts):
-            mine = [int(p) for b in range(n // block_m) if blocks[b] == e for p in pairs[b * block_m : (b + 1) * block_m]]
+            mine = [int(p) for b in range(n // block_m) if blocks[b] == e
+                    for p in pairs[b * block_m : (b + 1) * block_m]]
             count = int((flat == e).sum())
             assert len(mine) == -(-count // block_m) * block_m
             assert [p for p in mine if p < num_pairs] == (flat == e).nonzero().flatten().tolist()

@@ -8,13 +8,26 @@ factors, later ones with the long factors (plait.runtime.models.llama.cos_sin_ca
 cache checked against transformers' rotary embedding on both sides of the limit). The
 engine runs keep sequences below the limit, where that is exactly transformers: once a
 sequence grows past it, transformers' Phi-3 drops its KV cache and recomputes the whole
-sequence with the long factors, which plait does not (NOTE: not exact there)."""
+sequence with the long factors, which plait does not (NOTE: not exact there).
+
+GGUF: the same models written as llama.cpp's converter writes a ``phi3`` file (fused
+``attn_qkv`` and ``ffn_up`` = gate | up, longrope as ``rope_factors_long/short`` tensors with
+``rope.scaling.original_context_length`` and ``rope.scaling.attn_factor``, F32 tensors,
+SmolLM2's tokenizer metadata): the same config and weights as the folder, and the
+engine on the GGUF against transformers on the folder."""
 
 from __future__ import annotations
 
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 import pytest
 import torch
-from families import COMMON, build_refs, check_fresh_and_cached, check_retracted
+from conftest import smollm2_gguf_path
+from families import COMMON, FamilyRefs, build_refs, check_fresh_and_cached, check_retracted
 
 from plait.runtime.model_loader import resolve_model
 
@@ -76,3 +89,119 @@ def test_phi3_matches_hf_fresh_and_from_the_prefix_cache(phi3):
 
 def test_phi3_under_retraction(phi3):
     check_retracted(phi3)
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+# HF module name -> llama.cpp tensor name for Phi-3 (its converter's mapping)
+_GGUF_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+def _folder_state(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+@functools.cache
+def _tokenizer_fields() -> list[tuple[str, Any, Any, Any]]:
+    """The SmolLM2 GGUF's ``tokenizer.*`` metadata: (key, value, type, array item type)."""
+    import gguf
+
+    return [(f.name, f.contents(), f.types[0], f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+            for f in gguf.GGUFReader(smollm2_gguf_path()).fields.values() if f.name.startswith("tokenizer.")]
+
+
+def write_phi3_gguf(folder: Path, path: Path, tokenizer: bool = False, rope_dims: int | None = None,
+                    sliding_window: int | None = None) -> Path:
+    """What llama.cpp's convert_hf_to_gguf writes for the Phi-3 model in ``folder``
+    (F32); ``tokenizer``: with the SmolLM2 GGUF's tokenizer metadata (the engine needs
+    it; the config and weights do not)."""
+    import gguf
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(folder)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(rope_dims or head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_sliding_window(sliding_window or cfg.sliding_window or 0)  # 0: none
+    scaling = cfg.rope_parameters
+    if scaling.get("rope_type") == "longrope":
+        scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+        orig = cfg.original_max_position_embeddings
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))
+        writer.add_tensor("rope_factors_long.weight", np.asarray(scaling["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(scaling["short_factor"], dtype=np.float32))
+    for key, value, vtype, sub in _tokenizer_fields() if tokenizer else ():
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    for name, tensor in _folder_state(folder).items():
+        if name in _GGUF_TOP:
+            gguf_name = _GGUF_TOP[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, suffix = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{_GGUF_NAMES[module]}.{suffix}"
+        writer.add_tensor(gguf_name, tensor.numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_phi3_gguf_config_and_weights_equal_the_folder(phi3, tmp_path):
+    source = resolve_model(str(write_phi3_gguf(phi3.folder, tmp_path / "phi3.gguf")))
+    assert source.kind == "gguf"
+    got, want = source.load_config(), resolve_model(str(phi3.folder)).load_config()
+    assert got.architecture == "phi3" and got.sliding_window is None
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "rope_theta", "max_position_embeddings", "tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm",
+              "hidden_act", "rope_type")
+    assert {f: getattr(got, f) for f in fields} == {f: getattr(want, f) for f in fields}
+    assert got.rms_norm_eps == pytest.approx(want.rms_norm_eps)
+    if phi3.kind == "longrope":
+        for key in ("short_factor", "long_factor", "original_max_position_embeddings", "max_position_embeddings"):
+            np.testing.assert_allclose(got.rope_scaling[key], want.rope_scaling[key], rtol=1e-7)
+        from plait.runtime.models.llama import cos_sin_cache
+
+        torch.testing.assert_close(cos_sin_cache(got.head_dim, 256, got.rope_theta, got.rope_scaling),
+                                   cos_sin_cache(want.head_dim, 256, want.rope_theta, want.rope_scaling),
+                                   atol=1e-6, rtol=0)
+    weights = dict(source.iter_weights())
+    state = _folder_state(phi3.folder)
+    assert weights.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+@pytest.mark.parametrize("phi3", ["rope"], indirect=True)
+def test_phi3_gguf_metadata_window_and_partial_rotary(phi3, tmp_path):
+    windowed = write_phi3_gguf(phi3.folder, tmp_path / "window.gguf", sliding_window=47)
+    assert resolve_model(str(windowed)).load_config().sliding_window == 47
+    partial = write_phi3_gguf(phi3.folder, tmp_path / "partial.gguf", rope_dims=12)
+    with pytest.raises(ValueError, match="rope.dimension_count=12"):
+        resolve_model(str(partial)).load_config()
+
+
+@pytest.mark.parametrize("phi3", ["longrope"], indirect=True)
+def test_phi3_gguf_matches_hf(phi3, tmp_path):
+    """The engine on the GGUF against transformers on the folder, fresh and cached; the
+    longrope model only (it has all the GGUF mapping: fused tensors and rope metadata;
+    the engine's GGUF tokenizer costs seconds to build)."""
+    path = write_phi3_gguf(phi3.folder, tmp_path / "phi3.gguf", tokenizer=True)
+    refs = FamilyRefs(path, phi3.prompts, phi3.greedy, phi3.logprobs, phi3.retract_greedy)
+    check_fresh_and_cached(refs, chunked_prefill_size=7, page_size=1)

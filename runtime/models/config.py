@@ -33,7 +33,7 @@ GGUF_ARCHITECTURES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma3": "gemma3",
-    # NOTE: not phi3 yet (llama.cpp fuses attn_qkv and stores longrope as rope_factors_* tensors)
+    "phi3": "phi3",
     "qwen3moe": "qwen3_moe",
     "qwen2moe": "qwen2_moe",
 }
