@@ -51,6 +51,9 @@ TYPE_KEYWORDS: dict[str, frozenset[str]] = {
 }
 COMBINATORS = frozenset({"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"})
 KNOWN = COMBINATORS | frozenset().union(*TYPE_KEYWORDS.values())
+# validation keywords handled case by case (enforced in some forms, refused by name in others)
+_OTHER_VALIDATION = frozenset({"not", "multipleOf", "patternProperties", "propertyNames", "minProperties",
+                               "maxProperties", "dependentRequired", "dependencies"})
 WHY_NOT = {
     "uniqueItems": "a regex cannot keep array items distinct (allowed when the items are an enum or const of "
                    "scalars, booleans or null, or with maxItems <= 1)",
@@ -217,6 +220,54 @@ def check_whitespace(pattern: Any) -> str:
     return pattern
 
 
+def exclusive_one_of(schema: Any) -> Any:
+    """A copy of ``schema`` (a parsed document) for a backend that refuses a ``oneOf`` it
+    cannot prove exclusive (llguidance): each ``oneOf`` whose branches plait narrows to
+    exclusive ones by type alone (the other narrowings are plait-internal marks) is
+    replaced by the ``anyOf`` of the narrowed branches, an equivalent constraint for
+    those (values two branches admit were dropped from both). Other ``oneOf``s are left
+    as they are; anything the narrowing cannot read leaves that ``oneOf`` untouched."""
+    if not isinstance(schema, dict):
+        return schema
+    t = _Translator(schema, "")
+    seen = [0]
+
+    def walk(s: Any, depth: int) -> Any:
+        seen[0] += 1
+        if not isinstance(s, dict) or depth > MAX_SCHEMA_DEPTH or seen[0] > MAX_SCHEMA_EXPANSION:
+            return s
+        out = {k: walk_value(k, v, depth) for k, v in s.items()}
+        branches = out.get("oneOf")
+        if isinstance(branches, list) and branches:
+            rest = {k: v for k, v in out.items() if k != "oneOf"}
+            try:
+                merged = []
+                for sub in branches:
+                    try:
+                        merged.append(t.merge([sub, rest], "#") if set(rest) - ANNOTATIONS else sub)
+                    except _NoValue:
+                        continue
+                narrowed = t.exclusive(merged, "#") if merged else []
+            except (SchemaError, RecursionError):
+                return out
+            if narrowed and not any(isinstance(b, dict) and any(k.startswith(_INTERNAL) for k in b) for b in narrowed):
+                return {**{k: v for k, v in rest.items() if k in ANNOTATIONS or k in ("$defs", "definitions")},
+                        "anyOf": narrowed}
+        return out
+
+    def walk_value(k: str, v: Any, depth: int) -> Any:
+        if k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") and isinstance(v, dict):
+            return {n: walk(x, depth + 1) for n, x in v.items()}
+        if k in ("allOf", "anyOf", "oneOf", "prefixItems", "items") and isinstance(v, list):
+            return [walk(x, depth + 1) for x in v]
+        if k in ("items", "additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if",
+                 "then", "else") and isinstance(v, dict):
+            return walk(v, depth + 1)
+        return v
+
+    return walk(schema, 0)
+
+
 class _Translator:
     def __init__(self, root: Any, ws: str) -> None:
         self.root = root
@@ -244,7 +295,8 @@ class _Translator:
         if not isinstance(s, dict):
             raise SchemaError(f"json_schema at {path} must be an object or a boolean, got {type(s).__name__}")
         self.check_keywords(s, path)
-        if "not" in s:  # only `not: {type: ...}` passes check_keywords
+        s = _lift_not(s)
+        if "not" in s:  # only `not: {type: ...}` is left (check_keywords refused the rest)
             s = self.without_types(s, _type_negation(s["not"]) or set(), path)
         if "$ref" in s:
             return self.ref(s, path)
@@ -256,6 +308,8 @@ class _Translator:
         if "enum" in s or "const" in s:
             return self.enum(s, path)
         types = self.types(s, path)
+        if types is None and (_FORBID in s or _NEED_ONE_OF in s):
+            types = [t for t in TYPE_KEYWORDS if t != "integer"]  # objects are narrowed: each type on its own
         if types is None:
             return self.any(ANY_DEPTH, path)
         return _alt([self.typed(s, t, path) for t in types])
@@ -268,7 +322,7 @@ class _Translator:
                 continue
             if k == "multipleOf" and _multiple_of_supported(s):
                 continue
-            if k == "not" and _type_negation(s[k]) is not None:
+            if k == "not" and (_type_negation(s[k]) is not None or _not_required(s[k]) is not None):
                 continue
             if k in ("dependentRequired", "dependencies") and _required_deps(s) is not None:
                 continue
@@ -376,7 +430,7 @@ class _Translator:
             elif "allOf" in sub:
                 todo[:0] = self.all_of(sub, path)
             else:
-                flat.append(sub)
+                flat.append(_lift_not(sub))
         for sub in flat:
             for k, v in sub.items():
                 if k in ANNOTATIONS:
@@ -395,7 +449,7 @@ class _Translator:
                     b = set(v if isinstance(v, list) else [v])
                     both = (a & b) | ({"integer"} if ("number" in a and "integer" in b) or ("integer" in a and "number" in b) else set())
                     if not both:
-                        raise SchemaError(f"json_schema 'allOf' at {path}: types {sorted(a)} and {sorted(b)} exclude each other")
+                        raise _NoValue(f"json_schema 'allOf' at {path}: types {sorted(a)} and {sorted(b)} exclude each other")
                     out[k] = sorted(both)
                 elif k in ("minimum", "minLength", "minItems", "exclusiveMinimum") and _is_num(v) and _is_num(out[k]):
                     out[k] = max(out[k], v)
@@ -403,9 +457,20 @@ class _Translator:
                     out[k] = min(out[k], v)
                 elif k == "enum" and isinstance(v, list):
                     out[k] = [x for x in out[k] if any(_json_equal(x, y) for y in v)]
-                elif k == _FORBID:
+                elif k in (_FORBID, _NEED_ONE_OF):
                     out[k] = [*out[k], *v]
-                elif out[k] != v:
+                elif out[k] == v or not _validates(k):
+                    continue  # the same value, or an unknown keyword (an annotation: it does not constrain)
+                elif k in ("items", "additionalProperties", "additionalItems", "propertyNames") and (
+                        isinstance(v, (dict, bool)) and isinstance(out[k], (dict, bool))):
+                    # each item (or other key) must satisfy both schemas
+                    out[k] = (False if out[k] is False or v is False else v if out[k] is True
+                              else out[k] if v is True else {"allOf": [out[k], v]})
+                elif k == "not" and _type_negation(v) and _type_negation(out[k]):
+                    out[k] = {"type": sorted(_type_negation(v) | _type_negation(out[k]))}
+                elif k == "anyOf" and isinstance(v, list) and isinstance(out[k], list):
+                    out[k] = self.both_any_of(out[k], v, path)
+                else:
                     raise SchemaError(f"json_schema 'allOf' at {path}: conflicting values for {k!r} cannot be merged")
         # a property one part lists is, for a part that does not list it, an additional
         # property: that part's additionalProperties applies to it too
@@ -423,12 +488,36 @@ class _Translator:
             out["properties"] = props
         return out
 
+    def both_any_of(self, a: list[Any], b: list[Any], path: str) -> list[Any]:
+        """Two ``anyOf`` lists that must both hold: one branch of each, merged (pairs
+        that cannot be merged are left out: a subset of the values, still sound)."""
+        if len(a) * len(b) > MAX_ANY_OF_PRODUCT:
+            raise SchemaError(f"json_schema 'allOf' at {path} combines 'anyOf' lists of {len(a)} and {len(b)} "
+                              f"branches; allowed: at most {MAX_ANY_OF_PRODUCT} pairs")
+        out = []
+        for x in a:
+            for y in b:
+                try:
+                    out.append(self.merge([x, y], path))
+                except SchemaError:
+                    continue
+        if not out:
+            raise SchemaError(f"json_schema 'allOf' at {path}: no branch of one 'anyOf' merges with a branch of the other")
+        return out
+
     def alternatives(self, s: dict[str, Any], key: str, path: str) -> str:
         subs = s[key]
         if not isinstance(subs, list) or not subs:
             raise SchemaError(f"json_schema {key!r} at {path} must be a non-empty list")
         rest = {k: v for k, v in s.items() if k != key}
-        schemas = [self.merge([sub, rest], f"{path}/{key}/{i}") if rest else sub for i, sub in enumerate(subs)]
+        schemas = []
+        for i, sub in enumerate(subs):
+            try:
+                schemas.append(self.merge([sub, rest], f"{path}/{key}/{i}") if rest else sub)
+            except _NoValue:  # the branch and the keywords beside it admit no value together
+                continue
+        if not schemas:
+            raise _NoValue(f"json_schema {key!r} at {path}: no branch admits a value with the keywords beside it")
         if key == "oneOf":
             schemas = self.exclusive(schemas, path)
         branches = []
@@ -442,26 +531,94 @@ class _Translator:
         return _alt(branches)
 
     def exclusive(self, schemas: list[Any], path: str) -> list[Any]:
-        """``oneOf`` means exactly one branch: the branches as they are when no value
-        satisfies two of them (by type, finite value sets or a discriminating
-        property), or with the other branches' ``required`` sets forbidden (an object
-        that lacks a name of another branch's ``required`` fails that branch)."""
-        out = [dict(x) if isinstance(x, dict) else x for x in schemas]
-        for i in range(len(out)):
-            for j in range(i + 1, len(out)):
-                if self.disjoint(out[i], out[j], path):
+        """``oneOf`` means exactly one branch. Each branch is narrowed until no value it
+        admits satisfies another branch as written: for each other branch and each kind
+        of JSON value both admit (null, boolean, string, number, object, array), either
+        a proof that no value of that kind satisfies both (distinct types, finite value
+        sets the other branch rejects, a discriminating property, a required name the
+        other's closed object forbids), or, for objects, a narrowing that fails the
+        other branch (it must lack one of the other's ``required`` names, or carry a
+        name the other's closed object does not allow), or the kind is dropped from the
+        branch (values of it satisfy both, so ``oneOf`` refuses them, or no proof was
+        found: dropping is sound, never admitting a value that matches two branches)."""
+        n = len(schemas)
+        kinds = [self.kinds(s, path) for s in schemas]
+        keep = [set(k) for k in kinds]
+        forbid: list[list[list[str]]] = [[] for _ in range(n)]
+        need_one_of: list[list[list[str]]] = [[] for _ in range(n)]  # objects need one name of each list
+        for i in range(n):
+            for j in range(n):
+                if i == j:
                     continue
-                ri, rj = self.object_required(out[i], path), self.object_required(out[j], path)
-                if ri and rj:
-                    out[i][_FORBID] = [*out[i].get(_FORBID, []), rj]
-                    out[j][_FORBID] = [*out[j].get(_FORBID, []), ri]
-                    continue
-                raise SchemaError(
-                    f"json_schema 'oneOf' at {path}: branches {i} and {j} can match the same value, so 'exactly one' "
-                    "cannot be enforced; use 'anyOf', or make the branches exclusive (distinct types, a property with "
-                    "distinct 'const' values, or distinct 'required' sets)"
-                )
+                for kind in sorted(kinds[i] & kinds[j]):
+                    if kind not in keep[i]:
+                        continue
+                    a, b = self.of_kind(schemas[i], kind, path), self.of_kind(schemas[j], kind, path)
+                    if a is None or b is None:
+                        keep[i].discard(kind)
+                    elif self.disjoint(a, b, path):
+                        continue
+                    elif kind == "object" and (narrowed := self.fail_object(a, b, path)) is not None:
+                        (forbid if narrowed[0] == "forbid" else need_one_of)[i].append(narrowed[1])
+                    else:
+                        keep[i].discard(kind)
+        out: list[Any] = []
+        for i, s in enumerate(schemas):
+            if not keep[i]:
+                continue
+            parts: list[Any] = [s]
+            if keep[i] != kinds[i]:
+                parts.append({"type": sorted({t for k in keep[i] for t in _KIND_TYPES[k]})})
+            if forbid[i]:
+                parts.append({_FORBID: forbid[i]})
+            if need_one_of[i]:
+                parts.append({_NEED_ONE_OF: need_one_of[i]})
+            out.append(self.merge(parts, path) if len(parts) > 1 else s)
+        if not out:
+            raise SchemaError(
+                f"json_schema 'oneOf' at {path}: no branch could be proved to exclude the others (every kind of value "
+                "may match two branches), so 'exactly one' cannot be enforced; use 'anyOf', or make the branches "
+                "exclusive (distinct types, a property with distinct 'const' values, or distinct 'required' sets)"
+            )
         return out
+
+    def kinds(self, s: Any, path: str) -> set[str]:
+        """The type groups (null, boolean, string, number, object, array) ``s`` may admit."""
+        atoms = self.atoms(s, path)
+        return {k for k, members in _KIND_ATOMS.items() if members & atoms}
+
+    def of_kind(self, s: Any, kind: str, path: str) -> Any:
+        """``s`` restricted to one type group, merged into one schema (None: no merge)."""
+        if s is True:
+            return {"type": list(_KIND_TYPES[kind])}
+        try:
+            return self.merge([s, {"type": list(_KIND_TYPES[kind])}], path)
+        except SchemaError:
+            return None
+
+    def fail_object(self, a: dict[str, Any], b: dict[str, Any], path: str) -> tuple[str, list[str]] | None:
+        """A narrowing of object schema ``a`` whose objects all fail ``b``: ("forbid",
+        names) — they lack one of ``b``'s required names — or ("need", names) — they
+        carry one of ``a``'s names that ``b``'s closed object does not allow."""
+        req_a = a.get("required", []) if isinstance(a.get("required"), list) else []
+        req_b = b.get("required", []) if isinstance(b.get("required"), list) else []
+        if req_b and all(isinstance(x, str) for x in req_b) and not set(req_b) <= set(req_a):
+            return "forbid", list(req_b)
+        names = self.closed_names(b)
+        props_a = a.get("properties", {})
+        if names is not None and isinstance(props_a, dict) and a.get("additionalProperties", True) is False:
+            extra = [k for k in props_a if k not in names and props_a[k] is not False]
+            if extra and len(extra) <= MAX_NEED_NAMES:
+                return "need", extra
+        return None
+
+    @staticmethod
+    def closed_names(s: dict[str, Any]) -> set[str] | None:
+        """The only names an object of ``s`` may have (None: any name may appear)."""
+        props = s.get("properties", {})
+        if s.get("additionalProperties", True) is not False or s.get("patternProperties") or not isinstance(props, dict):
+            return None
+        return {k for k, v in props.items() if v is not False}
 
     def deref(self, s: Any, path: str) -> Any:
         for _ in range(MAX_REF_DEPTH):
@@ -529,6 +686,9 @@ class _Translator:
         fa, fb = self.finite(a, path), self.finite(b, path)
         if fa is not None and fb is not None and not any(_json_equal(x, y) for x in fa for y in fb):
             return True
+        for values, other in ((fa, b), (fb, a)):  # every listed value fails the other side
+            if values is not None and len(values) <= MAX_UNIQUE_VALUES and all(self.rejects(other, x) for x in values):
+                return True
         da, db = self.deref(a, path), self.deref(b, path)
         if not (isinstance(da, dict) and isinstance(db, dict)):
             return False
@@ -584,6 +744,19 @@ class _Translator:
                 return False
 
         return check
+
+    def rejects(self, s: Any, value: Any) -> bool:
+        """``jsonschema`` says ``value`` fails ``s`` (False when it cannot tell)."""
+        if s is True or not isinstance(s, dict):
+            return s is False
+        if any(isinstance(k, str) and k.startswith(_INTERNAL) for k in s):
+            return False  # narrowed by plait: not what jsonschema reads
+        self.validator(s)  # builds the root validator
+        try:
+            errors = self._validator.evolve(schema=s).iter_errors(value)
+            return next(errors, None) is not None
+        except Exception:  # an unresolvable $ref, an invalid subschema, a recursion: not proved
+            return False
 
     def dump(self, v: Any) -> str:
         return json.dumps(v, ensure_ascii=False, separators=(",", ":"))
@@ -692,6 +865,7 @@ class _Translator:
             raise SchemaError(f"json_schema 'minProperties'/'maxProperties' at {path} are invalid: {lo!r}, {hi!r}")
         deps = _required_deps(s) or {}
         forbids = [set(f) for f in s.get(_FORBID, [])]
+        needs = [set(x) for x in s.get(_NEED_ONE_OF, [])]
         names_ok = None
         if "propertyNames" in s:  # a listed name the schema of names refuses is never written
             pn = s["propertyNames"]
@@ -727,6 +901,9 @@ class _Translator:
                 continue  # an optional property no value satisfies: never written
             fields.append((name, sub))
         if not fields:
+            if needs:
+                raise _NoValue(f"json_schema at {path}: no object carries a name an exclusive 'oneOf' branch needs")
+            self.check_free_forbids(forbids, patterns, extra, hi, path)
             return self.free_object(s, patterns, extra, lo, hi, path)
         sep = ws + "," + ws
         pairs: list[tuple[str, bool]] = []
@@ -741,12 +918,16 @@ class _Translator:
             pairs.append((escape(self.dump(name)) + ws + ":" + ws + value, name in required))
             names.append(name)
         if not pairs:
+            if needs:
+                raise _NoValue(f"json_schema at {path}: no object carries a name an exclusive 'oneOf' branch needs")
             return self.free_object(s, {}, False, lo, hi, path)
         written = set(names)
         forbids = [f for f in forbids if f <= written]  # a set with an unwritten name never appears whole
+        needs = [x & written for x in needs]  # only listed names are written (none of the others appears)
         counting = "minProperties" in s or "maxProperties" in s
-        if counting or deps or forbids:
-            return r"\{" + ws + self.counted_fields(pairs, names, lo, hi, deps, forbids, counting, path) + ws + r"\}"
+        if counting or deps or forbids or needs:
+            body = self.counted_fields(pairs, names, lo, hi, deps, forbids, counting, path, needs)
+            return r"\{" + ws + body + ws + r"\}"
 
         # tail[i]: properties i.. after one was written; lead[i]: properties i.. before
         # any was (a leading optional one is written or skipped), built from the end
@@ -761,6 +942,16 @@ class _Translator:
                 lead[i] = "(?:" + pair + tail[i + 1] + (")?" if not lead[i + 1] else "|" + lead[i + 1] + ")")
             self.check_size(len(lead[i]) // 8, path)  # a runaway guard; schema_to_regex checks the result
         return r"\{" + ws + lead[0] + ws + r"\}"
+
+    @staticmethod
+    def check_free_forbids(forbids: list[set[str]], patterns: dict[str, Any], extra: Any, hi: int | None,
+                           path: str) -> None:
+        """Free-form keys could spell every name of a forbidden set (an exclusive
+        ``oneOf`` branch's narrowing): refused unless the object is always empty."""
+        if forbids and hi != 0 and (patterns or extra is not False):
+            raise SchemaError(f"json_schema at {path}: objects here must lack one of the names "
+                              f"{sorted(sorted(f) for f in forbids)} ('not': {{'required': ...}}, or exclusive 'oneOf' "
+                              "branches), which free-form keys (no listed 'properties') cannot be kept from writing")
 
     def check_size(self, n: int, path: str) -> None:
         """The regex being built stays under MAX_REGEX_CHARS and the wall-time limit."""
@@ -825,14 +1016,16 @@ class _Translator:
         return r"\{" + ws + (body if lo >= 1 else "(?:" + body + ")?") + ws + r"\}"
 
     def counted_fields(self, pairs: list[tuple[str, bool]], names: list[str], lo: int, hi: int | None,
-                       deps: dict[str, list[str]], forbids: list[set[str]], counting: bool, path: str) -> str:
+                       deps: dict[str, list[str]], forbids: list[set[str]], counting: bool, path: str,
+                       needs: list[set[str]] = ()) -> str:
         """The listed properties in order, required ones present, with between ``lo``
         and ``hi`` written in all (min/maxProperties, when ``counting``), every property
-        in ``deps`` written only with the ones it depends on (dependentRequired), and no
-        set of ``forbids`` written whole. Each choice of the optional properties these
+        in ``deps`` written only with the ones it depends on (dependentRequired), no
+        set of ``forbids`` written whole and a name of each of ``needs``. Each choice of the optional properties these
         involve is its own branch, so at most MAX_COUNTED_OPTIONAL of them."""
         sep = self.ws + "," + self.ws
-        involved = set(deps) | {x for v in deps.values() for x in v} | {x for f in forbids for x in f}
+        involved = (set(deps) | {x for v in deps.values() for x in v} | {x for f in forbids for x in f}
+                    | {x for nd in needs for x in nd})
         optional = [i for i, (_, req) in enumerate(pairs) if not req]
         branching = [i for i in optional if counting or names[i] in involved]
         if len(branching) > MAX_COUNTED_OPTIONAL:
@@ -853,7 +1046,8 @@ class _Translator:
             if taken + left_after[i] < need_lo or (need_hi is not None and taken > need_hi):
                 return None
             if i == len(pairs):
-                ok = all(set(deps.get(n, ())) <= present for n in present) and not any(f <= present for f in forbids)
+                ok = (all(set(deps.get(n, ())) <= present for n in present) and not any(f <= present for f in forbids)
+                      and all(nd & present for nd in needs))
                 return "" if ok else None
             pair, req = pairs[i]
             lead = pair if first else sep + pair
@@ -1012,6 +1206,36 @@ def _type_negation(sub: Any) -> set[str] | None:
     return set(ts)
 
 
+def _not_required(sub: Any) -> list[list[str]] | None:
+    """The name sets ``not: sub`` forbids an object to have all of, when ``sub`` is
+    ``{required: [...]}`` (its listed properties unconstrained) or an ``anyOf`` of such
+    (each set forbidden); None for other forms."""
+    if not isinstance(sub, dict):
+        return None
+    keys = set(sub) - ANNOTATIONS
+    if keys == {"anyOf"} and isinstance(sub["anyOf"], list) and sub["anyOf"]:
+        parts = [_not_required(x) for x in sub["anyOf"]]
+        return None if any(p is None for p in parts) else [names for p in parts for names in p]
+    req = sub.get("required")
+    props = sub.get("properties", {})
+    if (keys - {"properties"} != {"required"} or not isinstance(req, list) or not req
+            or not all(isinstance(x, str) for x in req) or not isinstance(props, dict)
+            or not all(v is True or v == {} for v in props.values())):
+        return None
+    return [list(req)]
+
+
+def _lift_not(s: dict[str, Any]) -> dict[str, Any]:
+    """``not: {required: [...]}`` (and an ``anyOf`` of those) as the object's forbidden
+    name sets (values other than objects satisfy it; an object must lack a name of each)."""
+    forbids = _not_required(s.get("not"))
+    if forbids is None:
+        return s
+    out = {k: v for k, v in s.items() if k != "not"}
+    out[_FORBID] = [*out.get(_FORBID, []), *forbids]
+    return out
+
+
 def _required_deps(s: dict[str, Any]) -> dict[str, list[str]] | None:
     """``dependentRequired`` (and draft-7 ``dependencies`` whose values are all name
     lists) as one mapping, or None when absent or in another form."""
@@ -1053,6 +1277,18 @@ def _multiples_regex(k: int) -> str:
 
 
 _FORBID = "\x00forbid"  # name sets the object must not have all of (exclusive oneOf branches)
+_NEED_ONE_OF = "\x00need"  # name lists the object must have one name of (exclusive oneOf branches)
+_KIND_ATOMS = {"null": {"null"}, "boolean": {"boolean"}, "string": {"string"}, "number": {"int", "frac"},
+               "object": {"object"}, "array": {"array"}}
+_KIND_TYPES = {"null": ("null",), "boolean": ("boolean",), "string": ("string",), "number": ("number",),
+               "object": ("object",), "array": ("array",)}
+MAX_NEED_NAMES = 8  # oneOf narrowing: an object must carry one of at most this many names
+MAX_ANY_OF_PRODUCT = 64  # allOf of two anyOf lists: the merged pairs
+
+
+def _validates(keyword: str) -> bool:
+    """``keyword`` is a validation keyword of some draft (else an annotation, ignored)."""
+    return keyword in KNOWN or keyword in WHY_NOT or keyword in _OTHER_VALIDATION or keyword.startswith(_INTERNAL)
 
 
 class _NoValue(SchemaError):
