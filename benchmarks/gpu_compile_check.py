@@ -291,6 +291,22 @@ def run_bitmask(m: ModelShape, dtype: torch.dtype, target: Target) -> object:
     return apply_token_bitmask_inplace(logits, bitmask[:2], torch.tensor([1, 3]))
 
 
+def run_fused_moe(m: ModelShape, dtype: torch.dtype, target: Target) -> object:
+    """The fused-MoE kernels at a decode step's tiles (one token) and a prefill's (64
+    tokens): the model's hidden size, 8 experts of a quarter of its intermediate size,
+    top-2 (weights left uninitialised: nothing runs)."""
+    from plait.kernels.fused_moe import fused_experts
+
+    experts, inter = 8, m.intermediate // 4
+    w_gate_up = torch.empty(experts, 2 * inter, m.hidden, dtype=dtype)
+    w_down = torch.empty(experts, m.hidden, inter, dtype=dtype)
+    for tokens in (1, 64):
+        ids = torch.stack([torch.randperm(experts)[:2] for _ in range(tokens)])
+        out = fused_experts(torch.randn(tokens, m.hidden).to(dtype), w_gate_up, w_down,
+                            torch.rand(tokens, 2).to(dtype), ids)
+    return out
+
+
 CASES = [
     Case("attention backend", run_attention, has_head_dim=True),
     Case("apply_rotary", run_rotary, has_head_dim=True),
@@ -299,6 +315,7 @@ CASES = [
     Case("rmsnorm (q/k norm)", run_qk_norm, has_head_dim=True),
     Case("silu_and_mul", run_silu_and_mul, has_head_dim=False),
     Case("token bitmask", run_bitmask, has_head_dim=False),
+    Case("fused MoE", run_fused_moe, has_head_dim=False),
 ]
 
 

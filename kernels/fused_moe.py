@@ -50,19 +50,22 @@ class MoeLaunch(NamedTuple):
     num_warps: int
 
 
-def moe_launch_settings(num_pairs: int, num_experts: int) -> MoeLaunch:
-    """Tiles for ``num_pairs`` (token, expert) pairs over ``num_experts`` experts.
+def moe_launch_settings(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeLaunch:
+    """Tiles for ``num_pairs`` (token, expert) pairs over ``num_experts`` experts in ``dtype``.
 
     Each used expert pads its rows up to a multiple of ``block_m``; when experts get few
     rows each (decode: ``num_pairs`` around ``num_experts`` or less) the 16-row tile,
     the smallest ``tl.dot`` takes, wastes least, else 64 rows reuse each weight tile
-    more. Under the interpreter the smallest tiles are also the fastest.
+    more (wgmma on sm_90 in 16-bit). From ptxas (benchmarks/gpu_compile_check.py): no
+    spills at 4 warps, except gate_up's two fp32 [64, 64] accumulators beside fp32
+    operand tiles (at 4 and at 8 warps on sm_80), so fp32 halves BLOCK_N. Under
+    the interpreter the smallest tiles are the fastest. Not yet tuned on a GPU.
     """
     if INTERPRET:
         return MoeLaunch(16, 32, 32, 4)
     if num_pairs <= 4 * num_experts:
         return MoeLaunch(16, 64, 64, 4)
-    return MoeLaunch(64, 64, 64, 4)
+    return MoeLaunch(64, 32 if dtype == torch.float32 else 64, 64, 4)
 
 
 class AlignedPairs(NamedTuple):
@@ -108,7 +111,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
 
 
 @jit
-def _gate_up_kernel(
+def _moe_gate_up_kernel(
     X, W, Out, SortedPairs, BlockExpert, NumPadded,
     stride_xt, stride_we, stride_wn, stride_ot,
     num_pairs, top_k, hidden, inter,
@@ -152,7 +155,7 @@ def _gate_up_kernel(
 
 
 @jit
-def _down_kernel(
+def _moe_down_kernel(
     Hid, W, PairWeights, Out, SortedPairs, BlockExpert, NumPadded,
     stride_ht, stride_we, stride_wn, stride_ot,
     num_pairs, inter, hidden,
@@ -203,7 +206,7 @@ def fused_experts(
     out = torch.empty((num_tokens, top_k, hidden), dtype=x.dtype, device=x.device)
     if num_pairs == 0:
         return out.sum(dim=1)
-    launch = launch or moe_launch_settings(num_pairs, num_experts)
+    launch = launch or moe_launch_settings(num_pairs, num_experts, x.dtype)
     aligned = align_pairs(topk_ids, num_experts, launch.block_m)
     x = x.contiguous()
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
@@ -212,14 +215,14 @@ def fused_experts(
     tiles = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
                  num_warps=launch.num_warps, **dot_options(x.dtype))
     hid = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)  # [P, I], by pair
-    _gate_up_kernel[(blocks, triton.cdiv(inter, launch.block_n))](
+    _moe_gate_up_kernel[(blocks, triton.cdiv(inter, launch.block_n))](
         x, w_gate_up, hid, aligned.sorted_pairs, aligned.block_expert, aligned.num_padded,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), hid.stride(0),
         num_pairs, top_k, hidden, inter,
         GELU=gelu, **tiles,
     )
     out_pairs = out.view(num_pairs, hidden)
-    _down_kernel[(blocks, triton.cdiv(hidden, launch.block_n))](
+    _moe_down_kernel[(blocks, triton.cdiv(hidden, launch.block_n))](
         hid, w_down, pair_weights, out_pairs, aligned.sorted_pairs, aligned.block_expert, aligned.num_padded,
         hid.stride(0), w_down.stride(0), w_down.stride(1), out_pairs.stride(0),
         num_pairs, inter, hidden,
