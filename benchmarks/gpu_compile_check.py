@@ -8,7 +8,8 @@ launchers themselves on small CPU tensors of real model shapes (SmolLM2-135M: 9/
 heads of dim 64; Llama-3-8B: 32/8 heads of dim 128; Qwen3-8B: Llama-3-8B's attention
 plus its per-head q/k norm), in bfloat16 and float32: the attention backend's
 ``forward`` (KV store, extend, decode split + merge), RoPE, RMSNorm, fused add-RMSNorm
-and SiLU-and-mul, and the grammar bitmask kernel over each model's vocabulary. The
+and SiLU-and-mul, the fused-MoE kernels, and the grammar bitmask kernel over each
+model's vocabulary. The
 attention case runs a mixed step and a decode-only step over a page table as wide as
 the model's context, as a CUDA graph records it (the decode split count of graph
 bucket 1). Triton's JIT specializes and compiles each launch exactly as on a GPU; a

@@ -14,4 +14,7 @@ Modules (``*_ref`` is the torch reference beside each kernel):
   ``rope_cos_sin_cache`` are plain torch (default / linear / llama3 scaling) and import
   no Triton.
 - ``activation``: SiLU-and-mul over a fused ``[gate | up]`` input.
+- ``fused_moe``: mixture-of-experts experts as two grouped GEMMs over (token, expert)
+  pairs sorted by expert (its reference: the grouped torch path of
+  ``plait.runtime.models.moe``).
 """
