@@ -62,6 +62,9 @@ class EngineConfig:
     hicache_ratio: float = 2.0
     hicache_size: float = 0.0
     hicache_write_policy: str = "write_back"
+    # best_effort (SGLang's name for a prefetch that never delays admission): copy a
+    # waiting request's host-held prefix to the device while it waits; off: at admission
+    hicache_prefetch_policy: str = "best_effort"
     # KV-cache events (plait.runtime.kv_events): a ZMQ PUB socket publishing pages as
     # they enter and leave the prefix cache, in vLLM's format; None: no events.
     kv_events_endpoint: str | None = None
@@ -151,6 +154,8 @@ class EngineConfig:
                  "a number of GiB >= 0 (0: sized by hicache_ratio)")
         _require(self.hicache_write_policy in ("write_back", "write_through"), "hicache_write_policy",
                  self.hicache_write_policy, "write_back, write_through")
+        _require(self.hicache_prefetch_policy in ("best_effort", "off"), "hicache_prefetch_policy",
+                 self.hicache_prefetch_policy, "best_effort, off")
         _require(self.prefix_cache_mode in PREFIX_CACHE_MODES, "prefix_cache_mode", self.prefix_cache_mode,
                  ", ".join(PREFIX_CACHE_MODES))
         _require(self.eviction_policy in EVICTION_POLICIES, "eviction_policy", self.eviction_policy,

@@ -22,7 +22,7 @@ from plait.runtime.cuda_graph import DecodeGraphRunner
 from plait.runtime.eviction import make_policy
 from plait.runtime.fingerprint import tokenizer_fingerprint, weights_fingerprint
 from plait.runtime.hicache import HostTier
-from plait.runtime.kv_events import KVEventPublisher, KVEventSink
+from plait.runtime.kv_events import KVEventPublisher, KVEventSink, tier_media
 from plait.runtime.memory import KVPool, PageAllocator, ReqToToken, kv_pool_budget
 from plait.runtime.model_loader import ModelSource, resolve_model
 from plait.runtime.model_runner import ModelRunner
@@ -95,7 +95,7 @@ class Engine:
         self.req_to_token = ReqToToken(cfg.max_running_requests, self.context_len, self.device)
         self.tier = self._host_tier(num_pages)
         # KV-cache events (plait.runtime.kv_events); dp_rank: this engine's data-parallel replica
-        self.kv_events = KVEventSink(ps, "GPU" if self.device.type == "cuda" else "CPU") if cfg.kv_events_endpoint else None
+        self.kv_events = KVEventSink(ps, tier_media(self.device.type)[0]) if cfg.kv_events_endpoint else None
         self._kv_publisher = KVEventPublisher(cfg.kv_events_endpoint, dp_rank) if cfg.kv_events_endpoint else None
         if cfg.prefix_cache_mode == "block_hash":
             self.cache = BlockHashCache(self.allocator, disable=cfg.disable_radix_cache,
@@ -186,7 +186,8 @@ class Engine:
             pages = int(cfg.hicache_size * 2**30) // per_page
         else:
             pages = int((device_pages - 1) * cfg.hicache_ratio)
-        return HostTier(self.pool, max(pages, 1) + 1, cfg.hicache_write_policy)  # + the reserved page
+        events = KVEventSink(cfg.page_size, tier_media(self.device.type)[1]) if cfg.kv_events_endpoint else None
+        return HostTier(self.pool, max(pages, 1) + 1, cfg.hicache_write_policy, events)  # + the reserved page
 
     def _kv_cache_tokens(self) -> int:
         cfg, mc = self.config, self.model_config
@@ -356,10 +357,11 @@ class Engine:
         return outs
 
     def publish_kv_events(self) -> None:
-        """Send the prefix cache's events since the last call as one batch (when
-        ``kv_events_endpoint`` is set; :meth:`step` and :meth:`flush_cache` call it)."""
+        """Send the prefix cache's events (both tiers') since the last call as one batch
+        (when ``kv_events_endpoint`` is set; :meth:`step` and :meth:`flush_cache` call it)."""
         if self._kv_publisher is not None:
-            self._kv_publisher.publish(self.kv_events.take())
+            host = self.tier.events.take() if self.tier is not None and self.tier.events is not None else []
+            self._kv_publisher.publish(self.kv_events.take() + host)
 
     def _run(self, batch: ScheduleBatch) -> list[Req]:
         """Forward and advance one batch. An exception here fails the batch's requests
@@ -502,6 +504,7 @@ class Engine:
                 self.unpin(pin_id)
         if any(r.cache_salt == cache_salt for r in self.scheduler.running):
             return False
+        self.scheduler.release_prefetches()  # waiting requests' locks (taken again next step)
         self.cache.drop_namespace(cache_salt)
         if self.tier is not None:
             self.tier.tree.drop_namespace(cache_salt)

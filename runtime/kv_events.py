@@ -12,6 +12,10 @@ sink turns them into vLLM's events:
 - ``BlockRemoved``: the hashes of pages that left (eviction, a namespace dropped);
 - ``AllBlocksCleared``: the whole cache was flushed.
 
+``medium`` names the tier holding the page (:func:`tier_media`): the device pool, or
+the host-memory tier (:mod:`plait.runtime.hicache`), whose tree reports its pages to a
+sink of its own, so a page both tiers hold is stored twice, once per medium.
+
 A page's hash is ``h(parent hash, page tokens)``, the first page's parent being the
 request's ``cache_salt``, so two tenants' identical prompts never share a hash. Hashes
 are non-negative 63-bit integers (they fit the signed and unsigned 64-bit integers
@@ -70,6 +74,14 @@ class KVEventBatch(EventBatch):
 
 
 _HASH_MASK = (1 << 63) - 1
+
+
+def tier_media(device_type: str) -> tuple[str, str]:
+    """The ``medium`` of the device pool's events and of the host tier's: vLLM's
+    ``GPU`` and ``CPU`` (its name for KV offloaded to host memory) on CUDA; on a CPU
+    engine the device pool is ``CPU`` and the host tier ``CPU_HOST``, so a subscriber
+    keeping blocks by (medium, hash) tells the two tiers apart."""
+    return ("GPU", "CPU") if device_type == "cuda" else ("CPU", "CPU_HOST")
 
 
 def page_hash(parent: int | None, tokens: Sequence[int], salt: str | None = None) -> int:

@@ -91,6 +91,9 @@ class RadixCache:
         self.on_evict = on_evict
         self._roots: dict[str | None, TreeNode] = {None: self._new_root()}
         self._clock = 0
+        # bumped whenever a cached prefix appears or goes (not on splits or touches): a
+        # match remembered at one version is still exact while the version is unchanged
+        self.version = 0
         self._evictable_pages = 0
         self._locked_pages = 0
         self.queried_tokens = 0
@@ -164,6 +167,7 @@ class RadixCache:
             leaf.start = pos
             node.children[self._child_key(leaf.key)] = leaf
             self._evictable_pages += (n - pos) // ps
+            self.version += 1
             if self.events is not None:
                 self.events.stored(salt, None if node.parent is None else int(node.value[-1]) // ps, leaf.key,
                                    self.allocator.slots_to_pages(leaf.value))
@@ -251,6 +255,7 @@ class RadixCache:
             self.allocator.free(self.allocator.slots_to_pages(node.value))
         self._roots = {None: self._new_root()}
         self._evictable_pages = 0
+        self.version += 1
         if self.events is not None:
             self.events.cleared()
 
@@ -372,6 +377,7 @@ class RadixCache:
             self.events.removed(pages)
         self.allocator.free(pages)
         self._evictable_pages -= len(pages)
+        self.version += 1
         return len(pages)
 
     def held_pages(self) -> list[int]:

@@ -18,7 +18,7 @@ import torch
 
 from plait.runtime.chunking import AUTO, ChunkSizer
 from plait.runtime.config import EngineConfig
-from plait.runtime.hicache import HostTier
+from plait.runtime.hicache import HostLoader, HostTier
 from plait.runtime.memory import PageAllocator, ReqToToken
 from plait.runtime.radix_cache import MatchResult, RadixCache
 from plait.runtime.request import NO_SLOTS, FinishReason, Req, ReqStatus
@@ -74,6 +74,9 @@ class Scheduler:
         self.req_to_token = req_to_token
         self.cache = cache
         self.tier = tier  # host-memory tier under the cache (plait.runtime.hicache), or None
+        # copies host-held prefixes of waiting requests in, at admission and (prefetch) before
+        self.host = (HostLoader(tier, cache, allocator, config.hicache_prefetch_policy == "best_effort")
+                     if tier is not None and not cache.disable else None)
         self.chunks = ChunkSizer(config.itl_target_ms) if config.chunked_prefill_size == AUTO else None
         self.page_size = allocator.page_size
         self.context_len = context_len
@@ -138,6 +141,8 @@ class Scheduler:
                 self._release(r)
             elif r in self.waiting:
                 self.waiting.remove(r)
+                if self.host is not None:
+                    self.host.forget(r)
         r.status = ReqStatus.FINISHED
         r.finish_reason = reason
 
@@ -155,6 +160,8 @@ class Scheduler:
             # retract one (or abort a lone request that can never fit) and try again
             self._retract_one()
             batch = self._schedule_once()
+        if self.host is not None and self.waiting:
+            self.host.prefetch(self.waiting, -(-self._reserved_tokens() // self.page_size))
         return batch
 
     def _schedule_once(self) -> ScheduleBatch | None:
@@ -178,8 +185,7 @@ class Scheduler:
     def _schedule_decodes(self, batch: ScheduleBatch) -> list[Req]:
         while True:
             decodes = [r for r in self.running if r.is_decoding]
-            need = sum(self._pages_needed(r, 1) for r in decodes)
-            if need <= self.allocator.num_free + self.cache.evictable_pages:
+            if self._can_take(sum(self._pages_needed(r, 1) for r in decodes)):
                 break
             self._retract_one()
         for r in decodes:
@@ -213,7 +219,7 @@ class Scheduler:
             if r.is_decoding or budget <= 0:
                 continue
             n = min(r.num_pending, budget)
-            if self._pages_needed(r, n) > self.allocator.num_free + self.cache.evictable_pages:
+            if not self._can_take(self._pages_needed(r, n)):
                 continue  # wait for memory; decodes keep running and finishing
             self._grow(r, n, batch)
             batch.extends.append((r, n))
@@ -221,6 +227,8 @@ class Scheduler:
         return budget
 
     def _admit(self, batch: ScheduleBatch, budget: int) -> None:
+        if self.host is not None:
+            self.host.release_all()  # admission sees the device tree as without prefetch
         if not self.waiting or budget <= 0:
             return
         in_batch = [r for r, _ in batch.extends]
@@ -249,6 +257,8 @@ class Scheduler:
                     continue
             self.waiting.remove(r)
             self._start(r, match)
+            if self.host is not None:
+                self.host.forget(r)  # after _start locked the prefix its prefetch held
             n = min(extend, budget)
             self._grow(r, n, batch)
             batch.extends.append((r, n))
@@ -373,30 +383,15 @@ class Scheduler:
 
     def _load_from_host(self, r: Req, match: MatchResult) -> MatchResult:
         """Where the host tier holds more of ``r``'s prompt than the device cache, copy
-        that part into fresh device pages and cache it there: a longer match, for a copy
-        instead of a prefill. Without pages to spare, the device match as it is."""
-        if self.tier is None or self.cache.disable:
-            return match
-        host = self.tier.match(r.token_ids, r.cache_salt, r.max_prefix_len())
-        k = (host.length - match.length) // self.page_size
-        if k <= 0:
-            return match
-        self.cache.lock(match.node)  # eviction below must not take the device part
-        self.tier.tree.lock(host.node)  # ... nor saving evicted leaves the host part
-        try:
-            if self.allocator.num_free < k:
-                self.cache.evict(k - self.allocator.num_free)
-            pages = self.allocator.alloc(k)
-            if pages is None:
-                return match
-            slots = self.allocator.pages_to_slots(pages)
-            self.tier.load(host.slots[match.length :], slots)
-        finally:
-            self.tier.tree.unlock(host.node)
-            self.cache.unlock(match.node)
-        dup = self.cache.insert(r.token_ids[: host.length], torch.cat([match.slots, slots]), r.cache_salt)
-        self.allocator.free(self.allocator.slots_to_pages(dup))
-        return self.cache.match_prefix(r.token_ids, r.cache_salt, max_len=r.max_prefix_len())
+        that part in (whatever a prefetch has not copied yet) and cache it there: a
+        longer match, for a copy instead of a prefill. Without pages to spare, the
+        device match as it is."""
+        return match if self.host is None else self.host.load(r, match)
+
+    def release_prefetches(self) -> None:
+        """Drop the locks prefetches hold (before a namespace is flushed)."""
+        if self.host is not None:
+            self.host.release_all()
 
     def _start(self, r: Req, match: MatchResult) -> None:
         if not r.admitted_once:
@@ -484,6 +479,14 @@ class Scheduler:
         self.num_retractions += 1
         self.new_token_ratio = self.config.init_new_token_ratio
 
+    def _can_take(self, pages: int) -> bool:
+        """``pages`` can be had from the free list or by eviction; prefetch locks are
+        given up first if that is what it takes."""
+        if pages <= self.allocator.num_free + self.cache.evictable_pages:
+            return True
+        released = self.host is not None and self.host.release_all()
+        return released and pages <= self.allocator.num_free + self.cache.evictable_pages
+
     def _reserved_tokens(self) -> int:
         """Slots running requests are still expected to take (rest of prompt, plus a
         ratio of their remaining output)."""
@@ -527,6 +530,8 @@ class Scheduler:
                                  f"{self.allocator.total_pages - len(set(owners))} pages owned by nobody")
         if self.tier is not None:
             self.tier.check_invariants()
+        if self.host is not None:
+            self.host.check_invariants(self.waiting)
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

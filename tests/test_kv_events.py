@@ -1,6 +1,7 @@
 """KV-cache events: a subscriber that replays what the engine publishes rebuilds exactly
 the set of page prefixes the prefix cache holds — across inserts, evictions, flushes
-(whole and per salt) and salted requests; in process and over a launched server."""
+(whole and per salt) and salted requests; in process and over a launched server; with
+the host-memory tier, per medium: the device pool's and the host tier's."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import zmq
 
 from plait.runtime import Engine
 from plait.runtime.kv_events import (
-    AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, offset_endpoint, page_hash, prefix_hashes,
+    AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, offset_endpoint, page_hash, prefix_hashes, tier_media,
 )
-from plait.runtime.radix_cache import TreeNode
+from plait.runtime.radix_cache import RadixCache, TreeNode
 from plait.runtime.server import launch
 
 PAGE = 4
@@ -24,9 +25,11 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 3}
 
 
 class Replayer:
-    """A SUB socket and the cache contents its events describe: hash -> (parent, tokens)."""
+    """A SUB socket and the cache contents its events describe: hash -> (parent, tokens),
+    of the stores and removals of one ``medium`` (None: any)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, medium: str | None = None) -> None:
+        self.medium = medium
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -49,6 +52,8 @@ class Replayer:
         batch = decode_batch(payload)
         self.ranks.add(batch.data_parallel_rank)
         for e in batch.events:
+            if isinstance(e, (BlockStored, BlockRemoved)) and self.medium is not None and e.medium != self.medium:
+                continue
             if isinstance(e, BlockStored):
                 assert len(e.block_hashes) == 1 and e.block_size == PAGE and len(e.token_ids) == PAGE
                 assert e.block_hashes[0] not in self.blocks
@@ -93,9 +98,9 @@ class Replayer:
         return out
 
 
-def cache_prefixes(engine: Engine) -> set[tuple[int, tuple[int, ...]]]:
-    """The same set from a walk of the engine's radix tree (hashes computed from the
-    tokens, so a wrong parent, salt or token in an event shows up)."""
+def cache_prefixes(tree: RadixCache) -> set[tuple[int, tuple[int, ...]]]:
+    """The same set from a walk of a radix tree (hashes computed from the tokens, so a
+    wrong parent, salt or token in an event shows up)."""
     out = set()
 
     def visit(node: TreeNode, prefix: list[int], salt: str | None) -> None:
@@ -106,7 +111,7 @@ def cache_prefixes(engine: Engine) -> set[tuple[int, tuple[int, ...]]]:
                 out.add((hashes[i], tuple(full[: (i + 1) * PAGE])))
             visit(child, full, salt)
 
-    for salt, root in engine.cache._roots.items():
+    for salt, root in tree._roots.items():
         visit(root, [], salt)
     return out
 
@@ -147,7 +152,7 @@ def test_replayed_events_rebuild_the_cache(tiny_model_factory, tmp_path, mode):
             cached = engine.cache.cached_pages
             assert len(sub.blocks) == cached
             if mode == "radix":
-                assert sub.prefixes() == cache_prefixes(engine)
+                assert sub.prefixes() == cache_prefixes(engine.cache)
             else:  # block_hash: interior blocks may go first; every held block is one event's
                 assert sorted(t for _, t in sub.blocks.values()) == sorted(tuple(b.key) for b in engine.cache._nodes())
 
@@ -183,6 +188,64 @@ def test_replayed_events_rebuild_the_cache(tiny_model_factory, tmp_path, mode):
         assert sub.ranks == {0}
     finally:
         sub.close()
+        engine.shutdown()
+
+
+def test_host_tier_events_carry_their_medium(tiny_model_factory, tmp_path):
+    """With the host-memory tier, pages written to the host are stored, and pages the host
+    evicts removed, under the host tier's medium: a subscriber per medium rebuilds each
+    tier's page prefixes, through write-back evictions, copies back, host evictions and
+    flushes."""
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    engine = Engine(str(tiny_model_factory("llama")), num_threads=1, page_size=PAGE, kv_cache_tokens=96,
+                    max_running_requests=2, kv_events_endpoint=endpoint, enable_hierarchical_cache=True,
+                    hicache_ratio=2.0)
+    device_medium, host_medium = tier_media("cpu")
+    assert device_medium != host_medium and tier_media("cuda") == ("GPU", "CPU")
+    subs = {device_medium: Replayer(endpoint, device_medium), host_medium: Replayer(endpoint, host_medium)}
+    try:
+        for sub in subs.values():
+            sub.sync(engine.flush_cache)
+
+        def check() -> None:
+            for medium, tree in ((device_medium, engine.cache), (host_medium, engine.tier.tree)):
+                subs[medium].catch_up(engine._kv_publisher.sent)
+                assert subs[medium].prefixes() == cache_prefixes(tree)
+                assert len(subs[medium].blocks) == tree.cached_pages
+            engine.check_invariants()
+
+        # 8 prompts of 40 tokens through a 24-page pool: the first ones are written back to
+        # the host, and the host (46 pages) evicts some in turn
+        prompts = [[1000 + 53 * i + j for j in range(40)] for i in range(8)]
+        for p in prompts:
+            engine.generate(input_ids=p, sampling_params=GREEDY)
+        check()
+        assert engine.tier.tree.evicted_tokens > 0
+        host_hashes = set(subs[host_medium].blocks)
+        assert prefix_hashes(prompts[-3], PAGE)[0] in host_hashes  # the same hash the device had
+        # the latest ones again: copied back from the host, stored on the device again
+        loaded = engine.tier.loaded_tokens
+        for p in prompts[-3:]:
+            engine.generate(input_ids=p, sampling_params=GREEDY)
+        assert engine.tier.loaded_tokens > loaded
+        check()
+        assert set(subs[device_medium].blocks) & set(subs[host_medium].blocks)  # pages in both tiers
+        # a salted namespace in both tiers, flushed from both
+        engine.generate(input_ids=prompts[0], sampling_params=GREEDY, cache_salt="tenant-a")
+        for p in prompts[4:]:  # pushes tenant-a's prompt to the host
+            engine.generate(input_ids=p, sampling_params=GREEDY)
+        check()
+        salted = prefix_hashes(prompts[0], PAGE, "tenant-a")[0]
+        assert salted in subs[host_medium].blocks
+        assert engine.flush_cache("tenant-a")
+        check()
+        assert salted not in subs[host_medium].blocks and salted not in subs[device_medium].blocks
+        assert engine.flush_cache()
+        check()
+        assert not subs[device_medium].blocks and not subs[host_medium].blocks
+    finally:
+        for sub in subs.values():
+            sub.close()
         engine.shutdown()
 
 

@@ -39,6 +39,8 @@ ENGINE_HELP: dict[str, str] = {
     "hicache_ratio": "host pool size as a multiple of the device KV pool",
     "hicache_size": "host pool size in GiB (0: sized by --hicache-ratio)",
     "hicache_write_policy": "write_back (copy to the host when evicted) or write_through (when cached)",
+    "hicache_prefetch_policy": "best_effort (copy a waiting request's host-held prefix to the device while it "
+                               "waits, a bounded number of pages per step) or off (copy at admission only)",
     "eviction_policy": "prefix cache eviction: lru (least recently used), lfu (least reused) or cost "
                        "(lowest recency-decayed reuse x recompute cost)",
     "context_length": "cap the context length below the model's own",
