@@ -84,6 +84,21 @@ CASES = [
                 {"items": {"minimum": 0}, "x-kind": "b"}]}, [[0, 3]], [[-1], ["s"]]),
     ({"allOf": [{"anyOf": [{"type": "integer"}, {"type": "string"}]},
                 {"anyOf": [{"type": "string", "maxLength": 2}, {"type": "boolean"}]}]}, ["ab"], [1, True, "abc"]),
+    # if/then/else on one property with listed values: the values that fail 'if' are the
+    # others of the list beside it (objects without the property satisfy an 'if' that
+    # does not require it)
+    ({"type": "object", "properties": {"kind": {"enum": ["a", "b", "c"]}, "n": {"type": "integer"}},
+      "if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["n"]},
+      "else": {"properties": {"n": {"maximum": 0}}}},
+     [{"kind": "a", "n": 5}, {"kind": "b", "n": -1}, {"kind": "c"}, {"n": 3}], [{"kind": "a"}, {"kind": "b", "n": 1}, {}]),
+    ({"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "n": {"type": "integer"}}, "required": ["kind"],
+      "allOf": [{"if": {"properties": {"kind": {"const": "a"}}}, "then": {"properties": {"n": {"minimum": 10}}}},
+                {"if": {"properties": {"kind": {"const": "b"}}}, "then": {"properties": {"n": {"maximum": -10}}}}]},
+     [{"kind": "a", "n": 10}, {"kind": "b", "n": -10}, {"kind": "a"}], [{"kind": "a", "n": 0}, {"kind": "b", "n": 0}]),
+    ({"type": "object", "properties": {"t": {"enum": [1, 2]}, "x": {"type": "string"}},
+      "if": {"properties": {"t": {"const": 1}}, "required": ["t"]}, "then": {"required": ["x"]},
+      "else": {"properties": {"x": {"maxLength": 1}}}},
+     [{"t": 1, "x": "long"}, {"t": 2, "x": "s"}, {"x": "s"}, {}], [{"t": 1}, {"x": "long"}, {"t": 2, "x": "ab"}]),
     # a branch whose type excludes the keywords beside it admits nothing: left out
     ({"type": "object", "properties": {"k": {"type": "integer"}}, "oneOf": [{"type": "string"}, {"required": ["k"]}]},
      [{"k": 1}], [{}, "s"]),
@@ -155,12 +170,16 @@ def test_unsatisfiable_branches_and_properties_are_left_out():
          "patternProperties"),
         # b's additionalProperties: false forbids a, which allOf requires
         ({"definitions": {"b": {"type": "object", "properties": {"b": {}}, "additionalProperties": False}},
-          "allOf": [{"required": ["a"], "properties": {"a": {}}}, {"$ref": "#/definitions/b"}]}, "#/properties/a"),
+          "allOf": [{"required": ["a"], "properties": {"a": {}}}, {"$ref": "#/definitions/b"}]}, "requires 'a'"),
         ({"type": "string", "pattern": "^(a|bb)+$", "maxLength": 3}, "pattern"),
         ({"type": "string", "pattern": "^(?i)abc$"}, "pattern"),
         ({"type": "string", "pattern": "^a(?=b)"}, "pattern"),
         ({"type": "string", "pattern": "a^b"}, "pattern"),
         ({"type": "string", "pattern": "^[a-z]+$", "format": "date"}, "format"),
+        # 'if' on a property whose values the schema beside it does not list
+        ({"type": "object", "properties": {"k": {"type": "string"}}, "if": {"properties": {"k": {"const": "a"}}},
+          "then": {"required": ["k"]}}, "'if'"),
+        ({"type": "object", "if": {"minProperties": 1}, "then": {"required": ["k"]}}, "'if'"),
         ({"type": "string", "format": "date", "maxLength": 5}, "format"),
         ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "uniqueItems"),
         ({"type": "array", "items": {"enum": [{"a": 1}, {"a": 2}]}, "uniqueItems": True}, "uniqueItems"),

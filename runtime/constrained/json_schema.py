@@ -59,9 +59,8 @@ WHY_NOT = {
                    "scalars, booleans or null, or with maxItems <= 1)",
     "multipleOf": "divisibility cannot be enforced by the regex",
     "not": "negated schemas cannot be enforced",
-    "if": "conditional schemas cannot be enforced",
-    "then": "conditional schemas cannot be enforced",
-    "else": "conditional schemas cannot be enforced",
+    "if": "conditional schemas cannot be enforced (supported: 'if' on one property with listed values, which the "
+          "schema beside it also lists)",
     "dependentRequired": "dependencies between properties cannot be enforced",
     "dependentSchemas": "dependencies between properties cannot be enforced",
     "dependencies": "dependencies between properties cannot be enforced",
@@ -298,6 +297,10 @@ class _Translator:
         s = _lift_not(s)
         if "not" in s:  # only `not: {type: ...}` is left (check_keywords refused the rest)
             s = self.without_types(s, _type_negation(s["not"]) or set(), path)
+        if "if" in s:
+            return self.value({"anyOf": self.conditional(s, path)}, path)
+        if "then" in s or "else" in s:  # without 'if' they do nothing
+            s = {k: v for k, v in s.items() if k not in ("then", "else")}
         if "$ref" in s:
             return self.ref(s, path)
         if "allOf" in s:
@@ -329,6 +332,8 @@ class _Translator:
             if k == "uniqueItems" and self.unique_domain(s, path) is not None:
                 continue
             if k in ("patternProperties", "propertyNames"):  # object(): enforced or refused there
+                continue
+            if k in ("if", "then", "else"):  # conditional(): enforced or refused there; then/else alone do nothing
                 continue
             if k in WHY_NOT:
                 raise SchemaError(f"json_schema keyword {k!r} at {path} is not supported: {WHY_NOT[k]}")
@@ -415,6 +420,7 @@ class _Translator:
         """One schema equivalent to all of ``subs`` (allOf), or ``SchemaError``."""
         out: dict[str, Any] = {}
         flat: list[Any] = []
+        conds: list[dict[str, Any]] = []
         todo = list(subs)
         while todo:
             sub = todo.pop(0)
@@ -422,13 +428,17 @@ class _Translator:
                 raise SchemaError(f"json_schema 'allOf' at {path} expands to more than {MAX_SCHEMA_EXPANSION} schemas")
             if sub is True:
                 continue
-            if sub is False or not isinstance(sub, dict):
+            if sub is False:
+                raise _NoValue(f"json_schema 'allOf' at {path} contains false: no value can satisfy it")
+            if not isinstance(sub, dict):
                 raise SchemaError(f"json_schema 'allOf' at {path} contains {sub!r}: no value can satisfy it")
             if "$ref" in sub:  # the target and the keywords beside it, all of them
                 rest = {k: v for k, v in sub.items() if k != "$ref"}
                 todo[:0] = [self.resolve(sub["$ref"], path)] + ([rest] if set(rest) - ANNOTATIONS else [])
             elif "allOf" in sub:
                 todo[:0] = self.all_of(sub, path)
+            elif "if" in sub:  # applied to the merge of the others, below
+                conds.append(sub)
             else:
                 flat.append(_lift_not(sub))
         for sub in flat:
@@ -440,7 +450,17 @@ class _Translator:
                 elif k == "properties":
                     props = dict(out[k])
                     for name, ps in v.items():
-                        props[name] = ps if name not in props or props[name] == ps else {"allOf": [props[name], ps]}
+                        if name not in props or props[name] == ps:
+                            props[name] = ps
+                            continue
+                        if props[name] is False or ps is False:
+                            props[name] = False
+                            continue
+                        fa, fb = self.finite(props[name], path), self.finite(ps, path)
+                        if fa is not None and fb is not None and not any(_json_equal(x, y) for x in fa for y in fb):
+                            props[name] = False  # no value satisfies both: the property cannot be present
+                        else:
+                            props[name] = {"allOf": [props[name], ps]}
                     out[k] = props
                 elif k == "required":
                     out[k] = list(dict.fromkeys([*out[k], *v]))
@@ -457,10 +477,14 @@ class _Translator:
                     out[k] = min(out[k], v)
                 elif k == "enum" and isinstance(v, list):
                     out[k] = [x for x in out[k] if any(_json_equal(x, y) for y in v)]
+                    if not out[k]:
+                        raise _NoValue(f"json_schema 'allOf' at {path}: the 'enum' lists have no value in common")
                 elif k in (_FORBID, _NEED_ONE_OF):
                     out[k] = [*out[k], *v]
                 elif out[k] == v or not _validates(k):
                     continue  # the same value, or an unknown keyword (an annotation: it does not constrain)
+                elif k == "const" and not _json_equal(out[k], v):
+                    raise _NoValue(f"json_schema 'allOf' at {path}: 'const' {out[k]!r} and {v!r} differ")
                 elif k in ("items", "additionalProperties", "additionalItems", "propertyNames") and (
                         isinstance(v, (dict, bool)) and isinstance(out[k], (dict, bool))):
                     # each item (or other key) must satisfy both schemas
@@ -486,6 +510,94 @@ class _Translator:
                     if name not in own and not any(_search(p, name) for p in sub.get("patternProperties", {})):
                         props[name] = extra if extra is False else {"allOf": [props[name], extra]}
             out["properties"] = props
+            required = out.get("required", [])
+            for name in required if isinstance(required, list) else []:
+                if props.get(name) is False:
+                    raise _NoValue(f"json_schema 'allOf' at {path} requires {name!r}, which no value satisfies (another "
+                                   "part's additionalProperties: false, or values that conflict)")
+        if not conds:
+            return out
+        cases = [out]  # each 'if' splits every case in two: its then-case and its else-case
+        for cond in conds:
+            split = []
+            for case in cases:
+                try:
+                    split.extend(self.conditional({**cond, "allOf": [case, {k: v for k, v in cond.items()
+                                                                          if k not in ("if", "then", "else")}]}, path))
+                except _NoValue:
+                    continue
+            if len(split) > MAX_ANY_OF_PRODUCT:
+                raise SchemaError(f"json_schema 'if' at {path}: the conditions of one 'allOf' split into more than "
+                                  f"{MAX_ANY_OF_PRODUCT} cases")
+            cases = split
+        if not cases:
+            raise _NoValue(f"json_schema 'allOf' at {path}: no value satisfies its conditions")
+        return cases[0] if len(cases) == 1 else {"anyOf": cases}
+
+    def conditional(self, s: dict[str, Any], path: str) -> list[Any]:
+        """``if``/``then``/``else`` as alternatives: the values of ``s`` that satisfy
+        ``if`` and ``then``, and those that fail ``if`` and satisfy ``else``. Failing
+        ``if`` is written out for its common form: one property with listed values
+        (``if: {properties: {p: {const: ...}}}``, optionally ``required: [p]`` and
+        ``type: object``) where the schema beside it lists ``p``'s values too — the
+        others of that list are the ones that fail it (decided by ``jsonschema``; a
+        value it cannot decide is left out of both, which is sound)."""
+        cond, then, other = s["if"], s.get("then", True), s.get("else", True)
+        where = f"{path}/if"
+        rest = self.merge([{k: v for k, v in s.items() if k not in ("if", "then", "else")}], where)
+        if "anyOf" in rest and "if" not in rest:  # cases of earlier conditions: each split on its own
+            others = {k: v for k, v in rest.items() if k != "anyOf"}
+            out = []
+            for case in rest["anyOf"]:
+                try:
+                    out.extend(self.conditional({"if": cond, "then": then, "else": other,
+                                                 "allOf": [case, others] if others else [case]}, path))
+                except _NoValue:
+                    continue
+            if not out:
+                raise _NoValue(f"json_schema 'if' at {path}: no value satisfies either case")
+            return out
+        if cond is True or cond is False:
+            negations: list[Any] = [] if cond is True else [True]
+            positive = [] if cond is False else [[cond, then]]
+        else:
+            positive = [[cond, then]]
+            negations = self.failing(cond, rest, where)
+        branches = []
+        for parts in [*positive, *[[n, other] for n in negations]]:
+            try:
+                branches.append(self.merge([rest, *parts], where))
+            except _NoValue:
+                continue
+        if not branches:
+            raise _NoValue(f"json_schema 'if' at {path}: no value satisfies either case")
+        return branches
+
+    def failing(self, cond: Any, rest: dict[str, Any], where: str) -> list[Any]:
+        """Schemas whose values (within ``rest``) are exactly those failing ``cond``."""
+        refuse = SchemaError(f"json_schema keyword 'if' at {where} is not supported: {WHY_NOT['if']}")
+        if not isinstance(cond, dict):
+            raise refuse
+        keys = set(cond) - ANNOTATIONS
+        props = cond.get("properties")
+        if not keys <= {"properties", "required", "type"} or not isinstance(props, dict) or len(props) != 1:
+            raise refuse
+        (name, want), = props.items()
+        required = cond.get("required", [])
+        if required not in ([], [name]) or cond.get("type", "object") != "object":
+            raise refuse
+        base = rest.get("properties", {}).get(name) if isinstance(rest.get("properties"), dict) else None
+        values = [] if base is False else self.finite(base, where) if base is not None else None
+        if values is None:
+            raise refuse
+        failing = [x for x in values if self.rejects(want, x)]
+        out: list[Any] = []
+        if failing:
+            out.append({"type": "object", "required": [name], "properties": {name: {"enum": failing}}})
+        if required:  # an object without the property fails 'if' too
+            out.append({"type": "object", _FORBID: [[name]]})
+        if "type" in cond:  # values that are not objects fail 'if'
+            out.append({"type": [t for t in TYPE_KEYWORDS if t not in ("object", "integer")]})
         return out
 
     def both_any_of(self, a: list[Any], b: list[Any], path: str) -> list[Any]:
@@ -665,10 +777,12 @@ class _Translator:
         if isinstance(s, dict) and ("enum" in s or "const" in s):
             return [s["const"]] if "const" in s else s["enum"] if isinstance(s["enum"], list) else None
         if isinstance(s, dict) and isinstance(s.get("allOf"), list):
+            found: list[Any] | None = None  # the values every listing part allows
             for sub in s["allOf"]:
-                found = self.finite(sub, path)
-                if found is not None:
-                    return found
+                values = self.finite(sub, path)
+                if values is not None:
+                    found = values if found is None else [x for x in found if any(_json_equal(x, y) for y in values)]
+            return found
         return None
 
     def object_required(self, s: Any, path: str) -> list[str] | None:
@@ -707,7 +821,7 @@ class _Translator:
             raise SchemaError(f"json_schema 'enum' at {path} must be a non-empty list")
         values = self.finite_values(s, path)
         if not values:
-            raise SchemaError(f"json_schema 'enum' at {path}: no value satisfies the schema")
+            raise _NoValue(f"json_schema 'enum' at {path}: no value satisfies the schema")
         return _alt([escape(self.dump(v)) for v in values])
 
     def finite_values(self, s: dict[str, Any], path: str) -> list[Any]:
@@ -899,6 +1013,8 @@ class _Translator:
             sub = value_schema(name, own)
             if sub is False and name not in required:
                 continue  # an optional property no value satisfies: never written
+            if sub is False:
+                raise _NoValue(f"json_schema at {path} requires {name!r}, which no value satisfies")
             fields.append((name, sub))
         if not fields:
             if needs:
@@ -1283,7 +1399,7 @@ _KIND_ATOMS = {"null": {"null"}, "boolean": {"boolean"}, "string": {"string"}, "
 _KIND_TYPES = {"null": ("null",), "boolean": ("boolean",), "string": ("string",), "number": ("number",),
                "object": ("object",), "array": ("array",)}
 MAX_NEED_NAMES = 8  # oneOf narrowing: an object must carry one of at most this many names
-MAX_ANY_OF_PRODUCT = 64  # allOf of two anyOf lists: the merged pairs
+MAX_ANY_OF_PRODUCT = 256  # allOf of two anyOf lists: the merged pairs
 
 
 def _validates(keyword: str) -> bool:
