@@ -514,3 +514,22 @@ def test_language_gen_passes_ebnf_and_grammar_backend():
         gen("x", ebnf=ARITHMETIC_GBNF, regex="a")
     with pytest.raises(ValueError, match="grammar_backend"):
         gen("x", ebnf=ARITHMETIC_GBNF, grammar_backend="xgrammar")
+
+
+def test_llguidance_takes_oneof_branches_narrowed_by_type(grammars, vocab):
+    """llguidance refuses a oneOf it cannot prove exclusive; branches that plait narrows
+    by type alone reach it as an anyOf of the narrowed branches: null satisfies both
+    branches below, so oneOf refuses it, and strings and numbers satisfy one each."""
+    schema = {"type": "object", "properties": {"q": {"oneOf": [{"type": ["string", "null"]},
+                                                              {"type": ["number", "null"]}]}},
+              "required": ["q"]}
+    m = new_matcher(grammars, {"json_schema": schema, "grammar_backend": "llguidance"})
+    assert admits(m, vocab, '{"q":"1Gi"}')
+    m = new_matcher(grammars, {"json_schema": schema, "grammar_backend": "llguidance"})
+    assert admits(m, vocab, '{"q":2.5}')
+    m = new_matcher(grammars, {"json_schema": schema, "grammar_backend": "llguidance"})
+    assert not admits(m, vocab, '{"q":null}')
+    for seed in range(5):
+        m = new_matcher(grammars, {"json_schema": schema, "grammar_backend": "llguidance"})
+        out = random_output(m, vocab, seed)
+        assert out is not None and jsonschema.Draft202012Validator(schema).is_valid(json.loads(out))

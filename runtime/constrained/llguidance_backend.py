@@ -211,7 +211,7 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
     ``ValueError`` naming the keyword (and its location) at fault."""
     from llguidance import LLMatcher
 
-    from plait.runtime.constrained.json_schema import check_schema_size, check_whitespace
+    from plait.runtime.constrained.json_schema import check_schema_size, check_whitespace, exclusive_one_of
 
     text = schema if isinstance(schema, str) else json.dumps(schema)
     _check_size(text, "the schema's JSON text")
@@ -222,8 +222,9 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
     if not isinstance(value, (dict, bool)):
         raise ValueError("it must be a JSON object (or true/false)")
     check_schema_size(value)
+    value = exclusive_one_of(value)
     check_schema_for_llguidance(value)
-    text = json.dumps(close_objects(value, open_defs='"allOf"' in text))
+    text = json.dumps(close_objects(value, open_defs='"allOf"' in json.dumps(value)))
     options: dict[str, Any] = {"whitespace_flexible": False, "lenient": False}
     if whitespace_pattern is not None:
         options["whitespace_pattern"] = check_whitespace(whitespace_pattern)
