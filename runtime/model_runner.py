@@ -138,7 +138,10 @@ class ModelRunner:
         rows = lp_rows + next_rows + verify_rows + sample_rows
         if not rows and graph_logits is None:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
+        if rows == list(range(hidden.shape[0])):  # every row, in order (a decode-only step): no gather
+            logits = self.model.compute_logits(hidden)
+        else:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
         if graph_logits is not None:  # the decode rows come last
             logits = torch.cat([logits, graph_logits])
         if lp_rows:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.kernels.rotary import rope_cos_sin_cache, rotate_ref
+from plait.kernels.rotary import rope_cos_sin_cache
 from plait.runtime.attention.base import AttentionBackend
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.models.config import ModelConfig
@@ -61,12 +61,19 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Torch path: ``x`` [T, heads, dim] (q, k, or both side by side), with cos/sin
-        looked up once per step: every layer passes the same ``positions``."""
+        looked up once per step: every layer passes the same ``positions``.
+
+        :func:`~plait.kernels.rotary.rotate_ref` bit for bit in fewer ops (per layer; at
+        decode the ops' count is the cost): ``x * [cos | cos] + roll(x) * [-sin | sin]``,
+        the same products summed in the same order (``a - b`` is ``a + (-b)`` exactly)."""
         if positions is not self._positions:
             half = x.shape[-1] // 2
             cs = self.cos_sin_cache[positions.long()].float()
-            self._positions, self._cos, self._sin = positions, cs[:, None, :half], cs[:, None, half:]
-        return rotate_ref(x, self._cos, self._sin)
+            cos, sin = cs[:, None, :half], cs[:, None, half:]
+            self._positions = positions
+            self._cos, self._sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)  # [T, 1, dim]
+        xf = x.float()
+        return (xf * self._cos + xf.roll(x.shape[-1] // 2, -1) * self._sin).to(x.dtype)
 
 
 def cos_sin_cache(head_dim: int, max_pos: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -124,6 +131,12 @@ class RMSNorm(nn.Module):
         return self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not self.unit_offset \
+                and x.device.type == "cpu":
+            # torch's one-call RMSNorm: on CPU the same ops as the lines below, bit for bit
+            # in float32 (tests/test_decode_fast_paths.py), with one Python dispatch
+            # instead of seven (two norms per layer per step). Not on CUDA: a fused kernel there.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
@@ -154,16 +167,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm or rope.triton_ops:
+            q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : qk_size].view(T, self.num_kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = rope(positions, q, k)
         else:  # q and k are adjacent in the fused output: rotate them as one tensor
-            qk = rope.rotate(positions, qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim))
+            qk = rope.rotate(positions, qkv[:, :qk_size].view(T, -1, self.head_dim))
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         o = attn.forward(q, k, v, self.layer_id, fb, self.sliding_window)  # [T, heads, dim]
         return self.o_proj(o.reshape(T, self.q_size))
