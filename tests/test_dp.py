@@ -111,3 +111,36 @@ def _wait(cond: Any, url: str, seconds: float = 90.0) -> dict[str, Any]:
 
 def _idle(url: str) -> dict[str, Any]:
     return _wait(lambda i: i["running"] == 0 and i["waiting"] == 0 and i["in_flight"] == 0, url)
+
+
+def test_replicas_of_tensor_parallel_engines_serve_what_one_engine_serves(tiny_model_factory):
+    """dp_size x tp_size: two replicas, each two tensor-parallel ranks (four rank
+    processes); greedy outputs equal one plain engine's, and stopping the server leaves
+    no rank behind."""
+    model = str(tiny_model_factory("llama"))
+    body = {"text": PROMPTS[:4], "sampling_params": GREEDY}
+    with launch(model, **OPTS) as one:
+        want = httpx.post(one.url + "/generate", json=body, timeout=120)
+    with launch(model, dp_size=2, tp_size=2, **OPTS) as both:
+        info = httpx.get(both.url + "/server_info", timeout=10).json()
+        assert info["dp_size"] == 2 and info["tp_size"] == 2
+        got = httpx.post(both.url + "/generate", json=body, timeout=120)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            singles = list(pool.map(lambda p: httpx.post(both.url + "/generate", timeout=120,
+                                                         json={"text": p, "sampling_params": GREEDY}), PROMPTS[:4]))
+        pids = list(both.engine_pids)
+    assert got.status_code == want.status_code == 200, got.text
+    assert [o["output_ids"] for o in got.json()] == [o["output_ids"] for o in want.json()]
+    assert [r.json()["output_ids"] for r in singles] == [o["output_ids"] for o in want.json()]
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

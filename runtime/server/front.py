@@ -355,6 +355,7 @@ class Front:
             engine_state=state,
             last_engine_error="; ".join(r.last_error for r in self.replicas if r.last_error),
             dp_size=len(self.replicas),
+            tp_size=self.args.engine.tp_size,
             engine_pids=[r.proc.pid for r in self.replicas],
             replicas=replicas,
             **chat_template_info(self.tokenizer),
