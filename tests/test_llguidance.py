@@ -368,8 +368,6 @@ def test_auto_picks_a_backend_per_constraint():
       "grammar_backend": "llguidance"}, "json_schema", "patternProperties"),
     ({"json_schema": {"type": "object", "patternProperties": {".*": {"type": "integer"}, "^a": {"minimum": 3}}},
       "grammar_backend": "llguidance"}, "json_schema", "patternProperties"),
-    ({"json_schema": {"type": "object", "properties": {"ab": {}}, "patternProperties": {"^a": {"type": "integer"}}},
-      "grammar_backend": "llguidance"}, "json_schema", "patternProperties"),
     ({"json_schema": {"type": "string", "pattern": "^\\w+$"}, "grammar_backend": "llguidance"}, "json_schema",
      "shorthand class"),
     ({"json_schema": {"properties": {"a": {"required": True}}}, "grammar_backend": "llguidance"}, "json_schema",
@@ -533,3 +531,22 @@ def test_llguidance_takes_oneof_branches_narrowed_by_type(grammars, vocab):
         m = new_matcher(grammars, {"json_schema": schema, "grammar_backend": "llguidance"})
         out = random_output(m, vocab, seed)
         assert out is not None and jsonschema.Draft202012Validator(schema).is_valid(json.loads(out))
+
+
+def test_llguidance_pattern_properties_apply_every_matching_schema(grammars, vocab):
+    """patternProperties on llguidance: a listed property also satisfies each pattern
+    its name contains a match of; other keys get their pattern's schema (patterns no
+    key can match two of), or additionalProperties'."""
+    schema = {"type": "object", "properties": {"ab": {"type": "number"}},
+              "patternProperties": {"^a": {"type": "integer"}, "^z[0-9]$": {"type": "string"}},
+              "additionalProperties": False}
+    good = ['{"ab":1}', '{"ax":2}', '{"z1":"s"}', '{}']
+    bad = ['{"ab":1.5}', '{"ax":"s"}', '{"z1":1}', '{"q":1}', '{"z12":"s"}']
+    for text in good + bad:
+        m = new_matcher(grammars, {"json_schema": schema, "grammar_backend": "llguidance"})
+        assert admits(m, vocab, text) == (text in good), text
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) == (text in good), text
+    for seed in range(8):
+        m = new_matcher(grammars, {"json_schema": schema, "grammar_backend": "llguidance"})
+        out = random_output(m, vocab, seed)
+        assert out is not None and jsonschema.Draft202012Validator(schema).is_valid(json.loads(out)), out

@@ -81,6 +81,32 @@ def _check_pattern(pattern: str, where: str) -> None:
                          "whose set differs between the llguidance backend and JSON Schema's (Python's) regexes")
 
 
+def _check_patterns_exclusive(patterns: list[str], where: str) -> None:
+    """No string contains a match of two of ``patterns`` (as ``jsonschema`` reads
+    ``patternProperties``: a match anywhere in the key)."""
+    import interegular
+
+    def searched(p: str) -> Any:
+        p = p[1:] if p.startswith("^") else ".*" + p
+        p = p[:-1] if p.endswith("$") and not p.endswith("\\$") else p + ".*"
+        return interegular.parse_pattern(p).to_fsm()
+
+    if len(patterns) < 2:
+        return
+    try:
+        fsms = [searched(p) for p in patterns]
+        for i in range(len(fsms)):
+            for j in range(i + 1, len(fsms)):
+                if not (fsms[i] & fsms[j]).empty():
+                    raise ValueError(f"patternProperties at {where}: a key can match both {patterns[i]!r} and "
+                                     f"{patterns[j]!r}, which the llguidance backend does not combine")
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"patternProperties at {where}: could not check the patterns are exclusive "
+                         f"({str(e)[:80]})") from None
+
+
 def check_schema_for_llguidance(schema: Any, path: str = "#") -> None:
     """Refuse, naming the keyword and its location, what llguidance's JSON compiler
     would ignore or enforce unsoundly (an admitted instance that ``jsonschema`` rejects):
@@ -107,11 +133,22 @@ def check_schema_for_llguidance(schema: Any, path: str = "#") -> None:
         if v is not None and v is not False and not integer:
             raise ValueError(f"{k} at {path} on a non-integer number is not supported by the llguidance backend "
                              "(a bound cannot be kept exclusive through float parsing)")
-    if schema.get("patternProperties"):
-        # the real-world corpus showed llguidance admitting values a matching pattern's
-        # schema forbids (and keys several patterns match): the regex translation
-        # enforces patternProperties soundly, so auto uses it
-        raise ValueError(f"patternProperties at {path} is not supported by the llguidance backend")
+    patterns = schema.get("patternProperties")
+    if patterns:
+        # llguidance applies one pattern's schema to a key: sound only when no key can
+        # match two patterns (the listed properties get every matching pattern's
+        # schema folded in by close_objects)
+        if not isinstance(patterns, dict):
+            raise ValueError(f"patternProperties at {path} must be an object")
+        for pat in patterns:
+            if not isinstance(pat, str):
+                raise ValueError(f"patternProperties at {path}: {pat!r} is not a pattern")
+            _check_pattern(pat, f"{path}/patternProperties/{pat}")
+            try:
+                re.compile(pat)
+            except re.error as e:
+                raise ValueError(f"patternProperties at {path}: {pat!r} is not a valid pattern ({e})") from None
+        _check_patterns_exclusive(list(patterns), f"{path}/patternProperties")
     if isinstance(schema.get("pattern"), str):
         _check_pattern(schema["pattern"], f"{path}/pattern")
     m = schema.get("multipleOf")
@@ -158,6 +195,14 @@ def close_objects(schema: Any, *, open_defs: bool, in_all_of: bool = False) -> A
     if ("properties" in schema and not combined
             and not any(k in schema for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))):
         out["additionalProperties"] = False
+    patterns = schema.get("patternProperties")
+    if isinstance(patterns, dict) and patterns and isinstance(schema.get("properties"), dict):
+        # a listed property must also satisfy every pattern its name contains a match of
+        folded = {}
+        for name, own in schema["properties"].items():
+            hits = [sub for pat, sub in patterns.items() if re.search(pat, name)]
+            folded[name] = {"allOf": [own, *hits]} if hits else own
+        schema = {**schema, "properties": folded}
 
     def sub(s: Any, all_of: bool = False) -> Any:
         return close_objects(s, open_defs=open_defs, in_all_of=in_all_of or all_of)
