@@ -212,7 +212,9 @@ class EngineBackend(BaseBackend):
 
     # -- helpers -------------------------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
-        return self.engine.tokenizer.encode(text, add_special_tokens=False) if text else []
+        from plait.runtime.prompt_tokens import encode_prompt
+
+        return encode_prompt(self.engine.tokenizer, text)
 
     def _validate(self, req: Request) -> GenerateInput:
         from plait.runtime.validation import validate_generate

@@ -16,6 +16,7 @@ from plait.errors import RequestError
 from plait.runtime.attention.base import AttentionBackend, create_attention_backend
 from plait.runtime.block_cache import BlockHashCache
 from plait.runtime.config import EngineConfig
+from plait.runtime.prompt_tokens import encode_prompt
 from plait.runtime.constrained.backend import Grammars
 from plait.runtime.constrained.vocab import TokenVocab
 from plait.runtime.cuda_graph import DecodeGraphRunner
@@ -423,7 +424,7 @@ class Engine:
             texts = [prompt] if single else prompt
             if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
                 raise RequestError("prompt must be a string or a list of strings", "prompt")
-            ids_list = [self.tokenizer.encode(t, add_special_tokens=False) if t else [] for t in texts]
+            ids_list = [encode_prompt(self.tokenizer, t) for t in texts]
         else:
             single = isinstance(input_ids, list) and (not input_ids or not isinstance(input_ids[0], list))
             ids_list = [input_ids] if single else input_ids

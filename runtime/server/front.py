@@ -29,6 +29,7 @@ import zmq.asyncio
 from plait import protocol as P
 from plait.errors import RequestError
 from plait.runtime.output_processor import add_token_text
+from plait.runtime.prompt_tokens import encode_prompt
 from plait.runtime.server.args import ServerArgs
 from plait.runtime.server.metrics import Metrics
 from plait.runtime.validation import GenerateInput, ModelLimits, check_text, validate_generate
@@ -132,9 +133,10 @@ class Front:
         self._watched: set[bytes] = set()
 
     # -- tokens ---------------------------------------------------------------------------
-    def encode(self, text: str, param: str) -> list[int]:
-        """Token ids of ``text``; a text too long to fit the context whatever its
-        tokens is refused before the tokenizer runs."""
+    def encode(self, text: str, param: str, *, bos: bool = True) -> list[int]:
+        """Token ids of ``text`` (:func:`~plait.runtime.prompt_tokens.encode_prompt`; ``bos=False``
+        for a rendered chat); a text too long to fit the context whatever its tokens is
+        refused before the tokenizer runs."""
         if len(text) > self.max_prompt_chars:
             raise RequestError(
                 f"{param} has {len(text)} characters; this model's context length is {self.context_len} tokens "
@@ -142,7 +144,7 @@ class Front:
                 param,
             )
         check_text(text, param)
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        return encode_prompt(self.tokenizer, text, bos=bos)
 
     def token_text(self, tid: int) -> str:
         s = self._token_text.get(tid)

@@ -481,7 +481,7 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     if max_reasoning is not None and reasoning is None:
         raise RequestError("max_reasoning_chars needs a server started with --reasoning-parser", "max_reasoning_chars")
     text = render_chat(front, messages, tools, parser_name)
-    ids = front.encode(text, "messages")
+    ids = front.encode(text, "messages", bos=False)  # the template writes what it needs
     regex: str | None = None
     field_name: str | None = None
     if choice not in ("auto", "none"):
