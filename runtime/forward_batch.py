@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,11 +52,12 @@ class ForwardBatch:
                            self.req_to_token, 0, [], [], self.decode_seq_lens)
         return ext, dec
 
-    @property
+    # cached: every layer reads these (the lists are never changed after construction)
+    @functools.cached_property
     def num_decodes(self) -> int:
         return len(self.decode_seq_lens)
 
-    @property
+    @functools.cached_property
     def num_extend_tokens(self) -> int:
         return sum(self.extend_seq_lens)
 

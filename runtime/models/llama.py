@@ -131,17 +131,17 @@ class RMSNorm(nn.Module):
         return self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not self.unit_offset \
-                and x.device.type == "cpu":
+        w = self.weight
+        if x.dtype == torch.float32 and w.dtype == torch.float32 and x.is_cpu and not self.unit_offset:
             # torch's one-call RMSNorm: on CPU the same ops as the lines below, bit for bit
             # in float32 (tests/test_decode_fast_paths.py), with one Python dispatch
             # instead of seven (two norms per layer per step). Not on CUDA: a fused kernel there.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return torch.rms_norm(x, w.shape, w, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
-            return (xf * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
+            return (xf * (1.0 + w.float())).to(x.dtype)
+        return w * xf.to(x.dtype)
 
 
 class Attention(nn.Module):
