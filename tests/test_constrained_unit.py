@@ -548,7 +548,7 @@ def test_not_type_is_folded_into_the_allowed_types(schema):
     for text in sample_strings(rx, 150, seed=11):
         jsonschema.validate(json.loads(text), schema)
     with pytest.raises(SchemaError, match="'not'"):
-        schema_to_regex({**schema, "not": {"enum": [1, 2]}})  # other forms of `not` are still refused
+        schema_to_regex({**schema, "not": {"minimum": 3}})  # other forms of `not` are still refused
 
 
 @pytest.mark.parametrize("lo,hi", [(1, None), (0, 1), (2, 3), (4, 4), (3, None)])

@@ -99,6 +99,13 @@ CASES = [
       "if": {"properties": {"t": {"const": 1}}, "required": ["t"]}, "then": {"required": ["x"]},
       "else": {"properties": {"x": {"maxLength": 1}}}},
      [{"t": 1, "x": "long"}, {"t": 2, "x": "s"}, {"x": "s"}, {}], [{"t": 1}, {"x": "long"}, {"t": 2, "x": "ab"}]),
+    # not: {enum} / {const}: listed values filtered, strings written as any but the excluded
+    ({"type": "string", "not": {"enum": ["none", "no", "", "a-b]"]}}, ["n", "nonee", "x", "no\n", "a-b"],
+     ["none", "no", "", "a-b]"]),
+    ({"type": ["string", "boolean", "null"], "not": {"enum": [True, None, "a"]}}, ["ab", "", False], ["a", True, None]),
+    ({"enum": ["a", "b", "c"], "not": {"const": "b"}}, ["a", "c"], ["b"]),
+    ({"type": "object", "properties": {"k": {"type": "string", "not": {"const": "reserved"}}}, "required": ["k"]},
+     [{"k": "ok"}, {"k": "reserve"}], [{"k": "reserved"}]),
     # a branch whose type excludes the keywords beside it admits nothing: left out
     ({"type": "object", "properties": {"k": {"type": "integer"}}, "oneOf": [{"type": "string"}, {"required": ["k"]}]},
      [{"k": 1}], [{}, "s"]),
@@ -176,6 +183,9 @@ def test_unsatisfiable_branches_and_properties_are_left_out():
         ({"type": "string", "pattern": "^a(?=b)"}, "pattern"),
         ({"type": "string", "pattern": "a^b"}, "pattern"),
         ({"type": "string", "pattern": "^[a-z]+$", "format": "date"}, "format"),
+        ({"type": "string", "maxLength": 3, "not": {"enum": ["abc"]}}, "'not'"),
+        ({"type": "integer", "not": {"const": 0}}, "'not'"),
+        ({"type": "string", "not": {"const": "a/b"}}, "'not'"),
         # 'if' on a property whose values the schema beside it does not list
         ({"type": "object", "properties": {"k": {"type": "string"}}, "if": {"properties": {"k": {"const": "a"}}},
           "then": {"required": ["k"]}}, "'if'"),
@@ -208,3 +218,19 @@ def test_corpus_files_are_real_schemas_with_sources():
     assert len(rows) >= 300
     assert all("@" in r["source"] and isinstance(r["schema"], (dict, bool)) for r in rows)
     assert len({r["source"] for r in rows}) == len(rows)
+
+
+def test_excluded_strings_compile_to_an_index():
+    """outlines-core builds the index of a string with excluded values (the regex shares
+    one tail after the divergence: a tail per branch made the build exponential in the
+    words' length)."""
+    import outlines_core
+
+    words = ["abcdefghijklmnop", "abcdefghijkxyz", "none", ""]
+    regex = check_sound({"type": "string", "not": {"enum": words}})
+    vocab = outlines_core.Vocabulary(3, {c: [i] for i, c in enumerate('"abcdefghijklmnopxyz', start=4)})
+    index = outlines_core.Index(regex, vocab)
+    assert index.get_initial_state() is not None
+    for w in words:
+        assert not admits(regex, w)
+    assert admits(regex, "abcdefghijklmnopq") and admits(regex, "abcdefghijk")

@@ -18,6 +18,7 @@ newlines) is given. Torch-free.
 from __future__ import annotations
 
 import json
+import re
 import math
 import time
 from typing import Any
@@ -295,6 +296,8 @@ class _Translator:
             raise SchemaError(f"json_schema at {path} must be an object or a boolean, got {type(s).__name__}")
         self.check_keywords(s, path)
         s = _lift_not(s)
+        if "not" in s and _not_values(s["not"]) is not None:
+            return self.excluding(s, _not_values(s["not"]), path)
         if "not" in s:  # only `not: {type: ...}` is left (check_keywords refused the rest)
             s = self.without_types(s, _type_negation(s["not"]) or set(), path)
         if "if" in s:
@@ -325,7 +328,8 @@ class _Translator:
                 continue
             if k == "multipleOf" and _multiple_of_supported(s):
                 continue
-            if k == "not" and (_type_negation(s[k]) is not None or _not_required(s[k]) is not None):
+            if k == "not" and (_type_negation(s[k]) is not None or _not_required(s[k]) is not None
+                               or _not_values(s[k]) is not None):
                 continue
             if k in ("dependentRequired", "dependencies") and _required_deps(s) is not None:
                 continue
@@ -599,6 +603,39 @@ class _Translator:
         if "type" in cond:  # values that are not objects fail 'if'
             out.append({"type": [t for t in TYPE_KEYWORDS if t not in ("object", "integer")]})
         return out
+
+    def excluding(self, s: dict[str, Any], excluded: list[Any], path: str) -> str:
+        """``s`` with ``not: {enum: excluded}`` (or ``const``): listed values filtered;
+        otherwise each type without an excluded value is left as it is, and strings
+        without other string keywords are written as any string but the excluded ones;
+        any other combination is refused by name."""
+        rest = {k: v for k, v in s.items() if k != "not"}
+        values = self.finite(rest, path)
+        if values is not None:
+            kept = [v for v in values if not any(_json_equal(v, x) for x in excluded)]
+            if not kept:
+                raise _NoValue(f"json_schema 'not' at {path} excludes every listed value")
+            out = {k: v for k, v in rest.items() if k not in ("enum", "const")}
+            return self.value({**out, "enum": kept}, path)
+        types = self.types(rest, path) or [t for t in TYPE_KEYWORDS if t != "integer"]
+        parts = []
+        for t in types:
+            hit = [x for x in excluded if _json_type_ok(x, t)]
+            if not hit:
+                parts.append(self.value({**rest, "type": t}, path))
+            elif t == "boolean":
+                parts += [self.dump(b) for b in (False, True) if not any(_json_equal(b, x) for x in hit)]
+            elif t == "null":
+                continue
+            elif t == "string" and not TYPE_KEYWORDS["string"] & rest.keys():
+                parts.append(_string_except([x for x in hit if isinstance(x, str)], path))
+            else:
+                raise SchemaError(f"json_schema keyword 'not' at {path} is not supported: excluding listed {t} values "
+                                  f"is supported for booleans, null, listed values and strings without other "
+                                  f"string keywords")
+        if not parts:
+            raise _NoValue(f"json_schema 'not' at {path} excludes every value")
+        return _alt(parts)
 
     def both_any_of(self, a: list[Any], b: list[Any], path: str) -> list[Any]:
         """Two ``anyOf`` lists that must both hold: one branch of each, merged (pairs
@@ -1341,6 +1378,52 @@ def _not_required(sub: Any) -> list[list[str]] | None:
     return [list(req)]
 
 
+def _not_values(sub: Any) -> list[Any] | None:
+    """The values ``not: sub`` excludes when ``sub`` is an ``enum`` or ``const`` alone."""
+    if not isinstance(sub, dict) or len(set(sub) - ANNOTATIONS) != 1:
+        return None
+    if "const" in sub:
+        return [sub["const"]]
+    if isinstance(sub.get("enum"), list):
+        return list(sub["enum"])
+    return None
+
+
+def _string_except(words: list[str], path: str) -> str:
+    """A JSON string (plait's layout) whose value is none of ``words``: along the trie
+    of the words, end where no word ends, or write a character no word continues with
+    (then anything), or follow a word. Words of plain printable ASCII only (a character
+    with two spellings, such as ``/`` or an escape, is refused)."""
+    plain = re.compile(r"[ !#-.0-\[\]-~]*")
+    for w in words:
+        if not plain.fullmatch(w):
+            raise SchemaError(f"json_schema keyword 'not' at {path} is not supported: excluding {w!r} (only strings of "
+                              "printable ASCII without quotes, backslashes or slashes can be excluded)")
+    if len(words) > MAX_UNIQUE_VALUES or any(len(w) > MAX_EXCLUDED_CHARS for w in words):
+        raise SchemaError(f"json_schema keyword 'not' at {path} is supported for at most {MAX_UNIQUE_VALUES} excluded "
+                          f"strings of at most {MAX_EXCLUDED_CHARS} characters")
+    trie: dict[str, Any] = {}
+    for w in words:
+        node = trie
+        for c in w:
+            node = node.setdefault(c, {})
+        node[""] = {}  # a word ends here
+    ends: list[str] = []  # prefixes of words that are no word
+    diverged: list[str] = []  # a prefix, then a character no word continues it with
+    todo = [(trie, "")]
+    while todo:
+        node, prefix = todo.pop()
+        kids = sorted(c for c in node if c)
+        if "" not in node:
+            ends.append(prefix)
+        other = "[^" + r'"\\\x00-\x1f' + "".join("\\" + c if c in "\\]-[^&~" else c for c in kids) + "]"
+        diverged.append(prefix + "(?:" + other + r'|\\["\\/bfnrt])')
+        todo += [(node[c], prefix + escape(c)) for c in kids]
+    # one shared tail after the divergence (a tail per branch makes outlines-core's
+    # index build exponential in the words' length)
+    return '"(?:' + "|".join([*ends, "(?:" + "|".join(diverged) + ")" + JSON_CHAR + "*"]) + ')"'
+
+
 def _lift_not(s: dict[str, Any]) -> dict[str, Any]:
     """``not: {required: [...]}`` (and an ``anyOf`` of those) as the object's forbidden
     name sets (values other than objects satisfy it; an object must lack a name of each)."""
@@ -1400,6 +1483,7 @@ _KIND_TYPES = {"null": ("null",), "boolean": ("boolean",), "string": ("string",)
                "object": ("object",), "array": ("array",)}
 MAX_NEED_NAMES = 8  # oneOf narrowing: an object must carry one of at most this many names
 MAX_ANY_OF_PRODUCT = 256  # allOf of two anyOf lists: the merged pairs
+MAX_EXCLUDED_CHARS = 64  # not: {enum}: characters of an excluded string
 
 
 def _validates(keyword: str) -> bool:
