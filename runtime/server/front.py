@@ -332,8 +332,10 @@ class Front:
         replicas = []
         for r in self.replicas:
             entry = dict(by_rank.get(r.rank, {}))
-            entry.update(dp_rank=r.rank, engine_state=self._poll(r), last_engine_error=r.last_error,
-                         load_tokens=r.load_tokens, load_requests=r.load_requests)
+            # the pid from the front's own handle: a replica that did not answer (just
+            # restarted, or busy past the ask's deadline) still says which process it is
+            entry.update(dp_rank=r.rank, engine_pid=r.proc.pid, engine_state=self._poll(r),
+                         last_engine_error=r.last_error, load_tokens=r.load_tokens, load_requests=r.load_requests)
             replicas.append(entry)
         info: dict[str, Any] = {}
         if by_rank:  # else every engine died while asked
