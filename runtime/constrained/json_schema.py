@@ -877,16 +877,20 @@ class _Translator:
                 out.append(v)
         return out
 
-    def validator(self, s: dict[str, Any]) -> Any:
-        """``jsonschema``'s is_valid for the subschema ``s`` of the root (its $refs
-        resolve against the root), formats checked."""
+    def root_validator(self) -> Any:
+        """``jsonschema``'s validator of the root document (built once), formats checked."""
         import jsonschema
 
         if self._validator is None:
             root = self.root if isinstance(self.root, dict) else {}
             cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
             self._validator = cls(root, format_checker=cls.FORMAT_CHECKER)
-        v = self._validator.evolve(schema={k: x for k, x in s.items() if not k.startswith(_INTERNAL)})
+        return self._validator
+
+    def validator(self, s: dict[str, Any]) -> Any:
+        """``jsonschema``'s is_valid for the subschema ``s`` of the root (its $refs
+        resolve against the root), formats checked."""
+        v = self.root_validator().evolve(schema={k: x for k, x in s.items() if not k.startswith(_INTERNAL)})
 
         def check(value: Any) -> bool:
             try:
@@ -902,9 +906,8 @@ class _Translator:
             return s is False
         if any(isinstance(k, str) and k.startswith(_INTERNAL) for k in s):
             return False  # narrowed by plait: not what jsonschema reads
-        self.validator(s)  # builds the root validator
         try:
-            errors = self._validator.evolve(schema=s).iter_errors(value)
+            errors = self.root_validator().evolve(schema=s).iter_errors(value)
             return next(errors, None) is not None
         except Exception:  # an unresolvable $ref, an invalid subschema, a recursion: not proved
             return False
