@@ -65,6 +65,10 @@ class EngineConfig:
     # best_effort (SGLang's name for a prefetch that never delays admission): copy a
     # waiting request's host-held prefix to the device while it waits; off: at admission
     hicache_prefetch_policy: str = "best_effort"
+    # Sliding-window layers (Gemma 3, Mistral) keep their KV in a pool of their own,
+    # swa_full_tokens_ratio x the full layers' tokens (SGLang's name): a request holds
+    # only its window there (plait.runtime.memory.WindowPages).
+    swa_full_tokens_ratio: float = 0.8
     # KV-cache events (plait.runtime.kv_events): a ZMQ PUB socket publishing pages as
     # they enter and leave the prefix cache, in vLLM's format; None: no events.
     kv_events_endpoint: str | None = None
@@ -156,6 +160,8 @@ class EngineConfig:
                  self.hicache_write_policy, "write_back, write_through")
         _require(self.hicache_prefetch_policy in ("best_effort", "off"), "hicache_prefetch_policy",
                  self.hicache_prefetch_policy, "best_effort, off")
+        _require(_is_num(self.swa_full_tokens_ratio) and 0 < self.swa_full_tokens_ratio <= 1, "swa_full_tokens_ratio",
+                 self.swa_full_tokens_ratio, "a number in (0, 1] (windowed layers' KV tokens / full layers' tokens)")
         _require(self.prefix_cache_mode in PREFIX_CACHE_MODES, "prefix_cache_mode", self.prefix_cache_mode,
                  ", ".join(PREFIX_CACHE_MODES))
         _require(self.eviction_policy in EVICTION_POLICIES, "eviction_policy", self.eviction_policy,

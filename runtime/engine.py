@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -24,7 +25,7 @@ from plait.runtime.eviction import make_policy
 from plait.runtime.fingerprint import tokenizer_fingerprint, weights_fingerprint
 from plait.runtime.hicache import HostTier
 from plait.runtime.kv_events import KVEventPublisher, KVEventSink, tier_media
-from plait.runtime.memory import KVPool, PageAllocator, ReqToToken, kv_pool_budget
+from plait.runtime.memory import KVPool, PageAllocator, ReqToToken, WindowPages, kv_pool_budget
 from plait.runtime.model_loader import ModelSource, resolve_model
 from plait.runtime.model_runner import ModelRunner
 from plait.runtime.models.config import ModelConfig
@@ -85,14 +86,17 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
 
-        num_slots = self._kv_cache_tokens()
+        windowed = self._windowed_layers()
+        num_slots = self._kv_cache_tokens(windowed)
         ps = cfg.page_size
         num_pages = num_slots // ps + 1  # + the reserved padding page
+        window = self._window_pages(num_pages) if windowed else None
         self.pool = KVPool(  # this rank's KV heads (all of them without tensor parallelism)
             num_pages * ps, mc.num_layers, self.model.config.num_kv_heads, mc.head_dim, self.dtype, self.device,
-            page_size=ps,
+            page_size=ps, window=window, windowed_layers=windowed,
         )
         self.allocator = PageAllocator(num_pages, ps)
+        self.allocator.window = window
         self.req_to_token = ReqToToken(cfg.max_running_requests, self.context_len, self.device)
         self.tier = self._host_tier(num_pages)
         # KV-cache events (plait.runtime.kv_events); dp_rank: this engine's data-parallel replica
@@ -126,7 +130,8 @@ class Engine:
         self._grammar_pending: list[Req] = []  # queued requests whose index is not ready
         self._closed = False
         logger.info(
-            "engine ready: %s, %d KV pages of %d tokens, attention %s, GEMMs %s", mc.architecture, num_pages - 1, ps,
+            "engine ready: %s, %d KV pages of %d tokens%s, attention %s, GEMMs %s", mc.architecture, num_pages - 1, ps,
+            f" ({len(windowed)} windowed layers in {window.total_pages} pages of their own)" if window else "",
             type(attn).__name__, cfg.resolved_cpu_gemm(),
         )
 
@@ -161,10 +166,15 @@ class Engine:
                 return create_attention_backend("torch", *args)
         return create_attention_backend(name, *args)
 
+    def _wants_graphs(self) -> bool:
+        """Decode CUDA graphs are captured: CUDA with the triton backend."""
+        cfg = self.config
+        return self.device.type == "cuda" and self._triton_ops and not cfg.disable_cuda_graph and self._tp is None
+
     def _capture_graphs(self, attn: AttentionBackend) -> DecodeGraphRunner | None:
         """Decode CUDA graphs (CUDA with the triton backend), or None."""
         cfg = self.config
-        if self.device.type != "cuda" or not self._triton_ops or cfg.disable_cuda_graph or self._tp is not None:
+        if not self._wants_graphs():
             return None
         graphs = DecodeGraphRunner(
             self.model, attn, self.req_to_token, min(cfg.cuda_graph_max_bs, cfg.max_running_requests), self.device
@@ -190,11 +200,37 @@ class Engine:
         events = KVEventSink(cfg.page_size, tier_media(self.device.type)[1]) if cfg.kv_events_endpoint else None
         return HostTier(self.pool, max(pages, 1) + 1, cfg.hicache_write_policy, events)  # + the reserved page
 
-    def _kv_cache_tokens(self) -> int:
+    def _windowed_layers(self) -> frozenset[int]:
+        """Layers whose KV goes to a pool of its own (plait.runtime.memory.WindowPages):
+        the sliding-window ones, where the engine can give them one. NOTE: with the host
+        tier, block-hash caching, tensor parallelism or CUDA graphs (which copy, hash,
+        shard or record one page table for all layers) windowed layers keep their whole
+        context in the main pool, as full layers do (correct, not bounded)."""
+        cfg = self.config
+        if (cfg.enable_hierarchical_cache or cfg.prefix_cache_mode != "radix" or self._tp is not None
+                or self._wants_graphs()):
+            return frozenset()
+        return frozenset(i for i, w in enumerate(self.model_config.layer_windows) if w)
+
+    def _window_pages(self, num_pages: int) -> WindowPages:
+        """The windowed layers' pool: ``swa_full_tokens_ratio`` of the main pool's pages,
+        and never fewer than one window and a page to grow into (so that a lone request
+        always moves on), nor more than the main pool."""
+        cfg, ps = self.config, self.config.page_size
+        w = max(x for x in self.model_config.layer_windows if x)
+        floor = -(-w // ps) + 2
+        pages = min(max(math.ceil((num_pages - 1) * cfg.swa_full_tokens_ratio), floor), num_pages - 1)
+        return WindowPages(pages + 1, num_pages, ps, w, self.device)  # + the sink page
+
+    def _kv_cache_tokens(self, windowed: frozenset[int]) -> int:
         cfg, mc = self.config, self.model_config
         if cfg.kv_cache_tokens is not None:
             return max(cfg.kv_cache_tokens, cfg.page_size)
-        per_token = KVPool.bytes_per_token(mc.num_layers, self.model.config.num_kv_heads, mc.head_dim, self.dtype)
+        kv_heads = self.model.config.num_kv_heads
+        # a token's KV: full layers' in the main pool, windowed layers' (a share) in theirs
+        per_token = (KVPool.bytes_per_token(mc.num_layers - len(windowed), kv_heads, mc.head_dim, self.dtype)
+                     + math.ceil(cfg.swa_full_tokens_ratio
+                                 * KVPool.bytes_per_token(len(windowed), kv_heads, mc.head_dim, self.dtype)))
         weights = sum(t.nbytes for t in itertools.chain(self.model.parameters(), self.model.buffers()))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # memory the allocator caches but does not use counts as free
@@ -627,6 +663,8 @@ class Engine:
             "device": str(self.device),
             "pool": self.pool_usage(),
             "host_pool": self.tier.usage() if self.tier is not None else None,
+            # the sliding-window layers' pool (plait.runtime.memory.WindowPages), or None
+            "window_pool": self.pool.window.usage() if self.pool.window is not None else None,
             "invariant_ok": not invariant_error,
             "invariant_error": invariant_error,
             "live_requests": len(self._reqs),

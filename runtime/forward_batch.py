@@ -36,9 +36,19 @@ class ForwardBatch:
     # what the attention backend's init_forward (or a CUDA graph's decode_metadata)
     # built for this step; read by every layer
     attn_metadata: Any = None
+    # with windowed KV in a pool of its own (plait.runtime.memory.WindowPages): this
+    # batch with ``out_slots`` and ``req_to_token`` in that pool's slots, for the
+    # windowed layers; None otherwise
+    windowed: ForwardBatch | None = None
 
     def with_attn_metadata(self, metadata: Any) -> ForwardBatch:
-        return dataclasses.replace(self, attn_metadata=metadata)
+        w = self.windowed
+        return dataclasses.replace(self, attn_metadata=metadata,
+                                   windowed=None if w is None else dataclasses.replace(w, attn_metadata=metadata))
+
+    def for_window(self, sliding_window: int | None) -> ForwardBatch:
+        """The batch a layer with this window (None: full attention) reads and writes."""
+        return self.windowed if sliding_window is not None and self.windowed is not None else self
 
     def split(self) -> tuple[ForwardBatch, ForwardBatch]:
         """(the extend part, the decode part) as two batches over views of the same
@@ -50,6 +60,8 @@ class ForwardBatch:
                            self.req_to_token, e, self.extend_prefix_lens, self.extend_seq_lens, [])
         dec = ForwardBatch(self.input_ids[t:], self.positions[t:], self.out_slots[t:], self.req_rows[e:],
                            self.req_to_token, 0, [], [], self.decode_seq_lens)
+        if self.windowed is not None:
+            ext.windowed, dec.windowed = self.windowed.split()
         return ext, dec
 
     # cached: every layer reads these (the lists are never changed after construction)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -41,6 +42,10 @@ class ModelRunner:
         self.mixed_graph_steps = 0  # steps whose decode rows replayed a graph beside extends
         self.staging = Staging(device, torch.long)  # the step's index lists, one transfer
         self.sampler = Sampler(req_to_token.table.shape[0], device, eos_ids)
+        # the page table in the windowed layers' pool (plait.runtime.memory.WindowPages):
+        # each step's rows translated from the page table; None without that pool
+        window = attn.pool.window
+        self._window_table = torch.zeros_like(req_to_token.table) if window is not None else None
 
     def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
         """Verifying requests are extends of their last token and their drafts."""
@@ -63,7 +68,7 @@ class ModelRunner:
             token_rows.append(r.row)
         table = self.req_to_token.table
         input_ids, pos, rows, req_rows = self.staging.to_device(ids, positions, token_rows, [r.row for r in batch.reqs])
-        return ForwardBatch(
+        fb = ForwardBatch(
             input_ids=input_ids,
             positions=pos,
             out_slots=table[rows, pos].long(),  # one gather: the slot of every token
@@ -74,6 +79,12 @@ class ModelRunner:
             extend_seq_lens=[n for _, n in spans],
             decode_seq_lens=[r.num_computed + 1 for r in batch.decodes],
         )
+        if self._window_table is not None:
+            slot_map = self.attn.pool.window.slot_map
+            width = max(positions) + 1
+            self._window_table[req_rows, :width] = slot_map[table[req_rows, :width].long()].to(table.dtype)
+            fb.windowed = dataclasses.replace(fb, out_slots=slot_map[fb.out_slots], req_to_token=self._window_table)
+        return fb
 
     @torch.inference_mode()
     def forward(self, batch: ScheduleBatch) -> dict[str, list[int]]:

@@ -160,7 +160,11 @@ class RadixCache:
         ps = self.page_size
         old = torch.cat(pieces).view(-1, ps) if pieces else _EMPTY.view(0, ps)
         new = slots[:pos].reshape(-1, ps)
-        dup = new[(old != new).any(dim=1)].reshape(-1)
+        differ = (old != new).any(dim=1)
+        dup = new[differ].reshape(-1)
+        if self.allocator.window is not None and dup.numel():
+            # what the caller computed again may restore windowed KV the tree gave back
+            self.allocator.window.adopt((old[differ][:, 0] // ps).tolist(), (new[differ][:, 0] // ps).tolist())
         if pos < n:
             leaf = TreeNode(list(tokens[pos:n]), slots[pos:n].clone(), node)
             leaf.last_access = leaf.score_clock = self._clock
@@ -246,6 +250,32 @@ class RadixCache:
         # Drop namespaces left empty (the default one stays).
         self._roots = {s: r for s, r in self._roots.items() if s is None or r.children}
         return freed
+
+    def detach_window(self, num_pages: int, protected: set[int]) -> int:
+        """Give back the windowed KV (:class:`~plait.runtime.memory.WindowPages`) of at
+        least ``num_pages`` cached pages outside ``protected``, nodes in the eviction
+        policy's order, each from its first page on (a match ending at a node's end
+        reads the pages before the end). Returns the window pages freed."""
+        window = self.allocator.window
+        if window is None or num_pages <= 0:
+            return 0
+        now = self._clock
+        freed = 0
+        for node in sorted(self._nodes(), key=lambda n: (self.policy.key(n, now), id(n))):
+            pages = self.allocator.slots_to_pages(node.value)
+            pages = [p for p, a in zip(pages, window.attached(pages)) if a and p not in protected]
+            freed += window.detach(pages[: num_pages - freed])
+            if freed >= num_pages:
+                break
+        return freed
+
+    def window_detachable(self, protected: set[int]) -> int:
+        """Cached pages outside ``protected`` that still hold windowed KV (walks the tree)."""
+        window = self.allocator.window
+        if window is None:
+            return 0
+        pages = [p for node in self._nodes() for p in self.allocator.slots_to_pages(node.value)]
+        return sum(1 for p, a in zip(pages, window.attached(pages)) if a and p not in protected)
 
     def reset(self) -> None:
         """Flush the cache, returning every page to the allocator (counters are kept)."""

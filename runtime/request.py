@@ -151,6 +151,9 @@ class Req:
         self.last_node: TreeNode | None = None
         self.prefix_slots = NO_SLOTS  # host: slots of [0, cache_len)
         self.private_pages: list[int] = []
+        # with windowed KV in a pool of its own: own pages before this page index have
+        # given their windowed KV back (they lie before the window)
+        self.window_floor = 0
         self.row: int | None = None
         self.cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.admitted_once = False

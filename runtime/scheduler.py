@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,8 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.allocator = allocator
+        # the windowed layers' pool (plait.runtime.memory.WindowPages), or None
+        self.window = allocator.window
         self.req_to_token = req_to_token
         self.cache = cache
         self.tier = tier  # host-memory tier under the cache (plait.runtime.hicache), or None
@@ -205,7 +208,7 @@ class Scheduler:
             # the last verified position must leave room for one more token
             room = min(cfg.speculative_num_draft_tokens, r.remaining_new_tokens - 1, self.context_len - r.seq_len - 1)
             draft = propose(r, room, cfg.speculative_ngram_min, cfg.speculative_ngram_max)
-            if draft is not None and self._pages_needed(r, 1 + len(draft.tokens)) > self.allocator.num_free:
+            if draft is not None and self._pages_needed(r, 1 + len(draft.tokens)) > self._free_now():
                 draft = draft.cut(r.capacity(self.page_size) - r.num_computed - 1)  # what r's pages hold
             if draft is None or not draft.tokens:
                 rest.append(r)
@@ -218,8 +221,8 @@ class Scheduler:
         for r in self.running:
             if r.is_decoding or budget <= 0:
                 continue
-            n = min(r.num_pending, budget)
-            if not self._can_take(self._pages_needed(r, n)):
+            n = min(r.num_pending, budget, self._window_room(r))
+            if n <= 0 or not self._can_take(self._pages_needed(r, n)):
                 continue  # wait for memory; decodes keep running and finishing
             self._grow(r, n, batch)
             batch.extends.append((r, n))
@@ -240,6 +243,7 @@ class Scheduler:
                 continue  # its index is still being built; the others go on
             match = self._load_from_host(r, self.cache.match_prefix(r.token_ids, r.cache_salt,
                                                                      max_len=r.max_prefix_len()))
+            match = self._window_usable(r, match)
             if not self.cache.disable and any(
                 _common_prefix_len(r.token_ids, o.token_ids) - match.length >= IN_BATCH_PREFIX_DEFER for o in in_batch
             ):
@@ -255,11 +259,17 @@ class Scheduler:
                     # nothing running and it still does not fit: it never will
                     self.abort(r, "request does not fit in the KV cache")
                     continue
+            room = self._window_room_for(r, match)
+            if room <= 0:
+                if self.running or batch.extends:
+                    break  # windowed KV comes back as running requests move on or finish
+                self.abort(r, "request does not fit in the windowed layers' KV pool")
+                continue
             self.waiting.remove(r)
             self._start(r, match)
             if self.host is not None:
                 self.host.forget(r)  # after _start locked the prefix its prefetch held
-            n = min(extend, budget)
+            n = min(extend, budget, room)
             self._grow(r, n, batch)
             batch.extends.append((r, n))
             in_batch.append(r)
@@ -299,6 +309,10 @@ class Scheduler:
             for r, _ in batch.extends:
                 if not r.finished:
                     self._cache_unfinished(r)
+        if self.window is not None:  # (cached pages keep theirs: see _drop_window)
+            for r in batch.reqs:
+                if not r.finished:
+                    self._drop_window(r)
         return advanced
 
     def _take(self, r: Req, tokens: list[int]) -> int:
@@ -364,9 +378,13 @@ class Scheduler:
     def _alloc_pages(self, n: int) -> list[int]:
         if n > self.allocator.num_free:
             self.cache.evict(n - self.allocator.num_free)
+        if self.window is not None and n > self.window.num_free:
+            self.cache.detach_window(n - self.window.num_free, self._window_protected())
         pages = self.allocator.alloc(n)
         if pages is None:
             raise RuntimeError(f"KV pool exhausted: needed {n} pages, {self.allocator.num_free} free")
+        if self.window is not None:
+            self.window.attach(pages)
         return pages
 
     def _grow(self, r: Req, n: int, batch: ScheduleBatch) -> None:
@@ -456,6 +474,7 @@ class Scheduler:
                 r.private_pages = r.private_pages[taken:]
             self.allocator.free(r.private_pages)
         r.private_pages = []
+        r.window_floor = 0
         self.cache.unlock(r.last_node)
         r.last_node = None
         r.prefix_slots = NO_SLOTS
@@ -480,8 +499,11 @@ class Scheduler:
         self.new_token_ratio = self.config.init_new_token_ratio
 
     def _can_take(self, pages: int) -> bool:
-        """``pages`` can be had from the free list or by eviction; prefetch locks are
+        """``pages`` can be had from the free list or by eviction (and as many window
+        pages, where windowed layers have a pool of their own); prefetch locks are
         given up first if that is what it takes."""
+        if self.window is not None and pages > self.window.num_free and pages > self._window_available(()):
+            return False
         if pages <= self.allocator.num_free + self.cache.evictable_pages:
             return True
         released = self.host is not None and self.host.release_all()
@@ -503,6 +525,90 @@ class Scheduler:
     def _evictable_in(self, match: MatchResult) -> int:
         """Evictable tokens that locking ``match`` would pin (an upper bound)."""
         return match.length if match.node is not None and match.node.lock_ref == 0 else 0
+
+    def _free_now(self) -> int:
+        """Pages to be had without evicting or detaching anything."""
+        free = self.allocator.num_free
+        return free if self.window is None else min(free, self.window.num_free)
+
+    # -- windowed KV (a pool of its own: plait.runtime.memory.WindowPages) ------------
+    # A request's next query (position num_computed) reads the windowed KV of positions
+    # num_computed - W + 1 on: pages wholly before that are past its window. Its own
+    # pages give their windowed KV back at once; cached pages keep theirs (a later
+    # request whose match ends near them needs it) until window pages run short, then
+    # those no running request's window covers give it back, least valuable first.
+    # A match is cut to where the window before its end is still whole.
+    def _window_start_page(self, r: Req) -> int:
+        return max(0, r.num_computed - self.window.window + 1) // self.page_size
+
+    def _drop_window(self, r: Req) -> None:
+        """Give back the windowed KV of ``r``'s own pages that its window has passed."""
+        dead = self._window_start_page(r)
+        first_own = r.cache_len // self.page_size
+        lo = max(r.window_floor, first_own)
+        if dead > lo:
+            self.window.detach(r.private_pages[lo - first_own : dead - first_own])
+            r.window_floor = dead
+
+    def _window_pages_of(self, r: Req) -> list[int]:
+        """The cached (tree) pages inside ``r``'s window."""
+        start, cached = self._window_start_page(r), r.cache_len // self.page_size
+        if start >= cached:
+            return []
+        return self.allocator.slots_to_pages(r.prefix_slots[start * self.page_size : cached * self.page_size])
+
+    def _window_protected(self, extra: Sequence[int] = ()) -> set[int]:
+        """Cached pages whose windowed KV a running request still reads, and ``extra``."""
+        out = set(extra)
+        for r in self.running:
+            out.update(self._window_pages_of(r))
+        return out
+
+    def _window_available(self, extra: Sequence[int]) -> int:
+        """Window pages to be had: free, or detachable from cached pages outside every
+        running request's window and ``extra`` (walks the tree: only under pressure)."""
+        return self.window.num_free + self.cache.window_detachable(self._window_protected(extra))
+
+    def _window_room(self, r: Req) -> int:
+        """Tokens ``r`` may compute next step as far as window pages go (unbounded
+        without a window pool): what its last page still holds, and whole pages."""
+        if self.window is None:
+            return self.context_len
+        spare = r.capacity(self.page_size) - r.num_computed
+        return spare + self._window_pages_for(r.num_pending - spare, ()) * self.page_size
+
+    def _window_room_for(self, r: Req, match: MatchResult) -> int:
+        """As :meth:`_window_room` for ``r`` about to start on ``match``, whose window's
+        cached pages become protected."""
+        if self.window is None:
+            return self.context_len
+        pages = self.allocator.slots_to_pages(match.slots)
+        start = max(0, match.length - self.window.window + 1) // self.page_size
+        return self._window_pages_for(r.seq_len - match.length, pages[start:]) * self.page_size
+
+    def _window_pages_for(self, tokens: int, extra: Sequence[int]) -> int:
+        """Window pages to be had, counted only as far as ``tokens`` need: the free
+        ones suffice, or else :meth:`_window_available`."""
+        free = self.window.num_free
+        return free if free * self.page_size >= tokens else self._window_available(extra)
+
+    def _window_usable(self, r: Req, match: MatchResult) -> MatchResult:
+        """``match`` cut to its longest part whose end has its whole window attached:
+        ``r``'s first computed position reads the windowed KV of the W - 1 before it."""
+        if self.window is None or match.length == 0:
+            return match
+        ps, w = self.page_size, self.window.window
+        attached = self.window.attached(self.allocator.slots_to_pages(match.slots))
+        k = len(attached)
+        while k > 0:
+            first = max(0, k * ps - w + 1) // ps
+            holes = [j for j in range(first, k) if not attached[j]]
+            if not holes:
+                break
+            k = holes[-1]  # an end after a hole has it in its window: end before it
+        if k == len(attached):
+            return match
+        return self.cache.match_prefix(r.token_ids, r.cache_salt, max_len=k * ps)
 
     # -- accounting -----------------------------------------------------------------
     def pool_usage(self) -> dict[str, int]:
@@ -528,6 +634,8 @@ class Scheduler:
             dup = len(owners) - len(set(owners))
             raise AssertionError(f"KV page ownership broken: {dup} pages owned twice, "
                                  f"{self.allocator.total_pages - len(set(owners))} pages owned by nobody")
+        if self.window is not None:
+            self.window.check(set(range(1, self.allocator.num_pages)) - set(self.allocator.free_pages()))
         if self.tier is not None:
             self.tier.check_invariants()
         if self.host is not None:

@@ -21,8 +21,8 @@ class AttentionBackend(ABC):
     Sliding-window layers pass their ``sliding_window`` W: a query at position p then
     sees the keys at positions p - W + 1 .. p (transformers' rule). ``windows`` lists the
     windows the model's layers use, for backends that prepare per-window metadata.
-    NOTE: windowed layers keep the KV of their whole context in the pool (read only
-    inside the window); memory is not yet bounded by the window.
+    Where windowed layers keep their KV in a pool of their own (``pool.window``), they
+    read and write through ``fb.for_window(w)``: the batch in that pool's slots.
     """
 
     def __init__(self, pool: KVPool, num_heads: int, scale: float, windows: tuple[int, ...] = ()) -> None:
@@ -41,6 +41,7 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, heads, dim]; k, v: [T, kv_heads, dim] for the new tokens.
         Returns the attention output [T, heads, dim]."""
+        fb = fb.for_window(sliding_window)
         self.pool.set_kv(layer, fb.out_slots, k, v)
         n_ext = fb.num_extend_tokens
         w = sliding_window

@@ -49,7 +49,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def init_forward(self, fb: ForwardBatch) -> TorchMetadata:
         """Full-attention metadata, and the same for each of :attr:`windows`."""
-        windowed = {w: TorchMetadata(*self._init_extends(fb, w), self._init_decodes(fb, w), {}) for w in self.windows}
+        windowed = {w: TorchMetadata(*self._init_extends(fb.for_window(w), w), self._init_decodes(fb.for_window(w), w), {})
+                    for w in self.windows}
         return TorchMetadata(*self._init_extends(fb, None), self._init_decodes(fb, None), windowed)
 
     def _init_extends(

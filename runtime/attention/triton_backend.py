@@ -63,7 +63,6 @@ class TritonAttentionBackend(AttentionBackend):
         prefix_lens, seq_lens, start_loc, decode_lens = self._staging.to_device(
             fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc, fb.decode_seq_lens)
         return TritonMetadata(
-            fb.req_to_token,
             # extend part: [E] metadata; lengths also kept on the host for the grid size
             fb.req_rows[: fb.num_extends], prefix_lens, seq_lens, start_loc, max(fb.extend_seq_lens, default=0),
             # decode part: [D]
@@ -86,7 +85,7 @@ class TritonAttentionBackend(AttentionBackend):
         elif num_kv_splits < 1:
             raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
         empty = torch.zeros(0, dtype=torch.int32, device=req_to_token.device)
-        return TritonMetadata(req_to_token, req_rows[:0], empty, empty, empty, 0, req_rows, seq_lens, num_kv_splits)
+        return TritonMetadata(req_rows[:0], empty, empty, empty, 0, req_rows, seq_lens, num_kv_splits)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch,
@@ -94,46 +93,50 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """As :meth:`AttentionBackend.forward`, with the Triton KV store and one output
         tensor that the extend and decode kernels fill in place (no concatenation)."""
+        fb = fb.for_window(sliding_window)
         store_kv(self.pool.k_buffers[layer], self.pool.v_buffers[layer], fb.out_slots, k, v)
         out = torch.empty_like(q)
         n_ext = fb.num_extend_tokens
         w = sliding_window or 0
         if fb.num_extends:
-            self._extend(q[:n_ext], layer, fb.attn_metadata, out[:n_ext], w)
+            self._extend(q[:n_ext], layer, fb, out[:n_ext], w)
         if fb.num_decodes:
-            self._decode(q[n_ext:], layer, fb.attn_metadata, out[n_ext:], w)
+            self._decode(q[n_ext:], layer, fb, out[n_ext:], w)
         return out
 
     def forward_extend(
         self, q: torch.Tensor, layer: int, fb: ForwardBatch, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        return self._extend(q, layer, fb.attn_metadata, torch.empty_like(q), sliding_window or 0)
+        return self._extend(q, layer, fb.for_window(sliding_window), torch.empty_like(q), sliding_window or 0)
 
     def forward_decode(self, q: torch.Tensor, layer: int, fb: ForwardBatch, sliding_window: int | None = None) -> torch.Tensor:
-        return self._decode(q, layer, fb.attn_metadata, torch.empty_like(q), sliding_window or 0)
+        return self._decode(q, layer, fb.for_window(sliding_window), torch.empty_like(q), sliding_window or 0)
 
-    def _extend(self, q: torch.Tensor, layer: int, m: TritonMetadata, out: torch.Tensor, window: int) -> torch.Tensor:
-        # q, out: [extend_tokens, heads, dim]; window 0: full attention
+    def _extend(self, q: torch.Tensor, layer: int, fb: ForwardBatch, out: torch.Tensor, window: int) -> torch.Tensor:
+        # q, out: [extend_tokens, heads, dim]; window 0: full attention. ``fb`` is the
+        # layer's view (fb.for_window): its page table, the step's lengths
+        m = fb.attn_metadata
         return extend_attention(
-            q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], m.req_to_token,
+            q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], fb.req_to_token,
             m.ext_rows, m.ext_prefix, m.ext_lens, self.scale,
             max_extend_len=m.max_extend, extend_start_loc=m.ext_start, out=out, sliding_window=window,
         )
 
-    def _decode(self, q: torch.Tensor, layer: int, m: TritonMetadata, out: torch.Tensor, window: int) -> torch.Tensor:
-        # q, out: [decodes, heads, dim]; window 0: full attention
+    def _decode(self, q: torch.Tensor, layer: int, fb: ForwardBatch, out: torch.Tensor, window: int) -> torch.Tensor:
+        # q, out: [decodes, heads, dim]; window 0: full attention (fb: as in _extend)
+        m = fb.attn_metadata
         return decode_attention(
-            q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], m.req_to_token,
+            q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], fb.req_to_token,
             m.dec_rows, m.dec_lens, self.scale, num_kv_splits=m.num_kv_splits, out=out, sliding_window=window,
         )
 
 
 @dataclass
 class TritonMetadata:
-    """One step's metadata for the kernels: [E] for the extend part, [D] for decodes."""
+    """One step's metadata for the kernels: [E] for the extend part, [D] for decodes
+    (the page table is the batch's: ``ForwardBatch.for_window``)."""
 
-    req_to_token: torch.Tensor
     ext_rows: torch.Tensor
     ext_prefix: torch.Tensor  # int32
     ext_lens: torch.Tensor  # int32

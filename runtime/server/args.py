@@ -37,6 +37,8 @@ ENGINE_HELP: dict[str, str] = {
     "enable_hierarchical_cache": "keep prefixes evicted from the KV pool in a host-memory pool and copy them back on "
                                  "a hit instead of recomputing them (SGLang's HiCache)",
     "hicache_ratio": "host pool size as a multiple of the device KV pool",
+    "swa_full_tokens_ratio": "sliding-window layers' KV pool size as a share of the full layers' tokens "
+                             "(each request keeps only its window there)",
     "hicache_size": "host pool size in GiB (0: sized by --hicache-ratio)",
     "hicache_write_policy": "write_back (copy to the host when evicted) or write_through (when cached)",
     "hicache_prefetch_policy": "best_effort (copy a waiting request's host-held prefix to the device while it "
