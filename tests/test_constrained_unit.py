@@ -624,3 +624,44 @@ def test_dependent_required_writes_a_property_only_with_its_dependencies(deps):
             assert bool(re.fullmatch(rx, json.dumps(obj, separators=(",", ":")))) == valid, (deps, obj)
     with pytest.raises(SchemaError, match="dependencies"):  # schema-valued dependencies: refused
         schema_to_regex({**schema, "dependencies": {"card": {"required": ["billing"]}}})
+
+
+# -- patterns read for llguidance (value_pattern) and ECMA-262 spellings (issue 14) --------------
+VALUE_PATTERNS = [
+    r"^\d{2}-\w+$", r"^[^\s-]+$", r"\S+@\S+", r"^(?:[01]\d|2[0-3]):[0-5]\d$", r"[\w.-]+/[\w.-]+",
+    r'^[^"\\]*$', r"^a.b$", r"^[^é]x", r"^\D\W\s$", r"(npm|yarn)@\d+\.\d+(-.+)?",
+    # ECMA-262 spellings Python's re reads differently (a named group; '-' next to a class escape)
+    r"^(?<major>0|[1-9]\d*)\.(?<minor>\d+)$", r"^[\w-_.]+/[\w-_.]+$",
+]
+
+
+@pytest.mark.parametrize("pattern", VALUE_PATTERNS)
+def test_value_pattern_admits_only_strings_the_pattern_matches(pattern):
+    """Each string of ``value_pattern(p)`` (a full match, read by Python here: its output
+    is the syntax both Rust and Python read alike) contains a match of ``p`` as Python
+    reads it (ECMA-262 spellings through ``ecma_to_python``), and a string with a
+    non-ASCII digit or letter where ``\\d``/``\\w`` stand is left out (the narrowing)."""
+    from plait.runtime.constrained.json_schema import ecma_to_python, value_pattern
+
+    from regex_sampling import sample
+
+    vp = value_pattern(pattern, "#")
+    assert vp.startswith("^(?:") and vp.endswith(")$")
+    python = re.compile(ecma_to_python(pattern))
+    texts = sample(vp[1:-1], 200, seed=5)  # its pool has non-ASCII characters for negated classes
+    assert len(texts) == 200
+    for t in texts:
+        assert re.fullmatch(vp, t) and python.search(t), (pattern, t)
+    if pattern.startswith(r"^\d{2}"):
+        assert not re.fullmatch(vp, "١٢-x") and python.search("١٢-x")  # narrowed: valid, but not written
+
+
+def test_ecma_to_python_rewrites_only_what_python_reads_differently():
+    from plait.runtime.constrained.json_schema import ecma_to_python
+
+    assert ecma_to_python(r"(?<y>\d{4})-(?<m>\d\d)") == r"(?P<y>\d{4})-(?P<m>\d\d)"
+    assert ecma_to_python(r"(?<=a)b(?<!c)") == r"(?<=a)b(?<!c)"  # look-behinds stay (and are refused later)
+    assert ecma_to_python(r"[\w-_.][a-\d]") == r"[\w\-_.][a\-\d]"
+    assert ecma_to_python(r"[a-z][\\-a]\[\w-x\]") == r"[a-z][\\-a]\[\w-x\]"  # ranges, escaped brackets untouched
+    assert ecma_to_python(r"[]a-][^]b]") == r"[]a-][^]b]"
+    assert re.fullmatch(ecma_to_python(r"[\w-_]+"), "a-_") and not re.fullmatch(ecma_to_python(r"[\w-_]+"), "+")

@@ -234,3 +234,68 @@ def test_excluded_strings_compile_to_an_index():
     for w in words:
         assert not admits(regex, w)
     assert admits(regex, "abcdefghijklmnopq") and admits(regex, "abcdefghijk")
+
+
+# -- $ref resolution and ECMA-262 patterns (issue 14) -----------------------------------------
+REF_DOC = {
+    "$id": "https://example.com/schemas/root.json",
+    "definitions": {"a/b": {"type": "integer", "minimum": 5, "maximum": 9},
+                    "[x]+ %": {"type": "string", "enum": ["p", "q"]},
+                    "t~": {"type": "boolean"}},
+    "type": "object",
+    "properties": {
+        "own_uri": {"$ref": "https://example.com/schemas/root.json#/definitions/a~1b"},
+        "relative": {"$ref": "root.json#/definitions/t~0"},
+        "encoded": {"$ref": "#/definitions/%5Bx%5D%2B%20%25"},
+        "whole": {"$ref": "root.json#/definitions"},
+    },
+    "required": ["own_uri", "relative", "encoded"],
+    "additionalProperties": False,
+}
+
+
+def test_refs_to_the_documents_own_uri_and_encoded_pointers_are_local():
+    """A ``$ref`` that resolves (RFC 3986) against the root's ``$id`` to the document
+    itself is local; pointer fragments are percent-decoded, then ``~1``/``~0`` read."""
+    regex = check_sound(REF_DOC)
+    assert admits(regex, {"own_uri": 5, "relative": True, "encoded": "q"})
+    for bad in ({"own_uri": 4, "relative": True, "encoded": "q"}, {"own_uri": 5, "relative": 1, "encoded": "q"},
+                {"own_uri": 5, "relative": True, "encoded": "r"}):
+        assert not jsonschema.Draft202012Validator(REF_DOC).is_valid(bad)
+        assert not admits(regex, bad), bad
+
+
+@pytest.mark.parametrize("schema", [
+    {"$id": "https://example.com/schemas/root.json", "$ref": "other.json#/definitions/a"},  # another document
+    {"$ref": "https://example.com/root.json#/x"},  # no $id: a URL is another document
+    {"definitions": {"a": {"type": "integer"}}, "$anchor": "top", "$ref": "#top"},  # a plain-name fragment
+])
+def test_refs_to_other_documents_and_anchors_are_refused(schema):
+    with pytest.raises(SchemaError, match=re.escape("'$ref'")):
+        schema_to_regex(schema)
+
+
+ECMA_CASES = [
+    # (ECMA-262 pattern, strings that match it, strings that do not)
+    (r"^(?<major>0|[1-9]\d*)\.(?<minor>0|[1-9]\d*)$", ["0.1", "12.30"], ["01.1", "1", "a.b"]),
+    (r"^[\w-_.]+/[\w-_.]+$", ["a-b/c_d.e", "x/-"], ["a b/c", "a/b/c", "/x"]),
+]
+
+
+@pytest.mark.parametrize("pattern, good, bad", ECMA_CASES, ids=[c[0] for c in ECMA_CASES])
+def test_ecma_262_patterns_are_read_as_ecma_262_writes_them(pattern, good, bad):
+    """Spellings Python's ``re`` does not read (so ``jsonschema`` cannot validate them)
+    are read as ECMA-262 reads them: instances are validated against the same schema with
+    the pattern in Python's spelling (``ecma_to_python``), which matches ECMA-262's reading
+    on these cases."""
+    from plait.runtime.constrained.json_schema import ecma_to_python
+
+    schema = {"type": "string", "pattern": pattern}
+    python = {"type": "string", "pattern": ecma_to_python(pattern)}
+    regex = schema_to_regex(schema)
+    for text in sample(regex, 60, seed=3):
+        assert jsonschema.Draft202012Validator(python).is_valid(json.loads(text)), text
+    for v in good:
+        assert admits(regex, v), v
+    for v in bad:
+        assert not jsonschema.Draft202012Validator(python).is_valid(v) and not admits(regex, v), v

@@ -339,8 +339,7 @@ def test_auto_picks_a_backend_per_constraint():
     # llguidance refuses these; the regex translation enforces them
     for schema in ({"type": "array", "items": {"enum": ["a"]}, "uniqueItems": True, "maxItems": 1},
                    {"type": "number", "exclusiveMinimum": 0},
-                   {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                    "dependentRequired": {"a": ["b"]}}):
+                   {"type": "number", "not": {"type": "integer"}}):
         c = SamplingParams.from_dict({"json_schema": schema}).constraint()
         assert c.backend == "outlines", schema
     assert backend({"json_schema": SCHEMAS["nested"]}, "outlines") == "outlines"  # the engine's option
@@ -368,8 +367,11 @@ def test_auto_picks_a_backend_per_constraint():
       "grammar_backend": "llguidance"}, "json_schema", "patternProperties"),
     ({"json_schema": {"type": "object", "patternProperties": {".*": {"type": "integer"}, "^a": {"minimum": 3}}},
       "grammar_backend": "llguidance"}, "json_schema", "patternProperties"),
-    ({"json_schema": {"type": "string", "pattern": "^\\w+$"}, "grammar_backend": "llguidance"}, "json_schema",
-     "shorthand class"),
+    # a key pattern, and a pattern under a oneOf kept as written: not narrowed, so refused
+    ({"json_schema": {"type": "object", "patternProperties": {"^\\d+$": {"type": "integer"}}},
+      "grammar_backend": "llguidance"}, "json_schema", "shorthand class"),
+    ({"json_schema": {"oneOf": [{"type": "string", "pattern": "^\\w+$"}, {"type": "string", "maxLength": 3}]},
+      "grammar_backend": "llguidance"}, "json_schema", "shorthand class"),
     ({"json_schema": {"properties": {"a": {"required": True}}}, "grammar_backend": "llguidance"}, "json_schema",
      "required"),
     ({"json_schema": {"type": "array", "contains": {"const": 1}}, "grammar_backend": "llguidance"}, "json_schema",
@@ -550,3 +552,99 @@ def test_llguidance_pattern_properties_apply_every_matching_schema(grammars, voc
         m = new_matcher(grammars, {"json_schema": schema, "grammar_backend": "llguidance"})
         out = random_output(m, vocab, seed)
         assert out is not None and jsonschema.Draft202012Validator(schema).is_valid(json.loads(out)), out
+
+
+def _sound_on_llguidance(grammars, vocab, schema, good, bad, validator=None, outputs=6):
+    """The schema compiles on llguidance under ``auto``; each of ``good`` is admitted,
+    each of ``bad`` (invalid: checked here) refused, and random outputs validate."""
+    assert SamplingParams.from_dict({"json_schema": schema}).constraint().backend == "llguidance"
+    validator = validator or jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(
+        schema, format_checker=jsonschema.FormatChecker())
+    for text in good + bad:
+        m = new_matcher(grammars, {"json_schema": schema, "grammar_backend": "llguidance"})
+        assert validator.is_valid(json.loads(text)) == (text in good), text
+        assert admits(m, vocab, text) == (text in good), text
+    done = 0
+    for seed in range(outputs):
+        out = random_output(new_matcher(grammars, {"json_schema": schema, "grammar_backend": "llguidance"}), vocab, seed)
+        if out is not None:
+            assert validator.is_valid(json.loads(out)), out
+            done += 1
+    assert done >= outputs // 2
+
+
+def test_llguidance_narrows_shorthand_patterns_and_reads_formats_it_lacks(grammars, vocab):
+    """``\\d`` ``\\w`` ``\\s`` (and negations) in ``pattern`` are narrowed to ASCII as the
+    outlines backend writes them (Python's are Unicode-aware, llguidance's are not the
+    same sets); a draft format llguidance lacks becomes plait's sound regex for it; a
+    format no draft defines is an annotation."""
+    schema = {"type": "object", "properties": {
+        "v": {"type": "string", "pattern": r"^\d{2}-\w+$"},
+        "s": {"type": "string", "pattern": r"^[^\s-]+$", "maxLength": 4},
+        "t": {"type": "string", "format": "regex"},
+        "n": {"type": "integer", "format": "int64", "minimum": 0, "maximum": 9}},
+        "required": ["v", "s", "n"]}
+    good = ['{"v":"12-ab_1","s":"x:y","n":3}', '{"v":"00-Z","s":"a","t":"ab c","n":0}']
+    bad = ['{"v":"1-ab","s":"x","n":3}', '{"v":"12-a b","s":"x","n":3}', '{"v":"12-a","s":"a b","n":3}',
+           '{"v":"12-a","s":"abcde","n":3}', '{"v":"12-a","s":"a","t":"a(","n":3}', '{"v":"12-a","s":"a","n":10}']
+    _sound_on_llguidance(grammars, vocab, schema, good, bad)
+    # valid, but narrowed away: an Arabic-Indic digit, which Python's \d matches
+    m = new_matcher(grammars, {"json_schema": schema, "grammar_backend": "llguidance"})
+    assert not admits(m, vocab, '{"v":"١٢-a","s":"a","n":1}')
+
+
+def test_llguidance_takes_not_if_dependencies_and_oneof_written_with_anyof(grammars, vocab):
+    """``not: {required}``, ``dependencies``/``dependentRequired``, the common ``if``
+    form and ``oneOf`` branches narrowed on objects reach llguidance (which implements
+    none of them) written with ``anyOf``, ``required`` and ``properties: {name: false}``."""
+    props = {k: {"type": "integer", "minimum": 0, "maximum": 9} for k in ("a", "b", "c")}
+    schema = {"type": "object", "properties": props, "not": {"required": ["a", "b"]},
+              "dependencies": {"c": ["a"]}}
+    _sound_on_llguidance(grammars, vocab, schema, ['{"a":1}', '{"a":1,"c":2}', '{"b":1}', '{}'],
+                         ['{"a":1,"b":2}', '{"c":1}', '{"b":1,"c":2}'], jsonschema.Draft7Validator(schema))
+    schema = {"type": "object", "properties": {"kind": {"enum": ["file", "url"]}, "path": {"type": "string",
+                                                                                         "maxLength": 4}},
+              "required": ["kind"], "if": {"properties": {"kind": {"const": "file"}}},
+              "then": {"required": ["path"]}, "else": {"properties": {"path": False}}}
+    _sound_on_llguidance(grammars, vocab, schema, ['{"kind":"file","path":"a"}', '{"kind":"url"}'],
+                         ['{"kind":"file"}', '{"kind":"url","path":"a"}'])
+    # an open branch: the other branch's objects must lack its required name
+    schema = {"oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                        {"type": "object", "properties": {"b": {"type": "integer"}}}]}
+    _sound_on_llguidance(grammars, vocab, schema, ['{"b":1}', '{}'], ['[]', '{"a":1}', '{"b":"x"}'])
+
+
+def test_llguidance_keeps_patterns_as_written_where_a_narrowing_would_widen(grammars, vocab):
+    """Under a ``oneOf`` llguidance checks itself (distinct types), and in what a
+    ``$ref`` there reaches, a narrower pattern would admit values that satisfy two
+    branches: such patterns are not narrowed, so a shorthand class there is refused."""
+    defs = {"d": {"type": "string", "pattern": r"^\d+$"}}
+    kept = {"definitions": defs, "type": "object", "properties": {"x": {"$ref": "#/definitions/d"}}}
+    _sound_on_llguidance(grammars, vocab, kept, ['{"x":"12"}', '{}'], ['{"x":"1a"}'])
+    under = {"definitions": defs, "oneOf": [{"$ref": "#/definitions/d"}, {"type": "string", "maxLength": 2}]}
+    with pytest.raises(RequestError, match="shorthand class"):
+        SamplingParams.from_dict({"json_schema": under, "grammar_backend": "llguidance"}).constraint()
+
+
+def test_llguidance_takes_a_schema_text_over_the_ebnf_size_limit(grammars, vocab):
+    """A JSON Schema's text has the translation's limit (1 MiB) on both backends; the
+    100 000-character limit is the ebnf text's."""
+    words = [f"w{i:06d}" + "x" * 40 for i in range(2500)]
+    schema = {"type": "object", "properties": {"w": {"enum": words}}, "required": ["w"]}
+    assert len(json.dumps(schema)) > MAX_GRAMMAR_CHARS
+    _sound_on_llguidance(grammars, vocab, schema, [json.dumps({"w": words[7]}, separators=(",", ":"))],
+                         ['{"w":"w000007"}'], outputs=2)
+
+
+def test_llguidance_writes_no_unicode_escapes_that_would_hide_a_key(grammars, vocab):
+    """Found on the corpus (packer.json): llguidance matches a key written with a
+    ``\\uXXXX`` escape against neither the listed names nor the patterns, so the key
+    got additionalProperties' schema where jsonschema applies the named one. Such
+    escapes are not written at all (as in the outlines layout)."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}},
+              "patternProperties": {"[b-z]": {"type": "string"}}, "additionalProperties": {"type": "integer"}}
+    good = ['{"a":"s"}', '{"q":"s"}', '{"1":2}', '{"a":"t\\tx"}']
+    bad = ['{"\\u0061":1}', '{"\\u0071":1}', '{"a":1}', '{"q":1}']
+    _sound_on_llguidance(grammars, vocab, schema, good, bad)
+    m = new_matcher(grammars, {"json_schema": schema, "grammar_backend": "llguidance"})
+    assert not admits(m, vocab, '{"a":"\\u00e9"}')  # valid, but written as "é" or not at all

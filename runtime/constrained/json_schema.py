@@ -37,7 +37,7 @@ from plait.runtime.constrained.regexes import (
 )
 
 ANNOTATIONS = frozenset({
-    "title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
+    "title", "description", "examples", "default", "$schema", "$id", "id", "$comment", "deprecated",
     "readOnly", "writeOnly", "$anchor", "contentMediaType", "contentEncoding", "$defs", "definitions",
 })
 TYPE_KEYWORDS: dict[str, frozenset[str]] = {
@@ -220,39 +220,70 @@ def check_whitespace(pattern: Any) -> str:
     return pattern
 
 
-def exclusive_one_of(schema: Any) -> Any:
-    """A copy of ``schema`` (a parsed document) for a backend that refuses a ``oneOf`` it
-    cannot prove exclusive (llguidance): each ``oneOf`` whose branches plait narrows to
-    exclusive ones by type alone (the other narrowings are plait-internal marks) is
-    replaced by the ``anyOf`` of the narrowed branches, an equivalent constraint for
-    those (values two branches admit were dropped from both). Other ``oneOf``s are left
-    as they are; anything the narrowing cannot read leaves that ``oneOf`` untouched."""
+def local_pointer(root: Any, ref: Any) -> list[str] | None:
+    """The JSON-pointer parts of ``ref`` (a ``$ref`` value) when it names a place in the
+    document ``root``: a fragment (``#/definitions/a``), or a reference that resolves
+    (RFC 3986) against the root's ``$id`` (draft-4 ``id``) to the root's own URI
+    (``schema.json#/definitions/a`` in ``https://example.com/schema.json``). The fragment
+    is percent-decoded, then ``~1`` and ``~0`` read (RFC 6901). None for another
+    document or a plain-name fragment (``#anchor``)."""
+    from urllib.parse import unquote, urldefrag, urljoin
+
+    if not isinstance(ref, str):
+        return None
+    if not ref.startswith("#"):
+        base = root.get("$id", root.get("id")) if isinstance(root, dict) else None
+        if not isinstance(base, str) or not base:
+            return None
+        doc, _ = urldefrag(base)
+        target, _ = urldefrag(urljoin(doc, ref))
+        if target != doc:
+            return None
+    frag = ref.split("#", 1)[1] if "#" in ref else ""
+    if frag and not frag.startswith("/"):
+        return None
+    return [unquote(p).replace("~1", "/").replace("~0", "~") for p in frag.split("/")[1:]]
+
+
+def plain_schema(schema: Any) -> Any:
+    """A copy of ``schema`` (a parsed document) for a backend without ``oneOf`` it
+    cannot prove exclusive, ``not``, ``if`` or ``dependentRequired`` (llguidance): each
+    of these that plait reads is written with ``anyOf``, ``allOf``, ``required``,
+    ``type`` and ``properties: {name: false}``, which every backend reads:
+
+    - ``oneOf``: the ``anyOf`` of the branches as :meth:`_Translator.exclusive` narrows
+      them (values two branches admit dropped from both; objects written without a name
+      or with one of several names, as below), an equivalent constraint for those;
+    - ``not: {required: [...]}`` (and an ``anyOf`` of those): an object lacks one name of
+      each set, ``anyOf: [{properties: {a: false}}, ...]`` (exact: ``properties`` does
+      not constrain other values); ``not: {type: ...}`` folded into ``type``;
+    - ``if``/``then``/``else``: the ``anyOf`` of :meth:`_Translator.conditional`'s cases;
+    - ``dependentRequired`` / ``dependencies`` with name lists: for each name, ``anyOf``
+      the object lacks it or has the names it needs.
+
+    Anything the translator cannot read, or a narrowing only plait's regex can write
+    (a number with a fractional part), leaves that keyword as it is (the backend then
+    refuses it by name)."""
     if not isinstance(schema, dict):
         return schema
     t = _Translator(schema, "")
     seen = [0]
+
+    def kept(s: dict[str, Any]) -> dict[str, Any]:  # what a rewritten schema keeps beside its cases
+        return {k: v for k, v in s.items() if k in ANNOTATIONS or k in ("$defs", "definitions")}
 
     def walk(s: Any, depth: int) -> Any:
         seen[0] += 1
         if not isinstance(s, dict) or depth > MAX_SCHEMA_DEPTH or seen[0] > MAX_SCHEMA_EXPANSION:
             return s
         out = {k: walk_value(k, v, depth) for k, v in s.items()}
-        branches = out.get("oneOf")
-        if isinstance(branches, list) and branches:
-            rest = {k: v for k, v in out.items() if k != "oneOf"}
+        for step in (_plain_not, _plain_dependencies, _plain_if, _plain_one_of):
             try:
-                merged = []
-                for sub in branches:
-                    try:
-                        merged.append(t.merge([sub, rest], "#") if set(rest) - ANNOTATIONS else sub)
-                    except _NoValue:
-                        continue
-                narrowed = t.exclusive(merged, "#") if merged else []
+                new = step(t, out)
             except (SchemaError, RecursionError):
-                return out
-            if narrowed and not any(isinstance(b, dict) and any(k.startswith(_INTERNAL) for k in b) for b in narrowed):
-                return {**{k: v for k, v in rest.items() if k in ANNOTATIONS or k in ("$defs", "definitions")},
-                        "anyOf": narrowed}
+                continue
+            if new is not None and "\\u0000" not in json.dumps(new):  # no internal mark left
+                out = {**kept(out), **new} if new is not out else out
         return out
 
     def walk_value(k: str, v: Any, depth: int) -> Any:
@@ -266,6 +297,80 @@ def exclusive_one_of(schema: Any) -> Any:
         return v
 
     return walk(schema, 0)
+
+
+def _public(s: Any) -> Any:
+    """``s`` with plait's object marks (``_FORBID``, ``_NEED_ONE_OF``) written as JSON
+    Schema (:func:`_with_cases`): for each name set, the object lacks one of the names;
+    for each name list, it has one."""
+    if not isinstance(s, dict) or (_FORBID not in s and _NEED_ONE_OF not in s):
+        return s
+    groups = [[(frozenset({n}), frozenset()) for n in names] for names in s.get(_FORBID, [])]
+    groups += [[(frozenset(), frozenset({n})) for n in names] for names in s.get(_NEED_ONE_OF, [])]
+    return _with_cases({k: v for k, v in s.items() if k not in (_FORBID, _NEED_ONE_OF)}, groups)
+
+
+def _with_cases(s: dict[str, Any], groups: list[list[tuple[frozenset[str], frozenset[str]]]]) -> dict[str, Any]:
+    """``s`` and, for each group, one of its alternatives (names the object lacks, names
+    it has): the cases of the product as one ``anyOf`` of ``{properties: {name: false},
+    required: [...]}`` (with ``additionalProperties: true``: a case adds no other
+    constraint; neither keyword constrains values other than objects), cases that
+    cannot hold left out. Beside an ``anyOf`` of its own, the cases go into ``allOf``."""
+    own = s.get("required")
+    base = frozenset(own) if isinstance(own, list) and all(isinstance(n, str) for n in own) else frozenset()
+    cases: list[tuple[frozenset[str], frozenset[str]]] = [(frozenset(), base)]  # (lacks, has)
+    for group in groups:
+        cases = list(dict.fromkeys((a | ga, r | gr) for a, r in cases for ga, gr in group if not (a | ga) & (r | gr)))
+        if len(cases) > MAX_ANY_OF_PRODUCT:
+            raise SchemaError(f"json_schema: more than {MAX_ANY_OF_PRODUCT} cases of required/forbidden names")
+    if not cases:
+        raise _NoValue("json_schema: no object has the names it needs without those it must lack")
+    written = [{**({"properties": {n: False for n in sorted(a)}, "additionalProperties": True} if a else {}),
+                **({"required": sorted(r - base)} if r - base else {})} for a, r in cases]
+    if written == [{}]:
+        return s
+    if "anyOf" in s:
+        return {**s, "allOf": [*s.get("allOf", []), {"anyOf": written}]}
+    return {**s, "anyOf": written}
+
+
+def _plain_one_of(t: _Translator, s: dict[str, Any]) -> dict[str, Any] | None:
+    branches = s.get("oneOf")
+    if not isinstance(branches, list) or not branches:
+        return None
+    rest = {k: v for k, v in s.items() if k != "oneOf"}
+    merged = []
+    for sub in branches:
+        try:
+            merged.append(t.merge([sub, rest], "#") if set(rest) - ANNOTATIONS else sub)
+        except _NoValue:
+            continue
+    narrowed = t.exclusive(merged, "#") if merged else []
+    return {"anyOf": [_public(b) for b in narrowed]} if narrowed else None
+
+
+def _plain_not(t: _Translator, s: dict[str, Any]) -> dict[str, Any] | None:
+    if "not" not in s:
+        return None
+    if _not_required(s["not"]) is not None:
+        return _public(_lift_not(s))
+    excluded = _type_negation(s["not"])
+    return None if excluded is None else t.without_types(s, excluded, "#")
+
+
+def _plain_if(t: _Translator, s: dict[str, Any]) -> dict[str, Any] | None:
+    if "if" not in s:
+        return None
+    return {"anyOf": [_public(b) for b in t.conditional(s, "#")]}
+
+
+def _plain_dependencies(t: _Translator, s: dict[str, Any]) -> dict[str, Any] | None:
+    deps = _required_deps(s)
+    if deps is None:
+        return None
+    out = {k: v for k, v in s.items() if k not in ("dependentRequired", "dependencies")}
+    return _with_cases(out, [[(frozenset({name}), frozenset()), (frozenset(), frozenset(needed))]
+                             for name, needed in deps.items() if needed])
 
 
 class _Translator:
@@ -380,14 +485,12 @@ class _Translator:
 
     # -- combinators --------------------------------------------------------------------
     def resolve(self, ref: Any, path: str) -> Any:
-        base = self.root.get("$id", self.root.get("id")) if isinstance(self.root, dict) else None
-        if isinstance(ref, str) and isinstance(base, str) and base and ref.split("#")[0] == base.split("#")[0]:
-            ref = "#" + ref.split("#", 1)[1] if "#" in ref else "#"  # the root's own URI: local
-        if not isinstance(ref, str) or not ref.startswith("#"):
-            raise SchemaError(f"json_schema '$ref' at {path} is not supported: {ref!r}; allowed: local references ('#/...')")
+        parts = local_pointer(self.root, ref)
+        if parts is None:
+            raise SchemaError(f"json_schema '$ref' at {path} is not supported: {ref!r}; allowed: local references ('#/...', "
+                              "or the schema's own URI)")
         node: Any = self.root
-        for part in ref[1:].split("/")[1:] if ref != "#" else []:
-            part = part.replace("~1", "/").replace("~0", "~")
+        for part in parts:
             if isinstance(node, dict) and part in node:
                 node = node[part]
             elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
@@ -1682,15 +1785,61 @@ _UNSAFE = frozenset('"\\') | frozenset(chr(c) for c in range(0x20))
 _SHORT_ESCAPES = {'"': r'\\"', "\\": r"\\\\", "\n": r"\\n", "\t": r"\\t", "\r": r"\\r", "\b": r"\\b", "\f": r"\\f"}
 
 
+_CLASS_ESCAPES = frozenset("dDwWsS")
+
+
+def ecma_to_python(pattern: str) -> str:
+    """An ECMA-262 ``pattern`` (the dialect JSON Schema names) in Python's ``re`` syntax,
+    for the two ECMA-262 spellings Python reads differently or not at all: a named group
+    ``(?<name>...)`` becomes ``(?P<name>...)`` (look-behinds ``(?<=``/``(?<!`` stay), and a
+    ``-`` next to a class escape inside a class (``[\\w-_]``), a literal hyphen in
+    ECMA-262, is escaped. Everything else is passed through as written."""
+    out: list[str] = []
+    i, n, in_class = 0, len(pattern), False
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            if c == "]":
+                in_class = False
+            elif c == "-" and (_is_class_escape(out[-1]) or _is_class_escape(pattern[i + 1:i + 3])):
+                c = "\\-"
+            out.append(c)
+        elif c == "[":
+            in_class = True
+            out.append("[^" if pattern.startswith("[^", i) else "[")
+            i += len(out[-1])
+            if i < n and pattern[i] == "]":  # a leading ']' is a literal in Python's reading
+                out.append("]")
+                i += 1
+            continue
+        elif pattern.startswith("(?<", i) and not pattern.startswith(("(?<=", "(?<!"), i):
+            out.append("(?P<")
+            i += 3
+            continue
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _is_class_escape(token: str) -> bool:
+    return len(token) == 2 and token[0] == "\\" and token[1] in _CLASS_ESCAPES
+
+
 def _pattern_tree(pattern: Any, path: str) -> Any:
     """A JSON Schema ``pattern`` parsed by Python's ``re`` (whose reading ``jsonschema``
-    validates with), or ``SchemaError``."""
+    validates with; ECMA-262 spellings first rewritten by :func:`ecma_to_python`), or
+    ``SchemaError``."""
     from re import _parser  # type: ignore[attr-defined]
 
     if not isinstance(pattern, str):
         raise SchemaError(f"json_schema 'pattern' at {path} must be a string")
     try:
-        return _parser.parse(pattern)
+        return _parser.parse(ecma_to_python(pattern))
     except Exception as e:
         raise SchemaError(f"json_schema 'pattern' at {path} ({pattern[:80]!r}) cannot be parsed: {e}") from None
 
@@ -1713,15 +1862,30 @@ def _json_safe_pattern(pattern: Any, path: str, lengths: tuple[int, int | None] 
         wmin, wmax = tree.getwidth()
         if not (wmin >= lo and (hi is None or wmax <= hi)):
             items = _narrow_repeat(items, lo, hi, pattern, path)
+    out = "(?:" + _emit_pattern(items, pattern, path, json_text=True) + ")"
+    check_regex(out, f"json_schema 'pattern' at {path}")
+    return out
+
+
+def value_pattern(pattern: Any, path: str) -> str:
+    """A JSON Schema ``pattern`` as a regex over the string's value, for an engine with
+    Rust's regex syntax that finds a match anywhere (llguidance): ``^(?:...)$`` around
+    the reading of :func:`_json_safe_pattern` (anchors at the ends dropped, a full
+    match; ``\\d`` ``\\w`` ``\\s`` and their negations narrowed to ASCII, where Python
+    and Rust read them alike), but every character written as itself, control
+    characters, quotes and backslashes included (the engine writes the JSON escapes).
+    It admits a subset of the strings Python's ``re.search`` finds a match in."""
+    items = list(_pattern_tree(pattern, path))
+    return "^(?:" + _emit_pattern(items, pattern, path, json_text=False) + ")$"
+
+
+def _emit_pattern(items: list[Any], pattern: str, path: str, *, json_text: bool) -> str:
     try:
-        out = _Emit(path, pattern).seq(items, True, True)
+        return _Emit(path, pattern, json_text).seq(items, True, True)
     except _Unsupported as e:
         raise SchemaError(f"json_schema 'pattern' at {path} ({pattern[:80]!r}) uses {e}, which constrained decoding "
                           "does not support; allowed: regular expressions without look-around, back-references, "
                           "inline flags or inner anchors") from None
-    out = "(?:" + out + ")"
-    check_regex(out, f"json_schema 'pattern' at {path}")
-    return out
 
 
 def _narrow_repeat(items: list[Any], lo: int, hi: int | None, pattern: str, path: str) -> list[Any]:
@@ -1766,10 +1930,11 @@ class _Unsupported(Exception):
 
 
 class _Emit:
-    """Python ``re`` parse tree -> regex over the JSON text of a string's content."""
+    """Python ``re`` parse tree -> regex over the JSON text of a string's content
+    (``json_text``) or over the string's value."""
 
-    def __init__(self, path: str, pattern: str) -> None:
-        self.path, self.pattern = path, pattern
+    def __init__(self, path: str, pattern: str, json_text: bool) -> None:
+        self.path, self.pattern, self.json_text = path, pattern, json_text
 
     def seq(self, items: list[Any], at_start: bool, at_end: bool) -> str:
         from re import _constants as C  # type: ignore[attr-defined]
@@ -1791,15 +1956,15 @@ class _Emit:
         from re import _constants as C  # type: ignore[attr-defined]
 
         if op is C.LITERAL:
-            return _emit_chars({chr(av)})
+            return _emit_chars({chr(av)}, "", self.json_text)
         if op is C.NOT_LITERAL:
-            return _emit_class([(C.NEGATE, None), (C.LITERAL, av)])
+            return _emit_class([(C.NEGATE, None), (C.LITERAL, av)], self.json_text)
         if op is C.ANY:
-            return _emit_class([(C.NEGATE, None), (C.LITERAL, 10)])
+            return _emit_class([(C.NEGATE, None), (C.LITERAL, 10)], self.json_text)
         if op is C.IN:
-            return _emit_class(av)
+            return _emit_class(av, self.json_text)
         if op is C.CATEGORY:
-            return _emit_class([(C.CATEGORY, av)])
+            return _emit_class([(C.CATEGORY, av)], self.json_text)
         if op is C.BRANCH:
             return "(?:" + "|".join(self.seq(list(b), lead, tail) for b in av[1]) + ")"
         if op is C.SUBPATTERN:
@@ -1843,10 +2008,10 @@ def _class_has(items: list[Any], c: int) -> bool:
     return hit != neg
 
 
-def _emit_class(items: list[Any]) -> str:
-    """One character of the class: its printable ASCII members (every engine agrees on
-    those), escaped when JSON must escape them, plus its non-ASCII members when the
-    class reads them the same in Rust and Python (no \\d, \\w, \\s inside)."""
+def _emit_class(items: list[Any], json_text: bool) -> str:
+    """One character of the class: its ASCII members (every engine agrees on those),
+    escaped when JSON must escape them (``json_text``), plus its non-ASCII members when
+    the class reads them the same in Rust and Python (no \\d, \\w, \\s inside)."""
     from re import _constants as C  # type: ignore[attr-defined]
 
     ascii_members = {chr(c) for c in range(0x80) if _class_has(items, c)}
@@ -1860,7 +2025,7 @@ def _emit_class(items: list[Any]) -> str:
         else:
             extra = "".join(_class_item(op, av) for op, av in items if _item_top(op, av) >= 0x80)
             extra = "[" + extra + "]" if extra else ""
-    return _emit_chars(ascii_members, extra)
+    return _emit_chars(ascii_members, extra, json_text)
 
 
 def _item_top(op: Any, av: Any) -> int:
@@ -1879,8 +2044,18 @@ def _class_item(op: Any, av: Any) -> str:
     return chr(lo) if lo == av[1] else chr(lo) + "-" + chr(av[1])
 
 
-def _emit_chars(chars: set[str], extra: str = "") -> str:
-    """One of ``chars`` (ASCII, or any) as JSON text, plus the class ``extra``."""
+def _emit_chars(chars: set[str], extra: str, json_text: bool) -> str:
+    """One of ``chars`` (ASCII, or any), plus the class ``extra``: as JSON text
+    (``json_text``: quotes, backslashes and short-escape control characters written
+    escaped, other control characters left out) or as the characters themselves."""
+    if not json_text:
+        parts = [extra] if extra else []
+        if chars:
+            body = _ranges(sorted(chars))
+            parts.insert(0, body if len(chars) == 1 else "[" + body + "]")
+        if not parts:
+            raise _Unsupported("a character class no character is in")
+        return _alt(parts)
     safe = sorted(c for c in chars if c not in _UNSAFE)
     parts = []
     if safe:

@@ -55,9 +55,9 @@ def parser_limits() -> Any:
 
 
 # -- edge translation ------------------------------------------------------------------------------
-def _check_size(text: str, what: str) -> None:
-    if len(text) > MAX_GRAMMAR_CHARS:
-        raise ValueError(f"{what} has {len(text)} characters; allowed: at most {MAX_GRAMMAR_CHARS}")
+def _check_size(text: str, what: str, limit: int = MAX_GRAMMAR_CHARS) -> None:
+    if len(text) > limit:
+        raise ValueError(f"{what} has {len(text)} characters; allowed: at most {limit}")
 
 
 def _validate(grammar: str) -> str:
@@ -73,6 +73,9 @@ def _validate(grammar: str) -> str:
 # same sets (\s: Python's includes \x1c-\x1f), so a pattern using them could admit a
 # string jsonschema refuses.
 _SHORTHAND = re.compile(r"(?<!\\)(?:\\\\)*\\[sSwWdDbB]")
+# The formats llguidance's JSON compiler enforces itself (it refuses any other by name).
+_LLG_FORMATS = frozenset({"date", "date-time", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+                          "uuid"})
 
 
 def _check_pattern(pattern: str, where: str) -> None:
@@ -107,9 +110,63 @@ def _check_patterns_exclusive(patterns: list[str], where: str) -> None:
                          f"({str(e)[:80]})") from None
 
 
-def check_schema_for_llguidance(schema: Any, path: str = "#") -> None:
-    """Refuse, naming the keyword and its location, what llguidance's JSON compiler
-    would ignore or enforce unsoundly (an admitted instance that ``jsonschema`` rejects):
+_EXACT = ("oneOf", "not", "if", "then", "else")  # a narrower subschema here admits more, not fewer, values
+
+
+def _children(schema: dict[str, Any]) -> Any:
+    """(keyword, index or name or None, subschema, under one of _EXACT) for each
+    subschema of ``schema``."""
+    for k in _ONE:
+        if k in schema:
+            yield k, None, schema[k], k in _EXACT
+    items = schema.get("items")
+    if isinstance(items, list):
+        for i, x in enumerate(items):
+            yield "items", i, x, False
+    elif items is not None:
+        yield "items", None, items, False
+    for k in _LIST:
+        if isinstance(schema.get(k), list):
+            for i, x in enumerate(schema[k]):
+                yield k, i, x, k in _EXACT
+    for k in (*_MAP, "dependencies"):
+        if isinstance(schema.get(k), dict):
+            for name, x in schema[k].items():
+                yield k, name, x, False
+
+
+def _exact_places(root: Any) -> set[tuple[str, ...]] | None:
+    """The places (JSON-pointer parts) of the subschemas a local ``$ref`` reaches from
+    under a ``oneOf``/``not``/``if``/``then``/``else`` (directly or through other
+    ``$ref``s), which :func:`llguidance_schema` must not narrow; None (narrow nothing)
+    when such a ``$ref`` may be read against a nested ``$id``, which this does not track."""
+    from plait.runtime.constrained.json_schema import local_pointer
+
+    places: set[tuple[str, ...]] = set()
+    todo: list[tuple[Any, bool]] = [(root, False)]
+    nested_id = False
+    while todo:
+        s, exact = todo.pop()
+        if not isinstance(s, dict):
+            continue
+        nested_id |= s is not root and any(isinstance(s.get(k), str) and not s[k].startswith("#")
+                                           for k in ("$id", "id"))
+        target = local_pointer(root, s.get("$ref")) if exact else None
+        if target is not None and tuple(target) not in places:
+            places.add(tuple(target))
+            node: Any = root
+            for part in target:
+                node = node.get(part) if isinstance(node, dict) else (
+                    node[int(part)] if isinstance(node, list) and part.isdigit() and int(part) < len(node) else None)
+            todo.append((node, True))
+        todo.extend((x, exact or under) for _, _, x, under in _children(s))
+    return None if places and nested_id else places
+
+
+def llguidance_schema(schema: Any) -> Any:
+    """A copy of ``schema`` (a parsed document) for llguidance's JSON compiler. Refuses,
+    naming the keyword and its location, what llguidance would ignore or enforce
+    unsoundly (an admitted instance that ``jsonschema`` rejects):
 
     - draft 3's ``disallow`` / ``divisibleBy`` / ``extends`` and boolean ``required``
       (llguidance ignores them);
@@ -117,10 +174,36 @@ def check_schema_for_llguidance(schema: Any, path: str = "#") -> None:
       decimal just past the bound with more digits than a double holds parses onto it
       (``0.99999999999999999999`` is ``1.0``);
     - ``multipleOf`` unless the type is ``integer`` and the value an integer: validators
-      divide in floating point (``0.7 / 0.1`` is ``6.999999999999999``, not a multiple).
+      divide in floating point (``0.7 / 0.1`` is ``6.999999999999999``, not a multiple);
+    - ``patternProperties`` a key can match two of, or with shorthand classes (a key
+      pattern decides which schema applies: it cannot be narrowed).
+
+    Rewrites, each exact or a narrowing (a subset of the valid values):
+
+    - a ``format`` no draft defines (``int64``, ``password``) is an annotation: dropped;
+    - a ``pattern`` becomes :func:`json_schema.value_pattern`'s reading (the narrowing the
+      outlines backend writes: ``\\d`` ``\\w`` ``\\s`` and their negations as ASCII
+      classes, a full match; ECMA-262 named groups read);
+    - a draft ``format`` llguidance does not know becomes the ``pattern`` of plait's
+      sound regex for it (:data:`json_schema.FORMATS`), beside the schema's own
+      ``pattern`` through ``allOf``.
+
+    The narrowings are not done under ``oneOf``/``not``/``if``/``then``/``else``, nor in
+    what a ``$ref`` there reaches (:func:`_exact_places`): a narrower branch there admits
+    more values, not fewer. Patterns are then checked as written (no shorthand classes)
+    and draft formats llguidance does not know are refused.
     """
+    exact = _exact_places(schema)
+    return _rewrite(schema, [], exact is not None, exact or set())
+
+
+def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, ...]]) -> Any:
+    from plait.runtime.constrained.json_schema import FORMATS, STANDARD_FORMATS, value_pattern
+
     if not isinstance(schema, dict):
-        return
+        return schema
+    path = "/".join(["#", *parts])
+    narrow = narrow and tuple(parts) not in exact
     for k in _DRAFT3:
         if k in schema:
             raise ValueError(f"{k} (draft 3) at {path} is not supported by the llguidance backend")
@@ -149,29 +232,39 @@ def check_schema_for_llguidance(schema: Any, path: str = "#") -> None:
             except re.error as e:
                 raise ValueError(f"patternProperties at {path}: {pat!r} is not a valid pattern ({e})") from None
         _check_patterns_exclusive(list(patterns), f"{path}/patternProperties")
-    if isinstance(schema.get("pattern"), str):
-        _check_pattern(schema["pattern"], f"{path}/pattern")
     m = schema.get("multipleOf")
     if m is not None and not (integer and isinstance(m, int) and not isinstance(m, bool)):
         raise ValueError(f"multipleOf: {m} at {path} is supported by the llguidance backend only as an integer on "
                          "type integer")
-    for k in _ONE:
-        if k in schema:
-            check_schema_for_llguidance(schema[k], f"{path}/{k}")
-    items = schema.get("items")
-    if isinstance(items, list):
-        for i, s in enumerate(items):
-            check_schema_for_llguidance(s, f"{path}/items/{i}")
-    elif items is not None:
-        check_schema_for_llguidance(items, f"{path}/items")
-    for k in _LIST:
-        if isinstance(schema.get(k), list):
-            for i, s in enumerate(schema[k]):
-                check_schema_for_llguidance(s, f"{path}/{k}/{i}")
-    for k in (*_MAP, "dependencies"):
-        if isinstance(schema.get(k), dict):
-            for name, s in schema[k].items():
-                check_schema_for_llguidance(s, f"{path}/{k}/{name}")
+    out = dict(schema)
+    if isinstance(schema.get("pattern"), str):
+        if narrow:
+            out["pattern"] = value_pattern(schema["pattern"], f"{path}/pattern")
+        else:
+            _check_pattern(schema["pattern"], f"{path}/pattern")
+    fmt = schema.get("format")
+    if isinstance(fmt, str) and fmt not in _LLG_FORMATS:
+        if fmt not in STANDARD_FORMATS:  # no draft defines it: an annotation
+            del out["format"]
+        elif narrow and fmt in FORMATS:
+            del out["format"]
+            own = {"pattern": "^(?:" + FORMATS[fmt] + ")$"}
+            if "pattern" in out:
+                out["allOf"] = [*out.get("allOf", []), own]
+            else:
+                out.update(own)
+        else:
+            raise ValueError(f"format {fmt!r} at {path} is not supported by the llguidance backend" +
+                             (" under oneOf/not/if (where it cannot be narrowed)" if fmt in FORMATS else ""))
+    for k, key, x, under in _children(schema):
+        new = _rewrite(x, [*parts, k] if key is None else [*parts, k, str(key)], narrow and not under, exact)
+        if key is None:
+            out[k] = new
+            continue
+        if out[k] is schema[k]:  # copied once, then written in place
+            out[k] = list(schema[k]) if isinstance(schema[k], list) else dict(schema[k])
+        out[k][key] = new
+    return out
 
 
 def close_objects(schema: Any, *, open_defs: bool, in_all_of: bool = False) -> Any:
@@ -256,10 +349,11 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
     ``ValueError`` naming the keyword (and its location) at fault."""
     from llguidance import LLMatcher
 
-    from plait.runtime.constrained.json_schema import check_schema_size, check_whitespace, exclusive_one_of
+    from plait.runtime.constrained.json_schema import (MAX_SCHEMA_CHARS, check_schema_size, check_whitespace,
+                                                       plain_schema)
 
     text = schema if isinstance(schema, str) else json.dumps(schema)
-    _check_size(text, "the schema's JSON text")
+    _check_size(text, "the schema's JSON text", MAX_SCHEMA_CHARS)
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
@@ -267,10 +361,13 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
     if not isinstance(value, (dict, bool)):
         raise ValueError("it must be a JSON object (or true/false)")
     check_schema_size(value)
-    value = exclusive_one_of(value)
-    check_schema_for_llguidance(value)
+    value = plain_schema(value)
+    value = llguidance_schema(value)
     text = json.dumps(close_objects(value, open_defs='"allOf"' in json.dumps(value)))
-    options: dict[str, Any] = {"whitespace_flexible": False, "lenient": False}
+    # no \uXXXX escapes (as in the outlines layout): llguidance matches a key written with
+    # one against neither the listed names nor the patterns, so {"\u0061": 1} would get
+    # additionalProperties' schema where jsonschema applies property "a"'s
+    options: dict[str, Any] = {"whitespace_flexible": False, "lenient": False, "json_allowed_escapes": '"\\bfnrt'}
     if whitespace_pattern is not None:
         options["whitespace_pattern"] = check_whitespace(whitespace_pattern)
     return _validate(LLMatcher.grammar_from_json_schema(text, overrides=options))
