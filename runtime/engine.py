@@ -29,12 +29,12 @@ from plait.runtime.memory import KVPool, PageAllocator, ReqToToken, WindowPages,
 from plait.runtime.model_loader import ModelSource, resolve_model
 from plait.runtime.model_runner import ModelRunner
 from plait.runtime.models.config import ModelConfig
-from plait.runtime.models.llama import CausalLM
+from plait.runtime.models.llama import CausalLM, long_rope_offset
 from plait.runtime.models.registry import model_class
 from plait.runtime.output_processor import OutputProcessor, RequestOutput
 from plait.runtime.pinning import MAX_PIN_TTL_S, PinTable
 from plait.runtime.radix_cache import RadixCache
-from plait.runtime.request import FinishReason, LogprobState, Req, ReqKind
+from plait.runtime.request import FinishReason, LogprobState, Req, ReqKind, long_rope_namespace
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler import ScheduleBatch, Scheduler
 from plait.runtime.models.parallel import check_tp
@@ -112,7 +112,8 @@ class Engine:
         # prefixes pinned for the language's batches (plait.runtime.pinning)
         self.pins = PinTable(self.cache, int((num_pages - 1) * ps * cfg.pin_budget_fraction))
         self.scheduler = Scheduler(
-            cfg, self.allocator, self.req_to_token, self.cache, self.context_len, eos_ids=self.eos_ids, tier=self.tier
+            cfg, self.allocator, self.req_to_token, self.cache, self.context_len, eos_ids=self.eos_ids, tier=self.tier,
+            long_rope_limit=mc.long_rope_limit,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         attn = self._attention_backend()
@@ -121,6 +122,7 @@ class Engine:
         self.runner = ModelRunner(
             self._tp.model(self.model) if self._tp is not None else self.model, attn, self.req_to_token, self.device,
             sorted(self.eos_ids), graphs=self._capture_graphs(attn),
+            long_rope_offset=long_rope_offset(self.context_len, mc.rope_scaling),  # the model's max_pos
         )
         self._ids = itertools.count()
         self._reqs: dict[str, Req] = {}  # unfinished client requests by rid
@@ -542,9 +544,10 @@ class Engine:
         if any(r.cache_salt == cache_salt for r in self.scheduler.running):
             return False
         self.scheduler.release_prefetches()  # waiting requests' locks (taken again next step)
-        self.cache.drop_namespace(cache_salt)
-        if self.tier is not None:
-            self.tier.tree.drop_namespace(cache_salt)
+        for namespace in (cache_salt, long_rope_namespace(cache_salt)):  # (Req.kv_namespace)
+            self.cache.drop_namespace(namespace)
+            if self.tier is not None:
+                self.tier.tree.drop_namespace(namespace)
         self.publish_kv_events()
         return True
 

@@ -25,7 +25,7 @@ class ForwardBatch:
     """
 
     input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, rotary rows (+ the long-rope offset: models.llama.cos_sin_cache)
     out_slots: torch.Tensor  # [T] int64, slot for each new token's KV
     req_rows: torch.Tensor  # [B] int64, page-table row of each request (extends first)
     req_to_token: torch.Tensor  # [max_running, max_context] int32, the page table

@@ -184,7 +184,7 @@ class HostLoader:
             return w.host
         # NOTE: positions before max_prefix_len() never change while a request waits
         # (healing and jump-start touch only its last prompt token and after)
-        host = self.tier.match(r.token_ids, r.cache_salt, max_len)
+        host = self.tier.match(r.token_ids, r.kv_namespace, max_len)
         self.probes += 1
         if w is None:
             self._waiting[r.rid] = _Waiting(version, max_len, host)
@@ -219,9 +219,9 @@ class HostLoader:
         finally:
             self.tier.tree.unlock(host.node)
             self.cache.unlock(match.node)
-        dup = self.cache.insert(r.token_ids[:end], torch.cat([match.slots, slots]), r.cache_salt)
+        dup = self.cache.insert(r.token_ids[:end], torch.cat([match.slots, slots]), r.kv_namespace)
         self.allocator.free(self.allocator.slots_to_pages(dup))
-        return self.cache.match_prefix(r.token_ids, r.cache_salt, max_len=r.max_prefix_len())
+        return self.cache.match_prefix(r.token_ids, r.kv_namespace, max_len=r.max_prefix_len())
 
     def prefetch(self, waiting: Iterable[Req], reserved_pages: int) -> None:
         """With prefetch on: for the first :data:`PREFETCH_WINDOW` waiting requests,
@@ -239,7 +239,7 @@ class HostLoader:
             host = self.probe(r)
             if host.length == 0:
                 continue
-            match = self.cache.match_prefix(r.token_ids, r.cache_salt, max_len=host.length)
+            match = self.cache.match_prefix(r.token_ids, r.kv_namespace, max_len=host.length)
             room = min(self.pages_per_step - copied, spare)
             if match.length < host.length and room > 0:
                 before = self.tier.loaded_tokens

@@ -31,8 +31,11 @@ class ModelRunner:
         device: torch.device,
         eos_ids: Sequence[int],
         graphs: DecodeGraphRunner | None = None,
+        long_rope_offset: int = 0,
     ) -> None:
         self.model = model
+        # longrope: long-rope requests' rotary rows start here (models.llama.long_rope_offset)
+        self.long_rope_offset = long_rope_offset
         self.attn = attn
         self.req_to_token = req_to_token
         self.device = device
@@ -68,9 +71,12 @@ class ModelRunner:
             token_rows.append(r.row)
         table = self.req_to_token.table
         input_ids, pos, rows, req_rows = self.staging.to_device(ids, positions, token_rows, [r.row for r in batch.reqs])
+        rope_pos = pos
+        if self.long_rope_offset and any(r.long_rope for r in batch.reqs):
+            rope_pos = pos + torch.tensor(self._rope_offsets(batch), device=pos.device)
         fb = ForwardBatch(
             input_ids=input_ids,
-            positions=pos,
+            positions=rope_pos,
             out_slots=table[rows, pos].long(),  # one gather: the slot of every token
             req_rows=req_rows,
             req_to_token=table,
@@ -85,6 +91,17 @@ class ModelRunner:
             self._window_table[req_rows, :width] = slot_map[table[req_rows, :width].long()].to(table.dtype)
             fb.windowed = dataclasses.replace(fb, out_slots=slot_map[fb.out_slots], req_to_token=self._window_table)
         return fb
+
+    def _rope_offsets(self, batch: ScheduleBatch) -> list[int]:
+        """Per token (in build_forward_batch's order), its rotary-table offset."""
+        off = self.long_rope_offset
+        out: list[int] = []
+        for r, n in batch.extends:
+            out.extend([off if r.long_rope else 0] * n)
+        for r, d in batch.verifies:
+            out.extend([off if r.long_rope else 0] * (1 + len(d.tokens)))
+        out.extend(off if r.long_rope else 0 for r in batch.decodes)
+        return out
 
     @torch.inference_mode()
     def forward(self, batch: ScheduleBatch) -> dict[str, list[int]]:

@@ -104,6 +104,12 @@ class LogprobState:
             del self.output_top[max(len(self.output_top) - n, 0) :]
 
 
+def long_rope_namespace(salt: str | None) -> str:
+    """The cache namespace of long-rope requests of ``salt`` (user salts never hold a
+    NUL character: :func:`plait.runtime.validation.check_cache_salt`)."""
+    return "\x00long-rope\x00" + (salt or "")
+
+
 class Req:
     """State of one sequence. Scheduling is "computed tokens catch up to total tokens":
     ``num_computed`` tokens of ``token_ids`` (prompt then output, one list) have KV in
@@ -154,11 +160,20 @@ class Req:
         # with windowed KV in a pool of its own: own pages before this page index have
         # given their windowed KV back (they lie before the window)
         self.window_floor = 0
+        # longrope: computed with the long factors throughout (the scheduler sets it once
+        # the sequence is longer than the model's original context; its KV lives apart)
+        self.long_rope = False
         self.row: int | None = None
         self.cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.admitted_once = False
         self.num_retractions = 0
         self.grammar: GrammarMatcher | None = None  # constrained decoding
+
+    @property
+    def kv_namespace(self) -> str | None:
+        """The prefix-cache namespace of this request's KV: its ``cache_salt``, or
+        for long-rope requests (whose KV is rotated differently) that salt's own."""
+        return long_rope_namespace(self.cache_salt) if self.long_rope else self.cache_salt
 
     # -- tokens -----------------------------------------------------------------------
     @property

@@ -17,7 +17,7 @@ def order_waiting(policy: str, waiting: list[Req], cache: RadixCache) -> list[Re
     """Return ``waiting`` in admission order. Stable: ties keep arrival order."""
     if policy == "fcfs" or cache.disable or len(waiting) > MAX_PREFIX_AWARE_QUEUE:
         return list(waiting)
-    matches = {id(r): cache.match_prefix(r.token_ids, r.cache_salt, max_len=r.max_prefix_len()) for r in waiting}
+    matches = {id(r): cache.match_prefix(r.token_ids, r.kv_namespace, max_len=r.max_prefix_len()) for r in waiting}
     if policy == "lpm":
         return sorted(waiting, key=lambda r: -matches[id(r)].length)
     if policy == "dfs-weight":

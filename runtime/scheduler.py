@@ -22,7 +22,7 @@ from plait.runtime.config import EngineConfig
 from plait.runtime.hicache import HostLoader, HostTier
 from plait.runtime.memory import PageAllocator, ReqToToken
 from plait.runtime.radix_cache import MatchResult, RadixCache
-from plait.runtime.request import NO_SLOTS, FinishReason, Req, ReqStatus
+from plait.runtime.request import NO_SLOTS, FinishReason, Req, ReqKind, ReqStatus
 from plait.runtime.schedule_policy import order_waiting
 from plait.runtime.speculative import NONE, Draft, propose
 
@@ -69,8 +69,12 @@ class Scheduler:
         context_len: int,
         eos_ids: frozenset[int] = frozenset(),
         tier: HostTier | None = None,
+        long_rope_limit: int | None = None,
     ) -> None:
         self.config = config
+        # longrope (Phi-3): a sequence longer than this is computed with the long factors
+        # throughout, as transformers computes it (plait.runtime.models.llama.cos_sin_cache)
+        self.long_rope_limit = long_rope_limit
         self.allocator = allocator
         # the windowed layers' pool (plait.runtime.memory.WindowPages), or None
         self.window = allocator.window
@@ -106,6 +110,7 @@ class Scheduler:
     # -- queue ----------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
         req.status = ReqStatus.WAITING
+        req.long_rope = self._outgrew_short_rope(req)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -207,6 +212,8 @@ class Scheduler:
         for r in decodes:
             # the last verified position must leave room for one more token
             room = min(cfg.speculative_num_draft_tokens, r.remaining_new_tokens - 1, self.context_len - r.seq_len - 1)
+            if self.long_rope_limit is not None and not r.long_rope:
+                room = min(room, self.long_rope_limit - r.seq_len)  # verified contexts stay within the short factors
             draft = propose(r, room, cfg.speculative_ngram_min, cfg.speculative_ngram_max)
             if draft is not None and self._pages_needed(r, 1 + len(draft.tokens)) > self._free_now():
                 draft = draft.cut(r.capacity(self.page_size) - r.num_computed - 1)  # what r's pages hold
@@ -241,7 +248,7 @@ class Scheduler:
                 break
             if r.grammar is not None and not r.grammar.started:
                 continue  # its index is still being built; the others go on
-            match = self._load_from_host(r, self.cache.match_prefix(r.token_ids, r.cache_salt,
+            match = self._load_from_host(r, self.cache.match_prefix(r.token_ids, r.kv_namespace,
                                                                      max_len=r.max_prefix_len()))
             match = self._window_usable(r, match)
             if not self.cache.disable and any(
@@ -313,6 +320,9 @@ class Scheduler:
             for r in batch.reqs:
                 if not r.finished:
                     self._drop_window(r)
+        for r in advanced:
+            if not r.finished and self._outgrew_short_rope(r):
+                self._recompute_with_long_rope(r)
         return advanced
 
     def _take(self, r: Req, tokens: list[int]) -> int:
@@ -419,7 +429,7 @@ class Scheduler:
             if match.length:
                 self.cache.record_hit(match.node)
             if (not self.cache.disable and match.length < EARLY_DIVERGENCE_TOKENS <= r.prompt_len // 2
-                    and self.cache.divergence(r.token_ids, r.cache_salt, EARLY_DIVERGENCE_TOKENS) is not None):
+                    and self.cache.divergence(r.token_ids, r.kv_namespace, EARLY_DIVERGENCE_TOKENS) is not None):
                 self.early_divergences += 1
             r.cached_tokens = match.length
             r.admitted_once = True
@@ -439,7 +449,7 @@ class Scheduler:
         if aligned <= r.cache_len:
             return
         self._insert(r, aligned)
-        match = self.cache.match_prefix(r.token_ids[:aligned], r.cache_salt)
+        match = self.cache.match_prefix(r.token_ids[:aligned], r.kv_namespace)
         self.cache.lock(match.node)
         self.cache.unlock(r.last_node)
         r.last_node = match.node
@@ -457,10 +467,10 @@ class Scheduler:
         # back from the page table, which lives on the device
         own = self.allocator.pages_to_slots(r.private_pages)
         slots = torch.cat([r.prefix_slots[: r.cache_len], own])[:length]
-        dup = self.cache.insert(r.token_ids[:length], slots, r.cache_salt)
+        dup = self.cache.insert(r.token_ids[:length], slots, r.kv_namespace)
         self.allocator.free(self.allocator.slots_to_pages(dup))
         if self.tier is not None and self.tier.write_through:
-            self.tier.save(r.token_ids[:length], slots, r.cache_salt)
+            self.tier.save(r.token_ids[:length], slots, r.kv_namespace)
 
     def _release(self, r: Req) -> None:
         """Return all of ``r``'s KV: computed full pages to the cache, the rest freed."""
@@ -481,6 +491,24 @@ class Scheduler:
         self.req_to_token.free_row(r.row)
         r.row = None
         r.cache_len = r.num_computed = 0
+
+    def _outgrew_short_rope(self, r: Req) -> bool:
+        """``r`` (not a pin's prefill, whose prefix serves the short-factor requests)
+        is now longer than the model's original context but computed with the short
+        longrope factors."""
+        limit = self.long_rope_limit
+        return (limit is not None and not r.long_rope and r.seq_len > limit
+                and r.kind is not ReqKind.PIN_PREFILL)
+
+    def _recompute_with_long_rope(self, r: Req) -> None:
+        """``r`` grew past the original context: like transformers' Phi-3, compute the
+        whole sequence again with the long factors (its short-factor KV stays cached
+        for others; its new KV goes to the long-rope namespace). Requeued first."""
+        self.running.remove(r)
+        self._release(r)
+        r.long_rope = True
+        r.status = ReqStatus.WAITING
+        self.waiting.appendleft(r)
 
     def _retract_one(self) -> None:
         """Free the running request that loses least (fewest generated tokens, then the
@@ -608,7 +636,7 @@ class Scheduler:
             k = holes[-1]  # an end after a hole has it in its window: end before it
         if k == len(attached):
             return match
-        return self.cache.match_prefix(r.token_ids, r.cache_salt, max_len=k * ps)
+        return self.cache.match_prefix(r.token_ids, r.kv_namespace, max_len=k * ps)
 
     # -- accounting -----------------------------------------------------------------
     def pool_usage(self) -> dict[str, int]:

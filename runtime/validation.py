@@ -93,6 +93,8 @@ def check_text(text: str, param: str) -> str:
 def check_cache_salt(salt: Any) -> str | None:
     if salt is not None and not isinstance(salt, str):
         raise RequestError(f"cache_salt={salt!r} is invalid; allowed: a string or None", "cache_salt")
+    if salt is not None and "\x00" in salt:
+        raise RequestError("cache_salt must not contain NUL characters", "cache_salt")
     return None if salt is None else check_text(salt, "cache_salt")
 
 

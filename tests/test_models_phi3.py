@@ -3,12 +3,13 @@ with fused qkv_proj and gate_up_proj, plain rope and longrope ("su") scaling wit
 short/long factors. Greedy tokens identical and prompt logprobs within 1e-4 (fp32),
 fresh and from the prefix cache with small prefill chunks, and under retraction.
 
-Longrope: positions below original_max_position_embeddings rotate with the short
-factors, later ones with the long factors (plait.runtime.models.llama.cos_sin_cache; the
-cache checked against transformers' rotary embedding on both sides of the limit). The
-engine runs keep sequences below the limit, where that is exactly transformers: once a
-sequence grows past it, transformers' Phi-3 drops its KV cache and recomputes the whole
-sequence with the long factors, which plait does not (NOTE: not exact there).
+Longrope: a sequence of at most original_max_position_embeddings tokens is computed
+with the short factors, a longer one with the long factors throughout -- transformers'
+rule: its Phi-3 drops its KV cache and recomputes the whole sequence when generation
+crosses the limit, and so does the scheduler (plait.runtime.models.llama.cos_sin_cache
+holds both; checked against transformers' rotary embedding on both sides of the limit).
+Engine runs below, across and beyond the limit, with prefix-cache reuse kept apart by
+factor (a short-factor prefix never serves a long-factor request).
 
 GGUF: the same models written as llama.cpp's converter writes a ``phi3`` file (fused
 ``attn_qkv`` and ``ffn_up`` = gate | up, longrope as ``rope_factors_long/short`` tensors with
@@ -66,21 +67,24 @@ def test_phi3_config(phi3):
 def test_rope_cache_matches_transformers_on_both_sides_of_the_limit(phi3):
     from transformers import AutoModelForCausalLM
 
-    from plait.runtime.models.llama import cos_sin_cache
+    from plait.runtime.models.llama import cos_sin_cache, long_rope_offset
 
     rotary = AutoModelForCausalLM.from_pretrained(phi3.folder).model.rotary_emb
     cfg = resolve_model(str(phi3.folder)).load_config()
     cache = cos_sin_cache(cfg.head_dim, 256, cfg.rope_theta, cfg.rope_scaling)
+    offset = long_rope_offset(256, cfg.rope_scaling)
+    assert cache.shape[0] == 256 + offset and offset == (256 if phi3.kind == "longrope" else 0)
     half = cfg.head_dim // 2
     for pos in (0, 10, ORIGINAL - 1, ORIGINAL, 200):
         # transformers picks short/long by the largest position of the call: one at a time
         cos, sin = rotary(torch.zeros(1), torch.tensor([[pos]]))
-        torch.testing.assert_close(cache[pos, :half], cos[0, 0, :half], atol=1e-6, rtol=0)
-        torch.testing.assert_close(cache[pos, half:], sin[0, 0, :half], atol=1e-6, rtol=0)
-    if phi3.kind == "longrope":  # the long factors do take over at the limit
-        short = cos_sin_cache(cfg.head_dim, 256, cfg.rope_theta, {**cfg.rope_scaling, "long_factor": cfg.rope_scaling["short_factor"]})
-        assert torch.equal(cache[:ORIGINAL], short[:ORIGINAL])
-        assert not torch.allclose(cache[ORIGINAL:], short[ORIGINAL:])
+        row = pos + (offset if pos >= ORIGINAL else 0)  # a sequence that long: the long rows
+        torch.testing.assert_close(cache[row, :half], cos[0, 0, :half], atol=1e-6, rtol=0)
+        torch.testing.assert_close(cache[row, half:], sin[0, 0, :half], atol=1e-6, rtol=0)
+    if phi3.kind == "longrope":  # the long rows differ from the short ones at every position
+        cos, _ = rotary(torch.zeros(1), torch.tensor([[0, ORIGINAL]]))  # a call past the limit: long
+        torch.testing.assert_close(cache[offset, :half], cos[0, 0, :half], atol=1e-6, rtol=0)
+        assert not torch.allclose(cache[offset + 1 : 2 * offset], cache[1:offset])
 
 
 def test_phi3_matches_hf_fresh_and_from_the_prefix_cache(phi3):
@@ -89,6 +93,48 @@ def test_phi3_matches_hf_fresh_and_from_the_prefix_cache(phi3):
 
 def test_phi3_under_retraction(phi3):
     check_retracted(phi3)
+
+
+@pytest.mark.parametrize("phi3", ["longrope"], indirect=True)
+def test_longrope_across_and_beyond_the_original_context_matches_hf(phi3):
+    """Prompts below the limit whose generation crosses it (recomputed with the long
+    factors there), prompts longer than it (long factors from the start), together and
+    one after another, with prefix-cache reuse only within one kind of factors."""
+    from conftest import hf_greedy, hf_prompt_logprobs
+    from transformers import AutoModelForCausalLM
+
+    from test_engine_exactness import LOGPROB_ATOL, check_outputs
+
+    from plait.errors import RequestError
+    from plait.runtime import Engine
+    from plait.runtime.request import long_rope_namespace
+
+    hf = AutoModelForCausalLM.from_pretrained(phi3.folder, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(3, 40000, (130,), generator=g).tolist()
+    crossing, beyond, short = base[:92], base[:120], base[:80]  # + 8 new: 100, 128, 88 tokens
+    params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    with Engine(str(phi3.folder), kv_cache_tokens=2048, page_size=4, chunked_prefill_size=32) as engine:
+        first = engine.generate(input_ids=[crossing, beyond], sampling_params=params, return_logprob=True,
+                                logprob_start_len=0)
+        rounds = [first, engine.generate(input_ids=[short, crossing, beyond], sampling_params=params)]
+        prompts = [[crossing, beyond], [short, crossing, beyond]]
+        for outs, ps in zip(rounds, prompts):
+            check_outputs(engine, outs, [hf_greedy(hf, p, 8) for p in ps])
+        for o, p in zip(first, prompts[0]):
+            got = torch.tensor([lp for lp, _ in o["meta_info"]["input_token_logprobs"][1:]])
+            torch.testing.assert_close(got, hf_prompt_logprobs(hf, p), atol=LOGPROB_ATOL, rtol=0)
+        hits = [o["meta_info"]["cached_tokens"] for o in rounds[1]]
+        # the second round reused the first's KV, each request within its own factors
+        assert hits[0] >= 76 and hits[1] >= 88 and hits[2] >= 116, hits
+        # a tenant's flush drops its long-factor namespace with it; salts cannot name it
+        engine.generate(input_ids=[beyond], sampling_params=params, cache_salt="t")
+        assert engine.cache.match_prefix(beyond, long_rope_namespace("t")).length >= 116
+        assert engine.flush_cache(cache_salt="t")
+        assert engine.cache.match_prefix(beyond, long_rope_namespace("t")).length == 0
+        assert engine.cache.match_prefix(beyond, long_rope_namespace(None)).length >= 116
+        with pytest.raises(RequestError, match="cache_salt must not contain NUL"):
+            engine.generate(input_ids=[short], sampling_params=params, cache_salt="\x00long-rope\x00t")
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -176,7 +222,7 @@ def test_phi3_gguf_config_and_weights_equal_the_folder(phi3, tmp_path):
     if phi3.kind == "longrope":
         for key in ("short_factor", "long_factor", "original_max_position_embeddings", "max_position_embeddings"):
             np.testing.assert_allclose(got.rope_scaling[key], want.rope_scaling[key], rtol=1e-7)
-        from plait.runtime.models.llama import cos_sin_cache
+        from plait.runtime.models.llama import cos_sin_cache, long_rope_offset
 
         torch.testing.assert_close(cos_sin_cache(got.head_dim, 256, got.rope_theta, got.rope_scaling),
                                    cos_sin_cache(want.head_dim, 256, want.rope_theta, want.rope_scaling),

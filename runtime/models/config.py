@@ -143,6 +143,14 @@ class ModelConfig:
         return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
 
     @property
+    def long_rope_limit(self) -> int | None:
+        """Longrope (Phi-3): sequences longer than this are computed with the long
+        factors throughout (``original_max_position_embeddings``); None otherwise."""
+        if self.rope_type != "longrope":
+            return None
+        return int(self.rope_scaling["original_max_position_embeddings"])
+
+    @property
     def attention_scale(self) -> float:
         """The factor on q.k scores: ``query_pre_attn_scalar ** -0.5`` (Gemma) or ``head_dim ** -0.5``."""
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5

@@ -78,15 +78,14 @@ class RotaryEmbedding(nn.Module):
 
 def cos_sin_cache(head_dim: int, max_pos: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
     """``[max_pos, head_dim]`` cos | sin, fp32 (:func:`plait.kernels.rotary.rope_cos_sin_cache`),
-    and longrope (Phi-3) here.
+    and longrope (Phi-3) here: ``[2 * max_pos, head_dim]``, the short factors' rows then
+    the long factors' (a position rotated with the long factors is looked up at
+    ``max_pos + position``: :func:`long_rope_offset`).
 
-    NOTE: transformers picks longrope's short or long factors per forward call, by the
-    longest position in it; a serving cache needs one rule per position: positions below
-    ``original_max_position_embeddings`` rotate with the short factors, later ones with the
-    long factors. That is what transformers computes for every sequence whose prompt fits
-    in the original length (its later tokens are computed one at a time, past the limit
-    with the long factors); a longer prompt is rotated by transformers with the long
-    factors throughout, here its first positions with the short ones.
+    transformers computes a sequence of at most ``original_max_position_embeddings``
+    tokens with the short factors and a longer one with the long factors throughout (its
+    Phi-3 recomputes the whole sequence when generation crosses the limit); the
+    scheduler does the same (``Req.long_rope``).
     """
     if not rope_scaling or rope_scaling.get("rope_type") != "longrope":
         return rope_cos_sin_cache(head_dim, max_pos, theta, rope_scaling)
@@ -98,11 +97,16 @@ def cos_sin_cache(head_dim: int, max_pos: int, theta: float, rope_scaling: dict 
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     pos = torch.arange(max_pos, dtype=torch.float32)
     rows = []
-    for ext, span in ((rope_scaling["short_factor"], pos[:orig]), (rope_scaling["long_factor"], pos[orig:])):
+    for ext in (rope_scaling["short_factor"], rope_scaling["long_factor"]):
         inv_freq = 1.0 / (torch.tensor(ext, dtype=torch.float32) * theta**exponents)
-        freqs = torch.outer(span, inv_freq)
+        freqs = torch.outer(pos, inv_freq)
         rows.append(torch.cat([freqs.cos() * attention_factor, freqs.sin() * attention_factor], dim=-1))
     return torch.cat(rows)
+
+
+def long_rope_offset(max_pos: int, rope_scaling: dict | None) -> int:
+    """Where :func:`cos_sin_cache`'s long-factor rows start (0: the model has none)."""
+    return max_pos if rope_scaling and rope_scaling.get("rope_type") == "longrope" else 0
 
 
 class RMSNorm(nn.Module):
