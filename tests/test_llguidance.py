@@ -363,15 +363,13 @@ def test_auto_picks_a_backend_per_constraint():
     ({"json_schema": {"type": "integer", "divisibleBy": 3}, "grammar_backend": "llguidance"}, "json_schema",
      "divisibleBy"),
     # found unsound on the real-world corpus (benchmarks/schema_corpus): refused by name
-    ({"json_schema": {"type": "object", "patternProperties": {"^\\s*x$": {"type": "integer"}}},
-      "grammar_backend": "llguidance"}, "json_schema", "patternProperties"),
     ({"json_schema": {"type": "object", "patternProperties": {".*": {"type": "integer"}, "^a": {"minimum": 3}}},
       "grammar_backend": "llguidance"}, "json_schema", "patternProperties"),
-    # a key pattern, and a pattern under a oneOf kept as written: not narrowed, so refused
-    ({"json_schema": {"type": "object", "patternProperties": {"^\\d+$": {"type": "integer"}}},
-      "grammar_backend": "llguidance"}, "json_schema", "shorthand class"),
-    ({"json_schema": {"oneOf": [{"type": "string", "pattern": "^\\w+$"}, {"type": "string", "maxLength": 3}]},
-      "grammar_backend": "llguidance"}, "json_schema", "shorthand class"),
+    # a word boundary: llguidance does not read it as Python does
+    ({"json_schema": {"type": "object", "patternProperties": {"\\bx": {"type": "integer"}}},
+      "grammar_backend": "llguidance"}, "json_schema", "word boundary"),
+    ({"json_schema": {"oneOf": [{"type": "string", "pattern": "\\bx"}, {"type": "integer"}]},
+      "grammar_backend": "llguidance"}, "json_schema", "word boundary"),
     ({"json_schema": {"properties": {"a": {"required": True}}}, "grammar_backend": "llguidance"}, "json_schema",
      "required"),
     ({"json_schema": {"type": "array", "contains": {"const": 1}}, "grammar_backend": "llguidance"}, "json_schema",
@@ -614,16 +612,29 @@ def test_llguidance_takes_not_if_dependencies_and_oneof_written_with_anyof(gramm
     _sound_on_llguidance(grammars, vocab, schema, ['{"b":1}', '{}'], ['[]', '{"a":1}', '{"b":"x"}'])
 
 
-def test_llguidance_keeps_patterns_as_written_where_a_narrowing_would_widen(grammars, vocab):
+def test_llguidance_keeps_patterns_exact_where_a_narrowing_would_widen(grammars, vocab):
     """Under a ``oneOf`` llguidance checks itself (distinct types), and in what a
     ``$ref`` there reaches, a narrower pattern would admit values that satisfy two
-    branches: such patterns are not narrowed, so a shorthand class there is refused."""
+    branches: such patterns (and ``patternProperties`` keys, which pick a key's schema)
+    get Python's exact shorthand sets instead of the ASCII narrowing."""
     defs = {"d": {"type": "string", "pattern": r"^\d+$"}}
-    kept = {"definitions": defs, "type": "object", "properties": {"x": {"$ref": "#/definitions/d"}}}
-    _sound_on_llguidance(grammars, vocab, kept, ['{"x":"12"}', '{}'], ['{"x":"1a"}'])
-    under = {"definitions": defs, "oneOf": [{"$ref": "#/definitions/d"}, {"type": "string", "maxLength": 2}]}
-    with pytest.raises(RequestError, match="shorthand class"):
-        SamplingParams.from_dict({"json_schema": under, "grammar_backend": "llguidance"}).constraint()
+    narrowed = {"definitions": defs, "type": "object", "properties": {"x": {"$ref": "#/definitions/d"}}}
+    _sound_on_llguidance(grammars, vocab, narrowed, ['{"x":"12"}', '{}'], ['{"x":"1a"}', '{"x":"١٢a"}'])
+    m = new_matcher(grammars, {"json_schema": narrowed, "grammar_backend": "llguidance"})
+    assert not admits(m, vocab, '{"x":"١٢"}')  # valid (Python's \d), narrowed away
+    # a oneOf plait cannot prove exclusive stays (llguidance refuses it); what it reaches is not narrowed
+    from plait.runtime.constrained.llguidance_backend import llguidance_schema
+
+    under = {"type": "object", "properties": {"x": {"$ref": "#/definitions/d"}}, "definitions": {
+        "d": {"oneOf": [{"$ref": "#/definitions/digits"}, {"type": "string", "maxLength": 2}]},
+        "digits": {"type": "string", "pattern": r"^\d+$"}}}
+    exact = llguidance_schema(under)["definitions"]["digits"]["pattern"]
+    assert re.fullmatch(exact, "١٢") and not re.search(exact, "1a")
+    assert re.fullmatch(llguidance_schema(narrowed)["definitions"]["d"]["pattern"], "١٢") is None
+    keys = {"type": "object", "patternProperties": {r"^\d+$": {"type": "integer"}, r"^\s": {"type": "string"}},
+            "additionalProperties": {"type": "boolean"}}
+    _sound_on_llguidance(grammars, vocab, keys, ['{"12":1}', '{"١٢":1}', '{" a":"s"}', '{"a":true}'],
+                         ['{"١٢":true}', '{"\u0085":true}', '{"1a":1}'])
 
 
 def test_llguidance_takes_a_schema_text_over_the_ebnf_size_limit(grammars, vocab):

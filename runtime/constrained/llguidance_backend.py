@@ -19,6 +19,7 @@ regex) compiled by llguidance, with per-step masks computed by its Earley parser
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -69,19 +70,68 @@ def _validate(grammar: str) -> str:
     return grammar
 
 
-# Python's (jsonschema's) shorthand classes are Unicode-aware; llguidance's are not the
-# same sets (\s: Python's includes \x1c-\x1f), so a pattern using them could admit a
-# string jsonschema refuses.
-_SHORTHAND = re.compile(r"(?<!\\)(?:\\\\)*\\[sSwWdDbB]")
 # The formats llguidance's JSON compiler enforces itself (it refuses any other by name).
 _LLG_FORMATS = frozenset({"date", "date-time", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
                           "uuid"})
 
 
-def _check_pattern(pattern: str, where: str) -> None:
-    if _SHORTHAND.search(pattern):
-        raise ValueError(f"{where}: {pattern!r} uses a shorthand class (\\s, \\w, \\d, \\b or a negation), "
-                         "whose set differs between the llguidance backend and JSON Schema's (Python's) regexes")
+@functools.cache
+def _python_class(letter: str) -> str:
+    """The class body of Python's ``\\d``/``\\s``/``\\w`` on ``str`` (Unicode decimal
+    digits, ``str.isspace``, ``str.isalnum`` and ``_``), as ranges of the characters
+    themselves (``\\xNN`` for ASCII punctuation and controls), which Python, Rust's
+    regex syntax and interegular read alike."""
+    test = {"d": str.isdecimal, "s": str.isspace, "w": lambda c: c.isalnum() or c == "_"}[letter]
+    out, start = [], None
+    for cp in range(0x110001):
+        hit = cp < 0x110000 and not 0xD800 <= cp <= 0xDFFF and test(chr(cp))
+        if hit and start is None:
+            start = cp
+        elif not hit and start is not None:
+            out.append(_cp(start) + ("-" + _cp(cp - 1) if cp - 1 > start else ""))
+            start = None
+    return "".join(out)
+
+
+def _cp(cp: int) -> str:
+    return "\\x%02x" % cp if cp < 0x80 and not chr(cp).isalnum() else chr(cp)
+
+
+def _exact_classes(pattern: str, where: str) -> str:
+    """``pattern`` with each shorthand class written as the set Python reads
+    (:func:`_python_class`): the same language for both engines, so a key pattern (which
+    decides which schema applies to a key, and cannot be narrowed) keeps its meaning.
+    A word boundary, or a negated shorthand inside a class, is refused."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            e = pattern[i + 1]
+            if e in "bB":
+                raise ValueError(f"{where}: {pattern!r} uses a word boundary, which the llguidance backend does not read "
+                                 "as JSON Schema's (Python's) regexes do")
+            if e in "dsw":
+                out.append(_python_class(e) if in_class else "[" + _python_class(e) + "]")
+            elif e in "DSW" and not in_class:
+                out.append("[^" + _python_class(e.lower()) + "]")
+            elif e in "DSW":
+                raise ValueError(f"{where}: {pattern!r} uses a negated shorthand class inside a class, which the "
+                                 "llguidance backend does not support")
+            else:
+                out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class and c == "]" and not (out and out[-1] in ("[", "[^")):
+            in_class = False
+        elif not in_class and c == "[":
+            in_class = True
+            if pattern.startswith("[^", i):
+                out.append("[^")
+                i += 2
+                continue
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _check_patterns_exclusive(patterns: list[str], where: str) -> None:
@@ -175,11 +225,13 @@ def llguidance_schema(schema: Any) -> Any:
       (``0.99999999999999999999`` is ``1.0``);
     - ``multipleOf`` unless the type is ``integer`` and the value an integer: validators
       divide in floating point (``0.7 / 0.1`` is ``6.999999999999999``, not a multiple);
-    - ``patternProperties`` a key can match two of, or with shorthand classes (a key
-      pattern decides which schema applies: it cannot be narrowed).
+    - ``patternProperties`` a key can match two of; word boundaries (``\\b``) anywhere.
 
     Rewrites, each exact or a narrowing (a subset of the valid values):
 
+    - a ``patternProperties`` key (it decides which schema applies to a key: it cannot
+      be narrowed) has its shorthand classes written as Python's exact sets
+      (:func:`_exact_classes`; llguidance's ``\\d`` ``\\s`` ``\\w`` are other sets);
     - a ``format`` no draft defines (``int64``, ``password``) is an annotation: dropped;
     - a ``pattern`` becomes :func:`json_schema.value_pattern`'s reading (the narrowing the
       outlines backend writes: ``\\d`` ``\\w`` ``\\s`` and their negations as ASCII
@@ -190,8 +242,8 @@ def llguidance_schema(schema: Any) -> Any:
 
     The narrowings are not done under ``oneOf``/``not``/``if``/``then``/``else``, nor in
     what a ``$ref`` there reaches (:func:`_exact_places`): a narrower branch there admits
-    more values, not fewer. Patterns are then checked as written (no shorthand classes)
-    and draft formats llguidance does not know are refused.
+    more values, not fewer. Patterns there get Python's exact sets as keys do, and draft
+    formats llguidance does not know are refused.
     """
     exact = _exact_places(schema)
     return _rewrite(schema, [], exact is not None, exact or set())
@@ -223,25 +275,24 @@ def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, 
         # schema folded in by close_objects)
         if not isinstance(patterns, dict):
             raise ValueError(f"patternProperties at {path} must be an object")
+        keys = {}
         for pat in patterns:
             if not isinstance(pat, str):
                 raise ValueError(f"patternProperties at {path}: {pat!r} is not a pattern")
-            _check_pattern(pat, f"{path}/patternProperties/{pat}")
             try:
                 re.compile(pat)
             except re.error as e:
                 raise ValueError(f"patternProperties at {path}: {pat!r} is not a valid pattern ({e})") from None
-        _check_patterns_exclusive(list(patterns), f"{path}/patternProperties")
+            keys[pat] = _exact_classes(pat, f"{path}/patternProperties/{pat}")
+        _check_patterns_exclusive(list(keys.values()), f"{path}/patternProperties")
     m = schema.get("multipleOf")
     if m is not None and not (integer and isinstance(m, int) and not isinstance(m, bool)):
         raise ValueError(f"multipleOf: {m} at {path} is supported by the llguidance backend only as an integer on "
                          "type integer")
     out = dict(schema)
     if isinstance(schema.get("pattern"), str):
-        if narrow:
-            out["pattern"] = value_pattern(schema["pattern"], f"{path}/pattern")
-        else:
-            _check_pattern(schema["pattern"], f"{path}/pattern")
+        where = f"{path}/pattern"
+        out["pattern"] = value_pattern(schema["pattern"], where) if narrow else _exact_classes(schema["pattern"], where)
     fmt = schema.get("format")
     if isinstance(fmt, str) and fmt not in _LLG_FORMATS:
         if fmt not in STANDARD_FORMATS:  # no draft defines it: an annotation
@@ -264,6 +315,8 @@ def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, 
         if out[k] is schema[k]:  # copied once, then written in place
             out[k] = list(schema[k]) if isinstance(schema[k], list) else dict(schema[k])
         out[k][key] = new
+    if patterns:
+        out["patternProperties"] = {keys[pat]: sub for pat, sub in out["patternProperties"].items()}
     return out
 
 
