@@ -20,6 +20,8 @@ it is how the CPU tests check the bucketing and padding that the CUDA graphs rep
 
 from __future__ import annotations
 
+import dataclasses
+
 import bisect
 import logging
 
@@ -50,7 +52,9 @@ class DecodeGraphRunner:
 
     ``attn`` must offer ``decode_metadata(req_to_token, req_rows, seq_lens)``. After
     :meth:`capture`, :meth:`run` takes a decode-only :class:`ForwardBatch` and returns
-    the logits ``[B, vocab]`` (float32) of its rows.
+    the logits ``[B, vocab]`` (float32) of its rows. ``window_table``: where windowed
+    layers have a KV pool of their own, the page table in its slots that the runner
+    refills before each step (``ForwardBatch.windowed`` reads it; the graphs record it).
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class DecodeGraphRunner:
         max_bs: int,
         device: torch.device,
         mode: str = "cuda",
+        window_table: torch.Tensor | None = None,
     ) -> None:
         if mode not in ("cuda", "eager"):
             raise ValueError(f"mode must be 'cuda' or 'eager', got {mode!r}")
@@ -78,6 +83,8 @@ class DecodeGraphRunner:
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.out_slots = torch.zeros(n, dtype=torch.long, device=device)
         self.req_rows = torch.zeros(n, dtype=torch.long, device=device)
+        self.window_table = window_table
+        self.window_out_slots = torch.zeros(n, dtype=torch.long, device=device) if window_table is not None else None
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
@@ -92,7 +99,7 @@ class DecodeGraphRunner:
         return self.buckets[bisect.bisect_left(self.buckets, bs)]
 
     def _forward_batch(self, bs: int) -> ForwardBatch:
-        return ForwardBatch(
+        fb = ForwardBatch(
             input_ids=self.input_ids[:bs],
             positions=self.positions[:bs],
             out_slots=self.out_slots[:bs],
@@ -104,6 +111,9 @@ class DecodeGraphRunner:
             decode_seq_lens=[1] * bs,  # placeholders: the kernels read self.seq_lens
             attn_metadata=self.attn.decode_metadata(self.req_to_token.table, self.req_rows[:bs], self.seq_lens[:bs]),
         )
+        if self.window_table is not None:
+            fb.windowed = dataclasses.replace(fb, out_slots=self.window_out_slots[:bs], req_to_token=self.window_table)
+        return fb
 
     @torch.inference_mode()
     def _step(self, bs: int) -> torch.Tensor:
@@ -134,6 +144,8 @@ class DecodeGraphRunner:
         self.input_ids[start:].zero_()
         self.positions[start:].zero_()
         self.out_slots[start:].zero_()  # slot 0: the reserved padding page
+        if self.window_out_slots is not None:
+            self.window_out_slots[start:].zero_()  # (the window pool's sink)
         self.req_rows[start:].zero_()
         self.seq_lens[start:].fill_(1)
 
@@ -149,6 +161,8 @@ class DecodeGraphRunner:
         self.input_ids[:bs].copy_(fb.input_ids)
         self.positions[:bs].copy_(fb.positions)
         self.out_slots[:bs].copy_(fb.out_slots)
+        if self.window_out_slots is not None:
+            self.window_out_slots[:bs].copy_(fb.windowed.out_slots)
         self.req_rows[:bs].copy_(fb.req_rows)
         (lens,) = self._staging.to_device(fb.decode_seq_lens)
         self.seq_lens[:bs].copy_(lens)

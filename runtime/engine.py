@@ -98,6 +98,8 @@ class Engine:
         self.allocator = PageAllocator(num_pages, ps)
         self.allocator.window = window
         self.req_to_token = ReqToToken(cfg.max_running_requests, self.context_len, self.device)
+        # the page table in the window pool's slots (the runner fills it each step)
+        self.window_table = torch.zeros_like(self.req_to_token.table) if window is not None else None
         self.tier = self._host_tier(num_pages)
         # KV-cache events (plait.runtime.kv_events); dp_rank: this engine's data-parallel replica
         self.kv_events = KVEventSink(ps, tier_media(self.device.type)[0]) if cfg.kv_events_endpoint else None
@@ -123,6 +125,7 @@ class Engine:
             self._tp.model(self.model) if self._tp is not None else self.model, attn, self.req_to_token, self.device,
             sorted(self.eos_ids), graphs=self._capture_graphs(attn),
             long_rope_offset=long_rope_offset(self.context_len, mc.rope_scaling),  # the model's max_pos
+            window_table=self.window_table,
         )
         self._ids = itertools.count()
         self._reqs: dict[str, Req] = {}  # unfinished client requests by rid
@@ -168,18 +171,14 @@ class Engine:
                 return create_attention_backend("torch", *args)
         return create_attention_backend(name, *args)
 
-    def _wants_graphs(self) -> bool:
-        """Decode CUDA graphs are captured: CUDA with the triton backend."""
-        cfg = self.config
-        return self.device.type == "cuda" and self._triton_ops and not cfg.disable_cuda_graph and self._tp is None
-
     def _capture_graphs(self, attn: AttentionBackend) -> DecodeGraphRunner | None:
         """Decode CUDA graphs (CUDA with the triton backend), or None."""
         cfg = self.config
-        if not self._wants_graphs():
+        if self.device.type != "cuda" or not self._triton_ops or cfg.disable_cuda_graph or self._tp is not None:
             return None
         graphs = DecodeGraphRunner(
-            self.model, attn, self.req_to_token, min(cfg.cuda_graph_max_bs, cfg.max_running_requests), self.device
+            self.model, attn, self.req_to_token, min(cfg.cuda_graph_max_bs, cfg.max_running_requests), self.device,
+            window_table=self.window_table,
         )
         try:
             graphs.capture()
@@ -205,12 +204,11 @@ class Engine:
     def _windowed_layers(self) -> frozenset[int]:
         """Layers whose KV goes to a pool of its own (plait.runtime.memory.WindowPages):
         the sliding-window ones, where the engine can give them one. NOTE: with the host
-        tier, block-hash caching, tensor parallelism or CUDA graphs (which copy, hash,
-        shard or record one page table for all layers) windowed layers keep their whole
-        context in the main pool, as full layers do (correct, not bounded)."""
+        tier, block-hash caching or tensor parallelism (which copy, hash or ship one page
+        table for all layers) windowed layers keep their whole context in the main pool,
+        as full layers do (correct, not bounded)."""
         cfg = self.config
-        if (cfg.enable_hierarchical_cache or cfg.prefix_cache_mode != "radix" or self._tp is not None
-                or self._wants_graphs()):
+        if cfg.enable_hierarchical_cache or cfg.prefix_cache_mode != "radix" or self._tp is not None:
             return frozenset()
         return frozenset(i for i, w in enumerate(self.model_config.layer_windows) if w)
 

@@ -32,6 +32,7 @@ class ModelRunner:
         eos_ids: Sequence[int],
         graphs: DecodeGraphRunner | None = None,
         long_rope_offset: int = 0,
+        window_table: torch.Tensor | None = None,
     ) -> None:
         self.model = model
         # longrope: long-rope requests' rotary rows start here (models.llama.long_rope_offset)
@@ -45,10 +46,9 @@ class ModelRunner:
         self.mixed_graph_steps = 0  # steps whose decode rows replayed a graph beside extends
         self.staging = Staging(device, torch.long)  # the step's index lists, one transfer
         self.sampler = Sampler(req_to_token.table.shape[0], device, eos_ids)
-        # the page table in the windowed layers' pool (plait.runtime.memory.WindowPages):
-        # each step's rows translated from the page table; None without that pool
-        window = attn.pool.window
-        self._window_table = torch.zeros_like(req_to_token.table) if window is not None else None
+        # the page table in the windowed layers' pool (plait.runtime.memory.WindowPages),
+        # like req_to_token: each step's rows translated into it; None without that pool
+        self._window_table = window_table
 
     def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
         """Verifying requests are extends of their last token and their drafts."""

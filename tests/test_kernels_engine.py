@@ -97,3 +97,46 @@ def test_mixed_steps_replay_the_decode_rows(tiny_model_factory):
             if backend == "triton":
                 assert engine.runner.mixed_graph_steps >= 2  # the 24-token prompt took 3 chunks
     assert outs["triton"] == outs["torch"]
+
+
+def test_graph_path_reads_the_window_pool_for_windowed_layers(tmp_path, tokenizer_dir):
+    """A tiny Gemma 3 (window 16) whose windowed layers keep their KV in a small pool of
+    their own: the recorded decode path (eager stand-in) reads that pool's page table
+    and slots and gives the torch backend's tokens, in decode-only and mixed steps."""
+    from families import COMMON
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig
+
+    from plait.runtime.cuda_graph import DecodeGraphRunner
+
+    config = Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 3}, head_dim=16, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=24,
+        architectures=["Gemma3ForCausalLM"],
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(3, 40000, (n,), generator=g).tolist() for n in (40, 23, 57)]
+    params = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+    outs = {}
+    for backend in ("torch", "triton"):
+        with Engine(str(tmp_path), kv_cache_tokens=512, page_size=4, attention_backend=backend, dtype="float32",
+                    chunked_prefill_size=16, swa_full_tokens_ratio=0.05) as engine:
+            assert engine.pool.window is not None and engine.pool.window.total_pages * 4 < 57
+            if backend == "triton":
+                graphs = DecodeGraphRunner(engine.model, engine.runner.attn, engine.req_to_token, 4,
+                                           engine.device, mode="eager", window_table=engine.window_table)
+                graphs.capture()
+                engine.runner.graphs = graphs
+            reqs = [engine.add_request(p, params)[0] for p in prompts[:2]]
+            while reqs[0].output_len < 2:
+                engine.step()
+            reqs.append(engine.add_request(prompts[2], params)[0])  # chunks beside decodes
+            while engine.has_work():
+                engine.step()
+                engine.check_invariants()
+            outs[backend] = [engine.pop_result(r)["output_ids"] for r in reqs]
+            if backend == "triton":
+                assert graphs.replays >= 5 and engine.runner.mixed_graph_steps >= 2
+    assert outs["triton"] == outs["torch"]
