@@ -691,6 +691,10 @@ class Engine:
             "retractions": self.scheduler.num_retractions,
             "hicache_saved_tokens": self.tier.saved_tokens if self.tier is not None else 0,
             "hicache_loaded_tokens": self.tier.loaded_tokens if self.tier is not None else 0,
+            "hicache_prefetched_tokens": self.scheduler.host.prefetched_tokens if self.scheduler.host is not None else 0,
+            # the sliding-window layers' own pool (0 without one)
+            "window_pages_total": self.pool.window.total_pages if self.pool.window is not None else 0,
+            "window_pages_attached": self.pool.window.usage()["attached"] if self.pool.window is not None else 0,
             "cache_early_divergences": self.scheduler.early_divergences,
             # speculative decoding: accepted tokens per step = 1 + accepted / verify steps
             "spec_verify_steps": self.scheduler.spec_verify_steps,

@@ -228,6 +228,7 @@ def _random_run(folder: str, prefetch: str, seed: int) -> dict[str, list[int]]:
         assert e.flush_cache() and e.pool_usage()["free"] == e.pool_usage()["total"]
         if prefetch == "best_effort":
             assert e.scheduler.host.prefetched_tokens > 0
+        assert e.stats()["hicache_prefetched_tokens"] == e.scheduler.host.prefetched_tokens
     return done
 
 

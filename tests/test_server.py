@@ -422,7 +422,8 @@ def test_flush_cache_and_metrics(http):
                  "plait_generation_tokens_total", "plait_prefix_cache_queried_tokens_total",
                  "plait_prefix_cache_hit_tokens_total", "plait_kv_pages_used", "plait_kv_pages_total",
                  "plait_num_running_reqs", "plait_num_waiting_reqs", "plait_prefix_cache_early_divergences_total",
-                 "plait_hicache_loaded_tokens_total", "plait_spec_accepted_tokens_total"):
+                 "plait_hicache_loaded_tokens_total", "plait_hicache_prefetched_tokens_total",
+                 "plait_window_kv_pages_total", "plait_spec_accepted_tokens_total"):
         assert name in text, name
     values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line and not line.startswith("#")}

@@ -68,6 +68,8 @@ def test_windowed_layers_hold_only_their_window_and_match_hf(model, backend):
         assert window.num_free == window.total_pages - sum(window.attached(list(range(1, window.num_full_pages))))
         info = engine.server_info()
         assert info["window_pool"]["total"] == window.total_pages and info["invariant_ok"]
+        assert info["window_pages_total"] == window.total_pages
+        assert info["window_pages_attached"] == window.total_pages - window.num_free
 
 
 def test_retraction_and_small_chunks_with_a_small_window_pool(model):

@@ -65,6 +65,10 @@ class _EngineCollector(Collector):
         yield counter("plait_hicache_saved_tokens", "Tokens copied to the host-memory tier.", s.hicache_saved_tokens)
         yield counter("plait_hicache_loaded_tokens", "Tokens copied back from the host-memory tier instead of "
                       "recomputed.", s.hicache_loaded_tokens)
+        yield counter("plait_hicache_prefetched_tokens", "Of those, tokens copied while their request waited "
+                      "(prefetch).", s.hicache_prefetched_tokens)
+        yield gauge("plait_window_kv_pages_total", "Pages of the sliding-window layers' own KV pool.", s.window_pages_total)
+        yield gauge("plait_window_kv_pages_attached", "Window KV pages holding windowed KV.", s.window_pages_attached)
         yield counter("plait_spec_verify_steps", "Request-steps that verified speculative drafts.", s.spec_verify_steps)
         yield counter("plait_spec_draft_tokens", "Speculative draft tokens proposed.", s.spec_draft_tokens)
         yield counter("plait_spec_accepted_tokens", "Speculative draft tokens accepted.", s.spec_accepted_tokens)
