@@ -4,7 +4,9 @@
 
 1. ``tier``: multi-turn conversations whose working set is 4x the device KV pool;
    time to first token and prefill tokens computed, host-memory tier off and on
-   (``enable_hierarchical_cache``).
+   (``enable_hierarchical_cache``): one request at a time, then each turn's requests
+   all at once (4 run, the rest wait), with the prefetch of waiting requests'
+   host-held prefixes off and on (``hicache_prefetch_policy``).
 2. ``modes``: token-level radix (page 1), radix at page 16 and vLLM-style block hashing
    (page 16) on partial-overlap workloads (few-shot with varying example counts,
    multi-turn chat, RAG with shared documents in different orders): reuse (tokens hit
@@ -75,6 +77,38 @@ def bench_tier(args: argparse.Namespace) -> None:
             print(f"| {'on' if tier else 'off'} | {1e3 * sum(ttfts) / len(ttfts):.0f} | "
                   f"{1e3 * ttfts[int(0.9 * (len(ttfts) - 1))]:.0f} | {e.scheduler.prefill_tokens_computed} | "
                   f"{st['hicache_loaded_tokens']} |")
+    print("\nEach turn's requests at once (4 running, the others waiting):\n")
+    print("| tier | prefetch | mean TTFT ms (turns 2+) | p90 TTFT ms | turns 2+ s | prefill tokens computed | "
+          "loaded from host | of which prefetched |")
+    print("|---|---|---|---|---|---|---|---|")
+    for tier, prefetch in ((False, "off"), (True, "off"), (True, "best_effort")):
+        rng = random.Random(0)
+        with _engine(args.model, args.threads, kv_cache_tokens=pool, enable_hierarchical_cache=tier,
+                     hicache_ratio=8.0, max_running_requests=4, hicache_prefetch_policy=prefetch) as e:
+            vocab = e.model_config.vocab_size
+            history = [_ids(rng, turn_tokens, vocab) for _ in range(convs)]
+            ttfts, wall = [], 0.0
+            for turn in range(turns):
+                if turn:
+                    history = [h + _ids(rng, turn_tokens // 4, vocab) for h in history]
+                t0 = time.perf_counter()
+                reqs = [e.add_request(h, {**GREEDY, "max_new_tokens": 1})[0] for h in history]
+                first: dict[str, float] = {}
+                while e.has_work():
+                    e.step()
+                    now = time.perf_counter()
+                    for r in reqs:
+                        if r.output_len and r.rid not in first:
+                            first[r.rid] = now - t0
+                if turn:
+                    ttfts += list(first.values())
+                    wall += time.perf_counter() - t0
+                history = [h + e.pop_result(r)["output_ids"] for h, r in zip(history, reqs)]
+            st = e.stats()
+            ttfts.sort()
+            print(f"| {'on' if tier else 'off'} | {prefetch if tier else '-'} | {1e3 * sum(ttfts) / len(ttfts):.0f} | "
+                  f"{1e3 * ttfts[int(0.9 * (len(ttfts) - 1))]:.0f} | {wall:.2f} | {e.scheduler.prefill_tokens_computed} | "
+                  f"{st['hicache_loaded_tokens']} | {st['hicache_prefetched_tokens']} |")
 
 
 # -- 2. radix vs block hash ------------------------------------------------------------------------
