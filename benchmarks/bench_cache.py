@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak import machine_line  # noqa: E402
+from machine import machine_line  # noqa: E402  (benchmarks/machine.py)
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-tokens", type=int, default=2048, help="part 1: the device KV pool")
     ap.add_argument("--eviction-requests", type=int, default=150)
     args = ap.parse_args(argv)
-    print(machine_line(args.threads))
+    print("machine:", machine_line(args.threads))
     if args.part in ("tier", "all"):
         bench_tier(args)
     if args.part in ("modes", "all"):

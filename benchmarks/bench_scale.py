@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import _tokenizer, extra_fields, plait_cache_counters, run_load, shared_prefix_dataset  # noqa: E402
-from soak import machine_line  # noqa: E402
+from machine import machine_line  # noqa: E402  (benchmarks/machine.py)
 
 from plait.runtime import Engine  # noqa: E402
 from plait.runtime.server import launch  # noqa: E402
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-concurrency", type=int, default=4, help="dp: requests in flight")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args(argv)
-    print(machine_line(a.threads))
+    print("machine:", machine_line(a.threads))
     try:
         smg = importlib.metadata.version("smg")
     except importlib.metadata.PackageNotFoundError:

@@ -15,11 +15,9 @@ greedy). Reports; asserts nothing.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import time
 
-import torch
+from machine import machine_line  # benchmarks/machine.py, the line every benchmark prints
 
 from plait.runtime import Engine
 
@@ -61,24 +59,6 @@ WORKLOADS = {
 }
 
 
-def machine_line() -> str:
-    """CPU model, the ISA extensions that matter for the kernels, cores, versions."""
-    model, flags = "", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and not model:
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    model = model or platform.processor() or platform.machine()
-    isa = [name for name, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AMX", "amx_tile")) if flag in flags]
-    return (f"{model}; {', '.join(isa) or 'no AVX2'}; {os.cpu_count()} cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads)")
-
-
 def run(engine: Engine, prompts: list[str], params: dict) -> tuple[list[dict], float, dict[str, int]]:
     before = engine.stats()
     t0 = time.perf_counter()
@@ -107,7 +87,7 @@ def main() -> None:
                     speculative_num_draft_tokens=args.draft_tokens, speculative_ngram_min=args.ngram_min,
                     speculative_ngram_max=args.ngram_max)
     tok = engine.tokenizer
-    print(f"machine: {machine_line()}")
+    print(f"machine: {machine_line(args.threads)}")
     print(f"model: {engine.model_config.architecture} from {engine.source.path}; attention "
           f"{type(engine.runner.attn).__name__}, GEMMs {engine.config.resolved_cpu_gemm()}")
     print(f"speculative=ngram, k={args.draft_tokens}, n-gram {args.ngram_min}..{args.ngram_max}; greedy, "

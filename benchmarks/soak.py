@@ -46,7 +46,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import re
 import signal
@@ -59,6 +58,7 @@ from typing import Any
 import aiohttp
 
 from bench_serving import pct, sse_events
+from machine import machine_line  # benchmarks/machine.py, the line every benchmark prints
 
 HOST = "127.0.0.1"  # loopback only
 CANCEL_TIMEOUT_RANGE_S = (0.05, 0.5)  # client timeout of cancel_timeout requests
@@ -81,33 +81,6 @@ CANCEL_KINDS = ("cancel_stream", "cancel_timeout")
 # Outcomes. completed / rejected (a malformed request's 4xx) / cancelled / fault are
 # expected; the others fail a check.
 OK_OUTCOMES = ("completed", "rejected", "cancelled", "fault")
-
-
-# -- machine ------------------------------------------------------------------------------------
-def machine_line(num_threads: int | None) -> str:
-    """CPU model, ISA flags that matter to the kernels, threads, torch and plait versions."""
-    import torch
-
-    import plait
-
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:  # the first CPU's entry stands for all
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile") if f in flags]
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"machine: {model} ({platform.machine()}, {os.cpu_count()} cores, ISA {' '.join(isa) or 'none listed'}), "
-            f"{gpu}, server threads {num_threads or 'default'}, load {load}, torch {torch.__version__}, "
-            f"plait {plait.__version__}, python {platform.python_version()}")
 
 
 # -- requests -----------------------------------------------------------------------------------
@@ -701,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         options["max_running_requests"] = args.max_running_requests
     if args.kill_engine_every:
         options["restart_engine"] = True
-    print(machine_line(args.num_threads), flush=True)
+    print("machine:", machine_line(args.num_threads), flush=True)
     print(f"model {args.model or 'SmolLM2-135M-Instruct (GGUF)'}; options {options}", flush=True)
     try:
         server = launch(args.model, host=HOST, port=0, **options)
