@@ -622,8 +622,8 @@ def test_dependent_required_writes_a_property_only_with_its_dependencies(deps):
             validator = jsonschema.Draft7Validator if "dependencies" in deps else jsonschema.Draft202012Validator
             valid = validator(schema).is_valid(obj)
             assert bool(re.fullmatch(rx, json.dumps(obj, separators=(",", ":")))) == valid, (deps, obj)
-    with pytest.raises(SchemaError, match="dependencies"):  # schema-valued dependencies: refused
-        schema_to_regex({**schema, "dependencies": {"card": {"required": ["billing"]}}})
+    with pytest.raises(SchemaError, match="dependencies"):  # neither a name list nor a schema: refused
+        schema_to_regex({**schema, "dependencies": {"card": "billing"}})
 
 
 # -- patterns read for llguidance (value_pattern) and ECMA-262 spellings (issue 14) --------------
@@ -665,3 +665,38 @@ def test_ecma_to_python_rewrites_only_what_python_reads_differently():
     assert ecma_to_python(r"[a-z][\\-a]\[\w-x\]") == r"[a-z][\\-a]\[\w-x\]"  # ranges, escaped brackets untouched
     assert ecma_to_python(r"[]a-][^]b]") == r"[]a-][^]b]"
     assert re.fullmatch(ecma_to_python(r"[\w-_]+"), "a-_") and not re.fullmatch(ecma_to_python(r"[\w-_]+"), "+")
+
+
+@pytest.mark.parametrize("deps", [
+    {"dependentSchemas": {"card": {"required": ["billing"]}}},
+    {"dependencies": {"card": {"required": ["billing"]}, "billing": ["name"]}},  # draft 7: a schema and a list
+    {"dependentSchemas": {"name": {"not": {"required": ["note"]}}, "card": True, "note": False}},
+])
+def test_schema_dependencies_write_a_property_only_where_its_schema_holds(deps):
+    """A schema dependency is ``anyOf`` [the name absent, the name present and the
+    schema holding]: every subset of the properties is admitted exactly when valid."""
+    import itertools
+
+    schema = {"type": "object", "properties": {k: {"type": "integer", "minimum": 0, "maximum": 9}
+                                               for k in ("name", "card", "billing", "note")}, **deps}
+    rx = schema_to_regex(schema)
+    validator = (jsonschema.Draft7Validator if "dependencies" in deps else jsonschema.Draft202012Validator)(schema)
+    for text in sample_strings(rx, 200, seed=13):
+        validator.validate(json.loads(text))
+    for n in range(5):  # every subset, in the schema's order
+        for keys in itertools.combinations(["name", "card", "billing", "note"], n):
+            obj = {k: 1 for k in keys}
+            assert bool(re.fullmatch(rx, json.dumps(obj, separators=(",", ":")))) == validator.is_valid(obj), obj
+
+
+def test_pattern_except_matches_every_string_but_the_words():
+    """``not: {enum: [strings]}`` for llguidance: a ``pattern`` (full match) of the other strings."""
+    from plait.runtime.constrained.json_schema import _pattern_except
+
+    words = ["ab", "abc", "x:y", "", "a.b", "é"]
+    rx = re.compile(_pattern_except(words))
+    probes = ["a", "abd", "abcd", "x:", "x:yz", "b", "\n", "ab\n", "a-b", "axb", "ée", "e", "\u00e9\u00e9", "x:y "]
+    for w in words:
+        assert rx.fullmatch(w) is None, w
+    for p in probes:
+        assert rx.fullmatch(p), p

@@ -48,7 +48,7 @@ TYPE_KEYWORDS: dict[str, frozenset[str]] = {
     "null": frozenset(),
     "object": frozenset({"properties", "required", "additionalProperties", "minProperties", "maxProperties",
                          "dependentRequired"}),
-    "array": frozenset({"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"}),
+    "array": frozenset({"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems", "contains"}),
 }
 COMBINATORS = frozenset({"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"})
 KNOWN = COMBINATORS | frozenset().union(*TYPE_KEYWORDS.values())
@@ -60,14 +60,15 @@ WHY_NOT = {
                    "scalars, booleans or null, or with maxItems <= 1)",
     "multipleOf": "divisibility cannot be enforced by the regex",
     "not": "negated schemas cannot be enforced",
-    "if": "conditional schemas cannot be enforced (supported: 'if' on one property with listed values, which the "
-          "schema beside it also lists)",
+    "if": "conditional schemas cannot be enforced (supported: 'if' on one property with a 'const', an 'enum' or a "
+          "condition of this form, or with other values when the schema beside it lists the property's values)",
     "dependentRequired": "dependencies between properties cannot be enforced",
     "dependentSchemas": "dependencies between properties cannot be enforced",
     "dependencies": "dependencies between properties cannot be enforced",
-    "contains": "'contains' cannot be enforced",
-    "minContains": "'contains' cannot be enforced",
-    "maxContains": "'contains' cannot be enforced",
+    "contains": "'contains' cannot be enforced (allowed: with 'items' a schema, at most 'minItems': 1, no "
+                "'maxItems', 'uniqueItems' or 'maxContains', 'minContains' 1)",
+    "minContains": "'minContains' other than 1 cannot be enforced",
+    "maxContains": "'maxContains' cannot be enforced",
     "unevaluatedProperties": "unevaluated* keywords cannot be enforced",
     "unevaluatedItems": "unevaluated* keywords cannot be enforced",
     "$dynamicRef": "dynamic references are not supported",
@@ -280,6 +281,9 @@ def plain_schema(schema: Any) -> Any:
         for step in (_plain_not, _plain_dependencies, _plain_if, _plain_one_of):
             try:
                 new = step(t, out)
+                if step in (_plain_if, _plain_one_of) and new is not None:
+                    # their cases hold new subschemas ('not: {enum}' of failing, merged $ref targets)
+                    new = walk(new, depth + 1)
             except (SchemaError, RecursionError):
                 continue
             if new is not None and "\\u0000" not in json.dumps(new):  # no internal mark left
@@ -287,7 +291,8 @@ def plain_schema(schema: Any) -> Any:
         return out
 
     def walk_value(k: str, v: Any, depth: int) -> Any:
-        if k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") and isinstance(v, dict):
+        if k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+                 "dependencies") and isinstance(v, dict):
             return {n: walk(x, depth + 1) for n, x in v.items()}
         if k in ("allOf", "anyOf", "oneOf", "prefixItems", "items") and isinstance(v, list):
             return [walk(x, depth + 1) for x in v]
@@ -354,6 +359,13 @@ def _plain_not(t: _Translator, s: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if _not_required(s["not"]) is not None:
         return _public(_lift_not(s))
+    words = _not_values(s["not"])
+    if words and all(isinstance(w, str) for w in words):
+        # any value but those strings: another type, or a string none of them
+        rest = {k: v for k, v in s.items() if k != "not"}
+        others = {"type": [x for x in TYPE_KEYWORDS if x not in ("string", "integer")]}
+        cases = {"anyOf": [others, {"type": "string", "pattern": _pattern_except(words)}]}
+        return {**rest, "allOf": [*rest.get("allOf", []), cases]} if "anyOf" in rest else {**rest, **cases}
     excluded = _type_negation(s["not"])
     return None if excluded is None else t.without_types(s, excluded, "#")
 
@@ -365,9 +377,11 @@ def _plain_if(t: _Translator, s: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _plain_dependencies(t: _Translator, s: dict[str, Any]) -> dict[str, Any] | None:
-    deps = _required_deps(s)
+    lifted = _lift_dependencies(s, public=True)
+    deps = _required_deps(lifted)
     if deps is None:
-        return None
+        return None if lifted is s or any(k in lifted for k in ("dependentSchemas", "dependencies")) else lifted
+    s = lifted
     out = {k: v for k, v in s.items() if k not in ("dependentRequired", "dependencies")}
     return _with_cases(out, [[(frozenset({name}), frozenset()), (frozenset(), frozenset(needed))]
                              for name, needed in deps.items() if needed])
@@ -399,6 +413,7 @@ class _Translator:
             raise SchemaError(f"json_schema at {path} is false: no value can satisfy it")
         if not isinstance(s, dict):
             raise SchemaError(f"json_schema at {path} must be an object or a boolean, got {type(s).__name__}")
+        s = _lift_dependencies(s)
         self.check_keywords(s, path)
         s = _lift_not(s)
         if "not" in s and _not_values(s["not"]) is not None:
@@ -439,6 +454,8 @@ class _Translator:
             if k in ("dependentRequired", "dependencies") and _required_deps(s) is not None:
                 continue
             if k == "uniqueItems" and self.unique_domain(s, path) is not None:
+                continue
+            if k == "contains" and _contains_supported(s) or k == "minContains" and s[k] == 1 and "contains" in s:
                 continue
             if k in ("patternProperties", "propertyNames"):  # object(): enforced or refused there
                 continue
@@ -681,7 +698,12 @@ class _Translator:
         return branches
 
     def failing(self, cond: Any, rest: dict[str, Any], where: str) -> list[Any]:
-        """Schemas whose values (within ``rest``) are exactly those failing ``cond``."""
+        """Schemas whose values (within ``rest``) are exactly those failing ``cond``:
+        the property present with a value that fails (when ``rest`` lists the
+        property's values, those of them that fail; otherwise ``not`` the ``enum`` or
+        ``const`` of ``cond``, or, when that is a condition of this form itself, the
+        values failing it), absent when ``cond`` requires it, and values other than
+        objects when ``cond`` has ``type: object``."""
         refuse = SchemaError(f"json_schema keyword 'if' at {where} is not supported: {WHY_NOT['if']}")
         if not isinstance(cond, dict):
             raise refuse
@@ -695,11 +717,12 @@ class _Translator:
             raise refuse
         base = rest.get("properties", {}).get(name) if isinstance(rest.get("properties"), dict) else None
         values = [] if base is False else self.finite(base, where) if base is not None else None
-        if values is None:
-            raise refuse
-        failing = [x for x in values if self.rejects(want, x)]
         out: list[Any] = []
-        if failing:
+        if values is None:  # the property is present with a value 'want' does not list, or (nested) fails
+            listed = _not_values(want)
+            inner = [{"not": {"enum": listed}}] if listed is not None else self.failing(want, {}, where)
+            out += [{"type": "object", "required": [name], "properties": {name: x}} for x in inner]
+        elif failing := [x for x in values if self.rejects(want, x)]:
             out.append({"type": "object", "required": [name], "properties": {name: {"enum": failing}}})
         if required:  # an object without the property fails 'if' too
             out.append({"type": "object", _FORBID: [[name]]})
@@ -1403,6 +1426,8 @@ class _Translator:
                 raise SchemaError(f"json_schema keyword 'uniqueItems' at {path} is not supported: {WHY_NOT['uniqueItems']}")
             return self.unique_array(values, lo, hi, path)
         items = s.get("items", True)
+        if "contains" in s:
+            return self.array_containing(items, s["contains"], path)
         prefix = s.get("prefixItems", [])
         if isinstance(items, list):  # draft 4: items as a list, additionalItems for the rest
             prefix, items = items, s.get("additionalItems", True)
@@ -1434,6 +1459,19 @@ class _Translator:
         if "" in options and len(options) > 1:
             body = "(?:" + _alt([o for o in options if o]) + ")?"
         return r"\[" + ws + body + ws + r"\]"
+
+    def array_containing(self, items: Any, contains: Any, path: str) -> str:
+        """An array of ``items`` with an item that also satisfies ``contains``
+        (:func:`_contains_supported`'s form): the first such item, every item before it
+        any item, every item after it any item; exact, since each such array has a first
+        item satisfying ``contains``."""
+        ws, sep = self.ws, self.ws + "," + self.ws
+        item = self.value(items, path + "/items")
+        try:
+            both = self.value(self.merge([items, contains], path + "/contains"), path + "/contains")
+        except _NoValue:
+            raise SchemaError(f"json_schema at {path}: no item satisfies both 'items' and 'contains'") from None
+        return (r"\[" + ws + "(?:" + item + sep + ")*" + both + "(?:" + sep + item + ")*" + ws + r"\]")
 
     def any(self, depth: int, path: str) -> str:
         """Any JSON value, objects and arrays nested at most ``depth`` deep."""
@@ -1530,6 +1568,30 @@ def _string_except(words: list[str], path: str) -> str:
     return '"(?:' + "|".join([*ends, "(?:" + "|".join(diverged) + ")" + JSON_CHAR + "*"]) + ')"'
 
 
+def _pattern_except(words: list[str]) -> str:
+    """A ``pattern`` (read as a full match) of the strings that are none of ``words``:
+    along the trie of the words, end where no word ends, or write a character no word
+    continues with (then anything), as :func:`_string_except` writes the JSON text."""
+    trie: dict[str, Any] = {}
+    for w in words:
+        node = trie
+        for c in w:
+            node = node.setdefault(c, {})
+        node[""] = {}  # a word ends here
+    ends: list[str] = []
+    diverged: list[str] = []
+    todo = [(trie, "")]
+    while todo:
+        node, prefix = todo.pop()
+        kids = sorted(c for c in node if c)
+        if "" not in node:
+            ends.append(prefix)
+        other = "[^" + "".join(re.escape(c) for c in kids) + "]" if kids else "(?:.|\\n)"
+        diverged.append(prefix + other)
+        todo += [(node[c], prefix + re.escape(c)) for c in kids]
+    return "^(?:" + "|".join([*ends, "(?:" + "|".join(diverged) + ")(?:.|\\n)*"]) + ")$"
+
+
 def _lift_not(s: dict[str, Any]) -> dict[str, Any]:
     """``not: {required: [...]}`` (and an ``anyOf`` of those) as the object's forbidden
     name sets (values other than objects satisfy it; an object must lack a name of each)."""
@@ -1539,6 +1601,46 @@ def _lift_not(s: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in s.items() if k != "not"}
     out[_FORBID] = [*out.get(_FORBID, []), *forbids]
     return out
+
+
+def _lift_dependencies(s: dict[str, Any], *, public: bool = False) -> dict[str, Any]:
+    """``s`` with its schema dependencies (``dependentSchemas``, and draft-7
+    ``dependencies`` whose value is a schema) as ``allOf`` parts: for each name, the
+    object lacks it, or has it and satisfies the schema (exact: neither case constrains
+    values other than objects). The lack is plait's mark, or JSON Schema when ``public``.
+    Name-list dependencies stay where they are; an empty map does nothing and is dropped."""
+    parts: list[Any] = []
+    out = dict(s)
+    for key in ("dependentSchemas", "dependencies"):
+        deps = s.get(key)
+        if not isinstance(deps, dict):
+            continue
+        lists = {n: v for n, v in deps.items() if isinstance(v, list)}
+        for name, sub in deps.items():
+            if isinstance(sub, (dict, bool)):
+                absent = {_FORBID: [[name]]}
+                parts.append({"anyOf": [_public(absent) if public else absent,
+                                        {"allOf": [{"required": [name]}, sub]}]})
+            elif not isinstance(sub, list):
+                return s  # neither form: left for the keyword checks to refuse by name
+        if lists:
+            out[key] = lists
+        else:
+            del out[key]
+    if parts:
+        out["allOf"] = [*out.get("allOf", []), *parts]
+    return out
+
+
+def _contains_supported(s: dict[str, Any]) -> bool:
+    """``contains`` in the form :meth:`_Translator.array_containing` writes: beside
+    ``items`` as one schema (or none), ``minItems`` at most 1, ``minContains`` 1 (or
+    absent), and no ``maxItems``, ``prefixItems``, ``additionalItems``, ``maxContains``
+    or ``uniqueItems: true``."""
+    return (isinstance(s.get("contains"), (dict, bool)) and isinstance(s.get("items", True), (dict, bool))
+            and is_int(s.get("minItems", 0)) and s.get("minItems", 0) <= 1 and s.get("minContains", 1) == 1
+            and not any(k in s for k in ("maxItems", "prefixItems", "additionalItems", "maxContains"))
+            and s.get("uniqueItems", False) is False)
 
 
 def _required_deps(s: dict[str, Any]) -> dict[str, list[str]] | None:
