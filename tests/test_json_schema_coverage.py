@@ -117,6 +117,12 @@ CASES = [
       "then": {"properties": {"out": {"minimum": 1}}}, "else": {"properties": {"out": {"maximum": -1}}}},
      [{"runs": {"using": "c"}, "out": 1}, {"runs": {"using": "cc"}, "out": -1}, {"runs": {}, "out": 1}, {"out": 2}],
      [{"runs": {"using": "c"}, "out": -1}, {"runs": {"using": "d"}, "out": 1}, {"runs": {}, "out": -1}]),
+    # if: {not: C}: C's failing values satisfy it, C's values fail it (prometheus' form)
+    ({"type": "object", "properties": {"a": {"type": ["string", "null"]}, "b": {"type": ["string", "null"]}},
+      "allOf": [{"if": {"not": {"properties": {"a": {"const": None}}}}, "then": {"properties": {"b": {"const": None}}}},
+                {"if": {"not": {"properties": {"b": {"const": None}}}}, "then": {"properties": {"a": {"const": None}}}}]},
+     [{"a": "x", "b": None}, {"a": None, "b": "y"}, {"b": "y"}, {"a": "x"}, {}],
+     [{"a": "x", "b": "y"}]),
     # schema dependencies: the object lacks the name, or has it and satisfies the schema
     ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
       "dependentSchemas": {"a": {"properties": {"b": {"minimum": 5}}, "required": ["b"]}}},

@@ -659,3 +659,61 @@ def test_llguidance_writes_no_unicode_escapes_that_would_hide_a_key(grammars, vo
     _sound_on_llguidance(grammars, vocab, schema, good, bad)
     m = new_matcher(grammars, {"json_schema": schema, "grammar_backend": "llguidance"})
     assert not admits(m, vocab, '{"a":"\\u00e9"}')  # valid, but written as "é" or not at all
+
+
+def test_llguidance_takes_unlisted_if_values_not_enum_and_schema_dependencies(grammars, vocab):
+    """Found on the corpus (minecraft, github-action/-workflow, prometheus, netlify):
+    ``if`` on a property's const/enum whose values nothing beside it lists (failing it:
+    the property present with another value, written ``not: {enum}``, which reaches
+    llguidance as another type or a string ``pattern`` of the other strings), the
+    nested and ``if: {not: ...}`` forms, and schema dependencies as ``anyOf``."""
+    schema = {"type": "object", "properties": {"kind": {"type": "string", "maxLength": 6},
+                                               "n": {"type": "integer", "minimum": -9, "maximum": 9}},
+              "if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["n"]},
+              "else": {"properties": {"n": {"maximum": 0}}}}
+    _sound_on_llguidance(grammars, vocab, schema, ['{"kind":"a","n":5}', '{"kind":"ab","n":-1}', '{"n":3}',
+                                                   '{"kind":"","n":0}'],
+                         ['{"kind":"a"}', '{"kind":"b","n":1}', '{}', '{"kind":"ab","n":2}'])
+    schema = {"type": "object", "properties": {"k": {"not": {"enum": ["a", "bc", None, True]}}}, "required": ["k"]}
+    _sound_on_llguidance(grammars, vocab, schema, ['{"k":"b"}', '{"k":"bcd"}', '{"k":false}', '{"k":1}',
+                                                   '{"k":[]}', '{"k":""}'],
+                         ['{"k":"a"}', '{"k":"bc"}', '{"k":null}', '{"k":true}'])
+    schema = {"type": "object", "properties": {"runs": {"type": "object", "properties": {"using": {"type": "string"}},
+                                                        "additionalProperties": False},
+                                               "out": {"type": "integer", "minimum": -9, "maximum": 9}},
+              "if": {"properties": {"runs": {"properties": {"using": {"const": "c"}}}}},
+              "then": {"properties": {"out": {"minimum": 1}}}, "else": {"properties": {"out": {"maximum": -1}}}}
+    _sound_on_llguidance(grammars, vocab, schema, ['{"runs":{"using":"c"},"out":1}', '{"runs":{"using":"d"},"out":-1}',
+                                                   '{"runs":{},"out":1}'],
+                         ['{"runs":{"using":"c"},"out":-1}', '{"runs":{"using":"d"},"out":1}'])
+    schema = {"type": "object", "properties": {"a": {"type": ["string", "null"], "maxLength": 3},
+                                               "b": {"type": ["string", "null"], "maxLength": 3}},
+              "allOf": [{"if": {"not": {"properties": {"a": {"const": None}}}},
+                         "then": {"properties": {"b": {"const": None}}}}]}
+    _sound_on_llguidance(grammars, vocab, schema, ['{"a":"x","b":null}', '{"a":null,"b":"y"}', '{"b":"y"}', '{}'],
+                         ['{"a":"x","b":"y"}'])
+    schema = {"type": "object", "properties": {k: {"type": "integer", "minimum": 0, "maximum": 9} for k in "abc"},
+              "dependentSchemas": {"a": {"required": ["b"], "properties": {"b": {"minimum": 5}}}, "c": False},
+              "dependencies": {}}
+    _sound_on_llguidance(grammars, vocab, schema, ['{"a":1,"b":5}', '{"b":1}', '{}'],
+                         ['{"a":1}', '{"a":1,"b":4}', '{"c":1}'])
+
+
+def test_llguidance_reads_a_ref_alone_in_drafts_that_ignore_its_siblings(grammars, vocab):
+    """Drafts 3 to 7 ignore the keywords beside a ``$ref`` (found on the corpus:
+    recursive ``$ref``s beside ``type``, which llguidance cannot intersect); 2019-09 and
+    later apply them."""
+    defs = {"n": {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                   "next": {"$ref": "#/definitions/n", "type": ["object", "integer"],
+                                                            "required": ["w"]}},
+                  "required": ["v"], "additionalProperties": False}}
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": defs, "$ref": "#/definitions/n"}
+    _sound_on_llguidance(grammars, vocab, schema, ['{"v":1}', '{"v":1,"next":{"v":2,"next":{"v":3}}}'],
+                         ['{"v":1,"next":3}', '{"next":{"v":1}}', '{"v":1,"next":{}}'],
+                         jsonschema.Draft7Validator(schema))
+    from plait.runtime.constrained.llguidance_backend import schema_grammar
+
+    # 2020-12 applies them: llguidance cannot intersect them with the recursive $ref
+    later = {**schema, "$schema": "https://json-schema.org/draft/2020-12/schema"}
+    with pytest.raises(ValueError, match="circular references with sibling keys"):
+        schema_grammar(later, None)

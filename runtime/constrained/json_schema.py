@@ -360,12 +360,20 @@ def _plain_not(t: _Translator, s: dict[str, Any]) -> dict[str, Any] | None:
     if _not_required(s["not"]) is not None:
         return _public(_lift_not(s))
     words = _not_values(s["not"])
-    if words and all(isinstance(w, str) for w in words):
-        # any value but those strings: another type, or a string none of them
+    if words and all(isinstance(w, (str, bool)) or w is None for w in words):
+        # any value but those strings, booleans or null: another type, a string none of
+        # them, the other boolean
         rest = {k: v for k, v in s.items() if k != "not"}
-        others = {"type": [x for x in TYPE_KEYWORDS if x not in ("string", "integer")]}
-        cases = {"anyOf": [others, {"type": "string", "pattern": _pattern_except(words)}]}
-        return {**rest, "allOf": [*rest.get("allOf", []), cases]} if "anyOf" in rest else {**rest, **cases}
+        strings = [w for w in words if isinstance(w, str)]
+        hit = {"string"} if strings else set()
+        hit |= {"null"} if None in words else set()
+        hit |= {"boolean"} if any(isinstance(w, bool) for w in words) else set()
+        cases: list[Any] = [{"type": [x for x in TYPE_KEYWORDS if x not in hit and x != "integer"]}]
+        if strings:
+            cases.append({"type": "string", "pattern": _pattern_except(strings)})
+        cases += [{"const": b} for b in (False, True) if "boolean" in hit and not any(w is b for w in words)]
+        written = {"anyOf": cases}
+        return {**rest, "allOf": [*rest.get("allOf", []), written]} if "anyOf" in rest else {**rest, **written}
     excluded = _type_negation(s["not"])
     return None if excluded is None else t.without_types(s, excluded, "#")
 
@@ -684,6 +692,9 @@ class _Translator:
         if cond is True or cond is False:
             negations: list[Any] = [] if cond is True else [True]
             positive = [] if cond is False else [[cond, then]]
+        elif isinstance(cond, dict) and set(cond) - ANNOTATIONS == {"not"}:  # fails exactly where cond['not'] holds
+            positive = [[x, then] for x in self.failing(cond["not"], rest, where)]
+            negations = [cond["not"]]
         else:
             positive = [[cond, then]]
             negations = self.failing(cond, rest, where)

@@ -246,14 +246,31 @@ def llguidance_schema(schema: Any) -> Any:
     formats llguidance does not know are refused.
     """
     exact = _exact_places(schema)
-    return _rewrite(schema, [], exact is not None, exact or set())
+    return _rewrite(schema, [], exact is not None, exact or set(), _ref_siblings_ignored(schema))
 
 
-def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, ...]]) -> Any:
-    from plait.runtime.constrained.json_schema import FORMATS, STANDARD_FORMATS, value_pattern
+def _ref_siblings_ignored(root: Any) -> bool:
+    """Drafts 3 to 7 (as ``jsonschema`` picks the draft from ``$schema``) ignore the
+    keywords beside a ``$ref``; later drafts apply them too."""
+    import jsonschema
+
+    if not isinstance(root, dict):
+        return False
+    cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
+    return cls in (jsonschema.Draft3Validator, jsonschema.Draft4Validator, jsonschema.Draft6Validator,
+                   jsonschema.Draft7Validator)
+
+
+def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, ...]], legacy_ref: bool) -> Any:
+    from plait.runtime.constrained.json_schema import ANNOTATIONS, FORMATS, STANDARD_FORMATS, value_pattern
 
     if not isinstance(schema, dict):
         return schema
+    if legacy_ref and "$ref" in schema:
+        # what the draft reads: the $ref alone (llguidance would apply the keywords beside
+        # it, and cannot when the $ref is recursive); kept: annotations and the
+        # definitions other pointers may reach
+        schema = {k: v for k, v in schema.items() if k == "$ref" or k in ANNOTATIONS}
     path = "/".join(["#", *parts])
     narrow = narrow and tuple(parts) not in exact
     for k in _DRAFT3:
@@ -308,7 +325,8 @@ def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, 
             raise ValueError(f"format {fmt!r} at {path} is not supported by the llguidance backend" +
                              (" under oneOf/not/if (where it cannot be narrowed)" if fmt in FORMATS else ""))
     for k, key, x, under in _children(schema):
-        new = _rewrite(x, [*parts, k] if key is None else [*parts, k, str(key)], narrow and not under, exact)
+        new = _rewrite(x, [*parts, k] if key is None else [*parts, k, str(key)], narrow and not under, exact,
+                       legacy_ref)
         if key is None:
             out[k] = new
             continue
