@@ -269,14 +269,6 @@ class RadixCache:
                 break
         return freed
 
-    def window_detachable(self, protected: set[int]) -> int:
-        """Cached pages outside ``protected`` that still hold windowed KV (walks the tree)."""
-        window = self.allocator.window
-        if window is None:
-            return 0
-        pages = [p for node in self._nodes() for p in self.allocator.slots_to_pages(node.value)]
-        return sum(1 for p, a in zip(pages, window.attached(pages)) if a and p not in protected)
-
     def reset(self) -> None:
         """Flush the cache, returning every page to the allocator (counters are kept)."""
         if self._locked_pages:

@@ -530,7 +530,7 @@ class Scheduler:
         """``pages`` can be had from the free list or by eviction (and as many window
         pages, where windowed layers have a pool of their own); prefetch locks are
         given up first if that is what it takes."""
-        if self.window is not None and pages > self.window.num_free and pages > self._window_available(()):
+        if self.window is not None and pages > self._window_free(pages, ()):
             return False
         if pages <= self.allocator.num_free + self.cache.evictable_pages:
             return True
@@ -592,10 +592,15 @@ class Scheduler:
             out.update(self._window_pages_of(r))
         return out
 
-    def _window_available(self, extra: Sequence[int]) -> int:
-        """Window pages to be had: free, or detachable from cached pages outside every
-        running request's window and ``extra`` (walks the tree: only under pressure)."""
-        return self.window.num_free + self.cache.window_detachable(self._window_protected(extra))
+    def _window_free(self, pages: int, extra: Sequence[int]) -> int:
+        """Free window pages, after giving back cached windowed KV outside every running
+        request's window and ``extra`` when fewer than ``pages`` are free: up to a
+        watermark (1/8 of the pool) at once, so that the tree is walked only now and
+        then, not on every check of a full pool."""
+        w = self.window
+        if w.num_free < pages:
+            self.cache.detach_window(max(pages, w.total_pages // 8) - w.num_free, self._window_protected(extra))
+        return w.num_free
 
     def _window_room(self, r: Req) -> int:
         """Tokens ``r`` may compute next step as far as window pages go (unbounded
@@ -603,7 +608,7 @@ class Scheduler:
         if self.window is None:
             return self.context_len
         spare = r.capacity(self.page_size) - r.num_computed
-        return spare + self._window_pages_for(r.num_pending - spare, ()) * self.page_size
+        return spare + self._window_free(-(-(r.num_pending - spare) // self.page_size), ()) * self.page_size
 
     def _window_room_for(self, r: Req, match: MatchResult) -> int:
         """As :meth:`_window_room` for ``r`` about to start on ``match``, whose window's
@@ -612,13 +617,8 @@ class Scheduler:
             return self.context_len
         pages = self.allocator.slots_to_pages(match.slots)
         start = max(0, match.length - self.window.window + 1) // self.page_size
-        return self._window_pages_for(r.seq_len - match.length, pages[start:]) * self.page_size
-
-    def _window_pages_for(self, tokens: int, extra: Sequence[int]) -> int:
-        """Window pages to be had, counted only as far as ``tokens`` need: the free
-        ones suffice, or else :meth:`_window_available`."""
-        free = self.window.num_free
-        return free if free * self.page_size >= tokens else self._window_available(extra)
+        need = -(-(r.seq_len - match.length) // self.page_size)
+        return self._window_free(need, pages[start:]) * self.page_size
 
     def _window_usable(self, r: Req, match: MatchResult) -> MatchResult:
         """``match`` cut to its longest part whose end has its whole window attached:

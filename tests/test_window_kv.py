@@ -195,3 +195,25 @@ def test_random_arrivals_aborts_and_shared_prefixes_stay_exact(model, seed, page
         assert checked >= 8
         assert sum(freed) > 0  # cached windowed KV was given back under pressure
         assert engine.pool_usage()["locked"] == 0
+
+
+def test_a_full_window_pool_gives_back_a_batch_at_a_time(model):
+    """Once cached windowed KV fills the window pool, it is given back up to a
+    watermark (1/8 of the pool) at once: the tree is walked for about one admission in
+    two or fewer (giving back only what each check needs walks it on more checks than
+    there are requests here), not on every check of every step."""
+    folder, hf, prompts, _ = model
+    with Engine(str(folder), kv_cache_tokens=4096, page_size=PS, swa_full_tokens_ratio=0.25,
+                attention_backend="cpu") as engine:
+        assert engine.pool.window.total_pages // 8 >= 16
+        detach, freed = engine.cache.detach_window, []
+        engine.cache.detach_window = lambda n, protected: freed.append(detach(n, protected)) or freed[-1]
+        steps, requests = 0, prompts * 3
+        for p in requests:  # distinct prompts (rotated), all cached: the pool fills
+            r = engine.add_request(p[steps % 7:] + p[: steps % 7], GREEDY)[0]
+            while not r.finished:
+                engine.step()
+                steps += 1
+            engine.check_invariants()
+        assert sum(freed) > 0 and len(freed) <= len(requests) // 2, (len(freed), len(requests), steps)
+        check_outputs(engine, run_all(engine, prompts[:2]), [greedy_of(hf, p) for p in prompts[:2]])
