@@ -228,7 +228,7 @@ class Scheduler:
         for r in self.running:
             if r.is_decoding or budget <= 0:
                 continue
-            n = min(r.num_pending, budget, self._window_room(r))
+            n = self._window_room(r, min(r.num_pending, budget))
             if n <= 0 or not self._can_take(self._pages_needed(r, n)):
                 continue  # wait for memory; decodes keep running and finishing
             self._grow(r, n, batch)
@@ -266,8 +266,8 @@ class Scheduler:
                     # nothing running and it still does not fit: it never will
                     self.abort(r, "request does not fit in the KV cache")
                     continue
-            room = self._window_room_for(r, match)
-            if room <= 0:
+            n = self._window_room_for(match, min(extend, budget))  # this step's chunk
+            if n <= 0:
                 if self.running or batch.extends:
                     break  # windowed KV comes back as running requests move on or finish
                 self.abort(r, "request does not fit in the windowed layers' KV pool")
@@ -276,7 +276,6 @@ class Scheduler:
             self._start(r, match)
             if self.host is not None:
                 self.host.forget(r)  # after _start locked the prefix its prefetch held
-            n = min(extend, budget, room)
             self._grow(r, n, batch)
             batch.extends.append((r, n))
             in_batch.append(r)
@@ -602,23 +601,22 @@ class Scheduler:
             self.cache.detach_window(max(pages, w.total_pages // 8) - w.num_free, self._window_protected(extra))
         return w.num_free
 
-    def _window_room(self, r: Req) -> int:
-        """Tokens ``r`` may compute next step as far as window pages go (unbounded
+    def _window_room(self, r: Req, tokens: int) -> int:
+        """Of ``tokens`` more for ``r`` next step, how many window pages allow (all
         without a window pool): what its last page still holds, and whole pages."""
         if self.window is None:
-            return self.context_len
+            return tokens
         spare = r.capacity(self.page_size) - r.num_computed
-        return spare + self._window_free(-(-(r.num_pending - spare) // self.page_size), ()) * self.page_size
+        return min(tokens, spare + self._window_free(-(-(tokens - spare) // self.page_size), ()) * self.page_size)
 
-    def _window_room_for(self, r: Req, match: MatchResult) -> int:
-        """As :meth:`_window_room` for ``r`` about to start on ``match``, whose window's
-        cached pages become protected."""
+    def _window_room_for(self, match: MatchResult, tokens: int) -> int:
+        """As :meth:`_window_room` for a request about to start on ``match`` (page
+        aligned), whose window's cached pages become protected."""
         if self.window is None:
-            return self.context_len
+            return tokens
         pages = self.allocator.slots_to_pages(match.slots)
         start = max(0, match.length - self.window.window + 1) // self.page_size
-        need = -(-(r.seq_len - match.length) // self.page_size)
-        return self._window_free(need, pages[start:]) * self.page_size
+        return min(tokens, self._window_free(-(-tokens // self.page_size), pages[start:]) * self.page_size)
 
     def _window_usable(self, r: Req, match: MatchResult) -> MatchResult:
         """``match`` cut to its longest part whose end has its whole window attached:
