@@ -123,6 +123,17 @@ CASES = [
                 {"if": {"not": {"properties": {"b": {"const": None}}}}, "then": {"properties": {"a": {"const": None}}}}]},
      [{"a": "x", "b": None}, {"a": None, "b": "y"}, {"b": "y"}, {"a": "x"}, {}],
      [{"a": "x", "b": "y"}]),
+    # not of such a condition: the values failing it (hemtt's form); not of a $ref to a typed enum
+    ({"type": "object", "properties": {"parallel": {"type": "boolean"}, "foreach": {"type": "boolean"}},
+      "anyOf": [{"not": {"properties": {"parallel": {"enum": [True]}}}},
+                {"properties": {"foreach": {"enum": [True]}}, "required": ["foreach"]}]},
+     [{"parallel": False}, {"foreach": True, "parallel": True}, {"foreach": True}],  # in the layout's key order
+     [{}, {"parallel": True}, {"foreach": False}, {"parallel": True, "foreach": False}]),
+    ({"type": "object", "properties": {"k": {"type": "string"}}, "not": {"properties": {"k": {"const": "x"}},
+                                                                         "required": ["k"]}},
+     [{}, {"k": "y"}, {"k": "xx"}], [{"k": "x"}]),
+    ({"$defs": {"p": {"type": "string", "enum": ["int", "long"]}}, "type": "string", "not": {"$ref": "#/$defs/p"}},
+     ["x", "in", "longer", ""], ["int", "long"]),
     # schema dependencies: the object lacks the name, or has it and satisfies the schema
     ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
       "dependentSchemas": {"a": {"properties": {"b": {"minimum": 5}}, "required": ["b"]}}},

@@ -692,6 +692,18 @@ def test_llguidance_takes_unlisted_if_values_not_enum_and_schema_dependencies(gr
                          "then": {"properties": {"b": {"const": None}}}}]}
     _sound_on_llguidance(grammars, vocab, schema, ['{"a":"x","b":null}', '{"a":null,"b":"y"}', '{"b":"y"}', '{}'],
                          ['{"a":"x","b":"y"}'])
+    # not of such a condition (hemtt), not of a $ref to a typed enum (avro)
+    schema = {"definitions": {"par": {"properties": {"parallel": {"enum": [True]}}}},
+              "type": "object", "properties": {"parallel": {"type": "boolean"}, "foreach": {"type": "boolean"}},
+              "anyOf": [{"not": {"$ref": "#/definitions/par"}},
+                        {"properties": {"foreach": {"enum": [True]}}, "required": ["foreach"]}]}
+    _sound_on_llguidance(grammars, vocab, schema, ['{"parallel":false}', '{"foreach":true}'],
+                         ['{}', '{"parallel":true}', '{"parallel":true,"foreach":false}'])
+    schema = {"definitions": {"prim": {"type": "string", "enum": ["int", "long"]}}, "type": "object",
+              "properties": {"t": {"type": "string", "maxLength": 5, "not": {"$ref": "#/definitions/prim"}}},
+              "required": ["t"]}
+    _sound_on_llguidance(grammars, vocab, schema, ['{"t":"in"}', '{"t":"longs"}', '{"t":""}'],
+                         ['{"t":"int"}', '{"t":"long"}'])
     schema = {"type": "object", "properties": {k: {"type": "integer", "minimum": 0, "maximum": 9} for k in "abc"},
               "dependentSchemas": {"a": {"required": ["b"], "properties": {"b": {"minimum": 5}}}, "c": False},
               "dependencies": {}}

@@ -281,7 +281,7 @@ def plain_schema(schema: Any) -> Any:
         for step in (_plain_not, _plain_dependencies, _plain_if, _plain_one_of):
             try:
                 new = step(t, out)
-                if step in (_plain_if, _plain_one_of) and new is not None:
+                if step in (_plain_not, _plain_if, _plain_one_of) and new is not None:
                     # their cases hold new subschemas ('not: {enum}' of failing, merged $ref targets)
                     new = walk(new, depth + 1)
             except (SchemaError, RecursionError):
@@ -296,10 +296,10 @@ def plain_schema(schema: Any) -> Any:
             return {n: walk(x, depth + 1) for n, x in v.items()}
         if k in ("allOf", "anyOf", "oneOf", "prefixItems", "items") and isinstance(v, list):
             return [walk(x, depth + 1) for x in v]
-        if k in ("items", "additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if",
+        if k in ("items", "additionalProperties", "additionalItems", "contains", "propertyNames", "not",
                  "then", "else") and isinstance(v, dict):
             return walk(v, depth + 1)
-        return v
+        return v  # 'if' is read as written (_plain_if's cases, walked after, hold what it had)
 
     return walk(schema, 0)
 
@@ -359,7 +359,13 @@ def _plain_not(t: _Translator, s: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if _not_required(s["not"]) is not None:
         return _public(_lift_not(s))
-    words = _not_values(s["not"])
+    sub = t.deref(s["not"], "#")
+    failing = t.negation(sub, "#")
+    if failing is not None:
+        rest = {k: v for k, v in s.items() if k != "not"}
+        written = {"anyOf": [_public(x) for x in failing]}
+        return {**rest, "allOf": [*rest.get("allOf", []), written]} if "anyOf" in rest else {**rest, **written}
+    words = _not_values(sub)
     if words and all(isinstance(w, (str, bool)) or w is None for w in words):
         # any value but those strings, booleans or null: another type, a string none of
         # them, the other boolean
@@ -422,6 +428,12 @@ class _Translator:
         if not isinstance(s, dict):
             raise SchemaError(f"json_schema at {path} must be an object or a boolean, got {type(s).__name__}")
         s = _lift_dependencies(s)
+        if isinstance(s.get("not"), dict) and "$ref" in s["not"]:
+            s = {**s, "not": self.deref(s["not"], path)}
+        if self.negation(s.get("not"), path) is not None:  # the values failing a condition: one of these
+            rest = {k: v for k, v in s.items() if k != "not"}
+            return self.value({**rest, "allOf": [*rest.get("allOf", []),
+                                                 {"anyOf": self.negation(s["not"], path)}]}, path)
         self.check_keywords(s, path)
         s = _lift_not(s)
         if "not" in s and _not_values(s["not"]) is not None:
@@ -707,6 +719,17 @@ class _Translator:
         if not branches:
             raise _NoValue(f"json_schema 'if' at {path}: no value satisfies either case")
         return branches
+
+    def negation(self, sub: Any, path: str) -> list[Any] | None:
+        """``not: sub`` as schemas whose values are exactly those failing ``sub``, when
+        ``sub`` is a condition :meth:`failing` writes out (one property's const, enum
+        or nested condition: ``not: {properties: {parallel: {const: true}}}``); else None."""
+        if not isinstance(sub, dict) or "properties" not in sub or _not_required(sub) is not None:
+            return None
+        try:
+            return self.failing(sub, {}, f"{path}/not")
+        except SchemaError:
+            return None
 
     def failing(self, cond: Any, rest: dict[str, Any], where: str) -> list[Any]:
         """Schemas whose values (within ``rest``) are exactly those failing ``cond``:
@@ -1534,14 +1557,20 @@ def _not_required(sub: Any) -> list[list[str]] | None:
 
 
 def _not_values(sub: Any) -> list[Any] | None:
-    """The values ``not: sub`` excludes when ``sub`` is an ``enum`` or ``const`` alone."""
-    if not isinstance(sub, dict) or len(set(sub) - ANNOTATIONS) != 1:
+    """The values ``not: sub`` excludes when ``sub`` is an ``enum`` or ``const`` alone,
+    or beside a ``type`` that every listed value has (the same values)."""
+    if not isinstance(sub, dict):
         return None
-    if "const" in sub:
-        return [sub["const"]]
-    if isinstance(sub.get("enum"), list):
-        return list(sub["enum"])
-    return None
+    keys = set(sub) - ANNOTATIONS
+    values = [sub["const"]] if "const" in sub else list(sub["enum"]) if isinstance(sub.get("enum"), list) else None
+    if values is None or not (keys == {"const"} or keys == {"enum"} or len(keys) == 2 and "type" in keys):
+        return None
+    if "type" in keys:
+        t = sub["type"]
+        ts = t if isinstance(t, list) else [t]
+        if not all(isinstance(x, str) for x in ts) or not all(any(_json_type_ok(v, x) for x in ts) for v in values):
+            return None
+    return values
 
 
 def _string_except(words: list[str], path: str) -> str:
