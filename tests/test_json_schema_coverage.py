@@ -355,3 +355,25 @@ def test_ecma_262_patterns_are_read_as_ecma_262_writes_them(pattern, good, bad):
         assert admits(regex, v), v
     for v in bad:
         assert not jsonschema.Draft202012Validator(python).is_valid(v) and not admits(regex, v), v
+
+
+DRAFT7 = "http://json-schema.org/draft-07/schema#"
+
+
+def test_keywords_beside_a_ref_do_nothing_in_drafts_3_to_7():
+    """Drafts 3 to 7 ignore the keywords beside a ``$ref``. Applying them anyway is a
+    narrowing in most places, but not under ``oneOf``: a branch narrowed by them was
+    proved exclusive of the other, and the other's values (which the real branch also
+    admits) were admitted — found in review, ``{"kind": "b"}`` below."""
+    loose = {"$schema": DRAFT7, "definitions": {"s": {"type": "string"}}, "$ref": "#/definitions/s", "maxLength": 2}
+    regex = check_sound(loose)
+    assert admits(regex, "abcd") and jsonschema.Draft7Validator(loose).is_valid("abcd")
+    one_of = {"$schema": DRAFT7, "definitions": {"o": {"type": "object"}},
+              "oneOf": [{"$ref": "#/definitions/o", "properties": {"kind": {"const": "a"}}, "required": ["kind"]},
+                        {"type": "object", "properties": {"kind": {"const": "b"}}, "required": ["kind"]}]}
+    assert not jsonschema.Draft7Validator(one_of).is_valid({"kind": "b"})
+    try:
+        regex = check_sound(one_of)
+    except SchemaError:
+        return  # refused: sound
+    assert not admits(regex, {"kind": "b"})

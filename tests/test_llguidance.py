@@ -725,6 +725,12 @@ def test_llguidance_reads_a_ref_alone_in_drafts_that_ignore_its_siblings(grammar
                          jsonschema.Draft7Validator(schema))
     from plait.runtime.constrained.llguidance_backend import schema_grammar
 
+    # under a oneOf: the branch is what the $ref alone admits, so {"kind": "b"} satisfies both
+    one_of = {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"o": {"type": "object"}},
+              "oneOf": [{"$ref": "#/definitions/o", "properties": {"kind": {"const": "a"}}, "required": ["kind"]},
+                        {"type": "object", "properties": {"kind": {"const": "b"}}, "required": ["kind"]}]}
+    _sound_on_llguidance(grammars, vocab, one_of, ['{}', '{"x":1}'], ['{"kind":"b"}', '[]'],
+                         jsonschema.Draft7Validator(one_of))
     # 2020-12 applies them: llguidance cannot intersect them with the recursive $ref
     later = {**schema, "$schema": "https://json-schema.org/draft/2020-12/schema"}
     with pytest.raises(ValueError, match="circular references with sibling keys"):

@@ -221,6 +221,18 @@ def check_whitespace(pattern: Any) -> str:
     return pattern
 
 
+def ref_siblings_ignored(root: Any) -> bool:
+    """Drafts 3 to 7 (as ``jsonschema`` picks the draft from ``$schema``) ignore the
+    keywords beside a ``$ref``; later drafts apply them too."""
+    import jsonschema
+
+    if not isinstance(root, dict):
+        return False
+    cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
+    return cls in (jsonschema.Draft3Validator, jsonschema.Draft4Validator, jsonschema.Draft6Validator,
+                   jsonschema.Draft7Validator)
+
+
 def local_pointer(root: Any, ref: Any) -> list[str] | None:
     """The JSON-pointer parts of ``ref`` (a ``$ref`` value) when it names a place in the
     document ``root``: a fragment (``#/definitions/a``), or a reference that resolves
@@ -409,6 +421,7 @@ class _Translator:
         self.expanded = 0  # subschemas translated so far (MAX_SCHEMA_EXPANSION)
         self.deadline = time.monotonic() + MAX_TRANSLATE_S
         self._validator: Any = None  # jsonschema's validator of the root, made on first use
+        self.ref_alone = ref_siblings_ignored(root)  # drafts 3-7: keywords beside a $ref do nothing
 
     # -- dispatch ---------------------------------------------------------------------
     def value(self, s: Any, path: str) -> str:
@@ -427,6 +440,8 @@ class _Translator:
             raise SchemaError(f"json_schema at {path} is false: no value can satisfy it")
         if not isinstance(s, dict):
             raise SchemaError(f"json_schema at {path} must be an object or a boolean, got {type(s).__name__}")
+        if self.ref_alone and "$ref" in s:
+            s = {"$ref": s["$ref"]}
         s = _lift_dependencies(s)
         if isinstance(s.get("not"), dict) and "$ref" in s["not"]:
             s = {**s, "not": self.deref(s["not"], path)}
@@ -576,8 +591,8 @@ class _Translator:
                 raise _NoValue(f"json_schema 'allOf' at {path} contains false: no value can satisfy it")
             if not isinstance(sub, dict):
                 raise SchemaError(f"json_schema 'allOf' at {path} contains {sub!r}: no value can satisfy it")
-            if "$ref" in sub:  # the target and the keywords beside it, all of them
-                rest = {k: v for k, v in sub.items() if k != "$ref"}
+            if "$ref" in sub:  # the target and the keywords beside it (from 2019-09), all of them
+                rest = {} if self.ref_alone else {k: v for k, v in sub.items() if k != "$ref"}
                 todo[:0] = [self.resolve(sub["$ref"], path)] + ([rest] if set(rest) - ANNOTATIONS else [])
             elif "allOf" in sub:
                 todo[:0] = self.all_of(sub, path)
@@ -933,7 +948,7 @@ class _Translator:
         for _ in range(MAX_REF_DEPTH):
             if not (isinstance(s, dict) and "$ref" in s):
                 return s
-            rest = {k: v for k, v in s.items() if k != "$ref" and k not in ANNOTATIONS}
+            rest = {} if self.ref_alone else {k: v for k, v in s.items() if k != "$ref" and k not in ANNOTATIONS}
             target = self.resolve(s["$ref"], path)
             s = {"allOf": [target, rest]} if rest else target
         raise SchemaError(f"json_schema '$ref' at {path} is nested more than {MAX_REF_DEPTH} deep")

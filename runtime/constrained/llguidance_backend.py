@@ -246,19 +246,9 @@ def llguidance_schema(schema: Any) -> Any:
     formats llguidance does not know are refused.
     """
     exact = _exact_places(schema)
-    return _rewrite(schema, [], exact is not None, exact or set(), _ref_siblings_ignored(schema))
+    from plait.runtime.constrained.json_schema import ref_siblings_ignored
 
-
-def _ref_siblings_ignored(root: Any) -> bool:
-    """Drafts 3 to 7 (as ``jsonschema`` picks the draft from ``$schema``) ignore the
-    keywords beside a ``$ref``; later drafts apply them too."""
-    import jsonschema
-
-    if not isinstance(root, dict):
-        return False
-    cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
-    return cls in (jsonschema.Draft3Validator, jsonschema.Draft4Validator, jsonschema.Draft6Validator,
-                   jsonschema.Draft7Validator)
+    return _rewrite(schema, [], exact is not None, exact or set(), ref_siblings_ignored(schema))
 
 
 def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, ...]], legacy_ref: bool) -> Any:
