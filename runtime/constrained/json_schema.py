@@ -21,6 +21,7 @@ import json
 import re
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from plait.errors import is_int
@@ -1601,23 +1602,9 @@ def _string_except(words: list[str], path: str) -> str:
     if len(words) > MAX_UNIQUE_VALUES or any(len(w) > MAX_EXCLUDED_CHARS for w in words):
         raise SchemaError(f"json_schema keyword 'not' at {path} is supported for at most {MAX_UNIQUE_VALUES} excluded "
                           f"strings of at most {MAX_EXCLUDED_CHARS} characters")
-    trie: dict[str, Any] = {}
-    for w in words:
-        node = trie
-        for c in w:
-            node = node.setdefault(c, {})
-        node[""] = {}  # a word ends here
-    ends: list[str] = []  # prefixes of words that are no word
-    diverged: list[str] = []  # a prefix, then a character no word continues it with
-    todo = [(trie, "")]
-    while todo:
-        node, prefix = todo.pop()
-        kids = sorted(c for c in node if c)
-        if "" not in node:
-            ends.append(prefix)
-        other = "[^" + r'"\\\x00-\x1f' + "".join("\\" + c if c in "\\]-[^&~" else c for c in kids) + "]"
-        diverged.append(prefix + "(?:" + other + r'|\\["\\/bfnrt])')
-        todo += [(node[c], prefix + escape(c)) for c in kids]
+    ends, diverged = _trie_exits(
+        words, escape, lambda kids: "[^" + r'"\\\x00-\x1f' + "".join("\\" + c if c in "\\]-[^&~" else c for c in kids) + "]"
+        + r'|\\["\\/bfnrt]')
     # one shared tail after the divergence (a tail per branch makes outlines-core's
     # index build exponential in the words' length)
     return '"(?:' + "|".join([*ends, "(?:" + "|".join(diverged) + ")" + JSON_CHAR + "*"]) + ')"'
@@ -1627,6 +1614,15 @@ def _pattern_except(words: list[str]) -> str:
     """A ``pattern`` (read as a full match) of the strings that are none of ``words``:
     along the trie of the words, end where no word ends, or write a character no word
     continues with (then anything), as :func:`_string_except` writes the JSON text."""
+    ends, diverged = _trie_exits(words, re.escape,
+                                 lambda kids: "[^" + "".join(re.escape(c) for c in kids) + "]" if kids else "(?:.|\\n)")
+    return "^(?:" + "|".join([*ends, "(?:" + "|".join(diverged) + ")(?:.|\\n)*"]) + ")$"
+
+
+def _trie_exits(words: list[str], esc: Callable[[str], str], other: Callable[[list[str]], str]) -> tuple[list[str], list[str]]:
+    """Where a string leaves the trie of ``words`` (characters spelt by ``esc``): the
+    prefixes that end without being a word, and each prefix followed by ``other`` of the
+    characters the trie continues it with (a character that leaves the trie there)."""
     trie: dict[str, Any] = {}
     for w in words:
         node = trie
@@ -1641,10 +1637,9 @@ def _pattern_except(words: list[str]) -> str:
         kids = sorted(c for c in node if c)
         if "" not in node:
             ends.append(prefix)
-        other = "[^" + "".join(re.escape(c) for c in kids) + "]" if kids else "(?:.|\\n)"
-        diverged.append(prefix + other)
-        todo += [(node[c], prefix + re.escape(c)) for c in kids]
-    return "^(?:" + "|".join([*ends, "(?:" + "|".join(diverged) + ")(?:.|\\n)*"]) + ")$"
+        diverged.append(prefix + "(?:" + other(kids) + ")")
+        todo += [(node[c], prefix + esc(c)) for c in kids]
+    return ends, diverged
 
 
 def _lift_not(s: dict[str, Any]) -> dict[str, Any]:
