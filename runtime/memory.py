@@ -58,9 +58,10 @@ class KVPool:
         self._zeroed = bytearray(num_slots // page_size)  # pages zeroed since allocation
         self._zeroed_window = bytearray(window.num_pages if window is not None else 0)
         self._full_layers = [i for i in range(num_layers) if i not in self.windowed_layers]
+        self._window_layers = sorted(self.windowed_layers)
         self._zero([0], self._zeroed, self._full_layers)
         if window is not None:
-            self._zero([0], self._zeroed_window, sorted(self.windowed_layers))
+            self._zero([0], self._zeroed_window, self._window_layers)
 
     def zero_pages(self, pages: list[int]) -> None:
         """Zero the pages among ``pages`` that were never zeroed, in every layer (for
@@ -73,7 +74,7 @@ class KVPool:
         self._zero(pages, self._zeroed, self._full_layers)
         if self.window is not None:
             attached = [w for w in map(self.window.page_of, pages) if w]
-            self._zero(attached, self._zeroed_window, sorted(self.windowed_layers))
+            self._zero(attached, self._zeroed_window, self._window_layers)
 
     def _zero(self, pages: list[int], zeroed: bytearray, layers: list[int]) -> None:
         fresh = sorted({p for p in pages if not zeroed[p]})

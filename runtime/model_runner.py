@@ -73,7 +73,10 @@ class ModelRunner:
         input_ids, pos, rows, req_rows = self.staging.to_device(ids, positions, token_rows, [r.row for r in batch.reqs])
         rope_pos = pos
         if self.long_rope_offset and any(r.long_rope for r in batch.reqs):
-            rope_pos = pos + torch.tensor(self._rope_offsets(batch), device=pos.device)
+            # each token's rotary rows by its page-table row: long-rope requests' start later
+            by_row = torch.zeros(table.shape[0], dtype=torch.long)
+            by_row[[r.row for r in batch.reqs if r.long_rope]] = self.long_rope_offset
+            rope_pos = pos + by_row.to(pos.device)[rows]
         fb = ForwardBatch(
             input_ids=input_ids,
             positions=rope_pos,
@@ -91,17 +94,6 @@ class ModelRunner:
             self._window_table[req_rows, :width] = slot_map[table[req_rows, :width].long()].to(table.dtype)
             fb.windowed = dataclasses.replace(fb, out_slots=slot_map[fb.out_slots], req_to_token=self._window_table)
         return fb
-
-    def _rope_offsets(self, batch: ScheduleBatch) -> list[int]:
-        """Per token (in build_forward_batch's order), its rotary-table offset."""
-        off = self.long_rope_offset
-        out: list[int] = []
-        for r, n in batch.extends:
-            out.extend([off if r.long_rope else 0] * n)
-        for r, d in batch.verifies:
-            out.extend([off if r.long_rope else 0] * (1 + len(d.tokens)))
-        out.extend(off if r.long_rope else 0 for r in batch.decodes)
-        return out
 
     @torch.inference_mode()
     def forward(self, batch: ScheduleBatch) -> dict[str, list[int]]:

@@ -387,8 +387,8 @@ class Scheduler:
     def _alloc_pages(self, n: int) -> list[int]:
         if n > self.allocator.num_free:
             self.cache.evict(n - self.allocator.num_free)
-        if self.window is not None and n > self.window.num_free:
-            self.cache.detach_window(n - self.window.num_free, self._window_protected())
+        if self.window is not None:
+            self._window_free(n, ())
         pages = self.allocator.alloc(n)
         if pages is None:
             raise RuntimeError(f"KV pool exhausted: needed {n} pages, {self.allocator.num_free} free")
@@ -503,9 +503,14 @@ class Scheduler:
         """``r`` grew past the original context: like transformers' Phi-3, compute the
         whole sequence again with the long factors (its short-factor KV stays cached
         for others; its new KV goes to the long-rope namespace). Requeued first."""
+        self._requeue(r)
+        r.long_rope = True
+
+    def _requeue(self, r: Req) -> None:
+        """Take running ``r`` back to the head of the queue, its KV returned (what it
+        computed stays cached): it is computed again when admitted again."""
         self.running.remove(r)
         self._release(r)
-        r.long_rope = True
         r.status = ReqStatus.WAITING
         self.waiting.appendleft(r)
 
@@ -517,11 +522,8 @@ class Scheduler:
             self.abort(self.running[0], "request does not fit in the KV cache")
             return
         victim = min(self.running, key=lambda r: (r.output_len, -r.prompt_len))
-        self.running.remove(victim)
-        self._release(victim)
-        victim.status = ReqStatus.WAITING
+        self._requeue(victim)
         victim.num_retractions += 1
-        self.waiting.appendleft(victim)
         self.num_retractions += 1
         self.new_token_ratio = self.config.init_new_token_ratio
 
@@ -584,7 +586,7 @@ class Scheduler:
             return []
         return self.allocator.slots_to_pages(r.prefix_slots[start * self.page_size : cached * self.page_size])
 
-    def _window_protected(self, extra: Sequence[int] = ()) -> set[int]:
+    def _window_protected(self, extra: Sequence[int]) -> set[int]:
         """Cached pages whose windowed KV a running request still reads, and ``extra``."""
         out = set(extra)
         for r in self.running:
