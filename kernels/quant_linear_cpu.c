@@ -28,7 +28,8 @@
 #endif
 
 #define QBLOCK 32
-#define MT 4 /* rows of x per pass over a weight row */
+#define MT 4  /* rows of x per pass over a weight row */
+#define RT 4  /* weight rows per tile (independent accumulator chains) */
 
 enum { KIND_Q8 = 0, KIND_Q4 = 1 };
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
@@ -120,7 +121,7 @@ __attribute__((target("avx2,fma"))) static void row_avx2(int kind, const float *
 
 /* ---- AVX-512F ------------------------------------------------------------------ */
 /* block b of a row as 2 x 16 float32 weights */
-__attribute__((target("avx512f"))) static inline void decode_avx512(int kind, const uint8_t *qs, int64_t b, float scale,
+__attribute__((target("avx512f"), always_inline)) static inline void decode_avx512(int kind, const uint8_t *qs, int64_t b, float scale,
                                                                     float min, __m512 *w0, __m512 *w1) {
     const __m512 s = _mm512_set1_ps(scale);
     if (kind == KIND_Q8) {
@@ -130,11 +131,10 @@ __attribute__((target("avx512f"))) static inline void decode_avx512(int kind, co
         *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q2)), s);
     } else {
         const __m512 mv = _mm512_set1_ps(min);
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(qs + b * (QBLOCK / 2)));
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-        *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, mv);
-        *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, mv);
+        /* one zero-extension of the 16 bytes, then the nibbles apart in 32-bit lanes */
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + b * (QBLOCK / 2))));
+        *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F))), s, mv);
+        *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, mv);
     }
 }
 
@@ -175,6 +175,86 @@ __attribute__((target("avx512f"))) static void row_avx512(int kind, const float 
     }
     for (int m = 0; m < mt; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
+
+/* Tiles of RT weight rows x up to MT rows of x: RT independent accumulator chains per x
+ * row (one chain per weight row is latency-bound on the FMA), each block dequantized
+ * once for all x rows, the same products in the same order as row_avx512 (so the same
+ * bits). While a tile runs, the next tile's rows are prefetched: RT rows far apart in
+ * memory are RT streams, more than the hardware prefetcher follows for long rows. */
+__attribute__((target("avx512f"), always_inline)) static inline void tile_avx512_n(
+    int kind, const float *x, int64_t mt, int64_t K, const uint8_t *qs, int64_t row_bytes, const float *sc,
+    const float *mn, int prefetch, float out[RT][MT], const int MTC /* a constant: MT or 1 */) {
+    __m512 acc[RT][MT];
+    for (int r = 0; r < RT; r++)
+        for (int m = 0; m < MTC; m++) acc[r][m] = _mm512_setzero_ps();
+    const int64_t nb = K / QBLOCK, bb = kind == KIND_Q8 ? QBLOCK : QBLOCK / 2, every = 64 / bb;
+    for (int64_t b = 0; b < nb; b++) {
+        if (prefetch && b % every == 0)
+            for (int r = 0; r < RT; r++) _mm_prefetch((const char *)(qs + (RT + r) * row_bytes + b * bb), _MM_HINT_T0);
+        if (prefetch && b % 16 == 0)
+            for (int r = 0; r < RT; r++) {
+                _mm_prefetch((const char *)(sc + (RT + r) * nb + b), _MM_HINT_T0);
+                if (mn) _mm_prefetch((const char *)(mn + (RT + r) * nb + b), _MM_HINT_T0);
+            }
+        for (int r = 0; r < RT; r++) {
+            __m512 w0, w1;
+            decode_avx512(kind, qs + r * row_bytes, b, sc[r * nb + b], mn ? mn[r * nb + b] : 0.0f, &w0, &w1);
+            for (int m = 0; m < MTC; m++) {
+                if (m >= mt) break;
+                const float *xr = x + m * K + b * QBLOCK;
+                acc[r][m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][m]));
+            }
+        }
+    }
+    for (int r = 0; r < RT; r++)
+        for (int m = 0; m < mt; m++) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+/* specialized for one row of x (decode at batch 1: all RT x 1 accumulators in registers) */
+__attribute__((target("avx512f"))) static void tile_avx512(int kind, const float *x, int64_t mt, int64_t K,
+                                                           const uint8_t *qs, int64_t row_bytes, const float *sc,
+                                                           const float *mn, int prefetch, float out[RT][MT]) {
+    /* constant kind and row count: the branches leave the block loop */
+    if (kind == KIND_Q4 && mt == 1)
+        tile_avx512_n(KIND_Q4, x, 1, K, qs, row_bytes, sc, mn, prefetch, out, 1);
+    else if (kind == KIND_Q4)
+        tile_avx512_n(KIND_Q4, x, mt, K, qs, row_bytes, sc, mn, prefetch, out, MT);
+    else if (mt == 1)
+        tile_avx512_n(KIND_Q8, x, 1, K, qs, row_bytes, sc, NULL, prefetch, out, 1);
+    else
+        tile_avx512_n(KIND_Q8, x, mt, K, qs, row_bytes, sc, NULL, prefetch, out, MT);
+}
+
+/* AVX2 (16 vector registers): tiles for one row of x only; with more rows, row_avx2's
+ * four x rows per weight row already give four chains (measured: README) */
+__attribute__((target("avx2,fma"))) static void tile_avx2(int kind, const float *x, int64_t K, const uint8_t *qs,
+                                                         int64_t row_bytes, const float *sc, const float *mn,
+                                                         int prefetch, float out[RT]) {
+    const int64_t nb = K / QBLOCK, bb = kind == KIND_Q8 ? QBLOCK : QBLOCK / 2, every = 64 / bb;
+    __m256 acc[RT];
+    for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        if (prefetch && b % every == 0)
+            for (int r = 0; r < RT; r++) _mm_prefetch((const char *)(qs + (RT + r) * row_bytes + b * bb), _MM_HINT_T0);
+        if (prefetch && b % 16 == 0)
+            for (int r = 0; r < RT; r++) {
+                _mm_prefetch((const char *)(sc + (RT + r) * nb + b), _MM_HINT_T0);
+                if (mn) _mm_prefetch((const char *)(mn + (RT + r) * nb + b), _MM_HINT_T0);
+            }
+        const float *xr = x + b * QBLOCK;
+        for (int r = 0; r < RT; r++) {
+            __m256 w[4];
+            decode_avx2(kind, qs + r * row_bytes, b, sc[r * nb + b], mn ? mn[r * nb + b] : 0.0f, w);
+            __m256 a = acc[r];
+            a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a);
+            a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a);
+            a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a);
+            a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a);
+            acc[r] = a;
+        }
+    }
+    for (int r = 0; r < RT; r++) out[r] = hsum256(acc[r]);
+}
 #endif
 
 /* out [M, N] = x [M, K] @ dequant(w)^T (+ bias). Returns 0, -1 for a bad shape or kind,
@@ -189,6 +269,49 @@ int plait_quant_linear_f32(int kind, int isa, const float *x, int64_t M, int64_t
 #endif
     const int64_t nb = K / QBLOCK, row_bytes = kind == KIND_Q8 ? K : K / 2;
     if (nthreads < 1) nthreads = 1;
+#ifdef PLAIT_X86
+    if (isa != ISA_PORTABLE) {
+        /* Tiles where they were measured faster (README): AVX-512 except Q8 with one row
+         * of x (the LM head at batch 1 streams faster row by row), AVX2 with one row of x */
+        const int tiled = isa == ISA_AVX512 ? !(kind == KIND_Q8 && M == 1) : M == 1;
+        const int64_t tiles = tiled ? N / RT : 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n = t * RT;
+            const uint8_t *q = qs + n * row_bytes;
+            const float *sc = scales + n * nb, *mn = kind == KIND_Q4 ? mins + n * nb : NULL;
+            for (int64_t m0 = 0; m0 < M; m0 += MT) {
+                const int64_t mt = M - m0 < MT ? M - m0 : MT;
+                float acc[RT][MT];
+                const int prefetch = m0 == 0 && t + 1 < tiles;
+                if (isa == ISA_AVX512) {
+                    tile_avx512(kind, x + m0 * K, mt, K, q, row_bytes, sc, mn, prefetch, acc);
+                } else {
+                    float one[RT];
+                    tile_avx2(kind, x, K, q, row_bytes, sc, mn, prefetch, one);
+                    for (int r = 0; r < RT; r++) acc[r][0] = one[r];
+                }
+                for (int r = 0; r < RT; r++)
+                    for (int64_t m = 0; m < mt; m++) out[(m0 + m) * N + n + r] = acc[r][m] + (bias ? bias[n + r] : 0.0f);
+            }
+        }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t n = tiles * RT; n < N; n++) { /* the rows after the tiles, one at a time */
+            const uint8_t *q = qs + n * row_bytes;
+            const float *sc = scales + n * nb, *mn = kind == KIND_Q4 ? mins + n * nb : NULL;
+            for (int64_t m0 = 0; m0 < M; m0 += MT) {
+                const int64_t mt = M - m0 < MT ? M - m0 : MT;
+                float acc[MT];
+                if (isa == ISA_AVX512)
+                    row_avx512(kind, x + m0 * K, mt, K, q, sc, mn, acc);
+                else
+                    row_avx2(kind, x + m0 * K, mt, K, q, sc, mn, acc);
+                for (int64_t m = 0; m < mt; m++) out[(m0 + m) * N + n] = acc[m] + (bias ? bias[n] : 0.0f);
+            }
+        }
+        return 0;
+    }
+#endif
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *q = qs + n * row_bytes;
@@ -197,15 +320,7 @@ int plait_quant_linear_f32(int kind, int isa, const float *x, int64_t M, int64_t
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int64_t mt = M - m0 < MT ? M - m0 : MT;
             float acc[MT];
-            const float *xt = x + m0 * K;
-#ifdef PLAIT_X86
-            if (isa == ISA_AVX512)
-                row_avx512(kind, xt, mt, K, q, sc, mn, acc);
-            else if (isa == ISA_AVX2)
-                row_avx2(kind, xt, mt, K, q, sc, mn, acc);
-            else
-#endif
-                row_portable(kind, xt, mt, K, q, sc, mn, acc);
+            row_portable(kind, x + m0 * K, mt, K, q, sc, mn, acc);
             for (int64_t m = 0; m < mt; m++) out[(m0 + m) * N + n] = acc[m] + b;
         }
     }
