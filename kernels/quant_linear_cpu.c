@@ -21,6 +21,7 @@
  * library was not compiled with (a non-x86 compiler) returns -2.
  */
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -354,4 +355,118 @@ int plait_quant_dequant_f32(int kind, int isa, const void *qs_, const float *sca
         for (int64_t b = 0; b < nb; b++) dequant_block_c(kind, q + b * bb, sc[b], mn ? mn[b] : 0.0f, w + n * K + b * QBLOCK);
     }
     return 0;
+}
+
+/* ---- a whole decode step of a quantized decoder (plait.runtime.models.fused_decode) ----
+ *
+ * One call runs every layer of a Llama-family decoder for B decode tokens: RMSNorm with
+ * the residual add, the fused q/k/v projection (+ bias), rotary (HF's rotate_half
+ * layout, cos | sin rows looked up by position), the K/V store into the pool's slots,
+ * decode attention through the caller's function (plait_paged_decode_f32 of the native
+ * attention library), the output projection, the MLP (fused gate/up, SiLU(gate) * up,
+ * down) and the final norm. The projections run on the kernels above; the small
+ * per-token work (norms, rotary, SiLU) on the calling thread, in threads for larger
+ * batches. What it saves is the per-operation dispatch of ~25 torch and ctypes calls
+ * per layer, most of a batch-1 step's time outside the GEMMs (README). */
+
+typedef struct {
+    int kind;            /* KIND_Q8 / KIND_Q4 */
+    int64_t N, K;        /* out, in features */
+    const void *qs;
+    const float *scales, *mins, *bias; /* mins: Q4 only; bias may be NULL */
+} plait_qweight;
+
+typedef struct {
+    plait_qweight qkv, o, gate_up, down;
+    const float *input_norm, *post_norm; /* [hidden] */
+    float *k_buf, *v_buf;                /* [slots, KVH, D] this layer's pool */
+} plait_qlayer;
+
+typedef int (*plait_attn_fn)(const float *, int64_t, const float *, const float *, const int32_t *, int64_t,
+                             const int64_t *, const int64_t *, const int64_t *, float *, int64_t, int64_t, int64_t,
+                             int64_t, float, int);
+
+typedef struct {
+    int64_t B, hidden, H, KVH, D, inter;
+    float eps, scale;
+    const float *cos_sin;        /* [rows, D]: cos (D/2) | sin (D/2) */
+    const int64_t *positions;    /* [B] rows of cos_sin */
+    const int64_t *slots;        /* [B] pool slot of each new token */
+    const int32_t *table;        /* page table [rows, table_stride] */
+    int64_t table_stride;
+    const int64_t *req_rows, *seq_lens; /* [B] */
+    const float *final_norm;
+    /* scratch, [B, n] each */
+    float *x, *residual, *xn, *qkv, *attn, *gu, *act;
+    float *out;                  /* [B, hidden]: final norm of the last residual */
+} plait_decode_step;
+
+static int qlinear(const plait_qweight *w, int isa, const float *x, int64_t M, float *out, int nthreads) {
+    return plait_quant_linear_f32(w->kind, isa, x, M, w->K, w->qs, w->scales, w->mins, w->N, w->bias, out, nthreads);
+}
+
+/* residual = x + residual (add) or x (!add); out = rmsnorm(residual) * w, per row */
+static void add_rmsnorm(const float *x, float *residual, int add, const float *w, float eps, int64_t B, int64_t D,
+                        float *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (B >= 8)
+    for (int64_t b = 0; b < B; b++) {
+        const float *xr = x + b * D;
+        float *r = residual + b * D, *o = out + b * D;
+        double ss = 0.0;
+        for (int64_t i = 0; i < D; i++) {
+            const float v = add ? xr[i] + r[i] : xr[i];
+            r[i] = v;
+            ss += (double)v * v;
+        }
+        const float inv = 1.0f / sqrtf((float)(ss / D) + eps);
+        for (int64_t i = 0; i < D; i++) o[i] = w[i] * (r[i] * inv);
+    }
+}
+
+int plait_fused_decode_f32(int isa, const plait_qlayer *layers, int64_t n_layers, const plait_decode_step *s,
+                           plait_attn_fn attend, int nthreads) {
+    const int64_t B = s->B, hid = s->hidden, H = s->H, KVH = s->KVH, D = s->D, I = s->inter, half = D / 2;
+    const int64_t nqkv = (H + 2 * KVH) * D;
+    if (B < 1 || D % 2) return -1;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const plait_qlayer *L = &layers[l];
+        if (L->qkv.N != nqkv || L->qkv.K != hid || L->o.N != hid || L->o.K != H * D || L->gate_up.N != 2 * I ||
+            L->gate_up.K != hid || L->down.N != hid || L->down.K != I)
+            return -1;
+    }
+    int rc = 0;
+    for (int64_t l = 0; l < n_layers && rc == 0; l++) {
+        const plait_qlayer *L = &layers[l];
+        add_rmsnorm(s->x, s->residual, l > 0, L->input_norm, s->eps, B, hid, s->xn, nthreads);
+        if ((rc = qlinear(&L->qkv, isa, s->xn, B, s->qkv, nthreads))) break;
+        for (int64_t b = 0; b < B; b++) {
+            float *row = s->qkv + b * nqkv;
+            const float *cs = s->cos_sin + s->positions[b] * D;
+            for (int64_t h = 0; h < H + KVH; h++) { /* q heads then k heads */
+                float *v = row + h * D;
+                for (int64_t j = 0; j < half; j++) {
+                    const float a = v[j], c = v[j + half];
+                    v[j] = a * cs[j] + c * -cs[half + j];
+                    v[j + half] = c * cs[j] + a * cs[half + j];
+                }
+            }
+            memcpy(L->k_buf + s->slots[b] * KVH * D, row + H * D, (size_t)(KVH * D) * sizeof(float));
+            memcpy(L->v_buf + s->slots[b] * KVH * D, row + (H + KVH) * D, (size_t)(KVH * D) * sizeof(float));
+        }
+        if ((rc = attend(s->qkv, nqkv, L->k_buf, L->v_buf, s->table, s->table_stride, s->req_rows, s->seq_lens, NULL,
+                         s->attn, B, H, KVH, D, s->scale, nthreads)))
+            break;
+        if ((rc = qlinear(&L->o, isa, s->attn, B, s->x, nthreads))) break;
+        add_rmsnorm(s->x, s->residual, 1, L->post_norm, s->eps, B, hid, s->xn, nthreads);
+        if ((rc = qlinear(&L->gate_up, isa, s->xn, B, s->gu, nthreads))) break;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (B >= 4)
+        for (int64_t b = 0; b < B; b++) {
+            const float *g = s->gu + b * 2 * I, *u = g + I;
+            float *a = s->act + b * I;
+            for (int64_t i = 0; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+        if ((rc = qlinear(&L->down, isa, s->act, B, s->x, nthreads))) break;
+    }
+    if (rc == 0) add_rmsnorm(s->x, s->residual, n_layers > 0, s->final_norm, s->eps, B, hid, s->out, nthreads);
+    return rc;
 }

@@ -94,6 +94,10 @@ class EngineConfig:
     # in int8 blocks of 32 (a GGUF's Q8_0 blocks as they are), "q4" the projections in
     # 4-bit blocks of 32 (Q4_0/Q4_1/Q4_K blocks as they are) and the LM head in int8.
     quantization: str = "none"
+    # With int8/q4 on CPU, decode-only steps of a Llama-family model run all layers in one
+    # native call (plait.runtime.models.fused_decode: the per-operation dispatch is most
+    # of a batch-1 step outside the GEMMs); True is a request, used where it applies.
+    fused_decode: bool = True
     seed: int = 0
     # Admission reserves ``new_token_ratio * remaining max_new_tokens`` slots for each
     # running request's future decode; the ratio decays while memory is plentiful and
@@ -216,6 +220,7 @@ class EngineConfig:
         _require(self.grammar_backend in ("auto", "outlines", "llguidance"),
                  "grammar_backend", self.grammar_backend, "auto, outlines or llguidance")
         _require(isinstance(self.disable_cuda_graph, bool), "disable_cuda_graph", self.disable_cuda_graph, "True or False")
+        _require(isinstance(self.fused_decode, bool), "fused_decode", self.fused_decode, "True or False")
         _require(is_int(self.cuda_graph_max_bs) and 1 <= self.cuda_graph_max_bs <= 4096,
                  "cuda_graph_max_bs", self.cuda_graph_max_bs, "an integer in [1, 4096]")
         _require(self.speculative in SPECULATIVE, "speculative", self.speculative, ", ".join(SPECULATIVE))

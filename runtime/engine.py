@@ -29,6 +29,7 @@ from plait.runtime.memory import KVPool, PageAllocator, ReqToToken, WindowPages,
 from plait.runtime.model_loader import ModelSource, resolve_model
 from plait.runtime.model_runner import ModelRunner
 from plait.runtime.models.config import ModelConfig
+from plait.runtime.models.fused_decode import FusedDecoder, why_not
 from plait.runtime.models.llama import CausalLM, long_rope_offset
 from plait.runtime.models.registry import model_class
 from plait.runtime.output_processor import OutputProcessor, RequestOutput
@@ -127,6 +128,7 @@ class Engine:
             long_rope_offset=long_rope_offset(self.context_len, mc.rope_scaling),  # the model's max_pos
             window_table=self.window_table,
         )
+        self.runner.fused = self._fused_decoder(self.model, attn)
         self._ids = itertools.count()
         self._reqs: dict[str, Req] = {}  # unfinished client requests by rid
         self._kept: set[str] = set()  # rids whose final output add_request keeps for result()
@@ -170,6 +172,16 @@ class Engine:
                 logger.warning("%s; decode attention uses the torch backend", e)
                 return create_attention_backend("torch", *args)
         return create_attention_backend(name, *args)
+
+    def _fused_decoder(self, model: CausalLM, attn: AttentionBackend) -> FusedDecoder | None:
+        """The fused decode path (quantized models on CPU, where it applies), or None."""
+        if not self.config.fused_decode or self.config.quantization == "none" or self._tp is not None:
+            return None
+        reason = why_not(model, attn)
+        if reason is not None:
+            logger.info("fused decode path not used: %s", reason)
+            return None
+        return FusedDecoder(model, attn)
 
     def _capture_graphs(self, attn: AttentionBackend) -> DecodeGraphRunner | None:
         """Decode CUDA graphs (CUDA with the triton backend), or None."""
@@ -585,6 +597,7 @@ class Engine:
             raise RequestError(f"model_path={model_path!r} cannot be loaded: {e}", "model_path") from e
         self.flush_cache()
         self.model = self.runner.model = model
+        self.runner.fused = self._fused_decoder(model, self.runner.attn)  # points at the old weights
         if self.runner.graphs is not None:  # recorded over the old weights' memory
             self.runner.graphs = self._capture_graphs(self.runner.attn)
         self.weights_fingerprint = fingerprint

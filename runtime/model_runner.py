@@ -19,6 +19,7 @@ from plait.runtime.request import Req
 from plait.runtime.sampler import Sampler, token_logprobs
 from plait.runtime.scheduler import ScheduleBatch
 from plait.runtime.speculative import Draft
+from plait.runtime.models.fused_decode import FusedDecoder
 from plait.runtime.staging import Staging
 
 
@@ -49,6 +50,9 @@ class ModelRunner:
         # the page table in the windowed layers' pool (plait.runtime.memory.WindowPages),
         # like req_to_token: each step's rows translated into it; None without that pool
         self._window_table = window_table
+        # decode-only steps of a quantized CPU model in one native call
+        # (plait.runtime.models.fused_decode), or None; the engine sets it
+        self.fused: FusedDecoder | None = None
 
     def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
         """Verifying requests are extends of their last token and their drafts."""
@@ -113,8 +117,11 @@ class ModelRunner:
             fb, decode_fb = fb.split()
             graph_logits = self.graphs.run(decode_fb)
             self.mixed_graph_steps += 1
-        fb = fb.with_attn_metadata(self.attn.init_forward(fb))
-        hidden = self.model(fb, self.attn)
+        if self.fused is not None and not batch.verifies and self.fused.applies(fb):
+            hidden = self.fused.forward(fb)
+        else:
+            fb = fb.with_attn_metadata(self.attn.init_forward(fb))
+            hidden = self.model(fb, self.attn)
 
         # rows of `hidden` that need logits: input-logprob rows, then sampling rows
         lp_rows: list[int] = []

@@ -1,0 +1,148 @@
+"""Decode steps of a quantized decoder in one native call (CPU, ``quantization`` int8/q4).
+
+At batch 1 a quantized decode step spends about as long outside its GEMMs as in them:
+~25 torch operations and ctypes calls per layer (norms, rotary, the K/V store, SiLU, the
+kernel wrappers, ``nn.Module`` dispatch), each a few microseconds to tens of
+microseconds on this CPU (torch's RMSNorm of one 576-wide row: ~15 us). A
+:class:`FusedDecoder` runs the whole stack of layers for a decode-only batch in
+``plait_fused_decode_f32`` (``kernels/quant_linear_cpu.c``) instead: the same
+projections on the same q4/q8 kernel, decode attention on the same native kernel
+(called from C through its function pointer), and the small per-token work in C. One
+Python -> C call per step; the embedding lookup and the LM head stay in torch.
+
+Not bit for bit the module path (float32 sums of the norms and SiLU in another order;
+quantized modes are not the exact reference, ``none`` is): tests check the hidden
+states against it closely and greedy tokens equal on the default model.
+
+Used only where it does the same computation: a Llama-family decoder (RMSNorm, SiLU MLP,
+no q/k norms, sandwich norms, embedding scale, mixture-of-experts or sliding-window
+layers), every projection quantized, the native CPU attention backend, one process (no
+tensor parallelism), and decode-only steps of at most ``KERNEL_MAX_ROWS`` requests.
+:func:`why_not` says why a model is not eligible; the engine option ``fused_decode``
+turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from plait.kernels import cpu_attention, quant_cpu
+from plait.runtime.forward_batch import ForwardBatch
+from plait.runtime.models.quant import KERNEL_MAX_ROWS, QuantLinear
+
+_p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+class _QWeight(ctypes.Structure):
+    _fields_ = [("kind", _int), ("N", _i64), ("K", _i64), ("qs", _p), ("scales", _p), ("mins", _p), ("bias", _p)]
+
+
+class _QLayer(ctypes.Structure):
+    _fields_ = [("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight), ("down", _QWeight),
+                ("input_norm", _p), ("post_norm", _p), ("k_buf", _p), ("v_buf", _p)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("B", _i64), ("hidden", _i64), ("H", _i64), ("KVH", _i64), ("D", _i64), ("inter", _i64),
+                ("eps", _f32), ("scale", _f32), ("cos_sin", _p), ("positions", _p), ("slots", _p), ("table", _p),
+                ("table_stride", _i64), ("req_rows", _p), ("seq_lens", _p), ("final_norm", _p),
+                ("x", _p), ("residual", _p), ("xn", _p), ("qkv", _p), ("attn", _p), ("gu", _p), ("act", _p),
+                ("out", _p)]
+
+
+def why_not(model: torch.nn.Module, attn: object) -> str | None:
+    """Why ``model`` (a ``CausalLM``) with the attention backend ``attn`` cannot take the
+    fused path, or None when it can."""
+    from plait.runtime.attention.cpu_backend import CpuAttentionBackend
+
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "model") or getattr(model, "tp", None) is not None:
+        return "not a single-process CausalLM"
+    if not isinstance(attn, CpuAttentionBackend):
+        return "the attention backend is not the native CPU one"
+    if getattr(attn.pool, "window", None) is not None or any(w for w in cfg.layer_windows):
+        return "sliding-window layers"
+    if cfg.qk_norm or cfg.norm_unit_offset or cfg.sandwich_norms or cfg.scale_embeddings:
+        return "q/k norms, Gemma norms or embedding scale"
+    if cfg.hidden_act != "silu" or any(cfg.sparse_layers):
+        return "not a SiLU MLP in every layer"
+    if model.triton_ops:
+        return "triton ops"
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        projections = (a.qkv_proj, a.o_proj, getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None))
+        if not all(type(p) is QuantLinear and p.isa != "portable" for p in projections):
+            return "a projection is not quantized on an x86 kernel"
+    if attn.pool.dtype != torch.float32 or model.model.rotary.cos_sin_cache.dtype != torch.float32:
+        return "not float32"
+    return None
+
+
+def _weight(p: QuantLinear) -> _QWeight:
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    return _QWeight(quant_cpu.KINDS.index(p.kind), p.out_features, p.in_features, p.qs.data_ptr(),
+                    p.scales.data_ptr(), ptr(p.mins), ptr(p.bias))
+
+
+class FusedDecoder:
+    """The fused decode path of one eligible model (:func:`why_not` is None) over its
+    attention backend's pool; holds pointers to the model's weights and the pool's
+    buffers, so it is built again when either is replaced."""
+
+    def __init__(self, model: torch.nn.Module, attn: object) -> None:
+        reason = why_not(model, attn)
+        if reason is not None:
+            raise ValueError(f"the fused decode path does not apply: {reason}")
+        self.lib = quant_cpu.load()
+        self.lib.plait_fused_decode_f32.restype = _int
+        self.lib.plait_fused_decode_f32.argtypes = [_int, _p, _i64, _p, _p, _int]
+        self.attend = ctypes.cast(cpu_attention.load().plait_paged_decode_f32, _p)
+        self.model, self.attn = model, attn
+        cfg, layers = model.config, model.model.layers
+        self.isa = quant_cpu.ISAS.index(layers[0].self_attn.qkv_proj.isa)
+        self.cfg = cfg
+        pool = attn.pool
+        self.layers = (_QLayer * len(layers))(*[
+            _QLayer(_weight(la.self_attn.qkv_proj), _weight(la.self_attn.o_proj), _weight(la.mlp.gate_up_proj),
+                    _weight(la.mlp.down_proj), la.input_layernorm.weight.data_ptr(),
+                    la.post_attention_layernorm.weight.data_ptr(), pool.k_buffers[i].data_ptr(),
+                    pool.v_buffers[i].data_ptr())
+            for i, la in enumerate(layers)
+        ])
+        self.eps = layers[0].input_layernorm.eps
+        if any(la.input_layernorm.eps != self.eps or la.post_attention_layernorm.eps != self.eps for la in layers):
+            raise ValueError("the fused decode path needs one RMSNorm epsilon for every layer")
+
+    def applies(self, fb: ForwardBatch) -> bool:
+        """Whether this step is one the fused path runs: decode rows only, few enough."""
+        return fb.num_extends == 0 and 1 <= fb.num_decodes <= KERNEL_MAX_ROWS and fb.windowed is None
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """The final hidden states [B, hidden] of a decode-only batch (:meth:`applies`),
+        its K/V written into the pool, as ``CausalLM.forward`` returns them."""
+        cfg, m = self.cfg, self.model.model
+        B, hid, D, inter = fb.num_decodes, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        H, KVH = cfg.num_heads, cfg.num_kv_heads
+        x = m.embed_tokens(fb.input_ids).contiguous()
+        bufs = {name: torch.empty((B, n), dtype=torch.float32) for name, n in (
+            ("residual", hid), ("xn", hid), ("qkv", (H + 2 * KVH) * D), ("attn", H * D), ("gu", 2 * inter),
+            ("act", inter), ("out", hid))}
+        positions = fb.positions.to(torch.int64).contiguous()
+        slots = fb.out_slots.to(torch.int64).contiguous()
+        rows = fb.req_rows.to(torch.int64).contiguous()
+        lens = torch.tensor(fb.decode_seq_lens, dtype=torch.int64)
+        table = fb.req_to_token
+        if table.dtype != torch.int32 or not table.is_contiguous():
+            raise ValueError("the fused decode path needs a contiguous int32 page table")
+        step = _Step(B, hid, H, KVH, D, inter, self.eps, self.attn.scale, m.rotary.cos_sin_cache.data_ptr(),
+                     positions.data_ptr(), slots.data_ptr(), table.data_ptr(), table.stride(0), rows.data_ptr(),
+                     lens.data_ptr(), m.norm.weight.data_ptr(), x.data_ptr(),
+                     *(bufs[n].data_ptr() for n in ("residual", "xn", "qkv", "attn", "gu", "act", "out")))
+        rc = self.lib.plait_fused_decode_f32(self.isa, ctypes.addressof(self.layers), len(self.layers),
+                                             ctypes.addressof(step), self.attend, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"the fused decode kernel rejected the model's shapes (rc {rc})")
+        return bufs["out"]

@@ -1,0 +1,83 @@
+"""The fused decode path of quantized models (plait.runtime.models.fused_decode): the
+same tokens and logprobs as the module path, the K/V it writes reusable by later
+prompts, and used only where it applies."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.runtime import Engine
+from plait.runtime.models.fused_decode import why_not
+
+GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+
+
+def _run(folder, mode, fused, prompts, **kw):
+    with Engine(str(folder) if folder else None, kv_cache_tokens=2048, quantization=mode, fused_decode=fused,
+                **kw) as engine:
+        calls = []
+        if engine.runner.fused is not None:
+            forward = engine.runner.fused.forward
+            engine.runner.fused.forward = lambda fb: calls.append(fb.num_decodes) or forward(fb)
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+        return outs, calls, engine
+
+
+def _logprobs(out):
+    return [lp for lp, _tok, *_ in out["meta_info"]["output_token_logprobs"]]
+
+
+@pytest.mark.parametrize("arch, mode", [("llama", "q4"), ("qwen2", "q4"), ("llama3", "int8")])
+def test_fused_decode_gives_the_module_paths_tokens(tiny_model_factory, arch, mode):
+    folder = tiny_model_factory(arch)  # qwen2: q/k/v biases; llama3: its rope scaling, tied head
+    prompts = [[5 + i for i in range(n)] for n in (3, 17, 40)] + [[9, 4, 33, 7] * 5]
+    ref, ref_calls, _ = _run(folder, mode, False, prompts)
+    outs, calls, _ = _run(folder, mode, True, prompts)
+    assert ref_calls == [] and calls and max(calls) == len(prompts)  # batches of 4 decodes took the path
+    for a, b in zip(ref, outs):
+        assert a["output_ids"] == b["output_ids"]
+        for x, y in zip(_logprobs(a), _logprobs(b)):
+            assert abs(x - y) < 1e-3
+
+
+def test_kv_written_by_the_fused_path_is_reused(tiny_model_factory):
+    """A prompt made of an earlier prompt and its output reuses the KV the fused decode
+    steps wrote (prefix cache) and continues as the first request did."""
+    folder = tiny_model_factory("llama")
+    prompt = [7, 3, 11, 19, 23, 5, 8]
+    with Engine(str(folder), kv_cache_tokens=2048, quantization="q4", page_size=1) as engine:
+        assert engine.runner.fused is not None
+        first = engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+        cont = engine.generate(input_ids=prompt + first[:6], sampling_params={**GREEDY, "max_new_tokens": 6})
+        # the first five outputs' KV came from decode steps (the sixth is recomputed: the
+        # last prompt token is always computed for its logits)
+        assert cont["meta_info"]["cached_tokens"] == len(prompt) + 5
+        assert cont["output_ids"] == first[6:]
+
+
+def test_default_model_q4_fused_gives_the_same_greedy_tokens():
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 1977, 8104, 28, 33, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    ref, _, _ = _run(None, "q4", False, prompts)
+    outs, calls, _ = _run(None, "q4", True, prompts)
+    assert calls
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
+
+
+def test_used_only_where_it_applies(tiny_model_factory):
+    llama = tiny_model_factory("llama")
+    with Engine(str(llama), kv_cache_tokens=512, quantization="none") as engine:
+        assert engine.runner.fused is None  # float32 stays the exact module path
+    with Engine(str(llama), kv_cache_tokens=512, quantization="q4", attention_backend="torch") as engine:
+        assert engine.runner.fused is None
+        assert "attention backend" in why_not(engine.model, engine.runner.attn)
+    with Engine(str(tiny_model_factory("qwen3")), kv_cache_tokens=512, quantization="q4") as engine:
+        assert engine.runner.fused is None  # q/k norms
+        assert "norm" in why_not(engine.model, engine.runner.attn)
+        assert len(engine.generate(input_ids=[4, 5, 6], sampling_params=GREEDY)["output_ids"]) == 12
+
+
+def test_option_is_validated():
+    from plait.runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="fused_decode"):
+        EngineConfig(fused_decode="yes").validate()
