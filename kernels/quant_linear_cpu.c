@@ -177,6 +177,33 @@ __attribute__((target("avx512f"))) static void row_avx512(int kind, const float 
     for (int m = 0; m < mt; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
+/* one weight row x one row of x with four accumulators (two blocks at a time, each
+ * block's halves apart): the chains a single accumulator serialises, without a tile's
+ * extra streams; another summation order than row_avx512 */
+__attribute__((target("avx512f"))) static float row1_avx512(int kind, const float *x, int64_t K, const uint8_t *qs,
+                                                           const float *sc, const float *mn) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const int64_t nb = K / QBLOCK;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        __m512 w0, w1, w2, w3;
+        decode_avx512(kind, qs, b, sc[b], mn ? mn[b] : 0.0f, &w0, &w1);
+        decode_avx512(kind, qs, b + 1, sc[b + 1], mn ? mn[b + 1] : 0.0f, &w2, &w3);
+        const float *xr = x + b * QBLOCK;
+        a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), a0);
+        a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), a1);
+        a2 = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xr + 32), a2);
+        a3 = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xr + 48), a3);
+    }
+    if (b < nb) {
+        __m512 w0, w1;
+        decode_avx512(kind, qs, b, sc[b], mn ? mn[b] : 0.0f, &w0, &w1);
+        a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + b * QBLOCK), a0);
+        a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + b * QBLOCK + 16), a1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
 /* Tiles of RT weight rows x up to MT rows of x: RT independent accumulator chains per x
  * row (one chain per weight row is latency-bound on the FMA), each block dequantized
  * once for all x rows, the same products in the same order as row_avx512 (so the same
@@ -272,9 +299,10 @@ int plait_quant_linear_f32(int kind, int isa, const float *x, int64_t M, int64_t
     if (nthreads < 1) nthreads = 1;
 #ifdef PLAIT_X86
     if (isa != ISA_PORTABLE) {
-        /* Tiles where they were measured faster (README): AVX-512 except Q8 with one row
-         * of x (the LM head at batch 1 streams faster row by row), AVX2 with one row of x */
-        const int tiled = isa == ISA_AVX512 ? !(kind == KIND_Q8 && M == 1) : M == 1;
+        /* Measured (README): AVX-512 with one row of x row by row with four accumulators
+         * (row1_avx512: a tile's four rows are four streams, slower there), else in
+         * tiles; AVX2 in tiles with one row of x, else row by row (four x rows). */
+        const int tiled = isa == ISA_AVX512 ? M > 1 : M == 1;
         const int64_t tiles = tiled ? N / RT : 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
@@ -303,7 +331,9 @@ int plait_quant_linear_f32(int kind, int isa, const float *x, int64_t M, int64_t
             for (int64_t m0 = 0; m0 < M; m0 += MT) {
                 const int64_t mt = M - m0 < MT ? M - m0 : MT;
                 float acc[MT];
-                if (isa == ISA_AVX512)
+                if (isa == ISA_AVX512 && M == 1)
+                    acc[0] = kind == KIND_Q8 ? row1_avx512(KIND_Q8, x, K, q, sc, NULL) : row1_avx512(KIND_Q4, x, K, q, sc, mn);
+                else if (isa == ISA_AVX512)
                     row_avx512(kind, x + m0 * K, mt, K, q, sc, mn, acc);
                 else
                     row_avx2(kind, x + m0 * K, mt, K, q, sc, mn, acc);
