@@ -30,6 +30,7 @@ from plait.runtime import Engine
 from plait.runtime.model_loader import resolve_model
 from plait.runtime.models.linear import pack_weight, packed_linear
 from plait.runtime.models.quant import KERNEL_MAX_ROWS, describe, quantize
+from plait.kernels.quant_cpu import choose_isa
 
 from machine import llama_cpp_tool, machine_line  # benchmarks/machine.py, the line every benchmark prints
 
@@ -114,7 +115,8 @@ def bench_kernels(torch_weight_only: bool) -> None:
     print("\nper decode step, all 30 layers + LM head (ms):")
     for m in (1, 8, 32):
         print(f"  M={m:2d}: " + "  ".join(f"{key} {t * 1e3:.1f}" for (mm, key), t in totals.items() if mm == m))
-    print(f"(int8 / q4 modes: the q8 / q4 kernel up to {KERNEL_MAX_ROWS} rows, dequant+GEMM above)")
+    limit = KERNEL_MAX_ROWS[choose_isa()]
+    print("(int8 / q4 modes: the q8 / q4 kernel " + ("at every row count)" if limit is None else f"up to {limit} rows, dequant+GEMM above)"))
 
 
 def greedy(engine: Engine, n: int) -> list[list[int]]:

@@ -31,6 +31,7 @@
 #define QBLOCK 32
 #define MT 4  /* rows of x per pass over a weight row */
 #define RT 4  /* weight rows per tile (independent accumulator chains) */
+#define PANEL_MIN_ROWS 16 /* AVX-512: from this many rows of x, panels (measured: README) */
 
 enum { KIND_Q8 = 0, KIND_Q4 = 1 };
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
@@ -204,6 +205,52 @@ __attribute__((target("avx512f"))) static float row1_avx512(int kind, const floa
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 
+/* Many rows of x (prefill chunks): each tile's RT weight rows are dequantized once into
+ * a float32 panel that stays in L1 (PANEL_K columns at a time), then every group of MT x
+ * rows multiplies against the panel with RT x MT accumulators: the decode work is then
+ * shared by all M rows instead of repeated per group of MT, and the loop is float32 FMAs
+ * fed from L1. Same products as the tile (w dequantized as decode_avx512 does), summed
+ * per PANEL_K columns and then across them. */
+#define PANEL_K 2048
+#define PANEL_M 256
+__attribute__((target("avx512f"))) static void panel_avx512(int kind, const float *x, int64_t M, int64_t K,
+                                                            const uint8_t *qs, int64_t row_bytes, const float *sc,
+                                                            const float *mn, float *out, int64_t ldo, const float *bias) {
+    float panel[RT * PANEL_K] __attribute__((aligned(64)));
+    const int64_t nb = K / QBLOCK;
+    for (int64_t k0 = 0; k0 < K; k0 += PANEL_K) {
+        const int64_t kc = K - k0 < PANEL_K ? K - k0 : PANEL_K, b0 = k0 / QBLOCK, nbc = kc / QBLOCK;
+        for (int r = 0; r < RT; r++)
+            dequant_row_avx512(kind, qs + r * row_bytes + (kind == KIND_Q8 ? k0 : k0 / 2), sc + r * nb + b0,
+                               mn ? mn + r * nb + b0 : NULL, nbc, panel + r * kc);
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const int64_t mt = M - m0 < MT ? M - m0 : MT;
+            __m512 acc[RT][MT];
+            for (int r = 0; r < RT; r++)
+                for (int m = 0; m < MT; m++) acc[r][m] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nbc; b++) {
+                __m512 w[RT][2]; /* 8 + 16 accumulators + 2 of x: within the 32 registers */
+                for (int r = 0; r < RT; r++) {
+                    w[r][0] = _mm512_load_ps(panel + r * kc + b * QBLOCK);
+                    w[r][1] = _mm512_load_ps(panel + r * kc + b * QBLOCK + 16);
+                }
+                for (int m = 0; m < MT; m++) {
+                    if (m >= mt) break;
+                    const float *xr = x + (m0 + m) * K + k0 + b * QBLOCK;
+                    const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+                    for (int r = 0; r < RT; r++) acc[r][m] = _mm512_fmadd_ps(w[r][1], x1, _mm512_fmadd_ps(w[r][0], x0, acc[r][m]));
+                }
+            }
+            for (int r = 0; r < RT; r++)
+                for (int64_t m = 0; m < mt; m++) {
+                    float *o = out + (m0 + m) * ldo + r;
+                    const float v = _mm512_reduce_add_ps(acc[r][m]);
+                    *o = k0 == 0 ? v + (bias ? bias[r] : 0.0f) : *o + v;
+                }
+        }
+    }
+}
+
 /* Tiles of RT weight rows x up to MT rows of x: RT independent accumulator chains per x
  * row (one chain per weight row is latency-bound on the FMA), each block dequantized
  * once for all x rows, the same products in the same order as row_avx512 (so the same
@@ -298,6 +345,31 @@ int plait_quant_linear_f32(int kind, int isa, const float *x, int64_t M, int64_t
     const int64_t nb = K / QBLOCK, row_bytes = kind == KIND_Q8 ? K : K / 2;
     if (nthreads < 1) nthreads = 1;
 #ifdef PLAIT_X86
+    if (isa == ISA_AVX512 && M >= PANEL_MIN_ROWS) {
+        const int64_t tiles = N / RT;
+        /* x in blocks of PANEL_M rows, which stay in L2 while every tile passes over them */
+        for (int64_t m0 = 0; m0 < M; m0 += PANEL_M) {
+            const int64_t mb = M - m0 < PANEL_M ? M - m0 : PANEL_M;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t n = t * RT;
+                panel_avx512(kind, x + m0 * K, mb, K, qs + n * row_bytes, row_bytes, scales + n * nb,
+                             kind == KIND_Q4 ? mins + n * nb : NULL, out + m0 * N + n, N, bias ? bias + n : NULL);
+            }
+        }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t n = tiles * RT; n < N; n++) {
+            const uint8_t *q = qs + n * row_bytes;
+            const float *sc = scales + n * nb, *mn = kind == KIND_Q4 ? mins + n * nb : NULL;
+            for (int64_t m0 = 0; m0 < M; m0 += MT) {
+                const int64_t mt = M - m0 < MT ? M - m0 : MT;
+                float acc[MT];
+                row_avx512(kind, x + m0 * K, mt, K, q, sc, mn, acc);
+                for (int64_t m = 0; m < mt; m++) out[(m0 + m) * N + n] = acc[m] + (bias ? bias[n] : 0.0f);
+            }
+        }
+        return 0;
+    }
     if (isa != ISA_PORTABLE) {
         /* Measured (README): AVX-512 with one row of x row by row with four accumulators
          * (row1_avx512: a tile's four rows are four streams, slower there), else in

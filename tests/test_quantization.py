@@ -44,10 +44,13 @@ def test_chosen_path_exists_here():
 
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("kind", ["q8", "q4"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
-def test_kernel_matches_dequantized_reference(isa, kind, rows):
+@pytest.mark.parametrize("rows, K", [(1, 4 * BLOCK), (3, 4 * BLOCK), (4, 4 * BLOCK), (9, 4 * BLOCK),
+                                     (37, 4 * BLOCK), (20, 2048 + 2 * BLOCK), (300, 2 * BLOCK)])
+def test_kernel_matches_dequantized_reference(isa, kind, rows, K):
+    """Every path the kernel takes: one row, tiles of rows, and on AVX-512 the panels for
+    16+ rows (K over two panels, M over two blocks), with a tail of weight rows (N = 37)."""
     g = torch.Generator().manual_seed(rows)
-    N, K = 37, 4 * BLOCK
+    N = 37
     w = quantize(torch.randn(N, K, generator=g), kind)
     x = torch.randn(rows, K, generator=g)
     bias = torch.randn(N, generator=g)

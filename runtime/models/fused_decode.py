@@ -17,7 +17,8 @@ states against it closely and greedy tokens equal on the default model.
 Used only where it does the same computation: a Llama-family decoder (RMSNorm, SiLU MLP,
 no q/k norms, sandwich norms, embedding scale, mixture-of-experts or sliding-window
 layers), every projection quantized, the native CPU attention backend, one process (no
-tensor parallelism), and decode-only steps of at most ``KERNEL_MAX_ROWS`` requests.
+tensor parallelism), and decode-only steps of as many requests as the kernel takes
+(``quant.kernel_takes``).
 :func:`why_not` says why a model is not eligible; the engine option ``fused_decode``
 turns it off.
 """
@@ -30,7 +31,7 @@ import torch
 
 from plait.kernels import cpu_attention, quant_cpu
 from plait.runtime.forward_batch import ForwardBatch
-from plait.runtime.models.quant import KERNEL_MAX_ROWS, QuantLinear
+from plait.runtime.models.quant import QuantLinear, kernel_takes
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -101,7 +102,8 @@ class FusedDecoder:
         self.attend = ctypes.cast(cpu_attention.load().plait_paged_decode_f32, _p)
         self.model, self.attn = model, attn
         cfg, layers = model.config, model.model.layers
-        self.isa = quant_cpu.ISAS.index(layers[0].self_attn.qkv_proj.isa)
+        self.isa_name = layers[0].self_attn.qkv_proj.isa
+        self.isa = quant_cpu.ISAS.index(self.isa_name)
         self.cfg = cfg
         pool = attn.pool
         self.layers = (_QLayer * len(layers))(*[
@@ -117,7 +119,8 @@ class FusedDecoder:
 
     def applies(self, fb: ForwardBatch) -> bool:
         """Whether this step is one the fused path runs: decode rows only, few enough."""
-        return fb.num_extends == 0 and 1 <= fb.num_decodes <= KERNEL_MAX_ROWS and fb.windowed is None
+        return (fb.num_extends == 0 and fb.num_decodes >= 1 and kernel_takes(self.isa_name, fb.num_decodes)
+                and fb.windowed is None)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

@@ -19,8 +19,10 @@ asked for in Q8 ...) is quantized from float32, round to nearest. The tied LM he
 quantized from the float32 embedding table (which the lookup keeps). Embeddings, norms
 and routed experts stay float32.
 
-Steps with more than :data:`KERNEL_MAX_ROWS` rows (long prefills) dequantize a weight
-into a float32 scratch matrix and run one BLAS GEMM, faster there than the kernel.
+On AVX-512 the kernel takes any number of rows (many rows: dequantized panels in L1,
+faster than dequantize + MKL's GEMM at every size measured); on the other paths steps
+with more than :data:`KERNEL_MAX_ROWS` rows (long prefills) dequantize a weight into a
+float32 matrix and run one BLAS GEMM, faster there than the kernel.
 """
 
 from __future__ import annotations
@@ -37,8 +39,15 @@ from plait.kernels import quant_cpu
 from plait.kernels.quant_cpu import BLOCK
 
 QUANTIZATIONS = ("none", "int8", "q4")
-# steps with more rows than this go through dequantize + GEMM (measured: README)
-KERNEL_MAX_ROWS = 128
+# per kernel path: steps with more rows than this go through dequantize + GEMM (None:
+# never; measured: README)
+KERNEL_MAX_ROWS: dict[str, int | None] = {"avx512": None, "avx2": 128, "portable": 128}
+
+
+def kernel_takes(isa: str, rows: int) -> bool:
+    """Whether the kernel path ``isa`` multiplies ``rows`` rows itself."""
+    limit = KERNEL_MAX_ROWS[isa]
+    return limit is None or rows <= limit
 
 
 @dataclass(frozen=True)
@@ -187,7 +196,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] -> [rows, out]
-        if x.shape[0] > KERNEL_MAX_ROWS:
+        if not kernel_takes(self.isa, x.shape[0]):
             w = quant_cpu.dequantize(self.kind, self.qs, self.scales, self.mins, self.in_features, self.isa)
             return F.linear(x, w, self.bias)
         return quant_cpu.quant_linear(x.contiguous(), self.kind, self.qs, self.scales, self.mins, self.bias, self.isa)
@@ -217,4 +226,4 @@ def quantized_lm_head(embedding: torch.Tensor) -> QuantLinear:
 
 def describe(mode: str) -> dict[str, Any]:
     """What a benchmark prints about the quantized path on this machine."""
-    return {"quantization": mode, "kernel_isa": quant_cpu.choose_isa(), "kernel_max_rows": KERNEL_MAX_ROWS}
+    return {"quantization": mode, "kernel_isa": quant_cpu.choose_isa(), "kernel_max_rows": KERNEL_MAX_ROWS[quant_cpu.choose_isa()]}
