@@ -212,6 +212,7 @@ __attribute__((target("avx512f"))) static float row1_avx512(int kind, const floa
  * fed from L1. Same products as the tile (w dequantized as decode_avx512 does), summed
  * per PANEL_K columns and then across them. */
 #define PANEL_K 2048
+#define SX_MAX 1024 /* blocks of one x row whose sums row1f_q4_avx512 takes (K <= 32768) */
 #define PANEL_M 256
 __attribute__((target("avx512f"))) static void panel_avx512(int kind, const float *x, int64_t M, int64_t K,
                                                             const uint8_t *qs, int64_t row_bytes, const float *sc,
@@ -249,6 +250,43 @@ __attribute__((target("avx512f"))) static void panel_avx512(int kind, const floa
                 }
         }
     }
+}
+
+/* Q4, one row of x, the scale and minimum factored out of the block's sum:
+ * sum_j (q_j d + m) x_j = d (sum_j q_j x_j) + m (sum_j x_j), with sx[b] = the sum of
+ * block b of x computed once per call: per block one FMA by d instead of dequantizing
+ * 32 weights (two FMAs and a broadcast of m). Other rounding than the reference's
+ * dequantized weights (within float32 sums' error; tests). */
+__attribute__((target("avx512f"))) static float row1f_q4_avx512(const float *x, const float *sx, int64_t K,
+                                                               const uint8_t *qs, const float *sc, const float *mn) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+    const __m512i low = _mm512_set1_epi32(0x0F);
+    const int64_t nb = K / QBLOCK;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + b * 16)));
+        const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + b * 16 + 16)));
+        const float *xr = x + b * QBLOCK;
+        __m512 t0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v0, low)), _mm512_loadu_ps(xr));
+        __m512 t1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v1, low)), _mm512_loadu_ps(xr + 32));
+        t0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v0, 4)), _mm512_loadu_ps(xr + 16), t0);
+        t1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v1, 4)), _mm512_loadu_ps(xr + 48), t1);
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(sc[b]), t0, a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(sc[b + 1]), t1, a1);
+    }
+    if (b < nb) {
+        const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + b * 16)));
+        const float *xr = x + b * QBLOCK;
+        __m512 t0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v0, low)), _mm512_loadu_ps(xr));
+        t0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v0, 4)), _mm512_loadu_ps(xr + 16), t0);
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(sc[b]), t0, a0);
+    }
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nb; c += 16) {
+        const __mmask16 k = nb - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - c)) - 1);
+        m = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, mn + c), _mm512_maskz_loadu_ps(k, sx + c), m);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), m));
 }
 
 /* Tiles of RT weight rows x up to MT rows of x: RT independent accumulator chains per x
@@ -396,6 +434,14 @@ int plait_quant_linear_f32(int kind, int isa, const float *x, int64_t M, int64_t
                     for (int64_t m = 0; m < mt; m++) out[(m0 + m) * N + n + r] = acc[r][m] + (bias ? bias[n + r] : 0.0f);
             }
         }
+        float sx[SX_MAX]; /* one row of x, Q4: its block sums (row1f_q4_avx512) */
+        const int factored = isa == ISA_AVX512 && M == 1 && kind == KIND_Q4 && nb <= SX_MAX;
+        if (factored)
+            for (int64_t b = 0; b < nb; b++) {
+                float t = 0.0f;
+                for (int j = 0; j < QBLOCK; j++) t += x[b * QBLOCK + j];
+                sx[b] = t;
+            }
 #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t n = tiles * RT; n < N; n++) { /* the rows after the tiles, one at a time */
             const uint8_t *q = qs + n * row_bytes;
@@ -403,7 +449,9 @@ int plait_quant_linear_f32(int kind, int isa, const float *x, int64_t M, int64_t
             for (int64_t m0 = 0; m0 < M; m0 += MT) {
                 const int64_t mt = M - m0 < MT ? M - m0 : MT;
                 float acc[MT];
-                if (isa == ISA_AVX512 && M == 1)
+                if (factored)
+                    acc[0] = row1f_q4_avx512(x, sx, K, q, sc, mn);
+                else if (isa == ISA_AVX512 && M == 1)
                     acc[0] = kind == KIND_Q8 ? row1_avx512(KIND_Q8, x, K, q, sc, NULL) : row1_avx512(KIND_Q4, x, K, q, sc, mn);
                 else if (isa == ISA_AVX512)
                     row_avx512(kind, x + m0 * K, mt, K, q, sc, mn, acc);
