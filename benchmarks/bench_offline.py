@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import sys
 import time
@@ -264,8 +263,12 @@ def main() -> None:
 
     header = ["run", "seconds", "out tok/s", "total tok/s", "vs HF", "prefill computed", "unique prompt tok",
               "hit rate"]
-    print(f"\nmachine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"threads {args.threads}, dtype float32, model {args.model or 'SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)'}")
+    import transformers
+
+    from machine import machine_line  # benchmarks/machine.py
+
+    print(f"\nmachine: {machine_line(args.threads)}; transformers {transformers.__version__}; dtype float32, "
+          f"model {args.model or 'SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)'}")
     print(f"(a) {len(wl_a.prompts)} requests, {wl_a.input_tokens} input / {wl_a.output_tokens} output tokens")
     print(f"(b) {len(wl_b.prompts)} requests, {wl_b.input_tokens} input / {wl_b.output_tokens} output tokens")
     print("| " + " | ".join(header) + " |")

@@ -62,6 +62,22 @@ def test_kernel_matches_dequantized_reference(isa, kind, rows, K):
     torch.testing.assert_close(deq, w.dequantize(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [1, 200, 1100])
+def test_quant_linear_layer_at_every_row_count(rows):
+    """The layer's three ways (kernel; dequantize + GEMM past KERNEL_MAX_ROWS on other
+    paths; dequantize + oneDNN packing from PACK_MIN_ROWS) give the reference product."""
+    from plait.runtime.models.quant import QuantLinear
+
+    g = torch.Generator().manual_seed(rows)
+    layer = QuantLinear(3 * BLOCK, 40, True, "q4", quant_cpu.choose_isa())
+    layer.load_rows(torch.randn(40, 3 * BLOCK, generator=g), 0, 0)
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(40, generator=g))
+        x = torch.randn(rows, 3 * BLOCK, generator=g)
+        ref = x.double() @ layer.weight().dequantize().double().T + layer.bias.double()
+        torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["q8", "q4"])
 def test_quantize_is_round_to_nearest(kind):
     w = torch.randn(16, 3 * BLOCK)

@@ -114,7 +114,8 @@ class FusedDecoder:
             for i, la in enumerate(layers)
         ])
         self.eps = layers[0].input_layernorm.eps
-        if any(la.input_layernorm.eps != self.eps or la.post_attention_layernorm.eps != self.eps for la in layers):
+        norms = [n for la in layers for n in (la.input_layernorm, la.post_attention_layernorm)] + [model.model.norm]
+        if any(n.eps != self.eps for n in norms):
             raise ValueError("the fused decode path needs one RMSNorm epsilon for every layer")
 
     def applies(self, fb: ForwardBatch) -> bool:
