@@ -81,3 +81,14 @@ def test_option_is_validated():
 
     with pytest.raises(ValueError, match="fused_decode"):
         EngineConfig(fused_decode="yes").validate()
+
+
+def test_speculative_steps_beside_fused_decode_steps(tiny_model_factory):
+    """n-gram drafts are verified on the module path, plain decode steps on the fused one:
+    greedy output as without speculation."""
+    folder = tiny_model_factory("llama")
+    prompts = [[5, 6, 7, 8] * 6, [9, 4, 33, 7, 12] * 4]
+    ref, _, _ = _run(folder, "q4", True, prompts)
+    outs, calls, _ = _run(folder, "q4", True, prompts, speculative="ngram")
+    assert calls
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
