@@ -78,6 +78,10 @@ def why_not(model: torch.nn.Module, attn: object) -> str | None:
             return "a projection is not quantized on an x86 kernel"
     if attn.pool.dtype != torch.float32 or model.model.rotary.cos_sin_cache.dtype != torch.float32:
         return "not float32"
+    layers = model.model.layers
+    eps = {n.eps for la in layers for n in (la.input_layernorm, la.post_attention_layernorm)} | {model.model.norm.eps}
+    if len(eps) != 1:
+        return "RMSNorm epsilons differ between layers"
     return None
 
 
@@ -113,10 +117,7 @@ class FusedDecoder:
                     pool.v_buffers[i].data_ptr())
             for i, la in enumerate(layers)
         ])
-        self.eps = layers[0].input_layernorm.eps
-        norms = [n for la in layers for n in (la.input_layernorm, la.post_attention_layernorm)] + [model.model.norm]
-        if any(n.eps != self.eps for n in norms):
-            raise ValueError("the fused decode path needs one RMSNorm epsilon for every layer")
+        self.eps = layers[0].input_layernorm.eps  # every norm's (why_not)
 
     def applies(self, fb: ForwardBatch) -> bool:
         """Whether this step is one the fused path runs: decode rows only, few enough."""
