@@ -251,3 +251,22 @@ def test_phi3_gguf_matches_hf(phi3, tmp_path):
     path = write_phi3_gguf(phi3.folder, tmp_path / "phi3.gguf", tokenizer=True)
     refs = FamilyRefs(path, phi3.prompts, phi3.greedy, phi3.logprobs, phi3.retract_greedy)
     check_fresh_and_cached(refs, chunked_prefill_size=7, page_size=1)
+
+
+def test_fused_q4_decode_reads_the_rotary_rows_of_either_factors(phi3):
+    """q4 decode steps on the fused path (plait.runtime.models.fused_decode) look up the
+    rotary rows the module path does: short factors, long factors past the original
+    context (``positions`` carry the long-rope offset), and across the recompute."""
+    from plait.runtime import Engine
+
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(3, 40000, (130,), generator=g).tolist()
+    prompts = [base[:92], base[:120], base[:40]]  # crossing, beyond, short
+    params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    outs = {}
+    for fused in (False, True):
+        with Engine(str(phi3.folder), kv_cache_tokens=2048, page_size=4, quantization="q4",
+                    fused_decode=fused) as engine:
+            assert (engine.runner.fused is not None) == fused
+            outs[fused] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    assert outs[True] == outs[False]
