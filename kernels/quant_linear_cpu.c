@@ -66,6 +66,22 @@ static void row_portable(int kind, const float *x, int64_t mt, int64_t K, const 
     }
 }
 
+#ifdef PLAIT_X86
+/* While a tile runs, the next tile's RT rows at block b: a cache line of weights every
+ * 64 bytes of blocks, scales and minimums every 16 blocks (plain SSE prefetches). */
+static inline void prefetch_next_tile(const uint8_t *qs, int64_t row_bytes, const float *sc, const float *mn,
+                                      int64_t nb, int64_t b, int64_t block_bytes) {
+    if (b % (64 / block_bytes) == 0)
+        for (int r = 0; r < RT; r++) _mm_prefetch((const char *)(qs + (RT + r) * row_bytes + b * block_bytes), _MM_HINT_T0);
+    if (b % 16 == 0)
+        for (int r = 0; r < RT; r++) {
+            _mm_prefetch((const char *)(sc + (RT + r) * nb + b), _MM_HINT_T0);
+            if (mn) _mm_prefetch((const char *)(mn + (RT + r) * nb + b), _MM_HINT_T0);
+        }
+}
+
+#endif
+
 /* ---- AVX2 + FMA ---------------------------------------------------------------- */
 #ifdef PLAIT_X86
 __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
@@ -98,6 +114,15 @@ __attribute__((target("avx2,fma"))) static inline void decode_avx2(int kind, con
     }
 }
 
+/* a + one block of weights (4 x 8) times its 32 activations, in the block's order */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 dot_block_avx2(const __m256 *w, const float *xr,
+                                                                                    __m256 a) {
+    a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a);
+    a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a);
+    a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a);
+    return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a);
+}
+
 __attribute__((target("avx2,fma"))) static void row_avx2(int kind, const float *x, int64_t mt, int64_t K,
                                                          const uint8_t *qs, const float *sc, const float *mn,
                                                          float *out) {
@@ -110,12 +135,7 @@ __attribute__((target("avx2,fma"))) static void row_avx2(int kind, const float *
         for (int m = 0; m < MT; m++) {
             if (m >= mt) break;
             const float *xr = x + m * K + b * QBLOCK;
-            __m256 a = acc[m];
-            a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a);
-            a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a);
-            a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a);
-            a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a);
-            acc[m] = a;
+            acc[m] = dot_block_avx2(w, xr, acc[m]);
         }
     }
     for (int m = 0; m < mt; m++) out[m] = hsum256(acc[m]);
@@ -300,15 +320,9 @@ __attribute__((target("avx512f"), always_inline)) static inline void tile_avx512
     __m512 acc[RT][MT];
     for (int r = 0; r < RT; r++)
         for (int m = 0; m < MTC; m++) acc[r][m] = _mm512_setzero_ps();
-    const int64_t nb = K / QBLOCK, bb = kind == KIND_Q8 ? QBLOCK : QBLOCK / 2, every = 64 / bb;
+    const int64_t nb = K / QBLOCK, bb = kind == KIND_Q8 ? QBLOCK : QBLOCK / 2;
     for (int64_t b = 0; b < nb; b++) {
-        if (prefetch && b % every == 0)
-            for (int r = 0; r < RT; r++) _mm_prefetch((const char *)(qs + (RT + r) * row_bytes + b * bb), _MM_HINT_T0);
-        if (prefetch && b % 16 == 0)
-            for (int r = 0; r < RT; r++) {
-                _mm_prefetch((const char *)(sc + (RT + r) * nb + b), _MM_HINT_T0);
-                if (mn) _mm_prefetch((const char *)(mn + (RT + r) * nb + b), _MM_HINT_T0);
-            }
+        if (prefetch) prefetch_next_tile(qs, row_bytes, sc, mn, nb, b, bb);
         for (int r = 0; r < RT; r++) {
             __m512 w0, w1;
             decode_avx512(kind, qs + r * row_bytes, b, sc[r * nb + b], mn ? mn[r * nb + b] : 0.0f, &w0, &w1);
@@ -343,27 +357,16 @@ __attribute__((target("avx512f"))) static void tile_avx512(int kind, const float
 __attribute__((target("avx2,fma"))) static void tile_avx2(int kind, const float *x, int64_t K, const uint8_t *qs,
                                                          int64_t row_bytes, const float *sc, const float *mn,
                                                          int prefetch, float out[RT]) {
-    const int64_t nb = K / QBLOCK, bb = kind == KIND_Q8 ? QBLOCK : QBLOCK / 2, every = 64 / bb;
+    const int64_t nb = K / QBLOCK, bb = kind == KIND_Q8 ? QBLOCK : QBLOCK / 2;
     __m256 acc[RT];
     for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        if (prefetch && b % every == 0)
-            for (int r = 0; r < RT; r++) _mm_prefetch((const char *)(qs + (RT + r) * row_bytes + b * bb), _MM_HINT_T0);
-        if (prefetch && b % 16 == 0)
-            for (int r = 0; r < RT; r++) {
-                _mm_prefetch((const char *)(sc + (RT + r) * nb + b), _MM_HINT_T0);
-                if (mn) _mm_prefetch((const char *)(mn + (RT + r) * nb + b), _MM_HINT_T0);
-            }
+        if (prefetch) prefetch_next_tile(qs, row_bytes, sc, mn, nb, b, bb);
         const float *xr = x + b * QBLOCK;
         for (int r = 0; r < RT; r++) {
             __m256 w[4];
             decode_avx2(kind, qs + r * row_bytes, b, sc[r * nb + b], mn ? mn[r * nb + b] : 0.0f, w);
-            __m256 a = acc[r];
-            a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a);
-            a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a);
-            a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a);
-            a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a);
-            acc[r] = a;
+            acc[r] = dot_block_avx2(w, xr, acc[r]);
         }
     }
     for (int r = 0; r < RT; r++) out[r] = hsum256(acc[r]);
@@ -383,10 +386,16 @@ int plait_quant_linear_f32(int kind, int isa, const float *x, int64_t M, int64_t
     const int64_t nb = K / QBLOCK, row_bytes = kind == KIND_Q8 ? K : K / 2;
     if (nthreads < 1) nthreads = 1;
 #ifdef PLAIT_X86
-    if (isa == ISA_AVX512 && M >= PANEL_MIN_ROWS) {
-        const int64_t tiles = N / RT;
-        /* x in blocks of PANEL_M rows, which stay in L2 while every tile passes over them */
-        for (int64_t m0 = 0; m0 < M; m0 += PANEL_M) {
+    if (isa != ISA_PORTABLE) {
+        /* Measured (README): AVX-512 with one row of x row by row with four accumulators
+         * (row1_avx512: a tile's four rows are four streams, slower there), else in
+         * tiles, from PANEL_MIN_ROWS rows in panels; AVX2 in tiles with one row of x, else row
+         * by row (four x rows). The rows after the tiles, one at a time, below. */
+        const int panels = isa == ISA_AVX512 && M >= PANEL_MIN_ROWS;
+        const int tiled = panels || (isa == ISA_AVX512 ? M > 1 : M == 1);
+        const int64_t tiles = tiled ? N / RT : 0;
+        /* panels: x in blocks of PANEL_M rows, which stay in L2 while every tile passes over them */
+        for (int64_t m0 = 0; panels && m0 < M; m0 += PANEL_M) {
             const int64_t mb = M - m0 < PANEL_M ? M - m0 : PANEL_M;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
             for (int64_t t = 0; t < tiles; t++) {
@@ -396,26 +405,7 @@ int plait_quant_linear_f32(int kind, int isa, const float *x, int64_t M, int64_t
             }
         }
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t n = tiles * RT; n < N; n++) {
-            const uint8_t *q = qs + n * row_bytes;
-            const float *sc = scales + n * nb, *mn = kind == KIND_Q4 ? mins + n * nb : NULL;
-            for (int64_t m0 = 0; m0 < M; m0 += MT) {
-                const int64_t mt = M - m0 < MT ? M - m0 : MT;
-                float acc[MT];
-                row_avx512(kind, x + m0 * K, mt, K, q, sc, mn, acc);
-                for (int64_t m = 0; m < mt; m++) out[(m0 + m) * N + n] = acc[m] + (bias ? bias[n] : 0.0f);
-            }
-        }
-        return 0;
-    }
-    if (isa != ISA_PORTABLE) {
-        /* Measured (README): AVX-512 with one row of x row by row with four accumulators
-         * (row1_avx512: a tile's four rows are four streams, slower there), else in
-         * tiles; AVX2 in tiles with one row of x, else row by row (four x rows). */
-        const int tiled = isa == ISA_AVX512 ? M > 1 : M == 1;
-        const int64_t tiles = tiled ? N / RT : 0;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t t = 0; t < (panels ? 0 : tiles); t++) {
             const int64_t n = t * RT;
             const uint8_t *q = qs + n * row_bytes;
             const float *sc = scales + n * nb, *mn = kind == KIND_Q4 ? mins + n * nb : NULL;
@@ -452,7 +442,7 @@ int plait_quant_linear_f32(int kind, int isa, const float *x, int64_t M, int64_t
                 if (factored)
                     acc[0] = row1f_q4_avx512(x, sx, K, q, sc, mn);
                 else if (isa == ISA_AVX512 && M == 1)
-                    acc[0] = kind == KIND_Q8 ? row1_avx512(KIND_Q8, x, K, q, sc, NULL) : row1_avx512(KIND_Q4, x, K, q, sc, mn);
+                    acc[0] = row1_avx512(kind, x, K, q, sc, mn);
                 else if (isa == ISA_AVX512)
                     row_avx512(kind, x + m0 * K, mt, K, q, sc, mn, acc);
                 else

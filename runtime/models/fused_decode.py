@@ -105,11 +105,9 @@ class FusedDecoder:
         self.lib.plait_fused_decode_f32.argtypes = [_int, _p, _i64, _p, _p, _int]
         self.attend = ctypes.cast(cpu_attention.load().plait_paged_decode_f32, _p)
         self.model, self.attn = model, attn
-        cfg, layers = model.config, model.model.layers
+        layers, pool = model.model.layers, attn.pool
         self.isa_name = layers[0].self_attn.qkv_proj.isa
         self.isa = quant_cpu.ISAS.index(self.isa_name)
-        self.cfg = cfg
-        pool = attn.pool
         self.layers = (_QLayer * len(layers))(*[
             _QLayer(_weight(la.self_attn.qkv_proj), _weight(la.self_attn.o_proj), _weight(la.mlp.gate_up_proj),
                     _weight(la.mlp.down_proj), la.input_layernorm.weight.data_ptr(),
@@ -128,7 +126,7 @@ class FusedDecoder:
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """The final hidden states [B, hidden] of a decode-only batch (:meth:`applies`),
         its K/V written into the pool, as ``CausalLM.forward`` returns them."""
-        cfg, m = self.cfg, self.model.model
+        cfg, m = self.model.config, self.model.model
         B, hid, D, inter = fb.num_decodes, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         H, KVH = cfg.num_heads, cfg.num_kv_heads
         x = m.embed_tokens(fb.input_ids).contiguous()

@@ -205,13 +205,12 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] -> [rows, out]
-        if x.shape[0] >= PACK_MIN_ROWS and onednn_gemm_available():
-            w = quant_cpu.dequantize(self.kind, self.qs, self.scales, self.mins, self.in_features, self.isa)
-            return packed_linear(x.contiguous(), pack_weight(w), self.bias)
-        if not kernel_takes(self.isa, x.shape[0]):
-            w = quant_cpu.dequantize(self.kind, self.qs, self.scales, self.mins, self.in_features, self.isa)
-            return F.linear(x, w, self.bias)
-        return quant_cpu.quant_linear(x.contiguous(), self.kind, self.qs, self.scales, self.mins, self.bias, self.isa)
+        rows = x.shape[0]
+        pack = rows >= PACK_MIN_ROWS and onednn_gemm_available()
+        if not pack and kernel_takes(self.isa, rows):
+            return quant_cpu.quant_linear(x.contiguous(), self.kind, self.qs, self.scales, self.mins, self.bias, self.isa)
+        w = quant_cpu.dequantize(self.kind, self.qs, self.scales, self.mins, self.in_features, self.isa)
+        return packed_linear(x.contiguous(), pack_weight(w), self.bias) if pack else F.linear(x, w, self.bias)
 
 
 def quantize_projections(model: nn.Module, mode: str) -> None:
