@@ -1,4 +1,5 @@
-"""Native weight-only quantized GEMM for CPUs (float32 activations), built on first use.
+"""Native weight-only quantized GEMM for CPUs (float32 activations; 16-bit blocks for one
+row on AVX-512 VNNI), built on first use.
 
 ``quant_linear_cpu.c`` multiplies float32 rows by weights stored in blocks of 32 (Q8:
 int8 + a float32 scale; Q4: 4-bit + a float32 scale and minimum, GGUF Q4_1's math), the
@@ -22,7 +23,9 @@ from plait.kernels import cpu_attention
 
 SOURCE = Path(__file__).with_name("quant_linear_cpu.c")
 BLOCK = 32  # weights per quantization block (the C file's QBLOCK)
-ISAS = ("portable", "avx2", "avx512")  # the C file's ISA_* codes, in this order
+ISAS = ("portable", "avx2", "avx512", "avx512vnni")  # the C file's ISA_* codes, in this order
+# what the VNNI level needs beyond avx512f (its one-row path: AVX512-BW/VL byte ops, vpdpbusd)
+_VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 KINDS = ("q8", "q4")  # the C file's KIND_* codes
 _FLAG_SETS = (["-O3", "-fopenmp", "-fPIC", "-shared"], ["-O3", "-fPIC", "-shared"])
 
@@ -37,9 +40,13 @@ def cpu_flags() -> str:
 
 
 def choose_isa(flags_line: str | None = None) -> str:
-    """The fastest path the CPU runs: ``avx512`` (avx512f), ``avx2`` (avx2 and fma) or
-    ``portable``. ``flags_line``: a ``/proc/cpuinfo`` flags line (None: this machine's)."""
+    """The fastest path the CPU runs: ``avx512vnni`` (avx512f/bw/vl and avx512_vnni:
+    the AVX-512 paths, and one-row steps on 16-bit activations with integer dot
+    products), ``avx512`` (avx512f), ``avx2`` (avx2 and fma) or ``portable``.
+    ``flags_line``: a ``/proc/cpuinfo`` flags line (None: this machine's)."""
     flags = set((cpu_flags() if flags_line is None else flags_line).split())
+    if _VNNI_FLAGS <= flags:
+        return "avx512vnni"
     if "avx512f" in flags:
         return "avx512"
     if {"avx2", "fma"} <= flags:

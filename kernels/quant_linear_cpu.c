@@ -13,15 +13,18 @@
  * Each block is dequantized to float32 once (rounded as the Python reference does:
  * one multiply, or one fused multiply-add for Q4) and multiplied against up to MT rows
  * of x held in registers, so a weight is read once per MT rows; the activations stay
- * float32 (no activation quantization). Output rows are split over OpenMP threads.
+ * float32 (no activation quantization), except for one row of x on AVX-512 VNNI
+ * (ISA_AVX512VNNI, below: 16-bit activation blocks and integer dot products, where the
+ * float32 path was bound by decoding weights). Output rows are split over OpenMP threads.
  *
- * Three paths with the same math: AVX-512F, AVX2+FMA (compiled per function with
+ * Paths: AVX-512F (and AVX-512 VNNI for one row), AVX2+FMA (compiled per function with
  * target attributes, so one library serves any x86-64 CPU) and portable C. The caller
  * picks the path from the CPU's flags (plait.kernels.quant_cpu.choose_isa); a path the
  * library was not compiled with (a non-x86 compiler) returns -2.
  */
 #include <stdint.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -34,7 +37,7 @@
 #define PANEL_MIN_ROWS 16 /* AVX-512: from this many rows of x, panels (measured: README) */
 
 enum { KIND_Q8 = 0, KIND_Q4 = 1 };
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512VNNI = 3 };
 
 /* ---- portable C ---------------------------------------------------------------- */
 
@@ -309,6 +312,160 @@ __attribute__((target("avx512f"))) static float row1f_q4_avx512(const float *x, 
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), m));
 }
 
+/* ---- one row of x on AVX-512 VNNI: 16-bit activations, integer dot products ----------
+ *
+ * Decode at batch 1 spends its time in the loops above decoding weights to float32 (an
+ * integer widening, a conversion and a multiply-add per weight): measured here, the
+ * float32 one-row kernel streams 16-22 GB/s where the memory gives ~50. With VNNI the
+ * weights stay integers: x's row is quantized once per call to 16 bits per block of 32
+ * (s = max|x| / 32639, xi = rint(x / s), |x - s xi| <= s / 2: 2^-16 of the block's
+ * largest value, 256x finer than llama.cpp's 8-bit activations) and
+ *   Q4: xi = 256 hi + lo (hi, lo int8), sum q xi = 256 dot(q, hi) + dot(q, lo), two
+ *       vpdpbusd (u8 x s8) over 64 weights; the minimum times the block's float sum;
+ *   Q8: sum q xi with vpdpwssd (int16 pairs);
+ * each block's integer sum then times (weight scale x activation scale) in float32. The
+ * integer sums are exact; the activation rounding is the error (README: accuracy). */
+#define X16_PAIR 64 /* bytes of hi (or lo) per two blocks: [A0..15 B0..15 A16..31 B16..31] */
+
+typedef struct {
+    int8_t *hi, *lo; /* Q4: [ceil(nb / 2) * X16_PAIR] each, the pair layout */
+    int16_t *xi;     /* Q8: [nb * 32] */
+    float *s, *t;    /* [nb]: activation scale, block sum of x */
+} x16_row;
+
+/* returns 0, or -1 where a block is not finite (the caller keeps the float32 path) */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static int x16_prepare(int kind, const float *x, int64_t K,
+                                                                             x16_row *r) {
+    const int64_t nb = K / QBLOCK;
+    const __m512i lim = _mm512_set1_epi32(32639), nlim = _mm512_set1_epi32(-32639), half = _mm512_set1_epi32(128);
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512 x0 = _mm512_loadu_ps(x + b * QBLOCK), x1 = _mm512_loadu_ps(x + b * QBLOCK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1)); /* NaN stays NaN here, not in max */
+        if (!(amax <= 3.0e38f) || !(fabsf(sum) <= 3.0e38f)) return -1;
+        const float s = amax / 32639.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+        r->s[b] = s;
+        r->t[b] = sum;
+        const __m512 iv = _mm512_set1_ps(inv);
+        __m512i v[2] = {_mm512_cvtps_epi32(_mm512_mul_ps(x0, iv)), _mm512_cvtps_epi32(_mm512_mul_ps(x1, iv))};
+        for (int i = 0; i < 2; i++) v[i] = _mm512_max_epi32(_mm512_min_epi32(v[i], lim), nlim);
+        if (kind == KIND_Q8) {
+            _mm256_storeu_si256((__m256i *)(r->xi + b * QBLOCK), _mm512_cvtepi32_epi16(v[0]));
+            _mm256_storeu_si256((__m256i *)(r->xi + b * QBLOCK + 16), _mm512_cvtepi32_epi16(v[1]));
+            continue;
+        }
+        int8_t *h = r->hi + (b / 2) * X16_PAIR + (b & 1) * 16, *l = r->lo + (b / 2) * X16_PAIR + (b & 1) * 16;
+        for (int i = 0; i < 2; i++) { /* weights 0..15 at +0, 16..31 at +32 */
+            const __m512i hv = _mm512_srai_epi32(_mm512_add_epi32(v[i], half), 8);
+            const __m512i lv = _mm512_sub_epi32(v[i], _mm512_slli_epi32(hv, 8));
+            _mm_storeu_si128((__m128i *)(h + 32 * i), _mm512_cvtepi32_epi8(hv));
+            _mm_storeu_si128((__m128i *)(l + 32 * i), _mm512_cvtepi32_epi8(lv));
+        }
+    }
+    if (kind == KIND_Q4 && nb % 2) /* the last pair's second block: zeros */
+        for (int i = 0; i < 2; i++) {
+            memset(r->hi + (nb / 2) * X16_PAIR + 16 + 32 * i, 0, 16);
+            memset(r->lo + (nb / 2) * X16_PAIR + 16 + 32 * i, 0, 16);
+        }
+    return 0;
+}
+
+/* blocks b, b+1 of a Q4 row (w: their 32 bytes, the second block's zeros past an odd
+ * end) against x's pair: the lanes' integer sums, 4 lanes per half block */
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline __m512i
+pair_q4_x16(__m512i w, const int8_t *hi, const int8_t *lo) {
+    w = _mm512_mask_srli_epi16(w, (__mmask32)0xFFFF0000u, w, 4); /* upper half: the high nibbles */
+    w = _mm512_and_si512(w, _mm512_set1_epi8(0x0F));
+    const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512((const void *)hi));
+    return _mm512_dpbusd_epi32(_mm512_slli_epi32(a, 8), w, _mm512_loadu_si512((const void *)lo));
+}
+
+/* the pair's lanes scaled: blocks b | b+1 | b | b+1 in groups of 4 lanes */
+__attribute__((target("avx512f"), always_inline)) static inline __m512 pair_scale(const float *sc, const float *s,
+                                                                                  int64_t b) {
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m128 c = _mm_mul_ps(_mm_castpd_ps(_mm_load_sd((const double *)(sc + b))),
+                                _mm_castpd_ps(_mm_load_sd((const double *)(s + b))));
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(c));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static float row1_q4_x16(const x16_row *r, int64_t K,
+                                                                                         const uint8_t *qs,
+                                                                                         const float *sc,
+                                                                                         const float *mn) {
+    const int64_t nb = K / QBLOCK;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+    int64_t b = 0;
+    for (; b + 3 < nb; b += 4) { /* two pairs, two accumulator chains */
+        const __m512i i0 = pair_q4_x16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + b * 16))),
+                                       r->hi + (b / 2) * X16_PAIR, r->lo + (b / 2) * X16_PAIR);
+        const __m512i i1 = pair_q4_x16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + b * 16 + 32))),
+                                       r->hi + (b / 2 + 1) * X16_PAIR, r->lo + (b / 2 + 1) * X16_PAIR);
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), pair_scale(sc, r->s, b), a0);
+        a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), pair_scale(sc, r->s, b + 2), a1);
+    }
+    for (; b < nb; b += 2) { /* a last pair, or a last single block (its partner zeros) */
+        const int two = b + 1 < nb;
+        const __m256i raw = _mm256_maskz_loadu_epi8(two ? 0xFFFFFFFFu : 0xFFFFu, (const void *)(qs + b * 16));
+        const __m512i i0 = pair_q4_x16(_mm512_broadcast_i64x4(raw), r->hi + (b / 2) * X16_PAIR, r->lo + (b / 2) * X16_PAIR);
+        const __m512 c = two ? pair_scale(sc, r->s, b) : _mm512_set1_ps(sc[b] * r->s[b]); /* B's lanes are 0 */
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), c, a0);
+    }
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nb; c += 16) {
+        const __mmask16 k = nb - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - c)) - 1);
+        m = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, mn + c), _mm512_maskz_loadu_ps(k, r->t + c), m);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), m));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static float row1_q8_x16(const x16_row *r, int64_t K,
+                                                                                         const int8_t *qs,
+                                                                                         const float *sc) {
+    const int64_t nb = K / QBLOCK;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qs + b * QBLOCK)));
+        const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qs + b * QBLOCK + QBLOCK)));
+        const __m512i i0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512((const void *)(r->xi + b * QBLOCK)));
+        const __m512i i1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w1, _mm512_loadu_si512((const void *)(r->xi + b * QBLOCK + QBLOCK)));
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_set1_ps(sc[b] * r->s[b]), a0);
+        a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_set1_ps(sc[b + 1] * r->s[b + 1]), a1);
+    }
+    if (b < nb) {
+        const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qs + b * QBLOCK)));
+        const __m512i i0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512((const void *)(r->xi + b * QBLOCK)));
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_set1_ps(sc[b] * r->s[b]), a0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+/* out [1, N] for one row of x on the VNNI path; 1 where the row is not finite or scratch
+ * memory is short (the caller then runs the float32 path), else 0 */
+static int linear1_x16(int kind, const float *x, int64_t K, const uint8_t *qs, const float *scales, const float *mins,
+                       int64_t N, const float *bias, float *out, int nthreads) {
+    const int64_t nb = K / QBLOCK, pairs = (nb + 1) / 2, row_bytes = kind == KIND_Q8 ? K : K / 2;
+    const size_t ints = kind == KIND_Q8 ? (size_t)nb * QBLOCK * 2 : (size_t)pairs * X16_PAIR * 2;
+    uint8_t *mem = (uint8_t *)malloc(ints + 2 * sizeof(float) * (size_t)nb + 64);
+    if (!mem) return 1;
+    x16_row r;
+    r.hi = (int8_t *)mem, r.lo = r.hi + pairs * X16_PAIR, r.xi = (int16_t *)mem;
+    r.s = (float *)(mem + ((ints + 63) & ~(size_t)63)), r.t = r.s + nb;
+    if (x16_prepare(kind, x, K, &r)) {
+        free(mem);
+        return 1;
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float v = kind == KIND_Q4 ? row1_q4_x16(&r, K, qs + n * row_bytes, scales + n * nb, mins + n * nb)
+                                        : row1_q8_x16(&r, K, (const int8_t *)(qs + n * row_bytes), scales + n * nb);
+        out[n] = v + (bias ? bias[n] : 0.0f);
+    }
+    free(mem);
+    return 0;
+}
+
 /* Tiles of RT weight rows x up to MT rows of x: RT independent accumulator chains per x
  * row (one chain per weight row is latency-bound on the FMA), each block dequantized
  * once for all x rows, the same products in the same order as row_avx512 (so the same
@@ -379,20 +536,24 @@ int plait_quant_linear_f32(int kind, int isa, const float *x, int64_t M, int64_t
                            const float *scales, const float *mins, int64_t N, const float *bias, float *out,
                            int nthreads) {
     const uint8_t *qs = (const uint8_t *)qs_;
-    if (K % QBLOCK || M < 0 || N < 0 || (kind != KIND_Q8 && kind != KIND_Q4) || (kind == KIND_Q4 && !mins)) return -1;
+    if (K % QBLOCK || M < 0 || N < 0 || (kind != KIND_Q8 && kind != KIND_Q4) || (kind == KIND_Q4 && !mins) ||
+        isa < ISA_PORTABLE || isa > ISA_AVX512VNNI)
+        return -1;
 #ifndef PLAIT_X86
     if (isa != ISA_PORTABLE) return -2;
 #endif
     const int64_t nb = K / QBLOCK, row_bytes = kind == KIND_Q8 ? K : K / 2;
     if (nthreads < 1) nthreads = 1;
 #ifdef PLAIT_X86
+    if (isa == ISA_AVX512VNNI && M == 1 && linear1_x16(kind, x, K, qs, scales, mins, N, bias, out, nthreads) == 0)
+        return 0;
     if (isa != ISA_PORTABLE) {
         /* Measured (README): AVX-512 with one row of x row by row with four accumulators
          * (row1_avx512: a tile's four rows are four streams, slower there), else in
          * tiles, from PANEL_MIN_ROWS rows in panels; AVX2 in tiles with one row of x, else row
          * by row (four x rows). The rows after the tiles, one at a time, below. */
-        const int panels = isa == ISA_AVX512 && M >= PANEL_MIN_ROWS;
-        const int tiled = panels || (isa == ISA_AVX512 ? M > 1 : M == 1);
+        const int panels = isa >= ISA_AVX512 && M >= PANEL_MIN_ROWS;
+        const int tiled = panels || (isa >= ISA_AVX512 ? M > 1 : M == 1);
         const int64_t tiles = tiled ? N / RT : 0;
         /* panels: x in blocks of PANEL_M rows, which stay in L2 while every tile passes over them */
         for (int64_t m0 = 0; panels && m0 < M; m0 += PANEL_M) {
@@ -413,7 +574,7 @@ int plait_quant_linear_f32(int kind, int isa, const float *x, int64_t M, int64_t
                 const int64_t mt = M - m0 < MT ? M - m0 : MT;
                 float acc[RT][MT];
                 const int prefetch = m0 == 0 && t + 1 < tiles;
-                if (isa == ISA_AVX512) {
+                if (isa >= ISA_AVX512) {
                     tile_avx512(kind, x + m0 * K, mt, K, q, row_bytes, sc, mn, prefetch, acc);
                 } else {
                     float one[RT];
@@ -425,7 +586,7 @@ int plait_quant_linear_f32(int kind, int isa, const float *x, int64_t M, int64_t
             }
         }
         float sx[SX_MAX]; /* one row of x, Q4: its block sums (row1f_q4_avx512) */
-        const int factored = isa == ISA_AVX512 && M == 1 && kind == KIND_Q4 && nb <= SX_MAX;
+        const int factored = isa >= ISA_AVX512 && M == 1 && kind == KIND_Q4 && nb <= SX_MAX;
         if (factored)
             for (int64_t b = 0; b < nb; b++) {
                 float t = 0.0f;
@@ -441,9 +602,9 @@ int plait_quant_linear_f32(int kind, int isa, const float *x, int64_t M, int64_t
                 float acc[MT];
                 if (factored)
                     acc[0] = row1f_q4_avx512(x, sx, K, q, sc, mn);
-                else if (isa == ISA_AVX512 && M == 1)
+                else if (isa >= ISA_AVX512 && M == 1)
                     acc[0] = row1_avx512(kind, x, K, q, sc, mn);
-                else if (isa == ISA_AVX512)
+                else if (isa >= ISA_AVX512)
                     row_avx512(kind, x + m0 * K, mt, K, q, sc, mn, acc);
                 else
                     row_avx2(kind, x + m0 * K, mt, K, q, sc, mn, acc);
@@ -483,7 +644,7 @@ int plait_quant_dequant_f32(int kind, int isa, const void *qs_, const float *sca
         const uint8_t *q = qs + n * row_bytes;
         const float *sc = scales + n * nb, *mn = kind == KIND_Q4 ? mins + n * nb : NULL;
 #ifdef PLAIT_X86
-        if (isa == ISA_AVX512) {
+        if (isa >= ISA_AVX512) {
             dequant_row_avx512(kind, q, sc, mn, nb, w + n * K);
             continue;
         }

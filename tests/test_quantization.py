@@ -23,7 +23,9 @@ RUNNABLE = [isa for isa in quant_cpu.ISAS if quant_cpu.ISAS.index(isa) <= quant_
 @pytest.mark.parametrize(
     ("flags", "isa"),
     [
-        ("fpu sse2 avx avx2 fma avx512f avx512bw", "avx512"),
+        ("fpu sse2 avx avx2 fma avx512f avx512bw avx512vl avx512_vnni", "avx512vnni"),
+        ("fpu sse2 avx avx2 fma avx512f avx512bw avx512vl", "avx512"),  # no VNNI
+        ("fpu sse2 avx avx2 fma avx512f avx512_vnni", "avx512"),  # VNNI without BW/VL
         ("fpu sse2 avx avx2 fma f16c", "avx2"),
         ("fpu sse2 avx avx2", "portable"),  # AVX2 without FMA: the AVX2 path needs both
         ("fp asimd evtstrm aes", "portable"),  # an ARM Features line
@@ -56,10 +58,57 @@ def test_kernel_matches_dequantized_reference(isa, kind, rows, K):
     bias = torch.randn(N, generator=g)
     ref = x.double() @ w.dequantize().double().T + bias.double()
     out = quant_cpu.quant_linear(x, kind, w.qs, w.scales, w.mins, bias, isa)
-    # the kernel's math itself: float32 sums of exactly the reference's weights
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    if isa == "avx512vnni" and rows == 1:  # 16-bit activations: their rounding's bound
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=_x16_bound(x, w).max().item() + 1e-4)
+    else:  # the kernel's math itself: float32 sums of exactly the reference's weights
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
     deq = quant_cpu.dequantize(kind, w.qs, w.scales, w.mins, K, isa)
     torch.testing.assert_close(deq, w.dequantize(), rtol=1e-6, atol=1e-6)
+
+
+def _x16_bound(x: torch.Tensor, w) -> torch.Tensor:
+    """[N]: the most the VNNI one-row path's activation rounding can move each output:
+    per block of 32, x is rounded to steps of s = max|x| / 32639, at most s / 2 each,
+    times the weights without their minimum (the minimum meets x's exact float sum)."""
+    K = x.shape[1]
+    s = x.double().reshape(K // BLOCK, BLOCK).abs().amax(-1) / 32639
+    wd = w.dequantize().double()
+    if w.mins is not None:
+        wd = wd - w.mins.double().repeat_interleave(BLOCK, dim=1)
+    return wd.abs() @ (s / 2).repeat_interleave(BLOCK)
+
+
+@pytest.mark.skipif("avx512vnni" not in RUNNABLE, reason="the CPU lacks AVX-512 VNNI")
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("K", [BLOCK, 3 * BLOCK, 4 * BLOCK, 5 * BLOCK, 19 * BLOCK])
+def test_vnni_one_row_is_exact_on_representable_activations(kind, K):
+    """x whose blocks are integers reaching +-32639 (so s = 1 and the 16-bit rounding is
+    exact): the VNNI path's integer sums then give the reference product to float32
+    rounding, which checks the pair layout, the hi/lo split, the scales per lane and an
+    odd last block (K = 1, 3, 5, 19 blocks)."""
+    g = torch.Generator().manual_seed(K)
+    w = quantize(torch.randn(21, K, generator=g), kind)
+    x = torch.randint(-32639, 32640, (1, K), generator=g).double()
+    x[0, ::BLOCK] = 32639.0 * torch.where(torch.rand(K // BLOCK, generator=g) < 0.5, -1.0, 1.0).double()
+    ref = x @ w.dequantize().double().T
+    out = quant_cpu.quant_linear(x.float(), kind, w.qs, w.scales, w.mins, None, "avx512vnni")
+    scale = x.abs() @ w.dequantize().double().abs().T
+    assert ((out.double() - ref).abs() <= 1e-6 * scale).all()
+
+
+@pytest.mark.skipif("avx512vnni" not in RUNNABLE, reason="the CPU lacks AVX-512 VNNI")
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+def test_vnni_one_row_keeps_the_float_path_for_non_finite_rows(kind):
+    """A row with inf or NaN is not quantized (no scale exists): the call runs the
+    float32 path, so the non-finite values reach the output as they do there."""
+    w = quantize(torch.randn(9, 2 * BLOCK), kind)
+    for bad in (float("inf"), float("nan")):
+        x = torch.randn(1, 2 * BLOCK)
+        x[0, 5] = bad
+        got = quant_cpu.quant_linear(x, kind, w.qs, w.scales, w.mins, None, "avx512vnni")
+        want = quant_cpu.quant_linear(x, kind, w.qs, w.scales, w.mins, None, "avx512")
+        torch.testing.assert_close(got, want, equal_nan=True)
+        assert not torch.isfinite(got).all()
 
 
 @pytest.mark.parametrize("rows", [1, 200, 1100])
@@ -75,7 +124,9 @@ def test_quant_linear_layer_at_every_row_count(rows):
         layer.bias.copy_(torch.randn(40, generator=g))
         x = torch.randn(rows, 3 * BLOCK, generator=g)
         ref = x.double() @ layer.weight().dequantize().double().T + layer.bias.double()
-        torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-4)
+        vnni_row = layer.isa == "avx512vnni" and rows == 1  # 16-bit activations: their bound
+        atol = _x16_bound(x, layer.weight()).max().item() + 1e-4 if vnni_row else 1e-4
+        torch.testing.assert_close(layer(x).double(), ref, rtol=0 if vnni_row else 1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("kind", ["q8", "q4"])

@@ -1,8 +1,10 @@
 """Weight-only quantization of the linear projections and the LM head (CPU, float32).
 
 ``EngineConfig.quantization`` names the layout the weights are kept in; activations stay
-float32 and the products run in :mod:`plait.kernels.quant_cpu` (why that kernel and not
-torch's: README, Quantized weights):
+float32 (but for one-row steps on AVX-512 VNNI CPUs, which round them to 16 bits per block
+of 32: 2^-16 of the block's largest value) and the products run in
+:mod:`plait.kernels.quant_cpu` (why that kernel and not torch's: README, Quantized
+weights):
 
 - ``none``: float32 weights (the exact reference path, :mod:`plait.runtime.models.linear`).
 - ``int8``: every projection and the LM head in Q8 blocks: 32 int8 weights of one output
@@ -44,7 +46,7 @@ from plait.runtime.models.linear import onednn_gemm_available, pack_weight, pack
 QUANTIZATIONS = ("none", "int8", "q4")
 # per kernel path: steps with more rows than this go through dequantize + GEMM (None:
 # never; measured: README)
-KERNEL_MAX_ROWS: dict[str, int | None] = {"avx512": None, "avx2": 128, "portable": 128}
+KERNEL_MAX_ROWS: dict[str, int | None] = {"avx512vnni": None, "avx512": None, "avx2": 128, "portable": 128}
 
 
 # from this many rows a weight is dequantized and packed for oneDNN's GEMM each step: the
