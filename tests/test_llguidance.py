@@ -424,6 +424,22 @@ def test_engine_follows_recursive_schemas_and_ebnf(engine):
     assert engine.generate("Still?", {"regex": "(yes|no)", "temperature": 0.0})["text"] in ("yes", "no")
 
 
+@pytest.mark.parametrize("params, param", [
+    ({"json_schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}, "json_schema"),
+    ({"json_schema": {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"}}, "json_schema"),
+    ({"regex": "[^\\s\\S]", "grammar_backend": "llguidance"}, "regex"),
+    ({"ebnf": "root ::= a\na ::= a"}, "ebnf"),
+])
+def test_a_constraint_without_any_output_is_a_400_not_an_aborted_result(engine, params, param):
+    # llguidance compiles these without an error; they used to come back as an empty
+    # "abort" result after one rejected token
+    with pytest.raises(RequestError) as info:
+        engine.generate("x", {**params, "max_new_tokens": 4})
+    assert info.value.status == 400 and info.value.param == param
+    assert "admits no output" in info.value.message, info.value.message
+    assert engine.generate("Still?", {"regex": "(yes|no)", "temperature": 0.0})["text"] in ("yes", "no")
+
+
 def test_a_compile_over_its_limit_fails_while_another_request_streams(tiny_model_factory, monkeypatch):
     from plait.runtime import Engine
 

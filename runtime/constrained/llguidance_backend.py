@@ -537,6 +537,13 @@ class LLGuidanceCompiler:
         m = llguidance.LLMatcher(tok, grammar, log_level=0, limits=parser_limits())
         if m.is_error():
             raise ValueError(m.get_error())
+        # NOTE: llguidance builds a grammar that admits no text at all (a $ref cycle with
+        # nothing else in it, an empty character class) without an error; computing the
+        # first mask (on a copy: the compiled matcher is never used) reports it
+        probe = m.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise ValueError(f"it admits no output ({probe.get_error().splitlines()[0]}): no text satisfies it")
         return CompiledLLGuidance(m, self.vocab, tok)
 
     def _run(self, grammar: str) -> CompiledLLGuidance:
