@@ -89,6 +89,10 @@ def check_tools(tools: Any, param: str = "tools", nested: bool = True) -> list[d
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise RequestError(f"{where}.parameters must be a JSON Schema object", f"{where}.parameters")
+        kind = (params or {}).get("type", "object")
+        if "object" not in (kind if isinstance(kind, list) else [kind]):
+            raise RequestError(f"{where}.parameters has type {kind!r}; allowed: a schema of type 'object' (a call's "
+                               f"arguments are an object)", f"{where}.parameters")
         desc = fn.get("description")
         if desc is not None and not isinstance(desc, str):
             raise RequestError(f"{where}.description must be a string", f"{where}.description")
@@ -107,14 +111,15 @@ def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _arguments_regex(fn: dict[str, Any], where: str) -> str:
     """The regex of ``fn``'s argument objects (JSON, compact): its ``parameters``
-    schema, or ``{}`` for a function without listed parameters."""
+    schema narrowed to objects (a schema without ``type``, or with ``["object",
+    "null"]``, admits other values), or ``{}`` for a function without listed parameters."""
     from plait.runtime.constrained.json_schema import schema_to_regex
 
     params = fn.get("parameters")
     if _no_parameters(params):
         return r"\{\}"
     try:
-        return schema_to_regex(params)
+        return schema_to_regex({**params, "type": "object"})
     except ValueError as e:
         raise RequestError(f"{where}.parameters cannot be enforced: {e}", f"{where}.parameters") from None
 

@@ -239,6 +239,25 @@ def test_forcing_regex_errors_name_the_tool():
     assert e.value.param == "tools[0].parameters"
 
 
+@pytest.mark.parametrize("name", sorted(set(TOOL_PARSERS) - {"pythonic"}))  # pythonic: keyword arguments
+def test_forced_arguments_are_objects_where_the_schema_admits_other_values(name):
+    # a forced call with `null` or `1` as its arguments did not parse: it came back as content
+    p = get_tool_parser(name)
+    obj = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for params in ({**obj, "type": ["object", "null"]}, {"anyOf": [obj, {"type": "integer"}]}):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+        rx = p.constraint_regex(tools, None, False)
+
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(st.from_regex(re.compile(rx), fullmatch=True))
+        def check(text: str) -> None:
+            content, calls = p.parse(text, tools)
+            assert content == "" and len(calls) == 1
+            jsonschema.validate(json.loads(calls[0].arguments), obj)
+
+        check()
+
+
 @pytest.mark.parametrize("tools,param", [
     ("nope", "tools"),
     ([], "tools"),
@@ -248,6 +267,10 @@ def test_forcing_regex_errors_name_the_tool():
     ([{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}],
      "tools[1].function.name"),
     ([{"type": "function", "function": {"name": "f", "parameters": []}}], "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+     "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": ["array", "null"]}}}],
+     "tools[0].function.parameters"),
 ])
 def test_check_tools_names_the_field(tools, param):
     with pytest.raises(RequestError) as e:
