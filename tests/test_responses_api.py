@@ -142,6 +142,8 @@ def test_errors_name_the_field(oai, server):
              "text.format"),
             ({"input": "hi", "max_output_tokens": -1}, "max_output_tokens"),
             ({"input": "hi", "bogus": 1}, "bogus"),
+            ({"input": "hi", "background": True}, "background"),  # was run in the foreground, as if false
+            ({"input": "hi", "background": "yes"}, "background"),
         ]:
             r = http.post("/v1/responses", json={"model": MODEL, **body})
             assert r.status_code == 400, (body, r.text)

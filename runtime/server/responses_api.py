@@ -137,6 +137,8 @@ class ResponseJob:
 def parse_response_request(front: Front, store: ResponseStore, body: dict[str, Any]) -> ResponseJob:
     oa.check_fields(body, FIELDS)
     model = oa.check_model(front, body)
+    if oa.get_field(body, "background", "bool", False):  # accepted at its default: clients send it
+        raise RequestError("background=true is not supported by this server; allowed: false", "background")
     prev = oa.get_field(body, "previous_response_id", "str")
     history: list[dict[str, Any]] = []
     if prev is not None:
