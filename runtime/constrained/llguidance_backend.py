@@ -539,7 +539,7 @@ class LLGuidanceCompiler:
             raise ValueError(m.get_error())
         # NOTE: llguidance builds a grammar that admits no text at all (a $ref cycle with
         # nothing else in it, an empty character class) without an error; computing the
-        # first mask (on a copy: the compiled matcher is never used) reports it
+        # first mask (on a copy: the compiled matcher is never advanced) reports it
         probe = m.deep_copy()
         probe.compute_bitmask()
         if probe.is_error():
