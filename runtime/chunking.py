@@ -10,7 +10,13 @@ last steps (least squares) and gives the largest chunk whose predicted step time
 within the ITL target: ``itl_target_ms`` when set, else twice the predicted time of
 the current decode-only step (so p99 ITL <= 2x the median even when every step is
 mixed). With no decodes running there is no latency to protect: the whole budget
-(``max_chunk``) goes to prefill. Until prefill steps have been seen, ``initial``.
+(``max_chunk``) goes to prefill. Nor when none of the running decodes streams: a
+client that waits for the whole output (``Engine.generate``, a non-streaming HTTP
+request, a program's ``gen``) sees its completion time, not the gaps between its
+tokens, and small chunks only spread the same interference over more steps, each
+paying the step's fixed cost again (bench_offline's prefill-bound (c) on the Zen 4:
+175-187 s with the 2x bound for every decode against 100-121 s with 2048-token chunks).
+Until prefill steps have been seen, ``initial``.
 """
 
 from __future__ import annotations
@@ -37,9 +43,10 @@ class ChunkSizer:
         if self._since_fit >= 8:
             self._refit()
 
-    def budget(self, decodes: int) -> int:
-        """Prefill tokens for the next step with ``decodes`` decodes running."""
-        if decodes == 0:
+    def budget(self, decodes: int, streaming: bool = True) -> int:
+        """Prefill tokens for the next step with ``decodes`` decodes running;
+        ``streaming``: whether any of them streams its tokens to a client."""
+        if decodes == 0 or not streaming:
             return self.max_chunk
         if self._fit is None:
             return self.initial

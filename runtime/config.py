@@ -45,8 +45,9 @@ class EngineConfig:
     mem_fraction_static: float | None = None  # None: 0.85 on CUDA, 0.3 on CPU
     max_running_requests: int = 256
     # token budget of a step; "auto" (plait.runtime.chunking) sizes prefill chunks from
-    # measured steps to keep decodes' inter-token latency within itl_target_ms (None:
-    # 2x a decode-only step), and prefills whole prompts up to 4096 tokens when nothing decodes
+    # measured steps to keep streaming decodes' inter-token latency within itl_target_ms
+    # (None: 2x a decode-only step), and prefills whole prompts up to 4096 tokens when
+    # nothing decodes or no running decode streams
     chunked_prefill_size: int | str = "auto"
     itl_target_ms: float | None = None
     schedule_policy: str = "lpm"

@@ -307,6 +307,7 @@ class Engine:
                 group=base, index=i, cache_salt=inp.cache_salt,
                 logprobs=LogprobState(inp.logprob_start_len, inp.top_logprobs_num) if inp.return_logprob else None,
                 generator=torch.Generator(device=self.device).manual_seed(seed + i), seed=seed + i,
+                stream=inp.stream,
             )
             if future is not None:
                 # logprob requests keep their prompt and get one entry per sampled token

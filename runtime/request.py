@@ -135,6 +135,7 @@ class Req:
         logprobs: LogprobState | None = None,
         generator: torch.Generator | None = None,
         seed: int = 0,
+        stream: bool = False,
     ) -> None:
         self.rid = rid
         self.group = rid if group is None else group  # the client's rid (shared by n > 1 copies)
@@ -147,6 +148,7 @@ class Req:
         self.logprobs = logprobs  # None: no logprobs asked for
         self.generator = generator  # sampling on CPU draws from it
         self.seed = seed  # ... and on CUDA from a hash of (seed, output position)
+        self.stream = stream  # its tokens go to a client as they come (chunk sizes protect its ITL)
         self.status = ReqStatus.WAITING
         self.arrival = time.monotonic()
         self.finish_reason: FinishReason | None = None

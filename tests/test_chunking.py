@@ -48,3 +48,35 @@ def test_auto_is_the_default_and_engines_run_with_it(tiny_model_factory):
         assert all(len(o["output_ids"]) == 20 for o in outs)
         assert e.scheduler.chunks is not None
         e.check_invariants()
+
+
+def test_only_streaming_decodes_limit_the_chunk():
+    """A decode whose client streams keeps the chunk bounded; decodes nobody watches
+    token by token (Engine.generate, non-streaming requests) leave the whole budget."""
+    sizer = ChunkSizer(itl_target_ms=30.0, min_chunk=32, max_chunk=1000)
+    _feed(sizer, a=0.010, d=0.001, p=0.0001)
+    assert sizer.budget(8, streaming=True) == 120
+    assert sizer.budget(8, streaming=False) == 1000
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_long_prompt_beside_a_decode_is_chunked_only_when_the_decode_streams(tiny_model_factory, stream):
+    from plait.runtime.validation import validate_generate
+
+    with Engine(str(tiny_model_factory("llama")), kv_cache_tokens=8192, page_size=4, itl_target_ms=0.001) as e:
+        params = {"max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True}
+        vocab = e.limits.vocab_size
+        (a,) = e.submit(validate_generate("a", list(range(10, 30)), params, e.limits, stream=stream))
+        while a.output_len < 2:  # a is decoding
+            e.step()
+        prompt = [3 + i % (vocab - 3) for i in range(900)]
+        (b,) = e.submit(validate_generate("b", prompt, {"max_new_tokens": 2}, e.limits))
+        e.step()
+        assert a.output_len >= 3  # a decoded in that step
+        if stream:  # a tiny target: the chunk is bounded (512 before a fit, 32 after)
+            assert 0 < b.num_computed <= 512
+        else:
+            assert b.num_computed == 900  # the whole prompt in one step
+        while e.scheduler.running or e.scheduler.waiting:
+            e.step()
+        e.check_invariants()
