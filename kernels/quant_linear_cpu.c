@@ -328,6 +328,9 @@ __attribute__((target("avx512f"))) static float row1f_q4_avx512(const float *x, 
 /* the paths whose one-row steps take 16-bit activation blocks: measured faster there
  * (README); plain AVX-512 (no VNNI) was level with its float32 row loop, so keeps it */
 #define X16_ONE_ROW(isa) ((isa) == ISA_AVX512VNNI || (isa) == ISA_AVX2)
+/* blocks this small (but not zero) would need 1/s past float32's range: the row keeps
+ * the float32 path, as rows with inf or NaN do */
+#define X16_TINY 1e-30f
 #define X16_PAIR 64 /* bytes of hi (or lo) per two blocks: [A0..15 B0..15 A16..31 B16..31] */
 
 typedef struct {
@@ -336,7 +339,7 @@ typedef struct {
     float *s, *t;    /* [nb]: activation scale, block sum of x */
 } x16_row;
 
-/* returns 0, or -1 where a block is not finite (the caller keeps the float32 path) */
+/* returns 0, or -1 where a block is not finite or tiny (the caller keeps the float32 path) */
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static int x16_prepare(int kind, const float *x, int64_t K,
                                                                              x16_row *r) {
     const int64_t nb = K / QBLOCK;
@@ -345,7 +348,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) static int x16_prepare(int 
         const __m512 x0 = _mm512_loadu_ps(x + b * QBLOCK), x1 = _mm512_loadu_ps(x + b * QBLOCK + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
         const float sum = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1)); /* NaN stays NaN here, not in max */
-        if (!(amax <= 3.0e38f) || !(fabsf(sum) <= 3.0e38f)) return -1;
+        if (!(amax <= 3.0e38f) || !(fabsf(sum) <= 3.0e38f) || (amax > 0.0f && amax < X16_TINY)) return -1;
         const float s = amax / 32639.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
         r->s[b] = s;
         r->t[b] = sum;
@@ -463,7 +466,7 @@ __attribute__((target("avx2,fma"))) static int x16_prepare_avx2(const float *x, 
         const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
                                        _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
         const float amax = hmax256(a), sum = hsum256(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-        if (!(amax <= 3.0e38f) || !(fabsf(sum) <= 3.0e38f)) return -1; /* inf or NaN */
+        if (!(amax <= 3.0e38f) || !(fabsf(sum) <= 3.0e38f) || (amax > 0.0f && amax < X16_TINY)) return -1;
         const float s = amax / 32639.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
         r->s[b] = s;
         r->t[b] = sum;

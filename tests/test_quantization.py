@@ -99,7 +99,7 @@ def test_x16_one_row_is_exact_on_representable_activations(isa, kind, K):
 
 @pytest.mark.parametrize("isa", [isa for isa in X16_PATHS if isa in RUNNABLE])
 @pytest.mark.parametrize("kind", ["q8", "q4"])
-def test_x16_one_row_keeps_the_float_path_for_non_finite_rows(isa, kind):
+def test_x16_one_row_keeps_the_float_path_for_non_finite_or_tiny_rows(isa, kind):
     """A row with inf or NaN is not quantized (no scale exists): the call runs the
     float32 path, so the non-finite values reach the output."""
     w = quantize(torch.randn(9, 2 * BLOCK), kind)
@@ -110,6 +110,14 @@ def test_x16_one_row_keeps_the_float_path_for_non_finite_rows(isa, kind):
         # every output meets the bad value (inf or NaN by the path's order of sums); a
         # NaN rounded into 16 bits would have given finite outputs
         assert not torch.isfinite(got).any()
+    # a block of values so small that 1/s overflows float32 (1e-36 / 32639 ... ): the
+    # float32 path too, so the tiny block's zeros stay zeros (not -max|x| from inf * 0)
+    x = torch.zeros(1, 2 * BLOCK)
+    x[0, 3] = 1e-36
+    x[0, BLOCK:] = torch.randn(BLOCK)
+    got = quant_cpu.quant_linear(x, kind, w.qs, w.scales, w.mins, None, isa)
+    ref = x.double() @ w.dequantize().double().T
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 200, 1100])
