@@ -77,6 +77,29 @@ def test_bad_constraints_get_400_and_the_server_keeps_serving(oai, http):
     assert r.status_code == 200 and r.json()["text"] in ("yes", "no")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_refused_at_compile_time_names_the_field_the_client_sent(http, stream):
+    """A schema that passes the front's checks but admits no output is refused when the
+    engine compiles it, after admission: the refusal still names response_format (chat)
+    or text.format (Responses), the client's own field, not the engine's json_schema."""
+    loop = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    r = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "stream": stream,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": loop}},
+        "grammar_backend": "llguidance"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "response_format", r.text
+    r = http.post("/v1/responses", json={
+        "model": MODEL, "input": "x", "max_output_tokens": 4, "stream": stream,
+        "text": {"format": {"type": "json_schema", "name": "s", "schema": loop}}})
+    if not stream:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "text.format", r.text
+    else:  # a Responses stream opens with response.created, so the refusal is its error event
+        events = [json.loads(line[len("data: "):]) for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[0]["type"] == "response.created" and events[-1]["error"]["param"] == "text.format", r.text
+
+
 def test_index_build_over_its_time_limit_is_a_400(tiny_model_factory):
     slow = r'"[^"\\]{0,800}"'  # an index too large to build within the limit below
     with launch(str(tiny_model_factory("llama")), num_threads=1, kv_cache_tokens=2048,

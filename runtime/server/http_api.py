@@ -401,14 +401,14 @@ def build_app(front: Front) -> ASGIApp:
         costly = size.isdigit() and int(size) > COSTLY_TEXT_CHARS
         job = await asyncio.to_thread(parse, front, body) if costly else parse(front, body)
         sub = Submission(front)
-        try:
+        try:  # errors found at admission or later (a constraint's compile) by OpenAI's names
             await sub.submit(job.reqs, "messages" if job.chat else "prompt")
+            if not job.stream:
+                return JSONResponse(oa.response(front, job, await sub.results(request)))
+            stream = await _first_then(request, sub, _openai_stream(front, job, sub))
         except RequestError as e:
             raise oa.openai_error(e, job) from None
-        if not job.stream:
-            return JSONResponse(oa.response(front, job, await sub.results(request)))
-        return StreamingResponse(await _first_then(request, sub, _openai_stream(front, job, sub)),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
 
     store = ra.ResponseStore()  # this server's responses, for previous_response_id
 
@@ -419,13 +419,13 @@ def build_app(front: Front) -> ASGIApp:
         parse = ra.parse_response_request
         rj = await asyncio.to_thread(parse, front, store, body) if costly else parse(front, store, body)
         sub = Submission(front)
-        try:
+        try:  # as in _openai: later errors by the Responses API's names too
             await sub.submit(rj.job.reqs, "input")
+            if not rj.job.stream:
+                results = await sub.results(request)
+                return JSONResponse(ra.response(store, rj, results[(0, 0)]))
         except RequestError as e:
             raise oa.openai_error(e, rj.job) from None
-        if not rj.job.stream:
-            results = await sub.results(request)
-            return JSONResponse(ra.response(store, rj, results[(0, 0)]))
 
         async def events() -> AsyncIterator[bytes]:
             yielded = False
@@ -436,10 +436,13 @@ def build_app(front: Front) -> ASGIApp:
             except RequestError as e:
                 if not yielded:
                     raise
-                yield b"event: error\n" + _stream_error(e)
+                yield b"event: error\n" + _stream_error(oa.openai_error(e, rj.job))
 
-        return StreamingResponse(await _first_then(request, sub, events()), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        try:
+            stream = await _first_then(request, sub, events())
+        except RequestError as e:
+            raise oa.openai_error(e, rj.job) from None
+        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
 
     routes = [
         Route("/generate", generate, methods=["POST"]),
@@ -592,5 +595,5 @@ async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIte
     except RequestError as e:
         if not yielded and not job.echo_texts:
             raise
-        yield _stream_error(e)
+        yield _stream_error(oa.openai_error(e, job))
     yield SSE_DONE
