@@ -176,7 +176,10 @@ def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
     if opts is not None:
         if not stream:
             raise RequestError("stream_options is only allowed when stream is true", "stream_options")
-        include_usage = get_field(opts, "include_usage", "bool", False)
+        try:
+            include_usage = get_field(opts, "include_usage", "bool", False)
+        except RequestError as e:
+            raise e.with_param("stream_options.include_usage", "stream_options." + e.message) from None
     return stream, include_usage
 
 
@@ -289,7 +292,9 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             content = ""
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
                                "content": _text_content(content, where)}
-        if isinstance(m.get("name"), str):
+        if m.get("name") is not None:
+            if not isinstance(m["name"], str):
+                raise RequestError(f"{where}.name={_short(m['name'])} is invalid; allowed: a string", "messages")
             msg["name"] = m["name"]
         if role == "assistant" and m.get("tool_calls") is not None:
             msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
