@@ -90,7 +90,8 @@ class EngineConfig:
     # (plait.runtime.models.linear), "torch" keeps F.linear (MKL); "auto" is onednn on
     # CPU in float32 where the torch build has it, else torch.
     cpu_gemm: str = "auto"
-    # Weight-only quantization (plait.runtime.models.quant; CPU, float32 activations):
+    # Weight-only quantization (plait.runtime.models.quant; CPU with float32 activations,
+    # or CUDA in the model's dtype on the Triton kernel plait.kernels.quant_gemm):
     # "none" keeps float32 weights (the exact path); "int8" keeps projections and LM head
     # in int8 blocks of 32 (a GGUF's Q8_0 blocks as they are), "q4" the projections in
     # 4-bit blocks of 32 (Q4_0/Q4_1/Q4_K blocks as they are) and the LM head in int8.
@@ -199,11 +200,10 @@ class EngineConfig:
                      "cpu_gemm", self.cpu_gemm,
                      "onednn only with device cpu, dtype float32 and a torch build with oneDNN; auto or torch otherwise")
         _require(self.quantization in QUANTIZATIONS, "quantization", self.quantization, ", ".join(QUANTIZATIONS))
-        if self.quantization != "none":
-            _require(self.resolved_device() == "cpu" and self.resolved_dtype() == "float32", "quantization",
-                     self.quantization,
-                     "none on CUDA and in 16-bit dtypes (the int8 and q4 kernels are CPU float32 ones; no GPU "
-                     "kernels yet); int8 or q4 with device cpu and dtype float32")
+        if self.quantization != "none" and self.resolved_device() == "cpu":
+            _require(self.resolved_dtype() == "float32", "quantization", self.quantization,
+                     "none in 16-bit dtypes on CPU (the CPU int8 and q4 kernels take float32 activations); int8 "
+                     "or q4 with device cpu and dtype float32, or on CUDA in any dtype")
         _require(is_int(self.seed), "seed", self.seed, "an integer")
         _require(_is_num(self.init_new_token_ratio) and 0 <= self.init_new_token_ratio <= 1,
                  "init_new_token_ratio", self.init_new_token_ratio, "a number in [0, 1]")

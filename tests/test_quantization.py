@@ -169,11 +169,13 @@ def test_gguf_q4_k_blocks_convert_exactly():
     assert torch.equal(ours, torch.from_numpy(ref))
 
 
-def test_config_refuses_quantization_outside_cpu_float32():
+def test_config_takes_quantization_on_cpu_float32_and_on_cuda():
     with pytest.raises(ValueError, match="quantization='q8'"):
         EngineConfig(quantization="q8")
     with pytest.raises(ValueError, match="quantization='int8'.*device cpu and dtype float32"):
         EngineConfig(device="cpu", dtype="bfloat16", quantization="int8")
+    # CUDA: the Triton kernel (plait.kernels.quant_gemm), in any dtype
+    assert EngineConfig(device="cuda", dtype="bfloat16", quantization="q4").quantization == "q4"
 
 
 def test_quantization_needs_block_aligned_projections():

@@ -310,6 +310,9 @@ class CausalLM(nn.Module):
         # cast on the meta device first: materialising float32 and casting after would
         # need the weights in both dtypes at once (3x the bf16 size at the peak)
         self.to(dtype).to_empty(device=device)
+        for m in self.modules():
+            if isinstance(m, QuantLinear):
+                m.keep_float32_blocks()
         for rotary in self.model.rotary_embeddings():
             rotary.recompute_cache()
         return self
@@ -333,7 +336,7 @@ class CausalLM(nn.Module):
         elif self.packed_lm_head is not None:
             logits = packed_linear(hidden, self.packed_lm_head, None).float()
         elif self.quant_lm_head is not None:
-            logits = self.quant_lm_head(hidden)
+            logits = self.quant_lm_head(hidden).float()
         else:
             logits = F.linear(hidden, self.model.embed_tokens.weight).float()
         if self.tp is not None:  # [rows, V / size] per rank -> [rows, V]

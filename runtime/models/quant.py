@@ -1,4 +1,5 @@
-"""Weight-only quantization of the linear projections and the LM head (CPU, float32).
+"""Weight-only quantization of the linear projections and the LM head (CPU in float32;
+CUDA in the model's dtype, on the Triton kernel :mod:`plait.kernels.quant_gemm`).
 
 ``EngineConfig.quantization`` names the layout the weights are kept in; activations stay
 float32 (but for one-row steps on AVX-512 VNNI CPUs, which round them to 16 bits per block
@@ -207,8 +208,19 @@ class QuantLinear(nn.Module):
         if self.mins is not None:
             self.mins[span].copy_(q.mins)
 
+    def keep_float32_blocks(self) -> None:
+        """Scales and minimums back in float32 after a cast of the model to a 16-bit
+        dtype (``CausalLM.materialize``): the blocks' math is float32 on every device."""
+        self.scales = self.scales.float()
+        if self.mins is not None:
+            self.mins = self.mins.float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] -> [rows, out]
+        if x.is_cuda:  # the Triton kernel (activations in the model's dtype)
+            from plait.kernels import quant_gemm
+
+            return quant_gemm.quant_linear(x, self.kind, self.qs, self.scales, self.mins, self.bias)
         rows = x.shape[0]
         pack = rows >= PACK_MIN_ROWS and onednn_gemm_available()
         if not pack and kernel_takes(self.isa, rows):
@@ -234,7 +246,7 @@ def quantize_projections(model: nn.Module, mode: str) -> None:
 def quantized_lm_head(embedding: torch.Tensor) -> QuantLinear:
     """The tied LM head in q8 blocks, from the float32 embedding table [vocab, hidden]."""
     vocab, hidden = embedding.shape
-    head = QuantLinear(hidden, vocab, False, "q8", quant_cpu.choose_isa())
+    head = QuantLinear(hidden, vocab, False, "q8", quant_cpu.choose_isa()).to(embedding.device)
     head.load_rows(embedding, 0, 0)
     return head
 
