@@ -308,6 +308,22 @@ def run_fused_moe(m: ModelShape, dtype: torch.dtype, target: Target) -> object:
     return out
 
 
+def run_quant_gemm(m: ModelShape, dtype: torch.dtype, target: Target) -> object:
+    """The weight-only GEMM of ``quantization`` over q4 and q8 blocks of a hidden x
+    hidden projection, at a decode step's rows (one) and a prefill's (64); blocks left
+    uninitialised: nothing runs."""
+    from plait.kernels.quant_gemm import quant_linear
+
+    n = k = m.hidden
+    scales, mins = torch.empty(n, k // 32), torch.empty(n, k // 32)
+    q4, q8 = torch.empty(n, k // 2, dtype=torch.uint8), torch.empty(n, k, dtype=torch.int8)
+    for tokens in (1, 64):
+        x = torch.randn(tokens, k).to(dtype)
+        out = quant_linear(x, "q4", q4, scales, mins, None)
+        quant_linear(x, "q8", q8, scales, None, torch.zeros(n, dtype=dtype))
+    return out
+
+
 CASES = [
     Case("attention backend", run_attention, has_head_dim=True),
     Case("apply_rotary", run_rotary, has_head_dim=True),
@@ -317,6 +333,7 @@ CASES = [
     Case("silu_and_mul", run_silu_and_mul, has_head_dim=False),
     Case("token bitmask", run_bitmask, has_head_dim=False),
     Case("fused MoE", run_fused_moe, has_head_dim=False),
+    Case("quantized GEMM", run_quant_gemm, has_head_dim=False),
 ]
 
 

@@ -177,7 +177,7 @@ class Scheduler:
         batch.decodes = self._schedule_decodes(batch)
         decoding = len(batch.decodes) + len(batch.verifies)
         if self.chunks is not None:
-            streaming = any(r.stream for r in batch.decodes) or any(r.stream for r in batch.verifies)
+            streaming = any(r.stream for r in batch.decodes) or any(r.stream for r, _ in batch.verifies)
             budget = self.chunks.budget(decoding, streaming) - batch.num_draft_tokens
         else:
             budget = self.config.chunked_prefill_size - decoding - batch.num_draft_tokens
