@@ -1,5 +1,5 @@
 """Native weight-only quantized GEMM for CPUs (float32 activations; 16-bit blocks for one
-row on AVX-512 VNNI), built on first use.
+row on AVX-512 VNNI and AVX2), built on first use.
 
 ``quant_linear_cpu.c`` multiplies float32 rows by weights stored in blocks of 32 (Q8:
 int8 + a float32 scale; Q4: 4-bit + a float32 scale and minimum, GGUF Q4_1's math), the

@@ -317,8 +317,8 @@ __attribute__((target("avx512f"))) static float row1f_q4_avx512(const float *x, 
  * Decode at batch 1 spends its time in the loops above decoding weights to float32 (an
  * integer widening, a conversion and a multiply-add per weight): measured here, the
  * float32 one-row kernel streamed ~65% of what a plain read of the same bytes does. On
- * VNNI (and on AVX2, below, with vpmaddwd) the weights stay integers: x's row is quantized once per call to 16 bits per block of 32
- * (s = max|x| / 32639, xi = rint(x / s), |x - s xi| <= s / 2: 2^-16 of the block's
+ * VNNI (and on AVX2, below, with vpmaddwd) the weights stay integers: x's row is
+ * quantized once per call to 16 bits per block of 32 (s = max|x| / 32639, xi = rint(x / s), |x - s xi| <= s / 2: 2^-16 of the block's
  * largest value, 256x finer than llama.cpp's 8-bit activations) and
  *   Q4: xi = 256 hi + lo (hi, lo int8), sum q xi = 256 dot(q, hi) + dot(q, lo), two
  *       vpdpbusd (u8 x s8) over 64 weights; the minimum times the block's float sum;
@@ -339,6 +339,18 @@ typedef struct {
     float *s, *t;    /* [nb]: activation scale, block sum of x */
 } x16_row;
 
+/* block b's activation scale from its largest |x| and its sum, both paths' one rule: 0,
+ * or -1 where the block is not finite or tiny (the row keeps the float32 path); *inv the
+ * multiplier to its 16-bit steps */
+static inline int x16_block(x16_row *r, int64_t b, float amax, float sum, float *inv) {
+    if (!(amax <= 3.0e38f) || !(fabsf(sum) <= 3.0e38f) || (amax > 0.0f && amax < X16_TINY)) return -1;
+    const float s = amax / 32639.0f;
+    r->s[b] = s;
+    r->t[b] = sum;
+    *inv = s > 0.0f ? 1.0f / s : 0.0f;
+    return 0;
+}
+
 /* returns 0, or -1 where a block is not finite or tiny (the caller keeps the float32 path) */
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static int x16_prepare(int kind, const float *x, int64_t K,
                                                                              x16_row *r) {
@@ -348,10 +360,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) static int x16_prepare(int 
         const __m512 x0 = _mm512_loadu_ps(x + b * QBLOCK), x1 = _mm512_loadu_ps(x + b * QBLOCK + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
         const float sum = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1)); /* NaN stays NaN here, not in max */
-        if (!(amax <= 3.0e38f) || !(fabsf(sum) <= 3.0e38f) || (amax > 0.0f && amax < X16_TINY)) return -1;
-        const float s = amax / 32639.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
-        r->s[b] = s;
-        r->t[b] = sum;
+        float inv;
+        if (x16_block(r, b, amax, sum, &inv)) return -1;
         const __m512 iv = _mm512_set1_ps(inv);
         __m512i v[2] = {_mm512_cvtps_epi32(_mm512_mul_ps(x0, iv)), _mm512_cvtps_epi32(_mm512_mul_ps(x1, iv))};
         for (int i = 0; i < 2; i++) v[i] = _mm512_max_epi32(_mm512_min_epi32(v[i], lim), nlim);
@@ -425,25 +435,25 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static float row
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), m));
 }
 
+/* a + Q8 block b (its 32 weights widened to int16 against xi, vpdpwssd) times its scales */
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline __m512
+block_q8_x16(const x16_row *r, const int8_t *qs, const float *sc, int64_t b, __m512 a) {
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qs + b * QBLOCK)));
+    const __m512i i = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512((const void *)(r->xi + b * QBLOCK)));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(sc[b] * r->s[b]), a);
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static float row1_q8_x16(const x16_row *r, int64_t K,
                                                                                          const int8_t *qs,
                                                                                          const float *sc) {
     const int64_t nb = K / QBLOCK;
     __m512 a0 = _mm512_setzero_ps(), a1 = a0;
     int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-        const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qs + b * QBLOCK)));
-        const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qs + b * QBLOCK + QBLOCK)));
-        const __m512i i0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512((const void *)(r->xi + b * QBLOCK)));
-        const __m512i i1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w1, _mm512_loadu_si512((const void *)(r->xi + b * QBLOCK + QBLOCK)));
-        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_set1_ps(sc[b] * r->s[b]), a0);
-        a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_set1_ps(sc[b + 1] * r->s[b + 1]), a1);
+    for (; b + 1 < nb; b += 2) { /* two blocks, two accumulator chains */
+        a0 = block_q8_x16(r, qs, sc, b, a0);
+        a1 = block_q8_x16(r, qs, sc, b + 1, a1);
     }
-    if (b < nb) {
-        const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qs + b * QBLOCK)));
-        const __m512i i0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512((const void *)(r->xi + b * QBLOCK)));
-        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_set1_ps(sc[b] * r->s[b]), a0);
-    }
+    if (b < nb) a0 = block_q8_x16(r, qs, sc, b, a0);
     return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
@@ -466,10 +476,8 @@ __attribute__((target("avx2,fma"))) static int x16_prepare_avx2(const float *x, 
         const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
                                        _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
         const float amax = hmax256(a), sum = hsum256(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-        if (!(amax <= 3.0e38f) || !(fabsf(sum) <= 3.0e38f) || (amax > 0.0f && amax < X16_TINY)) return -1;
-        const float s = amax / 32639.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
-        r->s[b] = s;
-        r->t[b] = sum;
+        float inv;
+        if (x16_block(r, b, amax, sum, &inv)) return -1;
         const __m256 iv = _mm256_set1_ps(inv);
         __m256i q[4];
         for (int i = 0; i < 4; i++)
@@ -481,9 +489,11 @@ __attribute__((target("avx2,fma"))) static int x16_prepare_avx2(const float *x, 
     return 0;
 }
 
-/* block b: its 32 int16 weights (two halves of 16) against xi, the 8 lanes' int32 sums */
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256i block_x16_avx2(int kind, const uint8_t *qs,
-                                                                                     int64_t b, const int16_t *xi) {
+/* a + block b (its 32 weights widened to int16, two halves of 16, against xi) times its scales */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 block_x16_avx2(int kind, const x16_row *r,
+                                                                                    const uint8_t *qs, const float *sc,
+                                                                                    int64_t b, __m256 a) {
+    const int16_t *xi = r->xi;
     __m256i w0, w1;
     if (kind == KIND_Q8) {
         w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + b * QBLOCK)));
@@ -495,7 +505,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline __m256i block_x
     }
     const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xi + b * QBLOCK));
     const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xi + b * QBLOCK + 16));
-    return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+    const __m256i i = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(sc[b] * r->s[b]), a);
 }
 
 __attribute__((target("avx2,fma"))) static float row1_x16_avx2(int kind, const x16_row *r, int64_t K,
@@ -504,12 +515,10 @@ __attribute__((target("avx2,fma"))) static float row1_x16_avx2(int kind, const x
     __m256 a0 = _mm256_setzero_ps(), a1 = a0;
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) { /* two blocks, two accumulator chains */
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_x16_avx2(kind, qs, b, r->xi)), _mm256_set1_ps(sc[b] * r->s[b]), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_x16_avx2(kind, qs, b + 1, r->xi)),
-                             _mm256_set1_ps(sc[b + 1] * r->s[b + 1]), a1);
+        a0 = block_x16_avx2(kind, r, qs, sc, b, a0);
+        a1 = block_x16_avx2(kind, r, qs, sc, b + 1, a1);
     }
-    if (b < nb)
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_x16_avx2(kind, qs, b, r->xi)), _mm256_set1_ps(sc[b] * r->s[b]), a0);
+    if (b < nb) a0 = block_x16_avx2(kind, r, qs, sc, b, a0);
     float m = 0.0f;
     if (kind == KIND_Q4) {
         __m256 mv = _mm256_setzero_ps();
@@ -522,7 +531,7 @@ __attribute__((target("avx2,fma"))) static float row1_x16_avx2(int kind, const x
 }
 
 /* out [1, N] for one row of x on 16-bit activation blocks (AVX-512 VNNI, or AVX2); 1
- * where the row is not finite or scratch memory is short (the caller then runs the
+ * where a block is not finite or tiny or scratch memory is short (the caller then runs the
  * float32 path), else 0 */
 static int linear1_x16(int kind, int isa, const float *x, int64_t K, const uint8_t *qs, const float *scales,
                        const float *mins, int64_t N, const float *bias, float *out, int nthreads) {

@@ -2,8 +2,8 @@
 CUDA in the model's dtype, on the Triton kernel :mod:`plait.kernels.quant_gemm`).
 
 ``EngineConfig.quantization`` names the layout the weights are kept in; activations stay
-float32 (but for one-row steps on AVX-512 VNNI CPUs, which round them to 16 bits per block
-of 32: 2^-16 of the block's largest value) and the products run in
+float32 (but for one-row steps on AVX-512 VNNI and AVX2 CPUs, which round them to 16 bits
+per block of 32: 2^-16 of the block's largest value) and the products run in
 :mod:`plait.kernels.quant_cpu` (why that kernel and not torch's: README, Quantized
 weights):
 

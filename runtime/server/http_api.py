@@ -419,13 +419,6 @@ def build_app(front: Front) -> ASGIApp:
         parse = ra.parse_response_request
         rj = await asyncio.to_thread(parse, front, store, body) if costly else parse(front, store, body)
         sub = Submission(front)
-        try:  # as in _openai: later errors by the Responses API's names too
-            await sub.submit(rj.job.reqs, "input")
-            if not rj.job.stream:
-                results = await sub.results(request)
-                return JSONResponse(ra.response(store, rj, results[(0, 0)]))
-        except RequestError as e:
-            raise oa.openai_error(e, rj.job) from None
 
         async def events() -> AsyncIterator[bytes]:
             yielded = False
@@ -438,7 +431,11 @@ def build_app(front: Front) -> ASGIApp:
                     raise
                 yield b"event: error\n" + _stream_error(oa.openai_error(e, rj.job))
 
-        try:
+        try:  # as in _openai: errors at admission or later by the Responses API's names
+            await sub.submit(rj.job.reqs, "input")
+            if not rj.job.stream:
+                results = await sub.results(request)
+                return JSONResponse(ra.response(store, rj, results[(0, 0)]))
             stream = await _first_then(request, sub, events())
         except RequestError as e:
             raise oa.openai_error(e, rj.job) from None
