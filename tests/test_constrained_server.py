@@ -77,32 +77,25 @@ def test_bad_constraints_get_400_and_the_server_keeps_serving(oai, http):
     assert r.status_code == 200 and r.json()["text"] in ("yes", "no")
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_constraint_refused_at_compile_time_names_the_field_the_client_sent(http, stream):
-    """A schema that passes the front's checks but admits no output is refused when the
-    engine compiles it, after admission: the refusal still names response_format (chat)
-    or text.format (Responses), the client's own field, not the engine's json_schema."""
+def test_a_schema_without_any_output_is_refused_before_admission(http):
+    """A $ref cycle with nothing else in it admits no value: a 400 at the front naming
+    the client's field, for a stream too (no stream is opened)."""
     loop = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
-    r = http.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "stream": stream,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": loop}},
-        "grammar_backend": "llguidance"})
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == "response_format", r.text
-    r = http.post("/v1/responses", json={
-        "model": MODEL, "input": "x", "max_output_tokens": 4, "stream": stream,
-        "text": {"format": {"type": "json_schema", "name": "s", "schema": loop}}})
-    if not stream:
-        assert r.status_code == 400, r.text
-        assert r.json()["error"]["param"] == "text.format", r.text
-    else:  # a Responses stream opens with response.created, so the refusal is its error event
-        events = [json.loads(line[len("data: "):]) for line in r.text.splitlines() if line.startswith("data: ")]
-        assert events[0]["type"] == "response.created" and events[-1]["error"]["param"] == "text.format", r.text
+    for stream in (False, True):
+        r = http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "stream": stream,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": loop}},
+            "grammar_backend": "llguidance"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+        r = http.post("/v1/responses", json={
+            "model": MODEL, "input": "x", "max_output_tokens": 4, "stream": stream,
+            "text": {"format": {"type": "json_schema", "name": "s", "schema": loop}}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
 
 
 def test_index_build_over_its_time_limit_is_a_400(tiny_model_factory):
     slow = r'"[^"\\]{0,800}"'  # an index too large to build within the limit below
-    with launch(str(tiny_model_factory("llama")), num_threads=1, kv_cache_tokens=2048,
+    with launch(str(tiny_model_factory("llama")), num_threads=1, kv_cache_tokens=2048, grammar_backend="outlines",
                 grammar_compile_timeout=1.0) as rt, httpx.Client(base_url=rt.url, timeout=120) as c:
         r = c.post("/generate", json={"text": "Name:", "sampling_params": {"regex": slow, "max_new_tokens": 4}})
         assert r.status_code == 400, r.text
@@ -110,6 +103,26 @@ def test_index_build_over_its_time_limit_is_a_400(tiny_model_factory):
         assert "grammar_compile_timeout" in err["message"] and err["param"] == "regex"
         ok = c.post("/generate", json={"text": "Ok?", "sampling_params": {"regex": "(yes|no)", "temperature": 0.0}})
         assert ok.status_code == 200 and ok.json()["text"] in ("yes", "no")
+        # A refusal after admission (the engine's compile, here its time limit) names the
+        # client's own field (response_format, text.format), not the engine's json_schema,
+        # on every path: a result, a chat stream's first piece, a Responses stream's error
+        # event (that stream opens with response.created)
+        long_string = {"type": "string", "maxLength": 800}  # the same index, from a schema
+        for stream in (False, True):
+            r = c.post("/v1/chat/completions", json={
+                "model": "default", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "stream": stream,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": long_string}},
+                "grammar_backend": "outlines"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+            r = c.post("/v1/responses", json={
+                "model": "default", "input": "x", "max_output_tokens": 4, "stream": stream,
+                "text": {"format": {"type": "json_schema", "name": "s", "schema": long_string}}})
+            if not stream:
+                assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+            else:
+                events = [json.loads(x[len("data: "):]) for x in r.text.splitlines() if x.startswith("data: ")]
+                assert events[0]["type"] == "response.created", r.text
+                assert events[-1]["error"]["param"] == "text.format", r.text
         info = c.get("/server_info").json()
         assert info["invariant_ok"], info["invariant_error"]
         assert info["pool"]["locked"] == 0

@@ -436,7 +436,7 @@ def test_a_constraint_without_any_output_is_a_400_not_an_aborted_result(engine, 
     with pytest.raises(RequestError) as info:
         engine.generate("x", {**params, "max_new_tokens": 4})
     assert info.value.status == 400 and info.value.param == param
-    assert "admits no output" in info.value.message, info.value.message
+    assert "admits no" in info.value.message, info.value.message  # no output, or no finite one
     assert engine.generate("Still?", {"regex": "(yes|no)", "temperature": 0.0})["text"] in ("yes", "no")
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from plait.runtime.constrained.backend import GrammarFuture
+from plait.runtime.constrained.finite import lark_unending, schema_unending
 from plait.runtime.constrained.vocab import TokenVocab
 
 MAX_GRAMMAR_CHARS = 100_000  # an ebnf text or a JSON schema's JSON text
@@ -424,6 +425,9 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
     check_schema_size(value)
     value = plain_schema(value)
     value = llguidance_schema(value)
+    unending = schema_unending(value)
+    if unending is not None:
+        raise ValueError(f"it admits no finite output: {unending}")
     text = json.dumps(close_objects(value, open_defs='"allOf"' in json.dumps(value)))
     # no \uXXXX escapes (as in the outlines layout): llguidance matches a key written with
     # one against neither the listed names nor the patterns, so {"\u0061": 1} would get
@@ -445,7 +449,11 @@ def ebnf_grammar(text: str) -> str:
         grammar = grammar_from("ebnf", text)
     except ValueError as e:
         raise ValueError(str(e)) from None
-    return _validate(grammar)
+    grammar = _validate(grammar)
+    unending = lark_unending(grammar)
+    if unending is not None:
+        raise ValueError(f"it admits no finite output: {unending}")
+    return grammar
 
 
 def regex_grammar(regex: str) -> str:
@@ -539,11 +547,16 @@ class LLGuidanceCompiler:
             raise ValueError(m.get_error())
         # NOTE: llguidance builds a grammar that admits no text at all (a $ref cycle with
         # nothing else in it, an empty character class) without an error; computing the
-        # first mask (on a copy: the compiled matcher is never advanced) reports it
+        # first mask (on a copy: the compiled matcher is never advanced) reports it. A
+        # grammar whose every text goes on forever (a required property that recurses
+        # into the root, ``root ::= "x" root``) gives a first mask with no token in it
         probe = m.deep_copy()
-        probe.compute_bitmask()
+        first = np.frombuffer(probe.compute_bitmask(), dtype=np.uint32)
         if probe.is_error():
             raise ValueError(f"it admits no output ({probe.get_error().splitlines()[0]}): no text satisfies it")
+        if not first.any() and not probe.is_accepting():
+            raise ValueError("it admits no output: no finite text satisfies it (every value it describes goes on "
+                             "forever, e.g. a required property or rule that recurses into itself with no way out)")
         return CompiledLLGuidance(m, self.vocab, tok)
 
     def _run(self, grammar: str) -> CompiledLLGuidance:
