@@ -547,16 +547,12 @@ class LLGuidanceCompiler:
             raise ValueError(m.get_error())
         # NOTE: llguidance builds a grammar that admits no text at all (a $ref cycle with
         # nothing else in it, an empty character class) without an error; computing the
-        # first mask (on a copy: the compiled matcher is never advanced) reports it. A
-        # grammar whose every text goes on forever (a required property that recurses
-        # into the root, ``root ::= "x" root``) gives a first mask with no token in it
+        # first mask (on a copy: the compiled matcher is never advanced) reports it. (Nor
+        # does it refuse one whose every text goes on forever: finite.py, at the edge.)
         probe = m.deep_copy()
-        first = np.frombuffer(probe.compute_bitmask(), dtype=np.uint32)
+        probe.compute_bitmask()
         if probe.is_error():
             raise ValueError(f"it admits no output ({probe.get_error().splitlines()[0]}): no text satisfies it")
-        if not first.any() and not probe.is_accepting():
-            raise ValueError("it admits no output: no finite text satisfies it (every value it describes goes on "
-                             "forever, e.g. a required property or rule that recurses into itself with no way out)")
         return CompiledLLGuidance(m, self.vocab, tok)
 
     def _run(self, grammar: str) -> CompiledLLGuidance:
