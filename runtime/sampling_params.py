@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -171,11 +172,17 @@ class SamplingParams:
         if kind == "ebnf" and backend == OUTLINES:
             raise RequestError("grammar_backend='outlines' cannot enforce an ebnf grammar; allowed: llguidance or auto",
                                "grammar_backend")
+        value = getattr(self, kind)
+        if kind == "json_schema" and isinstance(value, str):
+            try:  # once, not once per backend tried
+                json.loads(value)
+            except json.JSONDecodeError as e:
+                raise RequestError(f"json_schema is not valid JSON: {e}", kind) from None
         order = choose_backend(kind) if backend == AUTO else [backend]
         errors = []
         for b in order:
             try:
-                return Constraint(kind, _translate(b, kind, getattr(self, kind), self.whitespace_pattern), b)
+                return Constraint(kind, _translate(b, kind, value, self.whitespace_pattern), b)
             except ValueError as e:  # the translators' messages name the keyword and its location
                 errors.append(f"{e} (llguidance backend)" if b == LLGUIDANCE and len(order) > 1 else str(e))
         message = "; ".join(reversed(errors) if len(order) > 1 and order[0] == LLGUIDANCE else errors)

@@ -234,6 +234,18 @@ def test_schema_errors_are_value_errors_with_the_path():
         schema_to_regex("{nope")
 
 
+@pytest.mark.parametrize("backend", ["auto", "llguidance", "outlines"])
+def test_a_schema_string_that_is_not_json_is_reported_once(backend):
+    # auto tries two backends; each used to add its own "not valid JSON" to the message
+    from plait.errors import RequestError
+    from plait.runtime.sampling_params import SamplingParams
+
+    with pytest.raises(RequestError) as info:
+        SamplingParams.from_dict({"json_schema": '{"type": "object",', "grammar_backend": backend}).constraint()
+    assert info.value.param == "json_schema" and info.value.message.count("not valid JSON") == 1, info.value.message
+    assert info.value.message.startswith("json_schema is not valid JSON: Expecting")
+
+
 # -- jump-forward automaton ----------------------------------------------------------------------
 def test_char_automaton_forced_text():
     auto = CharAutomaton.from_regex(r'\{"name":"[a-z]{1,3}","age":[0-9]\}')
