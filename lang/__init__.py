@@ -13,8 +13,8 @@ from typing import Any
 
 from plait.api import (
     CompiledFunction, Function, assistant, assistant_begin, assistant_end, flush_cache, function, gen, gen_int, gen_string,
-    get_default_backend, get_server_info, image, select, set_default_backend, system, system_begin, system_end,
-    user, user_begin, user_end, video,
+    get_default_backend, get_server_info, image, select, separate_reasoning, set_default_backend, system,
+    system_begin, system_end, user, user_begin, user_end, video,
 )
 from plait.backend import BaseBackend, TokenUsage
 from plait.choices import (
@@ -32,7 +32,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
-    "function", "Function", "CompiledFunction", "gen", "gen_int", "gen_string", "select", "image", "video",
+    "function", "Function", "CompiledFunction", "gen", "gen_int", "gen_string", "select", "separate_reasoning",
+    "image", "video",
     "system", "user", "assistant", "system_begin", "system_end", "user_begin", "user_end",
     "assistant_begin", "assistant_end",
     "set_default_backend", "get_default_backend", "flush_cache", "get_server_info", "global_config", "GlobalConfig",
@@ -55,4 +56,11 @@ def __getattr__(name: str) -> Any:
         from plait import engine_backend
 
         return engine_backend.EngineBackend if name == "EngineBackend" else engine_backend.OfflineEngine
+    if name in _HOSTED_API_BACKENDS:
+        raise AttributeError(f"plait has no {name} backend: SGLang's {name} calls a hosted API, plait programs run "
+                             "on plait's runtime (plait.Runtime(), plait.RuntimeEndpoint(url) or plait.Engine())")
     raise AttributeError(f"module 'plait' has no attribute {name!r}")
+
+
+# SGLang's backends for hosted APIs, which plait does not have
+_HOSTED_API_BACKENDS = ("OpenAI", "Anthropic", "LiteLLM", "VertexAI")

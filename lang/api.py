@@ -18,8 +18,8 @@ from plait.errors import BackendError
 from plait.global_config import global_config
 from plait.interpreter import ProgramState, iter_program_batch, run_program
 from plait.ir import (
-    ExprList, Gen, RoleBegin, RoleEnd, Select, ToolSpec, check_choices, check_json_schema, check_name, check_stop,
-    dtype_regex,
+    Expr, ExprList, Gen, RoleBegin, RoleEnd, Select, ToolSpec, as_expr, check_choices, check_json_schema, check_name,
+    check_stop, dtype_regex, dtype_stop, flatten,
 )
 from plait.lint import DEFAULT_MIN_TOKENS, LayoutIssue, PromptLayoutWarning, lint_graph, shared_arguments
 from plait.regex import check_regex
@@ -285,7 +285,10 @@ def _unpin(backend: BaseBackend, pin_id: str) -> None:
 
 
 def function(func: Callable[..., Any] | None = None, num_api_spec_tokens: int | None = None) -> Any:
-    """Decorator: ``@function`` or ``@function(...)``."""
+    """Decorator: ``@function`` or ``@function(...)``. ``num_api_spec_tokens`` is
+    SGLang's speculative execution for hosted-API backends (one long call, cut into
+    the program's gens afterwards); plait runs each gen as a request of its own that
+    reuses the prompt's KV, so the setting is accepted and changes nothing."""
     if func is not None:
         return Function(func, num_api_spec_tokens)
     return lambda f: Function(f, num_api_spec_tokens)
@@ -375,9 +378,56 @@ def select(name: str | None = None, choices: list[str] | None = None, temperatur
     return Select(name, choices, float(temperature), choices_method)
 
 
-def _role(role: str, expr: Any = None) -> ExprList:
-    from plait.ir import as_expr
+def separate_reasoning(expr: Any = None, model_type: str | None = None) -> ExprList:
+    """SGLang's ``separate_reasoning``: the output of each gen in ``expr`` (a gen, or
+    text, roles and gens joined with ``+``) is split by reasoning parser ``model_type``
+    (:mod:`plait.reasoning`): the gen's variable holds the answer, variable
+    ``<name>_reasoning_content`` the reasoning (None when the output has none), and
+    only the answer enters the text and ``messages()``, so later turns do not see the
+    reasoning. A gen's regex (or ``dtype=str`` / ``bool``) constrains the answer after
+    a free reasoning section. Streams stream the answer (and the reasoning variable)."""
+    from plait.reasoning import REASONING_PARSERS
 
+    if model_type not in REASONING_PARSERS:
+        raise ValueError(f"model_type={model_type!r} is invalid; allowed: {', '.join(REASONING_PARSERS)}")
+    if expr is None:
+        raise ValueError("separate_reasoning needs an expression with a named gen, e.g. gen('answer')")
+    parser = REASONING_PARSERS[model_type]
+    items = [_with_reasoning(e, parser) for e in flatten(as_expr(expr))]
+    if not any(isinstance(e, Gen) for e in items):
+        raise ValueError(f"separate_reasoning({expr!r}) has no gen whose output it could split")
+    return ExprList(items)
+
+
+def _with_reasoning(e: Expr, parser: Any) -> Expr:
+    """``e`` with its output split by ``parser`` (a new Gen); other expressions as they are."""
+    if isinstance(e, Select):
+        raise ValueError(f"separate_reasoning cannot split select {e.name!r}: it picks one of its choices, "
+                         "which hold no reasoning; wrap only the gens")
+    if not isinstance(e, Gen):
+        return e
+    if e.name is None:
+        raise ValueError("separate_reasoning needs a named gen (gen('answer')): the reasoning is stored as "
+                         "variable '<name>_reasoning_content'")
+    if e.reasoning is not None:
+        raise ValueError(f"gen {e.name!r} is already inside separate_reasoning")
+    params = dict(e.params)
+    for key in ("json_schema", "ebnf"):
+        if key in params:
+            raise ValueError(f"separate_reasoning cannot split gen {e.name!r} with {key}: the {key} would "
+                             "constrain the reasoning too; give the answer's format as regex=")
+    dtype = params.pop("dtype", None)
+    if dtype is not None:
+        if dtype_stop(dtype):
+            raise ValueError(f"separate_reasoning cannot split gen {e.name!r} with dtype={dtype!r}: a number "
+                             "ends at the first space, inside the reasoning; give the answer's format as regex=")
+        params["regex"] = dtype_regex(dtype)
+    if "regex" in params:  # the constraint applies to the answer, after the reasoning section
+        params["regex"] = parser.constraint_prefix() + "(?:" + params["regex"] + ")"
+    return Gen(e.name, params, e.tools, parser)
+
+
+def _role(role: str, expr: Any = None) -> ExprList:
     if expr is None:
         return ExprList([RoleBegin(role), RoleEnd(role)])
     return ExprList([RoleBegin(role), as_expr(expr), RoleEnd(role)])

@@ -24,7 +24,7 @@ from plait.errors import ProgramCancelled, ProgramError, UnknownVariableError
 from plait.global_config import global_config
 from plait.ir import (
     Expr, Gen, RoleBegin, RoleEnd, RoleScopes, Select, Text, VarScopeBegin, VarScopeEnd,
-    as_expr, defined_names, dtype_regex, flatten, resolve_params,
+    as_expr, defined_names, dtype_regex, dtype_stop, flatten, reasoning_var, resolve_params,
 )
 
 logger = logging.getLogger("plait")
@@ -218,29 +218,45 @@ class Executor:
     def _gen(self, e: Gen) -> None:
         own = dict(e.params)
         dtype = own.pop("dtype", None)
+        extra_stop = self._chat_stop()
         if dtype is not None:
             own["regex"] = dtype_regex(dtype)
-        params = resolve_params(self.defaults, own, self._chat_stop())
+            extra_stop = dtype_stop(dtype) + extra_stop
+        params = resolve_params(self.defaults, own, extra_stop)
+        # separate_reasoning: the answer is streamed and filled, the reasoning kept aside
+        rname = reasoning_var(e.name) if e.reasoning is not None and e.name is not None else None
+        split = e.reasoning.stream() if e.reasoning is not None and self.stream else None
         on_chunk = None
         streamed = [""]
         if self.stream:
             with self.cond:
                 if e.name is not None:
                     self.partial[e.name] = ""
+                if rname is not None:
+                    self.partial[rname] = ""
 
             def on_chunk(index: int, piece: str) -> None:
                 if index != 0:
                     return
+                reasoning = ""
+                if split is not None:
+                    reasoning, piece = split.feed(piece)
                 with self.cond:
                     self.ts.fill(piece)
                     streamed[0] += piece
                     if e.name is not None:
                         self.partial[e.name] = streamed[0]
+                    if rname is not None:
+                        self.partial[rname] += reasoning
                     self.cond.notify_all()
 
         outs = self.backend.generate(self.ts.text, params, on_chunk=on_chunk, scope=self.scope)
         texts = [o["text"] for o in outs]
         metas = [o["meta_info"] for o in outs]
+        reasonings: list[str | None] = []
+        if e.reasoning is not None:
+            parsed = [e.reasoning.parse(t) for t in texts]
+            reasonings, texts = [r for r, _ in parsed], [c for _, c in parsed]
         if e.tools is not None:
             metas = [{**m, **e.tools.parse(t)} for t, m in zip(texts, metas)]
         with self.cond:
@@ -251,6 +267,8 @@ class Executor:
                 streamed[0] = ""
             self.ts.fill(texts[0][len(streamed[0]):])
         multi = len(outs) > 1
+        if rname is not None:
+            self._define(rname, reasonings if multi else reasonings[0], None)
         self._define(e.name, texts if multi else texts[0], metas if multi else metas[0])
 
     def _select(self, e: Select) -> None:

@@ -11,19 +11,37 @@ import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from plait.reasoning import ReasoningParser
 
 # Per-request options that are not sampling parameters.
 REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 
 # Regexes for ``dtype`` (and gen_int / gen_string); enforced by the runtime's
-# constrained decoding.
+# constrained decoding. Numbers are written as JSON writes them (no "+", no leading
+# zeros), so that they parse in a JSON text and with int() / float(). A number ends
+# at the first character that cannot continue it (whitespace or punctuation,
+# ``DTYPE_STOP``): that character is a stop string, so it is not part of the value,
+# and whatever its token carries after it is allowed (a token such as " hours" may
+# end "24"). A number with no way out would leave the model nothing but more digits
+# up to max_tokens.
 DTYPE_REGEX = {
-    "int": r"[-+]?[0-9]+",
-    "float": r"[-+]?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?",
+    "int": r"-?(0|[1-9][0-9]*)([ \n,.;:)\]}](?s:.*))?",
+    "float": r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?([ \n,;:)\]}](?s:.*))?",
     "bool": r"(True|False)",
     "str": r'"([^"\\\n]|\\["\\/bfnrt])*"',
 }
+DTYPE_STOP = {"int": (" ", "\n", ",", ".", ";", ":", ")", "]", "}"), "float": (" ", "\n", ",", ";", ":", ")", "]", "}")}
+
+# SGLang's regexes by SGLang's names (``from sglang.lang.ir import REGEX_INT`` becomes
+# ``from plait.ir import REGEX_INT``): plain patterns, which SGLang's programs end with
+# ``stop=[" ", "\n"]`` or with text of their own (``REGEX_INT + ","``).
+REGEX_INT = r"-?(0|[1-9][0-9]*)[ \n]*"
+REGEX_FLOAT = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?[ \n]*"
+REGEX_BOOL = DTYPE_REGEX["bool"]
+REGEX_STR = DTYPE_REGEX["str"]
 
 
 class Expr:
@@ -57,12 +75,17 @@ class Text(Expr):
 class Gen(Expr):
     """A model call. ``params`` holds only what the call sets, by runtime names
     (sampling fields and request fields); the rest comes from ``run()``'s defaults.
-    ``tools``: the functions the call offers the model (its output is parsed for calls)."""
+    ``tools``: the functions the call offers the model (its output is parsed for calls).
+    ``reasoning``: the parser that splits the output's reasoning section off
+    (``separate_reasoning``): the variable and the text get the answer, variable
+    :func:`reasoning_var` the reasoning."""
 
-    def __init__(self, name: str | None, params: dict[str, Any], tools: ToolSpec | None = None) -> None:
+    def __init__(self, name: str | None, params: dict[str, Any], tools: ToolSpec | None = None,
+                 reasoning: ReasoningParser | None = None) -> None:
         self.name = name
         self.params = params
         self.tools = tools
+        self.reasoning = reasoning
 
     def __repr__(self) -> str:
         return f"Gen({self.name!r}, {self.params!r})"
@@ -217,12 +240,19 @@ def flatten(x: Expr) -> list[Expr]:
     return list(x.items) if isinstance(x, ExprList) else [x]
 
 
+def reasoning_var(name: str) -> str:
+    """The variable holding the reasoning of gen ``name`` (SGLang's name for it)."""
+    return f"{name}_reasoning_content"
+
+
 def defined_names(x: Expr) -> list[str]:
     """Variables that executing ``x`` defines."""
     out = []
     for e in flatten(x):
         if isinstance(e, (Gen, Select)) and e.name is not None:
             out.append(e.name)
+            if isinstance(e, Gen) and e.reasoning is not None:
+                out.append(reasoning_var(e.name))
         elif isinstance(e, VarScopeBegin):
             out.append(e.name)
     return out
@@ -243,11 +273,20 @@ def check_json_schema(schema: Any) -> str:
     raise ValueError(f"json_schema={schema!r} is invalid; allowed: a dict or a JSON string")
 
 
-def dtype_regex(dtype: Any) -> str:
+def _dtype_key(dtype: Any) -> str:
     key = dtype.__name__ if isinstance(dtype, type) else dtype
     if key not in DTYPE_REGEX:
         raise ValueError(f"dtype={dtype!r} is invalid; allowed: int, float, bool, str (or their names)")
-    return DTYPE_REGEX[key]
+    return key
+
+
+def dtype_regex(dtype: Any) -> str:
+    return DTYPE_REGEX[_dtype_key(dtype)]
+
+
+def dtype_stop(dtype: Any) -> tuple[str, ...]:
+    """The stop strings that end a gen of ``dtype`` (the characters that end a number)."""
+    return DTYPE_STOP.get(_dtype_key(dtype), ())
 
 
 def check_choices(choices: Any, param: str = "choices") -> list[str]:

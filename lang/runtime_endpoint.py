@@ -232,10 +232,17 @@ class RuntimeEndpoint(BaseBackend):
     """A running plait runtime: ``RuntimeEndpoint(url)`` with its HTTP base URL
     (``http://host:port``; the ZMQ address is read from its server info) or its ZMQ
     address (``tcp://...`` / ``ipc://...``). Raises :class:`RuntimeUnavailableError`
-    if nothing answers within ``connect_timeout_s``."""
+    if nothing answers within ``connect_timeout_s``. SGLang's ``chat_template_name``
+    (a frontend template by name) is refused: roles render with the served model's
+    own chat template."""
 
     def __init__(self, base_url: str, api_key: str | None = None, *, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 liveness_timeout_s: float = LIVENESS_TIMEOUT_S, alive: Callable[[], bool] | None = None) -> None:
+                 liveness_timeout_s: float = LIVENESS_TIMEOUT_S, alive: Callable[[], bool] | None = None,
+                 chat_template_name: str | None = None) -> None:
+        if chat_template_name is not None:
+            raise ValueError(f"chat_template_name={chat_template_name!r} is not supported by plait: roles render "
+                             "with the chat template of the model the runtime serves (from tokenizer_config.json, "
+                             "chat_template.jinja or the GGUF file)")
         if not isinstance(base_url, str) or not base_url:
             raise ValueError(f"base_url={base_url!r} is invalid; allowed: http(s)://host:port, tcp://host:port or ipc://path")
         self.base_url = base_url
