@@ -498,6 +498,9 @@ def main() -> None:
     ap.add_argument("--grammar-backend", default="outlines", choices=("outlines", "llguidance", "auto"))
     ap.add_argument("--jobs", type=int, default=1, help="worker processes for --corpus")
     args = ap.parse_args()
+    from machine import machine_line  # benchmarks/machine.py
+
+    print(f"machine: {machine_line(args.num_threads)}", flush=True)
     if args.corpus:
         run_corpus(args)
         return

@@ -69,6 +69,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--walks", type=int, default=4)
     args = ap.parse_args()
+    from machine import machine_line  # benchmarks/machine.py
+
+    print(f"machine: {machine_line()}", flush=True)
     from transformers import AutoTokenizer
 
     from conftest import smollm2_gguf_path

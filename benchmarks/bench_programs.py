@@ -307,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                         "with a small --kv-cache-tokens they evict what is not pinned")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
+    from machine import machine_line  # benchmarks/machine.py
+
+    print(f"machine: {machine_line(args.num_threads)}", flush=True)
 
     config: dict[str, Any] = {"echo_logs": False}
     if args.num_threads:

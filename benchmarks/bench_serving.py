@@ -469,9 +469,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from machine import llama_cpp_tool  # benchmarks/machine.py
+    from machine import llama_cpp_tool, machine_line  # benchmarks/machine.py
 
     args = parse_args(argv)
+    print(f"machine: {machine_line(args.num_threads)}", flush=True)
     tok = _tokenizer(args.model)
     if args.scenario == "chunked-prefill":
         rows = chunked_prefill_scenario(args, tok)
