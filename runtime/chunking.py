@@ -5,22 +5,31 @@ its time is the decodes' inter-token latency. A small chunk keeps that latency c
 to a decode-only step but splits a long prompt into many steps (each paying the fixed
 cost of a step, on CPU the weights' read); a large chunk does the opposite.
 
-:class:`ChunkSizer` fits step time as ``a + d * decodes + p * prefill_tokens`` to the
-last steps (least squares) and gives the largest chunk whose predicted step time stays
-within the ITL target: ``itl_target_ms`` when set, else twice the predicted time of
-the current decode-only step (so p99 ITL <= 2x the median even when every step is
-mixed). With no decodes running there is no latency to protect: the whole budget
+:class:`ChunkSizer` fits step time as ``a + d * decodes + p * prefill_tokens + q *
+attention`` to the last steps (least squares), where ``attention`` counts the
+(query, key) pairs of the step's prefill chunks, ``n * (prefix + n / 2)`` for a chunk
+of ``n`` tokens after ``prefix`` computed ones: a chunk late in a long prompt attends
+to everything before it (on the Zen 4, a 56-token chunk of a 2048-token prompt beside
+8 decodes took 139 ms at its start and 246 ms at its end). It gives the largest chunk
+whose predicted step time, at the prefix the chunk continues from, stays within the
+ITL target: ``itl_target_ms`` when set, else twice the predicted time of the current
+decode-only step (so p99 ITL <= 2x the median even when every step is mixed). With no decodes running there is no latency to protect: the whole budget
 (``max_chunk``) goes to prefill. Nor when none of the running decodes streams: a
 client that waits for the whole output (``Engine.generate``, a non-streaming HTTP
 request, a program's ``gen``) sees its completion time, not the gaps between its
 tokens, and small chunks only spread the same interference over more steps, each
 paying the step's fixed cost again (bench_offline's prefill-bound (c) on the Zen 4:
 175-187 s with the 2x bound for every decode against 100-121 s with 2048-token chunks).
-Until prefill steps have been seen, ``initial``.
+Until the fit exists (8 steps, 3 of them with prefill chunks of different sizes), the
+chunks beside streaming decodes are small and of three sizes in turn (``min_chunk`` x
+1, 2, 4), so that the first measurements both stay near a decode step and tell the
+per-token cost apart from the fixed one (a first guess of 512 tokens made the first
+chunks of a long prompt 0.9-1.6 s steps beside 8 streams on the Zen 4).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import numpy as np
@@ -30,44 +39,62 @@ AUTO = "auto"
 
 class ChunkSizer:
     def __init__(self, itl_target_ms: float | None = None, *, min_chunk: int = 32, max_chunk: int = 4096,
-                 initial: int = 512, window: int = 128) -> None:
+                 window: int = 128) -> None:
         self.itl_target_s = None if itl_target_ms is None else itl_target_ms / 1000.0
-        self.min_chunk, self.max_chunk, self.initial = min_chunk, max_chunk, initial
-        self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)  # (decodes, prefill tokens, s)
-        self._fit: tuple[float, float, float] | None = None  # (a, d, p)
+        self.min_chunk, self.max_chunk = min_chunk, max_chunk
+        # (decodes, prefill tokens, attention pairs, seconds)
+        self._steps: deque[tuple[int, int, float, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float, float, float] | None = None  # (a, d, p, q)
         self._since_fit = 0
 
-    def observe(self, decodes: int, prefill_tokens: int, seconds: float) -> None:
-        self._steps.append((decodes, prefill_tokens, seconds))
+    def observe(self, decodes: int, prefill_tokens: int, seconds: float, attention: float = 0.0) -> None:
+        """One step: its decodes, prefill tokens, wall time and the (query, key) pairs
+        of its prefill chunks (:func:`attention_pairs`)."""
+        self._steps.append((decodes, prefill_tokens, attention, seconds))
         self._since_fit += 1
         if self._since_fit >= 8:
             self._refit()
 
-    def budget(self, decodes: int, streaming: bool = True) -> int:
+    def budget(self, decodes: int, streaming: bool = True, prefix: int = 0) -> int:
         """Prefill tokens for the next step with ``decodes`` decodes running;
-        ``streaming``: whether any of them streams its tokens to a client."""
+        ``streaming``: whether any of them streams its tokens to a client; ``prefix``:
+        the tokens already computed of the prompt the chunk continues (0 for a new one)."""
         if decodes == 0 or not streaming:
             return self.max_chunk
-        if self._fit is None:
-            return self.initial
-        a, d, p = self._fit
+        if self._fit is None:  # explore: small chunks of three sizes until the fit exists
+            return min(self.max_chunk, self.min_chunk << (sum(1 for step in self._steps if step[1] > 0) % 3))
+        a, d, p, q = self._fit
         decode_step = a + d * decodes
         target = self.itl_target_s if self.itl_target_s is not None else 2.0 * decode_step
-        chunk = int((target - decode_step) / p + 1e-6)  # + rounding slack of the fit
-        return max(self.min_chunk, min(self.max_chunk, chunk))
+        slack = target - decode_step
+        if slack <= 0:
+            return self.min_chunk
+        # the largest n with p * n + q * n * (prefix + n / 2) <= slack
+        b = p + q * prefix
+        n = 2.0 * slack / (b + math.sqrt(b * b + 2.0 * q * slack))  # the quadratic's root, stable as q -> 0
+        return max(self.min_chunk, min(self.max_chunk, int(n + 1e-6)))  # + rounding slack of the fit
 
     def _refit(self) -> None:
         self._since_fit = 0
         rows = np.array(self._steps, dtype=np.float64)
         if len(rows) < 8 or (rows[:, 1] > 0).sum() < 3 or np.ptp(rows[:, 1]) == 0:
             return  # not enough prefill steps of different sizes to tell p
-        x = np.column_stack([np.ones(len(rows)), rows[:, 0], rows[:, 1]])
-        coef, *_ = np.linalg.lstsq(x, rows[:, 2], rcond=None)
-        a, d, p = (float(c) for c in coef)
+        ones = np.ones(len(rows))
+        coef, *_ = np.linalg.lstsq(np.column_stack([ones, rows[:, 0], rows[:, 1], rows[:, 2]]), rows[:, 3], rcond=None)
+        a, d, p, q = (float(c) for c in coef)
+        if q < 0 or np.ptp(rows[:, 2]) == 0:  # no attention term to tell (or noise): fit without it
+            coef, *_ = np.linalg.lstsq(np.column_stack([ones, rows[:, 0], rows[:, 1]]), rows[:, 3], rcond=None)
+            (a, d, p), q = (float(c) for c in coef), 0.0
         if p > 0:
-            self._fit = (max(a, 0.0), max(d, 0.0), p)
+            self._fit = (max(a, 0.0), max(d, 0.0), p, q)
 
     @property
-    def fit(self) -> tuple[float, float, float] | None:
-        """(fixed seconds per step, seconds per decode, seconds per prefill token)."""
+    def fit(self) -> tuple[float, float, float, float] | None:
+        """(fixed seconds per step, seconds per decode, seconds per prefill token,
+        seconds per (query, key) pair of a prefill chunk)."""
         return self._fit
+
+
+def attention_pairs(chunks: list[tuple[int, int]]) -> float:
+    """The (query, key) pairs of prefill chunks given as (computed prefix, chunk tokens)."""
+    return float(sum(n * (prefix + n / 2.0) for prefix, n in chunks))

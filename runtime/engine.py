@@ -16,6 +16,7 @@ import torch
 from plait.errors import RequestError
 from plait.runtime.attention.base import AttentionBackend, create_attention_backend
 from plait.runtime.block_cache import BlockHashCache
+from plait.runtime.chunking import attention_pairs
 from plait.runtime.config import EngineConfig
 from plait.runtime.prompt_tokens import encode_prompt
 from plait.runtime.constrained.backend import Grammars
@@ -418,13 +419,14 @@ class Engine:
         (a 500 naming the internal error) and the engine goes on serving the others;
         only if the KV accounting is then broken does the error propagate."""
         try:
+            pairs = attention_pairs([(r.num_computed, n) for r, n in batch.extends])  # before they advance
             t0 = time.perf_counter()
             sampled = self.runner.forward(batch)
             if self.scheduler.chunks is not None:
                 # verifying requests decode too; their tokens cost what extend tokens cost
                 self.scheduler.chunks.observe(len(batch.decodes) + len(batch.verifies),
                                               batch.num_tokens - len(batch.decodes) - len(batch.verifies),
-                                              time.perf_counter() - t0)
+                                              time.perf_counter() - t0, pairs)
             return self.scheduler.process_batch(batch, sampled)
         except TPError:  # a rank is gone: no step can run any more
             raise

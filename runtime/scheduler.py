@@ -178,7 +178,9 @@ class Scheduler:
         decoding = len(batch.decodes) + len(batch.verifies)
         if self.chunks is not None:
             streaming = any(r.stream for r in batch.decodes) or any(r.stream for r, _ in batch.verifies)
-            budget = self.chunks.budget(decoding, streaming) - batch.num_draft_tokens
+            # the chunk that continues a prompt attends to all of its computed tokens
+            prefix = max((r.num_computed for r in self.running if not r.is_decoding and r.num_pending > 0), default=0)
+            budget = self.chunks.budget(decoding, streaming, prefix) - batch.num_draft_tokens
         else:
             budget = self.config.chunked_prefill_size - decoding - batch.num_draft_tokens
         budget = self._continue_prefills(batch, max(budget, 0))

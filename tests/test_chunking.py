@@ -5,26 +5,52 @@ from __future__ import annotations
 import pytest
 
 from plait.runtime import Engine, EngineConfig
-from plait.runtime.chunking import ChunkSizer
+from plait.runtime.chunking import ChunkSizer, attention_pairs
 
 
-def _feed(sizer: ChunkSizer, a: float, d: float, p: float) -> None:
-    """Steps of a machine whose step time is exactly a + d * decodes + p * tokens."""
+def _feed(sizer: ChunkSizer, a: float, d: float, p: float, q: float = 0.0) -> None:
+    """Steps of a machine whose step time is exactly a + d * decodes + p * tokens + q *
+    (query, key) pairs, the chunks continuing prompts at various prefixes."""
     for i in range(40):
-        decodes, tokens = 4 + i % 5, (i * 37) % 300
-        sizer.observe(decodes, tokens, a + d * decodes + p * tokens)
+        decodes, tokens, prefix = 4 + i % 5, (i * 37) % 300, (i * 211) % 1800
+        pairs = attention_pairs([(prefix, tokens)])
+        sizer.observe(decodes, tokens, a + d * decodes + p * tokens + q * pairs, pairs)
 
 
 def test_the_chunk_keeps_a_mixed_step_within_twice_a_decode_step():
     sizer = ChunkSizer()
-    assert sizer.budget(8) == 512 and sizer.budget(0) == 4096  # before any measurement; idle
+    # before the fit: small chunks of three sizes in turn (to measure), the whole budget when idle
+    explored = []
+    for _ in range(3):
+        explored.append(sizer.budget(8))
+        sizer.observe(8, explored[-1], 0.02 + 0.0001 * explored[-1])
+    assert explored == [32, 64, 128] and sizer.budget(0) == 4096 and sizer.fit is None
+    sizer = ChunkSizer()
     _feed(sizer, a=0.010, d=0.001, p=0.0001)
-    a, d, p = sizer.fit
+    a, d, p, q = sizer.fit
     assert a == pytest.approx(0.010) and d == pytest.approx(0.001) and p == pytest.approx(0.0001)
+    assert q == pytest.approx(0.0, abs=1e-12)
     decode_step = 0.010 + 0.001 * 8
     chunk = sizer.budget(8)
     assert decode_step + p * chunk <= 2 * decode_step + 1e-9 < decode_step + p * (chunk + 1)
     assert sizer.budget(0) == 4096  # nothing decodes: no latency to protect
+
+
+def test_a_chunk_late_in_a_long_prompt_is_smaller_by_its_attention():
+    """Chunk steps cost more as the prompt's computed prefix grows (each query attends to
+    all of it): the budget keeps the predicted step within the target at every prefix."""
+    sizer = ChunkSizer()
+    a, d, p, q = 0.010, 0.001, 0.0001, 2e-8
+    _feed(sizer, a, d, p, q)
+    assert sizer.fit == pytest.approx((a, d, p, q), rel=1e-6)
+    decode_step = a + d * 8
+    sizes = []
+    for prefix in (0, 500, 2000, 8000):
+        n = sizer.budget(8, prefix=prefix)
+        step = lambda k: decode_step + p * k + q * attention_pairs([(prefix, k)])  # noqa: E731
+        assert step(n) <= 2 * decode_step + 1e-9 < step(n + 1), (prefix, n)
+        sizes.append(n)
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 2 * sizes[3]
 
 
 def test_an_explicit_target_and_the_bounds():
@@ -73,10 +99,39 @@ def test_a_long_prompt_beside_a_decode_is_chunked_only_when_the_decode_streams(t
         (b,) = e.submit(validate_generate("b", prompt, {"max_new_tokens": 2}, e.limits))
         e.step()
         assert a.output_len >= 3  # a decoded in that step
-        if stream:  # a tiny target: the chunk is bounded (512 before a fit, 32 after)
-            assert 0 < b.num_computed <= 512
+        if stream:  # a tiny target: the chunk is bounded (32-128 before a fit, 32 after)
+            assert 0 < b.num_computed <= 128
         else:
             assert b.num_computed == 900  # the whole prompt in one step
+        while e.scheduler.running or e.scheduler.waiting:
+            e.step()
+        e.check_invariants()
+
+
+def test_the_scheduler_asks_for_each_chunk_at_the_prefix_it_continues(tiny_model_factory, monkeypatch):
+    from plait.runtime.validation import validate_generate
+
+    with Engine(str(tiny_model_factory("llama")), kv_cache_tokens=8192, page_size=4) as e:
+        asked: list[int] = []
+        real = e.scheduler.chunks.budget
+
+        def budget(decodes, streaming=True, prefix=0):
+            asked.append(prefix)
+            return 64 if decodes else real(decodes, streaming, prefix)
+
+        monkeypatch.setattr(e.scheduler.chunks, "budget", budget)
+        params = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+        (a,) = e.submit(validate_generate("a", list(range(10, 30)), params, e.limits, stream=True))
+        while a.output_len < 2:
+            e.step()
+        asked.clear()
+        (b,) = e.submit(validate_generate("b", [5 + i % 200 for i in range(300)], {"max_new_tokens": 1}, e.limits))
+        seen = []
+        while b.output_len == 0:
+            seen.append(b.num_computed)
+            e.step()
+        # each step after b's first chunk asked at b's computed tokens then
+        assert asked[: len(seen)] == [0] + seen[1:] and seen[1:] == [64 * i for i in range(1, len(seen))]
         while e.scheduler.running or e.scheduler.waiting:
             e.step()
         e.check_invariants()
