@@ -54,6 +54,8 @@ FINITE_SCHEMAS = {
     "contains_none_needed": ({"type": "array", "contains": {"$ref": "#"}, "minContains": 0}, []),
     "external_ref": ({"type": "object", "properties": {"a": {"$ref": "other.json"}}, "required": ["a"]}, None),
     "dangling_ref": ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}, None),
+    # no value at all but no recursion either: left to the compiler, which names the keyword
+    "false_item_needed": ({"type": "array", "items": False, "minItems": 1}, None),
 }
 
 UNENDING_GRAMMARS = {

@@ -125,10 +125,11 @@ def schema_unending(root: Any) -> str | None:
         return None
     stuck = sorted("#" + "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in place)
                    for place, i in targets.items() if not value[i])
-    where = f" (no finite value for: {', '.join(repr(p) for p in stuck[:4])})" if stuck else ""
+    if not stuck:
+        return None  # no value at all, with no recursion in it (a false subschema): the compiler says which
     return ("every value it admits goes on forever: a required property, minItems or allOf recurses through "
-            f"$ref with no way out{where}; give the recursion an end (make it optional, add null or an "
-            "empty case through anyOf)")
+            f"$ref with no way out (no finite value for: {', '.join(repr(p) for p in stuck[:4])}); give the "
+            "recursion an end (make it optional, add null or an empty case through anyOf)")
 
 
 def _required(s: dict[str, Any]) -> list[str]:
