@@ -176,7 +176,7 @@ class Function:
                     progress_bar: bool, pin_prefixes: bool) -> Iterator[ProgramState]:
         plan = self.plan(batch, b)
         if len(batch) > 1:
-            for issue in lint_graph(self.trace(**shared_arguments(batch))):
+            for issue in self.lint(batch):
                 warnings.warn(str(issue), PromptLayoutWarning, stacklevel=3)
         pins: list[str] = []
         if pin_prefixes and len(batch) > 1 and plan.pins and b.supports_pinning:
@@ -215,10 +215,17 @@ class Function:
              count_tokens: Callable[[str], int] | None = None) -> list[LayoutIssue]:
         """Prompt-layout problems (:mod:`plait.lint`): values that differ between calls
         placed before long constant text. With ``instances`` (a batch's arguments),
-        arguments they all share count as constants."""
+        arguments they all share count as constants, and so do defaults no instance
+        overrides; without, every argument may vary (string defaults included: callers
+        pass them). The program is traced twice: text its body computes that differs
+        between the two traces (``datetime.now()``, a random id) is a changing value too."""
         given = [self._kwargs(tuple(a), {}) if isinstance(a, (list, tuple)) else self._kwargs((), dict(a))
                  for a in instances or []]
-        return lint_graph(self.trace(**shared_arguments(given)), min_tokens, count_tokens)
+        fixed = {k: v for k, v in self.arg_defaults.items()
+                 if not isinstance(v, str) or (given and not any(k in g for g in given))}
+        bound = {**self.bind_arguments, **shared_arguments(given)}
+        first, second = (trace_program(self.func, self.__name__, self.arg_names, fixed, bound) for _ in range(2))
+        return lint_graph(first, min_tokens, count_tokens, again=second)
 
     def compile(self, *, backend: Any = None) -> CompiledFunction:
         """SGLang's ``compile()``: the program with its graph traced once (tracing is

@@ -12,6 +12,12 @@ instance. Tokens are estimated from the text (``CHARS_PER_TOKEN`` characters a t
 English BPE's average) unless a ``count_tokens`` function is given. Arguments with the
 same value in every instance of a batch are constants here (they are shared).
 
+Values the program computes itself (``f"Time: {datetime.now()}"``) look like constant
+text in one trace; given a second trace of the same call (``again``), the text that
+differs between the two is a changing value as well (:func:`mark_changing`). A value
+that happens to be equal in both traces (``date.today()``) is not seen here; the
+runtime's early-divergence counter (``/metrics``) sees it in served traffic.
+
 ``plait lint module:function`` runs it from the command line; ``run_batch`` warns
 with :class:`PromptLayoutWarning`.
 """
@@ -45,8 +51,47 @@ class LayoutIssue:
                 "to share its KV across calls.")
 
 
+@dataclass
+class ChangingText:
+    """Text the program computed that differed between two traces of the same call."""
+
+    text: str
+
+
+def mark_changing(nodes: list[Node], again: list[Node]) -> list[Node]:
+    """``nodes`` with the text that differs in ``again`` (a second trace of the same
+    call) as :class:`ChangingText`: each differing text node split into its common start,
+    the changing middle and its common end. Compared node by node up to where the two
+    traces stop having the same shape (the rest is kept as it is)."""
+    out: list[Node] = []
+    for i, n in enumerate(nodes):
+        m = again[i] if i < len(again) else None
+        if type(m) is not type(n):
+            return out + nodes[i:]
+        if isinstance(n, TextNode) and n.text != m.text:
+            a, b = n.text, m.text
+            start = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            end = 0
+            while end < min(len(a), len(b)) - start and a[len(a) - 1 - end] == b[len(b) - 1 - end]:
+                end += 1
+            stop = len(a) - end
+            # widen to the whole value ("2026-12-02T09:00:01.5", not the digits that differed)
+            while start > 0 and (a[start - 1].isalnum() or a[start - 1] in "-:._+"):
+                start -= 1
+            while stop < len(a) and a[stop].isalnum():
+                stop += 1
+            out += [TextNode(a[:start]), ChangingText(a[start:stop]), TextNode(a[stop:])]
+        elif isinstance(n, ForkNode) and len(n.branches) == len(m.branches):
+            out.append(ForkNode(n.size, [mark_changing(x, y) for x, y in zip(n.branches, m.branches)]))
+        else:
+            out.append(n)
+    return out
+
+
 def _describe(n: Node) -> str | None:
     """What makes ``n`` differ between calls, or None if it is constant."""
+    if isinstance(n, ChangingText):
+        return f"text that changes from call to call ({n.text[:24]!r}: computed in the program, e.g. a timestamp)"
     if isinstance(n, ArgNode):
         return f"argument {n.name!r}" if n.value is None else None
     if isinstance(n, GenNode):
@@ -67,9 +112,12 @@ def _constant_text(n: Node) -> str | None:
 
 
 def lint_graph(graph: ProgramGraph, min_tokens: int = DEFAULT_MIN_TOKENS,
-               count_tokens: Callable[[str], int] | None = None) -> list[LayoutIssue]:
+               count_tokens: Callable[[str], int] | None = None, again: ProgramGraph | None = None) -> list[LayoutIssue]:
+    """The layout issues of ``graph``; ``again``: a second trace of the same call, whose
+    differences from ``graph`` are values the program computes (:func:`mark_changing`)."""
     count = count_tokens or (lambda text: len(text) // CHARS_PER_TOKEN)
     issues: list[LayoutIssue] = []
+    nodes = graph.nodes if again is None else mark_changing(graph.nodes, again.nodes)
 
     def scan(nodes: list[Node], offset: int) -> None:
         for i, n in enumerate(nodes):
@@ -94,7 +142,7 @@ def lint_graph(graph: ProgramGraph, min_tokens: int = DEFAULT_MIN_TOKENS,
             if tokens >= min_tokens:
                 issues.append(LayoutIssue(graph.name, what, offset, tokens, following.strip()[:40]))
 
-    scan(graph.nodes, 0)
+    scan(nodes, 0)
     return issues
 
 

@@ -38,6 +38,57 @@ def test_a_timestamp_before_the_instructions_is_reported():
     assert well_laid_out.lint() == []
 
 
+@plait.function
+def stamped_inside(s, question):
+    import datetime
+
+    s += plait.system(f"Current time: {datetime.datetime.now().isoformat()}. " + INSTRUCTIONS)
+    s += plait.user(question)
+    s += plait.assistant(plait.gen("answer", max_tokens=8))
+
+
+def test_a_timestamp_the_program_computes_is_reported():
+    """No argument carries it: found by tracing twice (the text differs between traces)."""
+    (issue,) = stamped_inside.lint()
+    assert issue.value.startswith("text that changes from call to call ('20") and issue.offset == len("Current time: ")
+    assert issue.tokens_lost == len(". " + INSTRUCTIONS) // 4 and issue.following.startswith(". You are")
+
+    @plait.function
+    def ids_in_forks(s, question):
+        import uuid
+
+        forks = s.fork(2)
+        for f in forks:
+            f += f"[request {uuid.uuid4()}] " + INSTRUCTIONS + question + plait.gen("a", max_tokens=4)
+
+    issues = ids_in_forks.lint()
+    assert len(issues) == 2 and all(i.offset == len("[request ") for i in issues)
+
+    @plait.function
+    def stamped_last(s, question):
+        import time
+
+        s += INSTRUCTIONS + question + f" (asked at {time.time()})" + plait.gen("a", max_tokens=4)
+
+    assert stamped_last.lint() == []  # nothing long after it
+
+
+def test_string_defaults_vary_unless_a_batch_leaves_them():
+    @plait.function
+    def greet(s, question, user="guest", shots=2):
+        s += "User: " + user + ". " + INSTRUCTIONS
+        for i in range(shots):  # a non-string default stays bound: the body still runs
+            s += f"Example {i}. "
+        s += question + plait.gen("a", max_tokens=4)
+
+    (issue,) = greet.lint()  # callers may pass user
+    assert issue.value == "argument 'user'"
+    assert issue.tokens_lost == len(". " + INSTRUCTIONS + "Example 0. Example 1. ") // 4  # shots=2 ran
+    assert greet.lint([{"question": "a?"}, {"question": "b?"}]) == []  # every instance takes the default
+    (issue,) = greet.lint([{"question": "a?", "user": "ann"}, {"question": "b?", "user": "bob"}])
+    assert issue.value == "argument 'user'"
+
+
 def test_batch_constants_and_gen_outputs():
     same_time = [{"now": "9:00", "question": q} for q in ("a?", "b?")]
     assert stamped.lint(same_time) == []  # the same value everywhere is shared, not dynamic
