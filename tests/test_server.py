@@ -384,7 +384,13 @@ def test_flush_cache_of_one_salt_keeps_the_others(http):
     for salt in ("tenant-a", "tenant-b"):
         generate(http, text, 2, cache_salt=salt)
     wait_idle(http)
-    assert http.post("/flush_cache", params={"cache_salt": "tenant-a"}).json()["success"] is True
+    # a misspelt or repeated parameter is a 400, not a flush of everything (or of one of them)
+    for query in ({"cache-salt": "tenant-a"}, [("cache_salt", "tenant-a"), ("cache_salt", "tenant-b")]):
+        bad = http.post("/flush_cache", params=query)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] in ("cache-salt", "cache_salt"), bad.text
+    assert generate(http, text, 2, cache_salt="tenant-a")["meta_info"]["cached_tokens"] > 0
+    r = http.post("/flush_cache", params={"cache_salt": "tenant-a"}).json()
+    assert r["success"] is True and "tenant-a" in r["message"]
     assert generate(http, text, 2, cache_salt="tenant-a")["meta_info"]["cached_tokens"] == 0
     assert generate(http, text, 2, cache_salt="tenant-b")["meta_info"]["cached_tokens"] > 0
 

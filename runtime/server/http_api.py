@@ -339,13 +339,23 @@ def build_app(front: Front) -> ASGIApp:
         return JSONResponse(await front.server_info())
 
     async def flush_cache(request: Request) -> Response:
-        salt = request.query_params.get("cache_salt")  # only that namespace (absent: everything)
-        reply = await front.control(P.FlushCacheRequest("", cache_salt=check_cache_salt(salt)))
+        # only that namespace (absent: everything); a misspelt or repeated parameter must
+        # not turn a one-tenant flush into a flush of every tenant's cache
+        unknown = sorted(set(request.query_params) - {"cache_salt"})
+        if unknown:
+            raise RequestError(f"/flush_cache takes only cache_salt; unknown parameter(s): {', '.join(unknown)}",
+                               unknown[0])
+        salts = request.query_params.getlist("cache_salt")
+        if len(salts) > 1:
+            raise RequestError(f"cache_salt was given {len(salts)} times; flush one salt per request", "cache_salt")
+        salt = check_cache_salt(salts[0] if salts else None)
+        reply = await front.control(P.FlushCacheRequest("", cache_salt=salt))
         if isinstance(reply, P.ErrorResponse):
             raise P.request_error(reply)
         if not reply.ok:
             return error_response(f"cache not flushed: {reply.message}", 400, None)
-        return JSONResponse({"success": True, "message": "Cache flushed."})
+        return JSONResponse({"success": True,
+                             "message": "Cache flushed." if salt is None else f"Cache of cache_salt {salt!r} flushed."})
 
     async def update_weights_from_disk(request: Request) -> Response:
         body = await read_json(request)
