@@ -93,6 +93,13 @@ def check_tools(tools: Any, param: str = "tools", nested: bool = True) -> list[d
         if "object" not in (kind if isinstance(kind, list) else [kind]):
             raise RequestError(f"{where}.parameters has type {kind!r}; allowed: a schema of type 'object' (a call's "
                                f"arguments are an object)", f"{where}.parameters")
+        props, required = (params or {}).get("properties"), (params or {}).get("required")
+        if props is not None and not isinstance(props, dict):
+            raise RequestError(f"{where}.parameters.properties={props!r:.80} is invalid; allowed: an object of "
+                               f"property schemas", f"{where}.parameters")
+        if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+            raise RequestError(f"{where}.parameters.required={required!r:.80} is invalid; allowed: an array of "
+                               f"property names", f"{where}.parameters")
         desc = fn.get("description")
         if desc is not None and not isinstance(desc, str):
             raise RequestError(f"{where}.description must be a string", f"{where}.description")
@@ -268,14 +275,16 @@ class ToolParser:
     def scan(self, text: str, names: set[str], final: bool) -> _Scan:
         raise NotImplementedError
 
-    def parse(self, text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, tools: list[dict[str, Any]], cut: bool = False) -> tuple[str, list[ToolCall]]:
         """``(content, calls)``: the content is the text outside valid calls (stripped);
-        output with no valid call is ``(text, [])``."""
+        output with no valid call is ``(text, [])``. ``cut``: the text was cut off by
+        the length limit, so a call in progress (its name known, its arguments begun)
+        is a call too, its arguments as far as they were written (what a stream sent)."""
         try:
-            s = self.scan(text, _names(tools), True)
+            s = self.scan(text, _names(tools), not cut)
         except Exception:  # noqa: BLE001 - a parser bug must not fail a request; the text stays content
             return text, []
-        calls = [ToolCall(new_call_id(), c.name, c.args) for c in s.calls if c.complete]
+        calls = [ToolCall(new_call_id(), c.name, c.args) for c in s.calls if c.complete or cut]
         if not calls:
             return text, []
         content = (text[:s.content_end] + "".join(s.rest)).strip()
@@ -354,16 +363,18 @@ class HermesParser(ToolParser):
             if text[i:j].strip():
                 rest.append(text[i:j])
             body = j + len(self.START)
-            close = text.find(self.END, body)
-            stop = close if close >= 0 else len(text)
             k = body
-            while k < stop and text[k].isspace():
+            while k < len(text) and text[k].isspace():
                 k += 1
+            close = self._close(text, body, k)
+            stop = close if close >= 0 else len(text)
             seen, end = (None, None)
             if k < stop and text[k] == "{":
                 seen, end = _object_call(text, k, stop, names)
+            after = text[end:stop].strip() if end is not None else ""
+            # (while streaming, the start of the end tag may follow the object)
             ok = seen is not None and (seen.complete or not final) and (
-                end is None or not text[end:stop].strip())
+                not after or (not final and close < 0 and self.END.startswith(after)))
             if ok:
                 assert seen is not None
                 seen.key = j
@@ -374,6 +385,24 @@ class HermesParser(ToolParser):
                 break
             i = close + len(self.END)
         return _Scan(_content_before(text, m), calls, rest)
+
+    def _close(self, text: str, body: int, k: int) -> int:
+        """Where the end tag of the block whose body starts at ``body`` is (-1: not
+        yet). An end tag inside a JSON string of the call (an argument that mentions
+        ``</tool_call>``) does not end it: when the first tag falls inside the call
+        object, the tag right after a valid object (or the end of the text) is the end."""
+        close = text.find(self.END, body)
+        if close < 0 or k >= close or text[k] != "{" or json_end(text[:close], k) is not None:
+            return close
+        end = json_end(text, k)
+        tail = text[end:].lstrip() if end is not None else ""
+        if end is None or (tail and not tail.startswith(self.END)):
+            return close
+        try:
+            json.loads(text[k:end])
+        except ValueError:
+            return close
+        return text.find(self.END, end)
 
     def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
         call = "<tool_call>\\n" + _json_call_regex(tools, choice, "arguments") + "\\n</tool_call>"
@@ -671,7 +700,9 @@ class ToolStream:
     arguments stream as written. What ``finish`` adds makes the concatenated deltas
     equal :meth:`ToolParser.parse` of the whole text (the ids aside), except for a
     call whose name streamed and whose text turned out invalid (cut off by the length
-    limit, or broken JSON): its arguments stop where they were valid so far.
+    limit, or broken JSON): its arguments stop where they were valid so far. With
+    ``finish(cut=True)`` (the length limit cut the output) such a call stays a call,
+    as ``parse(text, tools, cut=True)`` reads it, and its text is not sent as content.
     """
 
     def __init__(self, parser: ToolParser, tools: list[dict[str, Any]]) -> None:
@@ -687,16 +718,17 @@ class ToolStream:
         self.text += delta
         return self._advance(False)
 
-    def finish(self) -> list[dict[str, Any]]:
-        return self._advance(True)
+    def finish(self, cut: bool = False) -> list[dict[str, Any]]:
+        return self._advance(True, cut)
 
-    def _advance(self, final: bool) -> list[dict[str, Any]]:
+    def _advance(self, final: bool, cut: bool = False) -> list[dict[str, Any]]:
+        closed = final and not cut  # no call can still be in progress
         try:
-            s = self.parser.scan(self.text, self.names, final)
+            s = self.parser.scan(self.text, self.names, closed)
         except Exception:  # noqa: BLE001 - a parser bug must not fail the stream
             s = _Scan(len(self.text) if final else self.sent_content, [], [])
         out: list[dict[str, Any]] = []
-        has_calls = bool(self.index) or any(c.complete or not final for c in s.calls)
+        has_calls = bool(self.index) or any(c.complete or not closed for c in s.calls)
         content_end = s.content_end if has_calls else (len(self.text) if final else s.content_end)
         if content_end > self.sent_content:
             out.append({"content": self.text[self.sent_content:content_end]})

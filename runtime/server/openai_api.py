@@ -317,12 +317,13 @@ class ChatOutput:
     tool_parser: ToolParser | None = None
     tools: list[dict[str, Any]] = field(default_factory=list)
 
-    def message(self, text: str) -> tuple[dict[str, Any], bool]:
-        """The assistant message and whether it calls tools."""
+    def message(self, text: str, cut: bool = False) -> tuple[dict[str, Any], bool]:
+        """The assistant message and whether it calls tools; ``cut``: the length limit
+        ended the text, so a call it cut off is a call, as far as written (as streamed)."""
         reasoning, content = self.reasoning.parse(text) if self.reasoning else (None, text)
         calls = []
         if self.tool_parser is not None:
-            content, calls = self.tool_parser.parse(content, self.tools)
+            content, calls = self.tool_parser.parse(content, self.tools, cut)
         msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
         if self.reasoning is not None:
             msg["reasoning_content"] = reasoning
@@ -350,10 +351,11 @@ class ChatStream:
     def feed(self, text: str) -> list[dict[str, Any]]:
         return self._step(text, False)
 
-    def finish(self) -> list[dict[str, Any]]:
-        return self._step("", True)
+    def finish(self, cut: bool = False) -> list[dict[str, Any]]:
+        """The last deltas; ``cut``: the length limit ended the output."""
+        return self._step("", True, cut)
 
-    def _step(self, text: str, final: bool) -> list[dict[str, Any]]:
+    def _step(self, text: str, final: bool, cut: bool = False) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if self.reasoning is not None:
             r, text = self.reasoning.finish() if final else self.reasoning.feed(text)
@@ -366,7 +368,7 @@ class ChatStream:
         if text:
             out += self.tools.feed(text)
         if final:
-            out += self.tools.finish()
+            out += self.tools.finish(cut)
         return out
 
 
@@ -379,7 +381,7 @@ def chat_chunks(job: Job, cs: ChatStream, index: int, text: str | None, *, role:
                 meta: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The stream chunks of one engine chunk (``text``) or of the end (``meta``, the
     result's meta info): deltas first (role and logprobs on the first), then the finish."""
-    deltas = cs.feed(text) if meta is None else cs.finish()
+    deltas = cs.feed(text) if meta is None else cs.finish(finish_reason(meta) == "length")
     if not deltas and (role or logprobs is not None) and meta is None:
         deltas = [{}]
     out = []
@@ -469,6 +471,17 @@ class ChatRequest:
     constraint_field: str | None
     output: ChatOutput
     extra_sp: dict[str, Any]
+    forced: bool  # tool_choice "required" or a named function: the output is the calls
+
+    def sampling(self, sp: dict[str, Any]) -> dict[str, Any]:
+        """The engine's sampling params: the request's ``sp`` with this turn's constraint.
+        A forced call ignores ``stop``: the constraint ends the output after the calls,
+        and a stop string inside a call's arguments would cut the call (agent frameworks
+        such as smolagents send stop sequences with ``tool_choice="required"``)."""
+        out = {**sp, **self.extra_sp, **self.constraint}
+        if self.forced:
+            out.pop("stop", None)
+        return out
 
 
 def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, Any]], schema: Any,
@@ -522,7 +535,7 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     if parser_name == "mistral" and choice != "none" and body.get("skip_special_tokens") is None:
         extra_sp["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token
     output = ChatOutput(reasoning, parser if choice != "none" else None, tools or [])
-    return ChatRequest(ids, constraint, field_name, output, extra_sp)
+    return ChatRequest(ids, constraint, field_name, output, extra_sp, choice not in ("auto", "none"))
 
 
 def parse_chat(front: Front, body: dict[str, Any]) -> Job:
@@ -535,7 +548,7 @@ def parse_chat(front: Front, body: dict[str, Any]) -> Job:
     schema = response_format_schema(get_field(body, "response_format", "dict"))
     chat = chat_request(front, body, messages, schema, "response_format")
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    sp = {**sampling_params(front, body, len(chat.ids), None, max_name), **chat.extra_sp, **chat.constraint}
+    sp = chat.sampling(sampling_params(front, body, len(chat.ids), None, max_name))
     want_lp = get_field(body, "logprobs", "bool", False)
     top = get_field(body, "top_logprobs", "int", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want_lp:
@@ -621,7 +634,7 @@ def response(front: Front, job: Job, results: dict[tuple[int, int], P.GenerateRe
         pairs = meta.get("output_token_logprobs", [])
         tops = meta.get("output_top_logprobs") if job.logprobs else None
         if job.chat:
-            message, has_calls = (job.output or ChatOutput()).message(r.text)
+            message, has_calls = (job.output or ChatOutput()).message(r.text, finish_reason(meta) == "length")
             choice["message"] = message
             choice["finish_reason"] = chat_finish_reason(meta, has_calls)
             choice["logprobs"] = None if job.logprobs is None else {"content": fmt.chat(pairs, tops)}

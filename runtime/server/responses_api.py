@@ -156,7 +156,7 @@ def parse_response_request(front: Front, store: ResponseStore, body: dict[str, A
     schema = oa.response_format_schema(fmt, "text.format")
     chat = oa.chat_request(front, body, checked, schema, "text.format", nested_tools=False)
     sp = oa.sampling_params(front, body, len(chat.ids), None, "max_output_tokens")
-    sp = {**sp, **chat.extra_sp, **chat.constraint}
+    sp = chat.sampling(sp)
     sp.pop("n", None)
     stream = oa.get_field(body, "stream", "bool", False)
     rid = _id("resp")
@@ -242,9 +242,19 @@ def finish(store: ResponseStore, rj: ResponseJob, items: list[dict[str, Any]], m
     return response_object(rj, items, meta, "completed")
 
 
+def _mark_cut(items: list[dict[str, Any]], cut: bool) -> None:
+    """The length limit cut the output: its last item (a message, or a call whose
+    arguments stop where the limit fell) is ``incomplete``, as OpenAI marks it."""
+    if cut and items:
+        items[-1]["status"] = "incomplete"
+
+
 def response(store: ResponseStore, rj: ResponseJob, result: P.GenerateResult) -> dict[str, Any]:
-    message, _ = (rj.job.output or oa.ChatOutput()).message(result.text)
-    return finish(store, rj, output_items(message), result.meta_info)
+    cut = oa.finish_reason(result.meta_info) == "length"
+    message, _ = (rj.job.output or oa.ChatOutput()).message(result.text, cut)
+    items = output_items(message)
+    _mark_cut(items, cut)
+    return finish(store, rj, items, result.meta_info)
 
 
 class _Events:
@@ -348,7 +358,10 @@ async def stream(store: ResponseStore, rj: ResponseJob, events: AsyncIterator[An
             for e in ev.deltas(cs.feed(msg.text)):
                 yield e
         else:
-            for e in ev.deltas(cs.finish()) + ev.close():
+            cut = oa.finish_reason(msg.meta_info) == "length"
+            out = ev.deltas(cs.finish(cut))
+            _mark_cut(ev.items, cut)
+            for e in out + ev.close():
                 yield e
             done = finish(store, rj, ev.items, msg.meta_info)
             kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
