@@ -171,6 +171,10 @@ def schema_to_regex(schema: Any, whitespace: str | None = None) -> str:
     if not isinstance(schema, (dict, bool)):
         raise SchemaError(f"json_schema must be a JSON object (or true), got {type(schema).__name__}")
     check_schema_size(schema)
+    nested = nested_resource_ref(schema)
+    if nested is not None:
+        raise SchemaError(f"json_schema '$ref' at {nested[0]} is not supported: it is inside a subschema with its own "
+                          f"'$id' ({nested[1]!r}), against which it resolves; allowed: references in the root's scope")
     ws = ""
     if whitespace is not None:
         ws = "(?:" + check_whitespace(whitespace) + ")"
@@ -179,7 +183,8 @@ def schema_to_regex(schema: Any, whitespace: str | None = None) -> str:
     except _Cutoff as e:
         raise SchemaError(str(e)) from None
     except RecursionError:  # a guard: the limits above keep translation shallow
-        raise SchemaError(f"json_schema is nested too deeply; allowed: at most {MAX_SCHEMA_DEPTH} levels") from None
+        raise SchemaError(f"json_schema is nested too deeply to translate (its subschemas, or its $refs expanded "
+                          f"inside each other); allowed: at most {MAX_SCHEMA_DEPTH} levels") from None
     if len(out) > MAX_REGEX_CHARS:
         raise SchemaError(
             f"json_schema translates to a regex of {len(out)} characters; allowed: at most {MAX_REGEX_CHARS} "
@@ -253,10 +258,48 @@ def local_pointer(root: Any, ref: Any) -> list[str] | None:
         target, _ = urldefrag(urljoin(doc, ref))
         if target != doc:
             return None
-    frag = ref.split("#", 1)[1] if "#" in ref else ""
+    frag = unquote(ref.split("#", 1)[1] if "#" in ref else "")  # decoded first: '%2F' is a separator
     if frag and not frag.startswith("/"):
         return None
-    return [unquote(p).replace("~1", "/").replace("~0", "~") for p in frag.split("/")[1:]]
+    return [p.replace("~1", "/").replace("~0", "~") for p in frag.split("/")[1:]]
+
+
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "example"})  # values, not subschemas
+
+
+def nested_resource_ref(root: Any) -> tuple[str, str] | None:
+    """(the location of a ``$ref``, the ``$id``) when a ``$ref`` lies inside a subschema
+    whose own ``$id`` (draft 3/4: ``id``, as ``jsonschema`` reads the draft) gives it
+    another base URI than the root's: references there resolve against that URI
+    (``#/$defs/a`` names that subschema's ``$defs``), not against the root, which is how
+    :func:`local_pointer` reads them. None when there is no such ``$ref``."""
+    import jsonschema
+    from urllib.parse import urldefrag, urljoin
+
+    if not isinstance(root, dict):
+        return None
+    cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
+    key = "id" if cls in (jsonschema.Draft3Validator, jsonschema.Draft4Validator) else "$id"
+    top = root.get(key) if isinstance(root.get(key), str) else ""
+    top = urldefrag(top)[0]
+    stack: list[tuple[Any, str, str, str | None]] = [(root, "#", top, None)]  # (node, location, base, nested $id)
+    while stack:
+        node, where, base, nested = stack.pop()
+        if isinstance(node, list):
+            stack.extend((x, f"{where}/{i}", base, nested) for i, x in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        own = node.get(key)
+        if node is not root and isinstance(own, str) and not own.startswith("#"):
+            new = urldefrag(urljoin(base, own))[0]
+            if new != base:
+                base, nested = new, own if new != top else None
+        if nested is not None and isinstance(node.get("$ref"), str):
+            return where, nested
+        stack.extend((v, f"{where}/{k}", base, nested) for k, v in node.items()
+                     if k not in _DATA_KEYWORDS and isinstance(v, (dict, list)))
+    return None
 
 
 def plain_schema(schema: Any) -> Any:
@@ -278,8 +321,8 @@ def plain_schema(schema: Any) -> Any:
     Anything the translator cannot read, or a narrowing only plait's regex can write
     (a number with a fractional part), leaves that keyword as it is (the backend then
     refuses it by name)."""
-    if not isinstance(schema, dict):
-        return schema
+    if not isinstance(schema, dict) or nested_resource_ref(schema) is not None:
+        return schema  # the rewrites read $refs against the root (llguidance itself follows nested $ids)
     t = _Translator(schema, "")
     seen = [0]
 
@@ -834,7 +877,9 @@ class _Translator:
         subs = s[key]
         if not isinstance(subs, list) or not subs:
             raise SchemaError(f"json_schema {key!r} at {path} must be a non-empty list")
-        rest = {k: v for k, v in s.items() if k != key}
+        # only what constrains: merging a branch's $ref with annotations beside the list
+        # (pydantic's 'default': null) would inline its target past the recursion count
+        rest = {k: v for k, v in s.items() if k != key and _validates(k)}
         schemas = []
         for i, sub in enumerate(subs):
             try:
@@ -1151,6 +1196,12 @@ class _Translator:
                 )
         a = None if lo is None else int(lo[0])
         b = None if hi is None else int(hi[0])
+        for v, key in ((a, "minimum"), (b, "maximum")):
+            if v is not None and _float_inexact(v):
+                # a decimal written next to it (9223372036854775807.0) parses to the float past it
+                raise SchemaError(f"json_schema {key!r} at {path} is not supported for 'number' ({v}): a 64-bit float "
+                                  "does not hold it, so a value with a fraction next to it parses past it; allowed: "
+                                  "bounds a 64-bit float holds (within +-2**53), or type 'integer'")
         if a is not None and b is not None and (a > b or (a == b and (lo[1] or hi[1]))):
             raise SchemaError(f"json_schema 'minimum'/'maximum' at {path} admit no number")
         return number_range_regex(a, b, lo is not None and lo[1], hi is not None and hi[1])
@@ -1742,6 +1793,14 @@ _KIND_TYPES = {"null": ("null",), "boolean": ("boolean",), "string": ("string",)
 MAX_NEED_NAMES = 8  # oneOf narrowing: an object must carry one of at most this many names
 MAX_ANY_OF_PRODUCT = 256  # allOf of two anyOf lists: the merged pairs
 MAX_EXCLUDED_CHARS = 64  # not: {enum}: characters of an excluded string
+
+
+def _float_inexact(v: int) -> bool:
+    """A 64-bit float does not hold the integer ``v`` exactly."""
+    try:
+        return int(float(v)) != v
+    except OverflowError:
+        return True
 
 
 def _validates(keyword: str) -> bool:

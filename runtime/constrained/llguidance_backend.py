@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import threading
 import time
@@ -161,6 +162,36 @@ def _check_patterns_exclusive(patterns: list[str], where: str) -> None:
                          f"({str(e)[:80]})") from None
 
 
+def _llg_bounds(v: int | float, type_: Any) -> list[int | float] | None:
+    """The bounds llguidance's JSON compiler may enforce for a schema's ``v``: it reads
+    ``v`` as a 64-bit float, and on integers clamps that to the 64-bit integers (so
+    ``minimum: 2**53 + 1`` becomes ``2**53``, ``minimum: 2**64`` becomes ``2**63 - 1``);
+    the latter on ``integer`` and the former on ``number`` (the schema's type), else
+    either; None past the floats."""
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    if not math.isfinite(f):
+        return None
+    if not f.is_integer():
+        return [f]
+    clamped = max(-(2**63), min(2**63 - 1, int(f)))
+    return [clamped] if type_ == "integer" else [f] if type_ == "number" else [f, clamped]
+
+
+def _bound_moved(v: int | float, lower: bool, narrow: bool, type_: Any) -> str | None:
+    """How llguidance's reading of bound ``v`` admits a value past it, or None when it
+    does not (exact arithmetic: Python compares ints and floats exactly, as
+    ``jsonschema`` does): kept are the same bound and, where a narrowing is allowed, a
+    lower bound read higher or an upper one read lower."""
+    got = _llg_bounds(v, type_)
+    if got is None:
+        return "this one is past them"
+    moved = [g for g in got if not (g == v or narrow and (g > v if lower else g < v))]
+    return f"this one as {moved[0]}" if moved else None
+
+
 _EXACT = ("oneOf", "not", "if", "then", "else")  # a narrower subschema here admits more, not fewer, values
 
 
@@ -271,6 +302,15 @@ def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, 
         raise ValueError(f"required: {str(schema['required']).lower()} (draft 3) at {path} is not supported by the "
                          "llguidance backend; allowed: a list of property names")
     integer = schema.get("type") == "integer"
+    for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        v = schema.get(k)
+        moved = (_bound_moved(v, k.endswith("inimum"), narrow, schema.get("type"))
+                 if isinstance(v, (int, float)) and not isinstance(v, bool) else None)
+        if moved is not None:
+            shown = str(v) if abs(v) < 10**24 else f"{'-' if v < 0 else ''}10**{int(math.log10(abs(v)))} or so"
+            raise ValueError(f"{k}: {shown} at {path} is not supported by the llguidance backend (it reads bounds as "
+                             f"64-bit floats, on integers within the 64-bit integers: {moved}); allowed: bounds "
+                             "within +-2**53, or others those read exactly")
     for k in ("exclusiveMinimum", "exclusiveMaximum"):
         v = schema.get(k)
         if v is not None and v is not False and not integer:
@@ -298,6 +338,8 @@ def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, 
         raise ValueError(f"multipleOf: {m} at {path} is supported by the llguidance backend only as an integer on "
                          "type integer")
     out = dict(schema)
+    if schema.get("uniqueItems") is False:
+        del out["uniqueItems"]  # constrains nothing (llguidance refuses the keyword whatever its value)
     if isinstance(schema.get("pattern"), str):
         where = f"{path}/pattern"
         out["pattern"] = value_pattern(schema["pattern"], where) if narrow else _exact_classes(schema["pattern"], where)
@@ -435,7 +477,45 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
     options: dict[str, Any] = {"whitespace_flexible": False, "lenient": False, "json_allowed_escapes": '"\\bfnrt'}
     if whitespace_pattern is not None:
         options["whitespace_pattern"] = check_whitespace(whitespace_pattern)
-    return _validate(LLMatcher.grammar_from_json_schema(text, overrides=options))
+    try:
+        return _validate(LLMatcher.grammar_from_json_schema(text, overrides=options))
+    except ValueError as e:  # llguidance's message names what, not where: the first place that has it
+        where = _place_of(value, str(e))  # in what llguidance was given
+        if where is None:
+            raise
+        raise ValueError(f"{e} (first at {where})") from None
+
+
+# llguidance's compile errors -> what the subschema at fault has
+_AT_FAULT: list[tuple[str, Any]] = [
+    (r"Unimplemented keys: (\[[^\]]*\])", lambda s, m: any(k in s for k in json.loads(m.group(1)))),
+    (r"min/maxProperties", lambda s, m: "minProperties" in s or "maxProperties" in s),
+    (r"required property '(.*)' is unsatisfiable",
+     lambda s, m: isinstance(s.get("required"), list) and m.group(1) in s["required"]),
+    (r"Pointer '(.*)' does not exist", lambda s, m: isinstance(s.get("$ref"), str) and s["$ref"].endswith("#" + m.group(1))),
+    (r"anyOf is empty", lambda s, m: s.get("enum") == [] or s.get("anyOf") == []),
+    (r"incompatible types", lambda s, m: len({json.dumps(p["type"]) for p in [s, *s.get("allOf", [])]
+                                              if isinstance(p, dict) and "type" in p}) > 1),
+]
+
+
+def _place_of(schema: Any, message: str) -> str | None:
+    """The location (``#/...``) of the first subschema, breadth first, that has what
+    llguidance's compile error ``message`` names; None if it names nothing
+    :data:`_AT_FAULT` knows or no subschema has it."""
+    found = next(((m, has) for pattern, has in _AT_FAULT if (m := re.search(pattern, message))), None)
+    if found is None:
+        return None
+    m, has = found
+    todo: deque[tuple[Any, str]] = deque([(schema, "#")])
+    while todo:
+        s, path = todo.popleft()
+        if not isinstance(s, dict):
+            continue
+        if has(s, m):
+            return path
+        todo.extend((x, f"{path}/{k}" if key is None else f"{path}/{k}/{key}") for k, key, x, _ in _children(s))
+    return None
 
 
 def ebnf_grammar(text: str) -> str:
