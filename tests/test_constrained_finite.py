@@ -56,6 +56,9 @@ FINITE_SCHEMAS = {
     "dangling_ref": ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}, None),
     # no value at all but no recursion either: left to the compiler, which names the keyword
     "false_item_needed": ({"type": "array", "items": False, "minItems": 1}, None),
+    "ref_to_false": ({"$ref": "#/$defs/b", "$defs": {"b": False}}, None),
+    "required_ref_to_false": ({"type": "object", "properties": {"a": {"$ref": "#/$defs/no"}}, "required": ["a"],
+                               "$defs": {"no": False}}, None),
 }
 
 UNENDING_GRAMMARS = {

@@ -67,13 +67,36 @@ class Productive:
 # -- JSON Schema --------------------------------------------------------------------------------
 def schema_unending(root: Any) -> str | None:
     """None when some finite JSON value may satisfy ``root`` (a parsed schema, as the
-    llguidance compiler gets it); else what says why not: the local ``$ref`` targets
-    with no finite value."""
+    llguidance compiler gets it), or when none would even if every recursion ended (a
+    ``false`` subschema: no value at all, which the compiler names); else what says why
+    not: the local ``$ref`` targets with no finite value."""
+    g, top, targets, edges = _schema_graph(root, cut=frozenset())
+    value = g.solve()
+    if value[top]:
+        return None
+    loose, loose_top, _, _ = _schema_graph(root, cut=_cyclic(edges))
+    if not loose.solve()[loose_top]:
+        return None  # no value even with every recursion ended: not a recursion's fault
+    stuck = sorted("#" + "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in place)
+                   for place, i in targets.items() if not value[i])
+    return ("every value it admits goes on forever: a required property, minItems or allOf recurses through "
+            f"$ref with no way out (no finite value for: {', '.join(repr(p) for p in stuck[:4])}); give the "
+            "recursion an end (make it optional, add null or an empty case through anyOf)")
+
+
+_TOP: tuple[str, ...] = ("<top>",)  # the owner of what is not under any $ref target
+
+
+def _schema_graph(root: Any, cut: frozenset) -> tuple[Productive, int, dict[tuple[str, ...], int], set]:
+    """The AND/OR graph of ``root``'s "has a finite value", its top node, the node of
+    each local ``$ref`` target, and the ``$ref`` edges (owner target, target) seen; a
+    ``$ref`` edge in ``cut`` counts as satisfiable (a recursion taken as ended)."""
     from plait.runtime.constrained.json_schema import local_pointer
 
     g = Productive()
     targets: dict[tuple[str, ...], int] = {}
-    pending: list[tuple[int, Any]] = []
+    edges: set[tuple[tuple[str, ...], tuple[str, ...]]] = set()
+    pending: list[tuple[int, Any, tuple[str, ...]]] = []
 
     def target(place: tuple[str, ...]) -> int:
         if place in targets:
@@ -88,10 +111,10 @@ def schema_unending(root: Any) -> str | None:
                 targets[place] = g.true  # a dangling $ref is the compiler's to report
                 return g.true
         targets[place] = i = g.node(True)
-        pending.append((i, node))
+        pending.append((i, node, place))
         return i
 
-    def build(s: Any) -> int:
+    def build(s: Any, owner: tuple[str, ...]) -> int:
         if s is False:
             return g.false
         if not isinstance(s, dict):
@@ -99,37 +122,78 @@ def schema_unending(root: Any) -> str | None:
         parts: list[int] = []
         place = local_pointer(root, s.get("$ref"))
         if place is not None:
-            parts.append(target(tuple(place)))
+            edges.add((owner, tuple(place)))
+            if (owner, tuple(place)) not in cut:
+                parts.append(target(tuple(place)))
         if isinstance(s.get("allOf"), list):
-            parts += [build(x) for x in s["allOf"]]
+            parts += [build(x, owner) for x in s["allOf"]]
         for k in ("anyOf", "oneOf"):
             if isinstance(s.get(k), list) and s[k]:
-                parts.append(g.node(False, [build(x) for x in s[k]]))
+                parts.append(g.node(False, [build(x, owner) for x in s[k]]))
         types = s.get("type")
         types = [types] if isinstance(types, str) else types if isinstance(types, list) else None
         if "const" not in s and "enum" not in s and types is not None and not _SCALARS.intersection(types):
             alts = []
             if "object" in types:
-                alts.append(g.node(True, [build(_property(s, name)) for name in _required(s)]))
+                alts.append(g.node(True, [build(_property(s, name), owner) for name in _required(s)]))
             if "array" in types:
-                alts.append(g.node(True, [build(x) for x in _needed_items(s)]))
+                alts.append(g.node(True, [build(x, owner) for x in _needed_items(s)]))
             parts.append(g.node(False, alts))
         return g.node(True, parts)
 
-    top = build(root)
+    top = build(root, _TOP)
     while pending:
-        i, node = pending.pop()
-        g.kids[i] = [build(node)]
-    value = g.solve()
-    if value[top]:
-        return None
-    stuck = sorted("#" + "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in place)
-                   for place, i in targets.items() if not value[i])
-    if not stuck:
-        return None  # no value at all, with no recursion in it (a false subschema): the compiler says which
-    return ("every value it admits goes on forever: a required property, minItems or allOf recurses through "
-            f"$ref with no way out (no finite value for: {', '.join(repr(p) for p in stuck[:4])}); give the "
-            "recursion an end (make it optional, add null or an empty case through anyOf)")
+        i, node, place = pending.pop()
+        g.kids[i] = [build(node, place)]
+    return g, top, targets, edges
+
+
+def _cyclic(edges: set) -> frozenset:
+    """The edges of ``edges`` (a directed graph) that lie on a cycle: both ends in one
+    strongly connected component (Tarjan's algorithm, iterative)."""
+    succ: dict[Any, list[Any]] = {}
+    for u, v in edges:
+        succ.setdefault(u, []).append(v)
+        succ.setdefault(v, [])
+    index: dict[Any, int] = {}
+    low: dict[Any, int] = {}
+    comp: dict[Any, int] = {}
+    stack: list[Any] = []
+    on_stack: set[Any] = set()
+    counter = 0
+    for start in succ:
+        if start in index:
+            continue
+        work = [(start, 0)]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, i = work[-1]
+            if i < len(succ[v]):
+                work[-1] = (v, i + 1)
+                w = succ[v][i]
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, 0))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp[w] = index[v]
+                    if w == v:
+                        break
+    return frozenset((u, v) for u, v in edges if comp[u] == comp[v])
 
 
 def _required(s: dict[str, Any]) -> list[str]:
