@@ -21,8 +21,8 @@ tokens, and small chunks only spread the same interference over more steps, each
 paying the step's fixed cost again (bench_offline's prefill-bound (c) on the Zen 4:
 175-187 s with the 2x bound for every decode against 100-121 s with 2048-token chunks).
 Until the fit exists (8 steps, 3 of them with prefill chunks of different sizes), the
-chunks beside streaming decodes are small and of three sizes in turn (``min_chunk`` x
-1, 2, 4), so that the first measurements both stay near a decode step and tell the
+chunks beside streaming decodes are small and of three sizes in turn (``EXPLORE``), so
+that the first measurements both stay near a decode step and tell the
 per-token cost apart from the fixed one (a first guess of 512 tokens made the first
 chunks of a long prompt 0.9-1.6 s steps beside 8 streams on the Zen 4).
 """
@@ -35,9 +35,14 @@ from collections import deque
 import numpy as np
 
 AUTO = "auto"
+EXPLORE = (32, 64, 128)  # chunk sizes before the first fit
 
 
 class ChunkSizer:
+    # min_chunk: the floor when even a small chunk would pass the target (late in a long
+    # prompt on a slow machine). Measured (bench_serving chunked-prefill, Zen 4): with 8,
+    # p99/p50 ITL 1.49 (AVX2 kernels 1.22) but the long prompt's TTFT 2.95x (3.50x)
+    # unchunked, the "16" extreme of issue 19; with 32, 1.96 (2.79) and 1.90x (1.78x)
     def __init__(self, itl_target_ms: float | None = None, *, min_chunk: int = 32, max_chunk: int = 4096,
                  window: int = 128) -> None:
         self.itl_target_s = None if itl_target_ms is None else itl_target_ms / 1000.0
@@ -62,7 +67,7 @@ class ChunkSizer:
         if decodes == 0 or not streaming:
             return self.max_chunk
         if self._fit is None:  # explore: small chunks of three sizes until the fit exists
-            return min(self.max_chunk, self.min_chunk << (sum(1 for step in self._steps if step[1] > 0) % 3))
+            return min(self.max_chunk, EXPLORE[sum(1 for step in self._steps if step[1] > 0) % len(EXPLORE)])
         a, d, p, q = self._fit
         decode_step = a + d * decodes
         target = self.itl_target_s if self.itl_target_s is not None else 2.0 * decode_step
