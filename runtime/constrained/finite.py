@@ -91,7 +91,7 @@ def _schema_graph(root: Any, cut: frozenset) -> tuple[Productive, int, dict[tupl
     """The AND/OR graph of ``root``'s "has a finite value", its top node, the node of
     each local ``$ref`` target, and the ``$ref`` edges (owner target, target) seen; a
     ``$ref`` edge in ``cut`` counts as satisfiable (a recursion taken as ended)."""
-    from plait.runtime.constrained.json_schema import local_pointer
+    from plait.runtime.constrained.json_schema import NOWHERE, local_pointer, pointer_target
 
     g = Productive()
     targets: dict[tuple[str, ...], int] = {}
@@ -101,15 +101,10 @@ def _schema_graph(root: Any, cut: frozenset) -> tuple[Productive, int, dict[tupl
     def target(place: tuple[str, ...]) -> int:
         if place in targets:
             return targets[place]
-        node: Any = root
-        for part in place:
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                targets[place] = g.true  # a dangling $ref is the compiler's to report
-                return g.true
+        node = pointer_target(root, list(place))
+        if node is NOWHERE:
+            targets[place] = g.true  # a dangling $ref is the compiler's to report
+            return g.true
         targets[place] = i = g.node(True)
         pending.append((i, node, place))
         return i

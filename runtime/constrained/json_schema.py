@@ -239,6 +239,23 @@ def ref_siblings_ignored(root: Any) -> bool:
                    jsonschema.Draft7Validator)
 
 
+NOWHERE = object()  # what a JSON pointer into no place gives (pointer_target)
+
+
+def pointer_target(root: Any, parts: list[str]) -> Any:
+    """The value at the JSON-pointer ``parts`` (from :func:`local_pointer`) in ``root``,
+    or :data:`NOWHERE`."""
+    node: Any = root
+    for part in parts:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return NOWHERE
+    return node
+
+
 def local_pointer(root: Any, ref: Any) -> list[str] | None:
     """The JSON-pointer parts of ``ref`` (a ``$ref`` value) when it names a place in the
     document ``root``: a fragment (``#/definitions/a``), or a reference that resolves
@@ -585,14 +602,9 @@ class _Translator:
         if parts is None:
             raise SchemaError(f"json_schema '$ref' at {path} is not supported: {ref!r}; allowed: local references ('#/...', "
                               "or the schema's own URI)")
-        node: Any = self.root
-        for part in parts:
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                raise SchemaError(f"json_schema '$ref' at {path} points nowhere: {ref!r}")
+        node = pointer_target(self.root, parts)
+        if node is NOWHERE:
+            raise SchemaError(f"json_schema '$ref' at {path} points nowhere: {ref!r}")
         return node
 
     def ref(self, s: dict[str, Any], path: str) -> str:

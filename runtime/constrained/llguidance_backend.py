@@ -222,7 +222,7 @@ def _exact_places(root: Any) -> set[tuple[str, ...]] | None:
     under a ``oneOf``/``not``/``if``/``then``/``else`` (directly or through other
     ``$ref``s), which :func:`llguidance_schema` must not narrow; None (narrow nothing)
     when such a ``$ref`` may be read against a nested ``$id``, which this does not track."""
-    from plait.runtime.constrained.json_schema import local_pointer
+    from plait.runtime.constrained.json_schema import local_pointer, pointer_target
 
     places: set[tuple[str, ...]] = set()
     todo: list[tuple[Any, bool]] = [(root, False)]
@@ -236,11 +236,7 @@ def _exact_places(root: Any) -> set[tuple[str, ...]] | None:
         target = local_pointer(root, s.get("$ref")) if exact else None
         if target is not None and tuple(target) not in places:
             places.add(tuple(target))
-            node: Any = root
-            for part in target:
-                node = node.get(part) if isinstance(node, dict) else (
-                    node[int(part)] if isinstance(node, list) and part.isdigit() and int(part) < len(node) else None)
-            todo.append((node, True))
+            todo.append((pointer_target(root, target), True))  # NOWHERE: not a dict, skipped
         todo.extend((x, exact or under) for _, _, x, under in _children(s))
     return None if places and nested_id else places
 
