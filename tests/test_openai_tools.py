@@ -293,3 +293,22 @@ def test_response_format_applies_after_the_reasoning(think):
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "stop" and len(msg.reasoning_content) <= 8
     jsonschema.validate(json.loads(msg.content), WEATHER)
+
+
+def test_parallel_tool_calls_false_keeps_only_the_first_call_a_model_writes():
+    """Under tool_choice auto the model writes what it writes; with
+    parallel_tool_calls=false the answer carries its first call only, streamed or not."""
+    from plait.runtime.server.openai_api import ChatOutput
+
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>')
+    for max_calls, names in ((None, ["get_weather", "add"]), (1, ["get_weather"])):
+        out = ChatOutput(None, get_tool_parser("hermes"), TOOLS, max_calls)
+        msg, has_calls = out.message(text)
+        assert has_calls and [c["function"]["name"] for c in msg["tool_calls"]] == names
+        stream = out.stream()
+        deltas = [d for i in range(0, len(text), 7) for d in stream.feed(text[i:i + 7])] + stream.finish()
+        calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+        assert [tc["function"]["name"] for tc in calls if "id" in tc] == names
+        assert {tc["index"] for tc in calls} == set(range(len(names)))
+        assert not any(d.get("content", "").strip() for d in deltas)

@@ -316,6 +316,7 @@ class ChatOutput:
     reasoning: ReasoningParser | None = None
     tool_parser: ToolParser | None = None
     tools: list[dict[str, Any]] = field(default_factory=list)
+    max_calls: int | None = None  # 1 with parallel_tool_calls false: later calls are dropped
 
     def message(self, text: str, cut: bool = False) -> tuple[dict[str, Any], bool]:
         """The assistant message and whether it calls tools; ``cut``: the length limit
@@ -324,6 +325,7 @@ class ChatOutput:
         calls = []
         if self.tool_parser is not None:
             content, calls = self.tool_parser.parse(content, self.tools, cut)
+            calls = calls[: self.max_calls]
         msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
         if self.reasoning is not None:
             msg["reasoning_content"] = reasoning
@@ -333,20 +335,28 @@ class ChatOutput:
 
     def stream(self) -> ChatStream:
         return ChatStream(self.reasoning.stream() if self.reasoning else None,
-                          self.tool_parser.stream(self.tools) if self.tool_parser else None)
+                          self.tool_parser.stream(self.tools) if self.tool_parser else None, self.max_calls)
 
 
 class ChatStream:
     """One streamed choice: text deltas in, OpenAI chat deltas out (``reasoning_content``,
     ``content``, ``tool_calls``)."""
 
-    def __init__(self, reasoning: ReasoningStream | None, tools: ToolStream | None) -> None:
+    def __init__(self, reasoning: ReasoningStream | None, tools: ToolStream | None,
+                 max_calls: int | None = None) -> None:
         self.reasoning = reasoning
         self.tools = tools
+        self.max_calls = max_calls
 
     @property
     def has_calls(self) -> bool:
         return self.tools is not None and bool(self.tools.calls)
+
+    def _kept(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``deltas`` without those of calls past ``max_calls``."""
+        if self.max_calls is None:
+            return deltas
+        return [d for d in deltas if "tool_calls" not in d or d["tool_calls"][0]["index"] < self.max_calls]
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         return self._step(text, False)
@@ -366,9 +376,9 @@ class ChatStream:
                 out.append({"content": text})
             return out
         if text:
-            out += self.tools.feed(text)
+            out += self._kept(self.tools.feed(text))
         if final:
-            out += self.tools.finish(cut)
+            out += self._kept(self.tools.finish(cut))
         return out
 
 
@@ -534,7 +544,7 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     extra_sp: dict[str, Any] = {}
     if parser_name == "mistral" and choice != "none" and body.get("skip_special_tokens") is None:
         extra_sp["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token
-    output = ChatOutput(reasoning, parser if choice != "none" else None, tools or [])
+    output = ChatOutput(reasoning, parser if choice != "none" else None, tools or [], None if parallel else 1)
     return ChatRequest(ids, constraint, field_name, output, extra_sp, choice not in ("auto", "none"))
 
 
