@@ -200,6 +200,19 @@ def test_a_forced_call_is_not_cut_by_stop_strings(oai, stop):
     _valid([(r.output[0].name, r.output[0].arguments)])
 
 
+def test_a_forced_call_is_not_cut_by_stop_token_ids(oai, tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    # every token a call to add is written with (SGLang's stop_token_ids extra field)
+    ids = sorted(set(tok.encode('<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 3}}\n</tool_call>',
+                                add_special_tokens=False)) - {tok.eos_token_id})
+    plain, streamed = _chat_both(oai, messages=ASK, tools=TOOLS, tool_choice={"type": "function",
+                                 "function": {"name": "add"}}, max_tokens=300, extra_body={"stop_token_ids": ids})
+    assert plain == streamed and plain[2] == "tool_calls"
+    _valid(plain[1], "add")
+
+
 # -- the agent loop -----------------------------------------------------------------------------------
 def test_agent_loop_with_tool_results(oai):
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,

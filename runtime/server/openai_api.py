@@ -485,12 +485,14 @@ class ChatRequest:
 
     def sampling(self, sp: dict[str, Any]) -> dict[str, Any]:
         """The engine's sampling params: the request's ``sp`` with this turn's constraint.
-        A forced call ignores ``stop``: the constraint ends the output after the calls,
-        and a stop string inside a call's arguments would cut the call (agent frameworks
-        such as smolagents send stop sequences with ``tool_choice="required"``)."""
+        A forced call ignores ``stop`` and ``stop_token_ids``: the constraint ends the
+        output after the calls, and a stop string or token inside a call's arguments
+        would cut the call (agent frameworks such as smolagents send stop sequences with
+        ``tool_choice="required"``)."""
         out = {**sp, **self.extra_sp, **self.constraint}
         if self.forced:
             out.pop("stop", None)
+            out.pop("stop_token_ids", None)
         return out
 
 
