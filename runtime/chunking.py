@@ -13,8 +13,9 @@ to everything before it (on the Zen 4, a 56-token chunk of a 2048-token prompt b
 8 decodes took 139 ms at its start and 246 ms at its end). It gives the largest chunk
 whose predicted step time, at the prefix the chunk continues from, stays within the
 ITL target: ``itl_target_ms`` when set, else twice the predicted time of the current
-decode-only step (so p99 ITL <= 2x the median even when every step is mixed). With no decodes running there is no latency to protect: the whole budget
-(``max_chunk``) goes to prefill. Nor when none of the running decodes streams: a
+decode-only step (so p99 ITL <= 2x the median even when every step is mixed). With
+no decodes running there is no latency to protect: the whole budget (``max_chunk``)
+goes to prefill. Nor when none of the running decodes streams: a
 client that waits for the whole output (``Engine.generate``, a non-streaming HTTP
 request, a program's ``gen``) sees its completion time, not the gaps between its
 tokens, and small chunks only spread the same interference over more steps, each
@@ -39,10 +40,12 @@ EXPLORE = (32, 64, 128)  # chunk sizes before the first fit
 
 
 class ChunkSizer:
-    # min_chunk: the floor when even a small chunk would pass the target (late in a long
-    # prompt on a slow machine). Measured (bench_serving chunked-prefill, Zen 4): with 8,
-    # p99/p50 ITL 1.49 (AVX2 kernels 1.22) but the long prompt's TTFT 2.95x (3.50x)
-    # unchunked, the "16" extreme of issue 19; with 32, 1.96 (2.79) and 1.90x (1.78x)
+    """Chunk budgets from measured steps (see the module docstring). ``min_chunk``: the
+    floor when even a small chunk would pass the target (late in a long prompt on a slow
+    machine). Measured (bench_serving chunked-prefill, Zen 4): with 8, p99/p50 ITL 1.49
+    (AVX2 kernels 1.22) but the long prompt's TTFT 2.95x (3.50x) unchunked, the 16-token
+    extreme of issue 19; with 32, 1.96 (2.79) and 1.90x (1.78x)."""
+
     def __init__(self, itl_target_ms: float | None = None, *, min_chunk: int = 32, max_chunk: int = 4096,
                  window: int = 128) -> None:
         self.itl_target_s = None if itl_target_ms is None else itl_target_ms / 1000.0
