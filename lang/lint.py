@@ -112,7 +112,8 @@ def _constant_text(n: Node) -> str | None:
 
 
 def lint_graph(graph: ProgramGraph, min_tokens: int = DEFAULT_MIN_TOKENS,
-               count_tokens: Callable[[str], int] | None = None, again: ProgramGraph | None = None) -> list[LayoutIssue]:
+               count_tokens: Callable[[str], int] | None = None,
+               again: ProgramGraph | None = None) -> list[LayoutIssue]:
     """The layout issues of ``graph``; ``again``: a second trace of the same call, whose
     differences from ``graph`` are values the program computes (:func:`mark_changing`)."""
     count = count_tokens or (lambda text: len(text) // CHARS_PER_TOKEN)
