@@ -419,14 +419,15 @@ class Engine:
         (a 500 naming the internal error) and the engine goes on serving the others;
         only if the KV accounting is then broken does the error propagate."""
         try:
-            pairs = attention_pairs([(r.num_computed, n) for r, n in batch.extends])  # before they advance
             t0 = time.perf_counter()
             sampled = self.runner.forward(batch)
             if self.scheduler.chunks is not None:
-                # verifying requests decode too; their tokens cost what extend tokens cost
+                # verifying requests decode too; their tokens cost what extend tokens cost;
+                # num_computed is still each chunk's prefix (process_batch advances it)
                 self.scheduler.chunks.observe(len(batch.decodes) + len(batch.verifies),
                                               batch.num_tokens - len(batch.decodes) - len(batch.verifies),
-                                              time.perf_counter() - t0, pairs)
+                                              time.perf_counter() - t0,
+                                              attention_pairs([(r.num_computed, n) for r, n in batch.extends]))
             return self.scheduler.process_batch(batch, sampled)
         except TPError:  # a rank is gone: no step can run any more
             raise

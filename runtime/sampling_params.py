@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,10 +173,12 @@ class SamplingParams:
                                "grammar_backend")
         value = getattr(self, kind)
         if kind == "json_schema" and isinstance(value, str):
+            from plait.runtime.constrained.json_schema import parse_schema_text
+
             try:  # once, not once per backend tried
-                json.loads(value)
-            except json.JSONDecodeError as e:
-                raise RequestError(f"json_schema is not valid JSON: {e}", kind) from None
+                value = parse_schema_text(value)
+            except ValueError as e:
+                raise RequestError(str(e), kind) from None
         order = choose_backend(kind) if backend == AUTO else [backend]
         errors = []
         for b in order:

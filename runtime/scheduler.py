@@ -178,8 +178,10 @@ class Scheduler:
         decoding = len(batch.decodes) + len(batch.verifies)
         if self.chunks is not None:
             streaming = any(r.stream for r in batch.decodes) or any(r.stream for r, _ in batch.verifies)
-            # the chunk that continues a prompt attends to all of its computed tokens
-            prefix = max((r.num_computed for r in self.running if not r.is_decoding and r.num_pending > 0), default=0)
+            # the chunk that continues a prompt attends to all of its computed tokens (only a
+            # budget that protects streaming decodes reads it)
+            prefix = max((r.num_computed for r in self.running if not r.is_decoding and r.num_pending > 0),
+                         default=0) if decoding and streaming else 0
             budget = self.chunks.budget(decoding, streaming, prefix) - batch.num_draft_tokens
         else:
             budget = self.config.chunked_prefill_size - decoding - batch.num_draft_tokens

@@ -158,16 +158,21 @@ class SchemaError(ValueError):
     """A schema plait cannot (or will not) enforce; the message names the keyword."""
 
 
+def parse_schema_text(text: str) -> Any:
+    """A schema's JSON text, parsed (its length checked first). Raises ``SchemaError``."""
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise SchemaError(f"json_schema has {len(text)} characters; allowed: at most {MAX_SCHEMA_CHARS}")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise SchemaError(f"json_schema is not valid JSON: {str(e)[:200]}") from None
+
+
 def schema_to_regex(schema: Any, whitespace: str | None = None) -> str:
     """The regex of the JSON texts that ``schema`` (a dict, bool or JSON string)
     admits, in plait's layout. Raises ``SchemaError`` naming what is unsupported."""
     if isinstance(schema, str):
-        if len(schema) > MAX_SCHEMA_CHARS:
-            raise SchemaError(f"json_schema has {len(schema)} characters; allowed: at most {MAX_SCHEMA_CHARS}")
-        try:
-            schema = json.loads(schema)
-        except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
-            raise SchemaError(f"json_schema is not valid JSON: {str(e)[:200]}") from None
+        schema = parse_schema_text(schema)
     if not isinstance(schema, (dict, bool)):
         raise SchemaError(f"json_schema must be a JSON object (or true), got {type(schema).__name__}")
     check_schema_size(schema)

@@ -449,15 +449,12 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
     ``ValueError`` naming the keyword (and its location) at fault."""
     from llguidance import LLMatcher
 
-    from plait.runtime.constrained.json_schema import (MAX_SCHEMA_CHARS, check_schema_size, check_whitespace,
+    from plait.runtime.constrained.json_schema import (check_schema_size, check_whitespace, parse_schema_text,
                                                        plain_schema)
 
-    text = schema if isinstance(schema, str) else json.dumps(schema)
-    _check_size(text, "the schema's JSON text", MAX_SCHEMA_CHARS)
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"it is not valid JSON: {e}") from None
+    # a caller's dict too goes through its JSON text: that is what is bounded, and the
+    # round trip makes it plain JSON (tuples become lists)
+    value = parse_schema_text(schema if isinstance(schema, str) else json.dumps(schema))
     if not isinstance(value, (dict, bool)):
         raise ValueError("it must be a JSON object (or true/false)")
     check_schema_size(value)
