@@ -46,7 +46,7 @@ from typing import Any
 
 import aiohttp
 
-NO_CHUNKING = 1 << 20  # a step budget no prompt reaches: prompts are prefilled whole
+NO_CHUNKING = -1  # chunked_prefill_size: prompts are prefilled whole
 
 
 # -- datasets -----------------------------------------------------------------------------------

@@ -47,7 +47,8 @@ class EngineConfig:
     # token budget of a step; "auto" (plait.runtime.chunking) sizes prefill chunks from
     # measured steps to keep streaming decodes' inter-token latency within itl_target_ms
     # (None: 2x a decode-only step), and prefills whole prompts up to 4096 tokens when
-    # nothing decodes or no running decode streams
+    # nothing decodes or no running decode streams; -1 (SGLang's value): no chunking, a
+    # step takes whole prompts, up to the context length in tokens
     chunked_prefill_size: int | str = "auto"
     itl_target_ms: float | None = None
     schedule_policy: str = "lpm"
@@ -147,8 +148,9 @@ class EngineConfig:
                  "mem_fraction_static", self.mem_fraction_static, "None or a number in (0, 0.95]")
         _require(is_int(self.max_running_requests) and 1 <= self.max_running_requests <= 4096,
                  "max_running_requests", self.max_running_requests, "an integer in [1, 4096]")
-        _require(self.chunked_prefill_size == "auto" or (is_int(self.chunked_prefill_size) and self.chunked_prefill_size >= 1),
-                 "chunked_prefill_size", self.chunked_prefill_size, "auto or a positive integer")
+        _require(self.chunked_prefill_size == "auto" or (is_int(self.chunked_prefill_size)
+                                                          and (self.chunked_prefill_size >= 1 or self.chunked_prefill_size == -1)),
+                 "chunked_prefill_size", self.chunked_prefill_size, "auto, a positive integer or -1 (no chunking)")
         _require(self.itl_target_ms is None or (_is_num(self.itl_target_ms) and self.itl_target_ms > 0),
                  "itl_target_ms", self.itl_target_ms, "None or a number of milliseconds > 0")
         _require(self.schedule_policy in SCHEDULE_POLICIES, "schedule_policy", self.schedule_policy, ", ".join(SCHEDULE_POLICIES))

@@ -184,7 +184,9 @@ class Scheduler:
                          default=0) if decoding and streaming else 0
             budget = self.chunks.budget(decoding, streaming, prefix) - batch.num_draft_tokens
         else:
-            budget = self.config.chunked_prefill_size - decoding - batch.num_draft_tokens
+            size = self.config.chunked_prefill_size
+            # -1: no chunking, any prompt the context holds is prefilled in one step
+            budget = self.context_len if size == -1 else size - decoding - batch.num_draft_tokens
         budget = self._continue_prefills(batch, max(budget, 0))
         self._admit(batch, budget)
         if not batch.extends and not decoding:

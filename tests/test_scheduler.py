@@ -46,6 +46,26 @@ def test_long_prompt_is_chunked_while_decodes_advance(folder):
         engine.check_invariants()
 
 
+def test_no_chunking_prefills_a_long_prompt_in_one_step_beside_decodes(folder):
+    """``chunked_prefill_size=-1`` (SGLang's "no chunking", as ``sgl.Runtime`` passes it)."""
+    from plait.runtime.server.sglang_options import translate
+
+    assert translate({"chunked_prefill_size": -1})["chunked_prefill_size"] == -1
+    with Engine(folder, kv_cache_tokens=4096, chunked_prefill_size=-1, context_length=1024) as engine:
+        decs = [engine.add_request(rand_ids(5 + i, i), {**GREEDY, "max_new_tokens": 40})[0] for i in range(2)]
+        while any(d.output_len == 0 for d in decs):
+            engine.step()
+        long = engine.add_request(rand_ids(1020, 2), {**GREEDY, "max_new_tokens": 4})[0]  # all but 4 of the context
+        batch = engine.scheduler.schedule()
+        assert set(decs) <= set(batch.decodes) and batch.extends == [(long, 1020)]
+        engine.scheduler.process_batch(batch, engine.runner.forward(batch))
+        assert long.num_computed == 1020 and long.output_len == 1
+        engine.run_until_done([*decs, long])
+        engine.check_invariants()
+    with pytest.raises(ValueError, match="chunked_prefill_size.*-1 .no chunking"):
+        Engine(folder, chunked_prefill_size=-2)
+
+
 def test_lpm_and_fcfs_order_differently(folder):
     shared = rand_ids(64, 3)
     with Engine(folder, kv_cache_tokens=4096, page_size=16) as engine:

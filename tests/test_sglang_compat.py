@@ -149,7 +149,6 @@ def test_runtime_takes_sglang_option_names(runtime, folder):
     (dict(quantization="fp8"), r"quantization='fp8' is invalid; allowed: none, int8, q4"),  # plait's own option
     (dict(enable_torch_compile=True), "enable_torch_compile=True is not supported by plait: .*CUDA graphs"),
     (dict(tokenizer_path="/elsewhere"), "tokenizer_path='/elsewhere' is not supported by plait"),
-    (dict(chunked_prefill_size=-1), "chunked_prefill_size=-1 is not supported by plait"),
     (dict(max_total_tokens=64, kv_cache_tokens=64), "max_total_tokens and kv_cache_tokens were both given"),
     (dict(no_such_option=1), "no_such_option"),
 ])

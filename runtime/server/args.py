@@ -26,8 +26,8 @@ ENGINE_HELP: dict[str, str] = {
     "mem_fraction_static": "share of memory for weights + KV pool, in (0, 0.95] (SGLang's rule): of the GPU's total "
                            "memory on CUDA (default 0.85), of the RAM available before loading on CPU (default 0.3)",
     "max_running_requests": "most requests decoding at once (also the page-table rows)",
-    "chunked_prefill_size": "token budget of one step (longer prompts are prefilled in chunks), or auto: chunks sized "
-                            "from measured steps to keep decodes within --itl-target-ms",
+    "chunked_prefill_size": "token budget of one step (longer prompts are prefilled in chunks), -1: no chunking, "
+                            "or auto: chunks sized from measured steps to keep decodes within --itl-target-ms",
     "itl_target_ms": "with chunked_prefill_size auto: the inter-token latency a step with a prefill chunk may reach "
                      "(default: 2x a decode-only step)",
     "schedule_policy": "order of admission: lpm (longest prefix match), dfs-weight (keeps prefix sharers together), fcfs",

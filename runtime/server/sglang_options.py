@@ -104,13 +104,6 @@ FOREIGN: dict[str, Foreign] = {
     "enable_metrics": Foreign(_always, "accepted; /metrics is always served", bool),
 }
 
-# values of plait options that SGLang gives a meaning plait does not have
-_REFUSED_VALUES: dict[tuple[str, Any], str] = {
-    ("chunked_prefill_size", -1): "plait always prefills long prompts in chunks; give the token budget of one step "
-                                  "(default 2048)",
-}
-
-
 def translate(options: dict[str, Any], model: str | None = None) -> dict[str, Any]:
     """``options`` with SGLang's names and values turned into plait's. SGLang options
     plait does not have are dropped where their value changes nothing and refused
@@ -132,9 +125,6 @@ def translate(options: dict[str, Any], model: str | None = None) -> dict[str, An
             raise ValueError(f"{other} and {name} were both given; they name the same option; give one")
         if isinstance(value, str):
             value = VALUE_ALIASES.get(target, {}).get(value, value)
-        refused = _REFUSED_VALUES.get((target, value)) if isinstance(value, (int, str)) else None
-        if refused is not None:
-            raise ValueError(f"{name}={value!r} is not supported by plait: {refused}")
         out[target] = value
     if given is not None and "model" in out:
         raise ValueError("model and model_path were both given; they name the same option; give one")
