@@ -42,11 +42,14 @@ MAX_CONSTRAINED_CALLS = 8  # calls one constrained turn may make when parallel c
 
 @dataclass
 class ToolCall:
-    """One function call: ``arguments`` is a JSON text (an object)."""
+    """One function call: ``arguments`` is a JSON text (an object), unless ``cut``:
+    the output ended (the length limit, a stop string) while the call was written, and
+    ``arguments`` is as far as it got."""
 
     id: str
     name: str
     arguments: str
+    cut: bool = False
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -100,11 +103,57 @@ def check_tools(tools: Any, param: str = "tools", nested: bool = True) -> list[d
         if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
             raise RequestError(f"{where}.parameters.required={required!r:.80} is invalid; allowed: an array of "
                                f"property names", f"{where}.parameters")
+        problem = schema_problem(params) if params else None
+        if problem is not None:
+            raise RequestError(f"Invalid schema for function {name!r} ({where}.parameters): {problem}",
+                               f"{where}.parameters")
         desc = fn.get("description")
         if desc is not None and not isinstance(desc, str):
             raise RequestError(f"{where}.description must be a string", f"{where}.description")
         out.append(fn)
     return out
+
+
+def schema_problem(schema: dict[str, Any]) -> str | None:
+    """What makes ``schema`` (a function's ``parameters``) no usable JSON Schema under
+    any ``tool_choice``, or None: over the translators' size and depth limits, invalid
+    under its draft's metaschema (``$schema``, else 2020-12; formats such as ``regex``
+    not checked: Python's ``re`` is not ECMA-262's), or a local ``$ref`` that points
+    nowhere. A valid schema that constrained decoding cannot enforce passes: only a
+    forced call enforces it (:meth:`ToolParser.constraint_regex`). Linear in the
+    schema's size, which the size check bounds first."""
+    import jsonschema
+
+    from plait.runtime.constrained.json_schema import (
+        _DATA_KEYWORDS, NOWHERE, SchemaError, check_schema_size, local_pointer, nested_resource_ref, pointer_target,
+    )
+
+    try:
+        check_schema_size(schema)
+    except SchemaError as e:
+        return str(e)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema, format_checker=None)
+    except jsonschema.SchemaError as e:
+        at = "".join(f"/{p}" for p in e.absolute_path)
+        return f"at #{at}: {e.message:.200}"
+    if nested_resource_ref(schema) is not None:
+        return None  # a $ref under a nested $id resolves against that $id (the translator refuses it)
+    stack: list[tuple[Any, str]] = [(schema, "#")]
+    while stack:
+        node, at = stack.pop()
+        if isinstance(node, list):
+            stack.extend((x, f"{at}/{i}") for i, x in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        parts = local_pointer(schema, node.get("$ref"))  # None: not a string, or another document's
+        if parts is not None and pointer_target(schema, parts) is NOWHERE:
+            return f"'$ref' at {at} points nowhere: {node['$ref']!r:.200}"
+        stack.extend((v, f"{at}/{k}") for k, v in node.items()
+                     if k not in _DATA_KEYWORDS and isinstance(v, (dict, list)))
+    return None
 
 
 def _names(tools: list[dict[str, Any]]) -> set[str]:
@@ -128,7 +177,8 @@ def _arguments_regex(fn: dict[str, Any], where: str) -> str:
     try:
         return schema_to_regex({**params, "type": "object"})
     except ValueError as e:
-        raise RequestError(f"{where}.parameters cannot be enforced: {e}", f"{where}.parameters") from None
+        raise RequestError(f"{where}.parameters (function {fn['name']!r}) cannot be enforced: {e}",
+                           f"{where}.parameters") from None
 
 
 def _no_parameters(params: dict[str, Any] | None) -> bool:
@@ -277,14 +327,15 @@ class ToolParser:
 
     def parse(self, text: str, tools: list[dict[str, Any]], cut: bool = False) -> tuple[str, list[ToolCall]]:
         """``(content, calls)``: the content is the text outside valid calls (stripped);
-        output with no valid call is ``(text, [])``. ``cut``: the text was cut off by
-        the length limit, so a call in progress (its name known, its arguments begun)
-        is a call too, its arguments as far as they were written (what a stream sent)."""
+        output with no valid call is ``(text, [])``. ``cut``: the text was cut off (by
+        the length limit or a stop string), so a call in progress (its name known, its
+        arguments begun) is a call too, its arguments as far as they were written (what
+        a stream sent), marked :attr:`ToolCall.cut`."""
         try:
             s = self.scan(text, _names(tools), not cut)
         except Exception:  # noqa: BLE001 - a parser bug must not fail a request; the text stays content
             return text, []
-        calls = [ToolCall(new_call_id(), c.name, c.args) for c in s.calls if c.complete or cut]
+        calls = [ToolCall(new_call_id(), c.name, c.args, not c.complete) for c in s.calls if c.complete or cut]
         if not calls:
             return text, []
         content = (text[:s.content_end] + "".join(s.rest)).strip()
@@ -702,7 +753,8 @@ class ToolStream:
     call whose name streamed and whose text turned out invalid (cut off by the length
     limit, or broken JSON): its arguments stop where they were valid so far. With
     ``finish(cut=True)`` (the length limit cut the output) such a call stays a call,
-    as ``parse(text, tools, cut=True)`` reads it, and its text is not sent as content.
+    as ``parse(text, tools, cut=True)`` reads it (:attr:`ToolCall.cut` set in
+    :attr:`calls`), and its text is not sent as content.
     """
 
     def __init__(self, parser: ToolParser, tools: list[dict[str, Any]]) -> None:
@@ -741,6 +793,8 @@ class ToolStream:
                 out.append({"tool_calls": [{"index": k, "id": self.calls[k].id, "type": "function",
                                             "function": {"name": c.name, "arguments": ""}}]})
             k, sent = self.index[c.key], self.sent_args[c.key]
+            if final:
+                self.calls[k].cut = not c.complete
             if len(c.args) > sent and c.args.startswith(self.calls[k].arguments):
                 frag = c.args[sent:]
                 self.sent_args[c.key] = len(c.args)

@@ -319,8 +319,10 @@ class ChatOutput:
     max_calls: int | None = None  # 1 with parallel_tool_calls false: later calls are dropped
 
     def message(self, text: str, cut: bool = False) -> tuple[dict[str, Any], bool]:
-        """The assistant message and whether it calls tools; ``cut``: the length limit
-        ended the text, so a call it cut off is a call, as far as written (as streamed)."""
+        """The assistant message and whether it ends in whole tool calls (none cut off:
+        finish_reason ``tool_calls``); ``cut`` (:func:`output_cut`): the text ended
+        before the model ended it, so a call it cut off is a call, as far as written
+        (as streamed)."""
         reasoning, content = self.reasoning.parse(text) if self.reasoning else (None, text)
         calls = []
         if self.tool_parser is not None:
@@ -331,7 +333,7 @@ class ChatOutput:
             msg["reasoning_content"] = reasoning
         if calls:
             msg["tool_calls"] = [c.to_openai() for c in calls]
-        return msg, bool(calls)
+        return msg, bool(calls) and not any(c.cut for c in calls)
 
     def stream(self) -> ChatStream:
         return ChatStream(self.reasoning.stream() if self.reasoning else None,
@@ -350,7 +352,9 @@ class ChatStream:
 
     @property
     def has_calls(self) -> bool:
-        return self.tools is not None and bool(self.tools.calls)
+        """The output made tool calls and none was cut off (as :meth:`ChatOutput.message`)."""
+        calls = self.tools.calls[: self.max_calls] if self.tools is not None else []
+        return bool(calls) and not any(c.cut for c in calls)
 
     def _kept(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``deltas`` without those of calls past ``max_calls``."""
@@ -362,7 +366,7 @@ class ChatStream:
         return self._step(text, False)
 
     def finish(self, cut: bool = False) -> list[dict[str, Any]]:
-        """The last deltas; ``cut``: the length limit ended the output."""
+        """The last deltas; ``cut``: :func:`output_cut`."""
         return self._step("", True, cut)
 
     def _step(self, text: str, final: bool, cut: bool = False) -> list[dict[str, Any]]:
@@ -382,7 +386,18 @@ class ChatStream:
         return out
 
 
+def output_cut(meta: dict[str, Any]) -> bool:
+    """The output ended before the model ended it: the length limit, or a stop string
+    of the request (matched inside a tool call, it cuts the call: the call so far is
+    reported, with finish_reason ``stop`` and ``matched_stop``, as a length cut is with
+    ``length``). EOS and stop tokens are the model's own end (a call they leave open is
+    not a call)."""
+    fr = meta.get("finish_reason") or {}
+    return fr.get("type") == "length" or (fr.get("type") == "stop" and isinstance(fr.get("matched"), str))
+
+
 def chat_finish_reason(meta: dict[str, Any], has_calls: bool) -> str | None:
+    """OpenAI's finish_reason; ``has_calls``: the output ends in whole tool calls."""
     fr = finish_reason(meta)
     return "tool_calls" if has_calls and fr == "stop" else fr
 
@@ -391,7 +406,7 @@ def chat_chunks(job: Job, cs: ChatStream, index: int, text: str | None, *, role:
                 meta: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The stream chunks of one engine chunk (``text``) or of the end (``meta``, the
     result's meta info): deltas first (role and logprobs on the first), then the finish."""
-    deltas = cs.feed(text) if meta is None else cs.finish(finish_reason(meta) == "length")
+    deltas = cs.feed(text) if meta is None else cs.finish(output_cut(meta))
     if not deltas and (role or logprobs is not None) and meta is None:
         deltas = [{}]
     out = []
@@ -646,7 +661,7 @@ def response(front: Front, job: Job, results: dict[tuple[int, int], P.GenerateRe
         pairs = meta.get("output_token_logprobs", [])
         tops = meta.get("output_top_logprobs") if job.logprobs else None
         if job.chat:
-            message, has_calls = (job.output or ChatOutput()).message(r.text, finish_reason(meta) == "length")
+            message, has_calls = (job.output or ChatOutput()).message(r.text, output_cut(meta))
             choice["message"] = message
             choice["finish_reason"] = chat_finish_reason(meta, has_calls)
             choice["logprobs"] = None if job.logprobs is None else {"content": fmt.chat(pairs, tops)}

@@ -1,0 +1,187 @@
+"""Tool schemas and stop strings on ``/v1/chat/completions``.
+
+A broken ``parameters`` schema (not a JSON Schema, or a ``$ref`` that points nowhere)
+is a 400 naming the function under every ``tool_choice``; a valid schema that
+constrained decoding cannot enforce is served under ``auto``/``none`` (only shown to
+the model) and a 400 only when a call is forced. A stop string that cuts a call the
+model is writing under ``auto`` gives the call so far with finish_reason ``stop``, the
+same streamed or not (a random model rarely calls a tool by itself, so that part drives
+the real response and stream formatting with the output text and finish reason the
+engine would send).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from plait import protocol as P
+from plait.errors import RequestError
+from plait.runtime.server import launch
+from plait.runtime.server import openai_api as oa
+from plait.tool_parsers import check_tools, get_tool_parser
+
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+BROKEN = [  # (parameters, what the message says)
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}, "points nowhere: '#/$defs/Missing'"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/b"}},
+      "$defs": {"b": {"type": "array", "items": {"$ref": "#/$defs/gone"}}}}, "'$ref' at #/$defs/b/items"),
+    ({"type": "object", "properties": {"a": 5}}, "at #/properties/a: 5 is not of type"),
+    ({"type": "object", "properties": {"a": {"type": "strin"}}}, "at #/properties/a/type"),
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": -1}}}, "at #/properties/a/minLength"),
+]
+# valid JSON Schema that plait's translation refuses (a reference to another document)
+UNENFORCEABLE = {"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}
+CHOICES = ["auto", "none", "required", {"type": "function", "function": {"name": "bad"}}]
+
+
+def _tools(params: dict) -> list[dict]:
+    return [{"type": "function", "function": {"name": "add", "parameters": ADD}},
+            {"type": "function", "function": {"name": "bad", "description": "x", "parameters": params}}]
+
+
+@pytest.mark.parametrize("params,says", BROKEN)
+def test_a_broken_schema_names_the_function_and_the_problem(params, says):
+    with pytest.raises(RequestError) as e:
+        check_tools(_tools(params))
+    assert e.value.param == "tools[1].function.parameters"
+    assert "function 'bad'" in e.value.message and says in e.value.message, e.value.message
+    flat = [{"type": "function", **t["function"]} for t in _tools(params)]  # the Responses API's shape
+    with pytest.raises(RequestError) as e:
+        check_tools(flat, nested=False)
+    assert e.value.param == "tools[1].parameters" and says in e.value.message
+
+
+@pytest.mark.parametrize("params", [
+    ADD, UNENFORCEABLE,
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/b"}}, "$defs": {"b": {"type": "string"}}},
+    {"type": "object", "properties": {"a": {"$ref": "#"}}},  # the root itself
+    {"type": "object", "properties": {"a": {"enum": [{"$ref": "#/nowhere"}]}}},  # a value, not a reference
+    {"type": "object", "properties": {"a": {"type": "string", "pattern": "^\\p{L}+$"}}},  # ECMA-262, not Python re
+    {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+     "properties": {"a": {"$ref": "#/definitions/b"}}, "definitions": {"b": {}}},
+])
+def test_valid_schemas_pass(params):
+    assert [fn["name"] for fn in check_tools(_tools(params))] == ["add", "bad"]
+
+
+@pytest.fixture(scope="module")
+def http(tiny_model_factory):
+    with launch(str(tiny_model_factory("llama")), num_threads=1, kv_cache_tokens=4096, max_running_requests=4,
+                served_model_name="tiny") as rt, httpx.Client(base_url=rt.url, timeout=120) as c:
+        yield c
+
+
+def _chat(http: httpx.Client, tools: list[dict], choice, **extra) -> httpx.Response:
+    return http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": tools, "tool_choice": choice,
+        **extra})
+
+
+def test_a_broken_schema_is_a_400_under_every_tool_choice(http):
+    for params, says in BROKEN[:3]:
+        for choice in CHOICES:
+            for stream in (False, True):
+                r = _chat(http, _tools(params), choice, stream=stream)
+                err = r.json()["error"] if r.status_code == 400 else {}
+                assert err.get("param") == "tools[1].function.parameters", (params, choice, r.text)
+                assert "function 'bad'" in err["message"] and says in err["message"], err
+    r = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "tools": [
+        {"type": "function", "name": "bad", "parameters": BROKEN[0][0]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].parameters", r.text
+    assert http.get("/health").status_code == 200
+
+
+def test_an_unenforceable_schema_is_served_unless_a_call_is_forced(http):
+    for choice in ("auto", "none"):
+        r = _chat(http, _tools(UNENFORCEABLE), choice)
+        assert r.status_code == 200, (choice, r.text)
+    for choice in CHOICES[2:]:
+        r = _chat(http, _tools(UNENFORCEABLE), choice)
+        err = r.json()["error"] if r.status_code == 400 else {}
+        assert err.get("param") == "tools[1].function.parameters", (choice, r.text)
+        assert "function 'bad'" in err["message"] and "cannot be enforced" in err["message"], err
+    r = _chat(http, _tools(UNENFORCEABLE), {"type": "function", "function": {"name": "add"}})
+    assert r.status_code == 200, r.text  # forcing another function does not enforce this one
+
+
+# -- stop strings under auto ------------------------------------------------------------------
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": ADD}}]
+HERMES = get_tool_parser("hermes")
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+
+def _job(stream: bool, parallel: bool = True) -> oa.Job:
+    output = oa.ChatOutput(None, HERMES, TOOLS, None if parallel else 1)
+    return oa.Job(True, "chatcmpl-x", "tiny", 0, [], 1, stream, output=output)
+
+
+def _both(text: str, finish: dict) -> tuple[tuple, tuple]:
+    """(finish_reason, content, calls) of ``text`` ended by ``finish`` as the response
+    and as the stream assembled (deltas fed in 3-character pieces)."""
+    meta = {"finish_reason": finish, "completion_tokens": 1}
+    result = P.GenerateResult(rid="x", text=text, meta_info=meta)
+    choice = oa.response(None, _job(False), {(0, 0): result})["choices"][0]
+    msg = choice["message"]
+    whole = (choice["finish_reason"], msg["content"] or "",
+             [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])])
+    job = _job(True)
+    cs = job.output.stream()
+    chunks = [c for i in range(0, len(text), 3) for c in oa.chat_chunks(job, cs, 0, text[i:i + 3], role=i == 0)]
+    chunks += oa.chat_chunks(job, cs, 0, None, role=False, meta=meta)
+    content, calls, fr = "", {}, None
+    for ch in chunks:
+        c = ch["choices"][0]
+        content += c["delta"].get("content") or ""
+        for tc in c["delta"].get("tool_calls", []):
+            name, args = calls.get(tc["index"], ("", ""))
+            calls[tc["index"]] = (name + (tc["function"].get("name") or ""), args + tc["function"].get("arguments", ""))
+        fr = c["finish_reason"] or fr
+        if c["finish_reason"] is not None:
+            assert c["matched_stop"] == finish.get("matched")
+    return whole, (fr, content.strip(), [calls[k] for k in sorted(calls)])
+
+
+@pytest.mark.parametrize("stop", ["}", ", ", "\n</tool_call>"])
+def test_a_stop_string_inside_a_call_gives_the_call_so_far(stop):
+    text = CALL[:CALL.index(stop, len('<tool_call>\n{"name": "add", "arguments": {'))]
+    whole, streamed = _both(text, {"type": "stop", "matched": stop})
+    assert whole == streamed, (whole, streamed)
+    fr, content, calls = whole
+    assert content == "" and [name for name, _ in calls] == ["add"], whole
+    args = calls[0][1]
+    assert '{"a": 1, "b": 2}'.startswith(args) and args.startswith('{"a": 1')
+    if stop == "\n</tool_call>":  # the call object is closed: a whole call
+        assert fr == "tool_calls" and json.loads(args) == {"a": 1, "b": 2}
+    else:  # a cut call: finish_reason says the stop string ended it
+        assert fr == "stop"
+        with pytest.raises(ValueError):
+            json.loads(args)
+
+
+def test_a_stop_string_after_the_calls_keeps_them_whole():
+    whole, streamed = _both(CALL + "\nThe answer", {"type": "stop", "matched": " is"})
+    assert whole == streamed == ("tool_calls", "The answer", [("add", '{"a": 1, "b": 2}')])
+
+
+def test_eos_inside_a_call_leaves_it_content():
+    """The model's own end (EOS, matched by token id) inside a call: not a call."""
+    text = CALL[:40]
+    choice = oa.response(None, _job(False), {(0, 0): P.GenerateResult(
+        rid="x", text=text, meta_info={"finish_reason": {"type": "stop", "matched": 2}})})["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == text
+    assert "tool_calls" not in choice["message"]
+
+
+def test_a_cut_call_past_the_first_is_dropped_without_parallel_calls():
+    text = CALL + "\n" + CALL[:45]
+    meta = {"finish_reason": {"type": "stop", "matched": "}"}}
+    job = _job(False, parallel=False)
+    msg = oa.response(None, job, {(0, 0): P.GenerateResult(rid="x", text=text, meta_info=meta)})["choices"][0]
+    assert msg["finish_reason"] == "tool_calls" and len(msg["message"]["tool_calls"]) == 1
+    cs = _job(True, parallel=False).output.stream()
+    cs.feed(text)
+    cs.finish(True)
+    assert cs.has_calls
