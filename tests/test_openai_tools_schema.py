@@ -185,3 +185,33 @@ def test_a_cut_call_past_the_first_is_dropped_without_parallel_calls():
     cs.feed(text)
     cs.finish(True)
     assert cs.has_calls
+
+
+def test_a_stop_string_inside_a_call_in_the_responses_api_is_an_incomplete_item():
+    """The Responses API reads the same cut: the call so far, as an ``incomplete`` item
+    (the response is ``completed``: a stop string is a normal end, unlike the length limit)."""
+    import asyncio
+
+    from plait.runtime.server import responses_api as ra
+
+    text = CALL[:CALL.index("}")]
+    meta = {"finish_reason": {"type": "stop", "matched": "}"}, "completion_tokens": 1}
+    out = ra.response(ra.ResponseStore(), ra.ResponseJob(_job(False), [], {}, False),
+                      P.GenerateResult(rid="x", text=text, meta_info=meta))
+    assert out["status"] == "completed"
+    [item] = out["output"]
+    assert item["type"] == "function_call" and item["name"] == "add" and item["status"] == "incomplete"
+    assert item["arguments"].startswith('{"a": 1') and '{"a": 1, "b": 2}'.startswith(item["arguments"])
+
+    async def events():
+        for i in range(0, len(text), 3):
+            yield P.StreamChunk(rid="x", text=text[i:i + 3])
+        yield P.GenerateResult(rid="x", text=text, meta_info=meta)
+
+    async def run():
+        return [e async for e in ra.stream(ra.ResponseStore(), ra.ResponseJob(_job(True), [], {}, False), events())]
+
+    done = asyncio.run(run())[-1]
+    assert done["type"] == "response.completed"
+    assert [(i["type"], i["status"], i["arguments"]) for i in done["response"]["output"]] == \
+        [("function_call", "incomplete", item["arguments"])]

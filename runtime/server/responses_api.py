@@ -243,14 +243,15 @@ def finish(store: ResponseStore, rj: ResponseJob, items: list[dict[str, Any]], m
 
 
 def _mark_cut(items: list[dict[str, Any]], cut: bool) -> None:
-    """The length limit cut the output: its last item (a message, or a call whose
-    arguments stop where the limit fell) is ``incomplete``, as OpenAI marks it."""
+    """The length limit or a stop string cut the output: its last item (a message, or a
+    call whose arguments stop where the cut fell) is ``incomplete``, as OpenAI marks
+    it (the response itself is ``incomplete`` only for the length limit)."""
     if cut and items:
         items[-1]["status"] = "incomplete"
 
 
 def response(store: ResponseStore, rj: ResponseJob, result: P.GenerateResult) -> dict[str, Any]:
-    cut = oa.finish_reason(result.meta_info) == "length"
+    cut = oa.output_cut(result.meta_info)
     message, _ = (rj.job.output or oa.ChatOutput()).message(result.text, cut)
     items = output_items(message)
     _mark_cut(items, cut)
@@ -358,7 +359,7 @@ async def stream(store: ResponseStore, rj: ResponseJob, events: AsyncIterator[An
             for e in ev.deltas(cs.feed(msg.text)):
                 yield e
         else:
-            cut = oa.finish_reason(msg.meta_info) == "length"
+            cut = oa.output_cut(msg.meta_info)
             out = ev.deltas(cs.finish(cut))
             _mark_cut(ev.items, cut)
             for e in out + ev.close():
