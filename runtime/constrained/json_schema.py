@@ -345,7 +345,7 @@ def plain_schema(schema: Any) -> Any:
     refuses it by name)."""
     if not isinstance(schema, dict) or nested_resource_ref(schema) is not None:
         return schema  # the rewrites read $refs against the root (llguidance itself follows nested $ids)
-    t = _Translator(schema, "")
+    t = _Translator(schema, "", mark_refs=False)  # llguidance's grammar recurses itself
     seen = [0]
 
     def kept(s: dict[str, Any]) -> dict[str, Any]:  # what a rewritten schema keeps beside its cases
@@ -480,9 +480,15 @@ def _plain_dependencies(t: _Translator, s: dict[str, Any]) -> dict[str, Any] | N
 
 
 class _Translator:
-    def __init__(self, root: Any, ws: str) -> None:
+    """The regex translation of one schema. ``mark_refs``: :meth:`merge` marks what it
+    returns with the ``$ref``s it inlined (:data:`_VIA`), which :meth:`value` counts as
+    expanding (the recursion check); the llguidance rewrites (:func:`plain_schema`),
+    which write a grammar that recurses itself, leave it off."""
+
+    def __init__(self, root: Any, ws: str, mark_refs: bool = True) -> None:
         self.root = root
         self.ws = ws
+        self.mark_refs = mark_refs
         self.refs: list[str] = []  # $refs being expanded (recursion check)
         self.expanded = 0  # subschemas translated so far (MAX_SCHEMA_EXPANSION)
         self.deadline = time.monotonic() + MAX_TRANSLATE_S
@@ -506,6 +512,8 @@ class _Translator:
             raise SchemaError(f"json_schema at {path} is false: no value can satisfy it")
         if not isinstance(s, dict):
             raise SchemaError(f"json_schema at {path} must be an object or a boolean, got {type(s).__name__}")
+        if _VIA in s:  # a merge that inlined $ref targets: translated as expanding them
+            return self.expanding(s[_VIA], {k: v for k, v in s.items() if k != _VIA}, path)
         if self.ref_alone and "$ref" in s:
             s = {"$ref": s["$ref"]}
         s = _lift_dependencies(s)
@@ -614,20 +622,30 @@ class _Translator:
 
     def ref(self, s: dict[str, Any], path: str) -> str:
         ref = s["$ref"]
-        if self.refs.count(ref) > RECURSION_UNROLL:
-            raise _Cutoff(f"json_schema '$ref' at {path} is recursive ({ref!r}) and no value of it ends within "
-                          f"{RECURSION_UNROLL + 1} levels (optional properties, empty arrays or other alternatives end "
-                          "a recursion in the regex)")
-        if len(self.refs) >= MAX_REF_DEPTH:
+        target = self.resolve(ref, path)
+        rest = {k: v for k, v in s.items() if k != "$ref" and _validates(k)}
+        return self.expanding([ref], self.merge([target, rest], path) if rest else target, path)
+
+    def expanding(self, refs: list[str], s: Any, path: str) -> str:
+        """``s`` translated while ``refs`` are expanded (their targets are in ``s``): a
+        ``$ref`` already expanded ``RECURSION_UNROLL + 1`` times inside itself ends
+        there (:class:`_Cutoff`: the optional place holding it is left out)."""
+        for ref in refs:
+            if self.refs.count(ref) > RECURSION_UNROLL:
+                raise _Cutoff(
+                    f"json_schema '$ref' at {path} is recursive ({ref!r}) and no value of it ends within "
+                    f"{RECURSION_UNROLL + 1} levels: the regex translation unrolls a recursion at most "
+                    f"{RECURSION_UNROLL + 1} levels deep, then ends it where the schema lets it end (an optional "
+                    "property left out, an empty array, another anyOf/oneOf branch); grammar_backend 'llguidance' "
+                    "(or 'auto') writes a grammar that recurses to any depth")
+        if len(self.refs) + len(refs) > MAX_REF_DEPTH:
             raise SchemaError(f"json_schema '$ref' at {path} is expanded inside {MAX_REF_DEPTH} others; allowed: at most "
                               f"{MAX_REF_DEPTH}")
-        target = self.resolve(ref, path)
-        rest = {k: v for k, v in s.items() if k != "$ref" and k not in ANNOTATIONS}
-        self.refs.append(ref)
+        self.refs.extend(refs)
         try:
-            return self.value(self.merge([target, rest], path) if rest else target, path)
+            return self.value(s, path)
         finally:
-            self.refs.pop()
+            del self.refs[len(self.refs) - len(refs):]
 
     def all_of(self, s: dict[str, Any], path: str) -> list[Any]:
         subs = s["allOf"]
@@ -641,6 +659,7 @@ class _Translator:
         out: dict[str, Any] = {}
         flat: list[Any] = []
         conds: list[dict[str, Any]] = []
+        via: list[str] = []  # the $refs inlined here (each once: A and A is A)
         todo = list(subs)
         while todo:
             sub = todo.pop(0)
@@ -654,7 +673,9 @@ class _Translator:
                 raise SchemaError(f"json_schema 'allOf' at {path} contains {sub!r}: no value can satisfy it")
             if "$ref" in sub:  # the target and the keywords beside it (from 2019-09), all of them
                 rest = {} if self.ref_alone else {k: v for k, v in sub.items() if k != "$ref"}
-                todo[:0] = [self.resolve(sub["$ref"], path)] + ([rest] if set(rest) - ANNOTATIONS else [])
+                target = [] if sub["$ref"] in via else [self.resolve(sub["$ref"], path)]
+                via.append(sub["$ref"])
+                todo[:0] = target + ([rest] if any(_validates(k) for k in rest) else [])
             elif "allOf" in sub:
                 todo[:0] = self.all_of(sub, path)
             elif "if" in sub:  # applied to the merge of the others, below
@@ -701,6 +722,8 @@ class _Translator:
                         raise _NoValue(f"json_schema 'allOf' at {path}: the 'enum' lists have no value in common")
                 elif k in (_FORBID, _NEED_ONE_OF):
                     out[k] = [*out[k], *v]
+                elif k == _VIA:
+                    out[k] = list(dict.fromkeys([*out[k], *v]))
                 elif out[k] == v or not _validates(k):
                     continue  # the same value, or an unknown keyword (an annotation: it does not constrain)
                 elif k == "const" and not _json_equal(out[k], v):
@@ -735,6 +758,8 @@ class _Translator:
                 if props.get(name) is False:
                     raise _NoValue(f"json_schema 'allOf' at {path} requires {name!r}, which no value satisfies (another "
                                    "part's additionalProperties: false, or values that conflict)")
+        if via and self.mark_refs:
+            out[_VIA] = list(dict.fromkeys([*out.get(_VIA, []), *via]))
         if not conds:
             return out
         cases = [out]  # each 'if' splits every case in two: its then-case and its else-case
@@ -1142,6 +1167,7 @@ class _Translator:
         """``jsonschema`` says ``value`` fails ``s`` (False when it cannot tell)."""
         if s is True or not isinstance(s, dict):
             return s is False
+        s = {k: v for k, v in s.items() if k != _VIA}  # no constraint
         if any(isinstance(k, str) and k.startswith(_INTERNAL) for k in s):
             return False  # narrowed by plait: not what jsonschema reads
         try:
@@ -1607,6 +1633,11 @@ class _Translator:
 # -- helpers ------------------------------------------------------------------------------
 _INTERNAL = "\x00"  # internal marks start with it (never a key of a user's schema)
 _FRACTIONAL = "\x00fractional"  # the number has a non-zero fraction (not: {type: integer})
+# the $refs a merge inlined (their targets' keywords are in the merged schema): value()
+# translates it as expanding them, so a recursion through allOf, or through an anyOf
+# branch merged with the keywords beside the list, is counted like a $ref (it is no
+# constraint: jsonschema's reading of the schema is the same without it)
+_VIA = "\x00via"
 
 
 def _type_negation(sub: Any) -> set[str] | None:
