@@ -17,6 +17,10 @@ client cannot make it quadratic with long ``$ref`` chains).
 Conservative both ways that matter: anything this does not read (an external
 ``$ref``, ``patternProperties``, a Lark construct it does not parse) counts as finite,
 so a constraint is refused only when every value it admits provably never ends.
+``not`` and ``if``/``then``/``else`` are among those: they only narrow the values of
+the schema beside them, so the values read here are a superset of the real ones and a
+refusal stays right; what is missed is a recursion they alone make unending (``then:
+{"required": ["next"]}``), which is let through (tests/test_schema_regex_siblings.py).
 """
 
 from __future__ import annotations

@@ -13,6 +13,20 @@ admits a subset of the valid texts, never more.
 Output layout: properties in declared order, optional ones may be left out; no
 whitespace between tokens unless ``whitespace`` (a regex over spaces, tabs and
 newlines) is given. Torch-free.
+
+Repeated keys: listed properties are written once each, but the keys of a free-form
+object (no listed ``properties``: ``{"type": "object"}``, ``additionalProperties``,
+``patternProperties``, ``propertyNames``) may repeat in a text. This is a decision, not
+an oversight. A regex cannot keep them distinct: "a list of distinct strings" is not a
+regular language (an automaton would have to remember every key written so far), and
+over a finite set of n keys it is, but with a state per subset written (2**n). It is
+sound as it stands: RFC 8259 says names SHOULD be unique and leaves the duplicate's
+reading to the parser; Python's ``json`` (and so ``jsonschema``) keeps the last value,
+others the first, and every pair of a free-form object is drawn from the same
+alternatives, so either reading is the text with the other copies left out, which the
+regex admits too and which validates. For the same reason ``maxProperties`` is enforced
+there (repeats only lower the count) and ``minProperties`` only up to 1 (a repeat would
+count once); a parser that rejects duplicate names may reject such an output.
 """
 
 from __future__ import annotations
@@ -933,11 +947,16 @@ class _Translator:
         if key == "oneOf":
             schemas = self.exclusive(schemas, path)
         branches = []
+        cutoff: _Cutoff | None = None
         for i, sub in enumerate(schemas):
             try:
                 branches.append(self.value(sub, f"{path}/{key}/{i}"))
-            except (_Cutoff, _NoValue):  # no value of this branch fits: the others remain
+            except _Cutoff as e:  # a recursion unrolled to its limit: the others remain
+                cutoff = e
+            except _NoValue:  # no value of this branch fits: the others remain
                 continue
+        if not branches and cutoff is not None:
+            raise cutoff  # every branch recurses on: the optional place holding the list is left out
         if not branches:
             raise _NoValue(f"json_schema {key!r} at {path}: no branch admits a value")
         return _alt(branches)
