@@ -43,24 +43,41 @@ def run(folder: str, prompts: list[list[int]], **options) -> tuple[list[dict], d
     """Outputs with prompt logprobs of one round, then the same prompts again (prefix
     hits); returns the first round and the engine's stats after both."""
     with Engine(folder, num_threads=1, **options) as engine:
-        first = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
+        first = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0,
+                                top_logprobs_num=2)
         engine.check_invariants()
         second = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-        assert [o["output_ids"] for o in second] == [o["output_ids"] for o in first]
+        for o, w in zip(second, first):
+            same_greedy(o["output_ids"], w)
         assert any(o["meta_info"]["cached_tokens"] > 0 for o in second)
         engine.check_invariants()
         assert engine.pool_usage()["locked"] == 0
         return first, engine.stats()
 
 
+def same_greedy(got: list[int], want: dict) -> int:
+    """How many of ``got``'s tokens to compare with ``want``'s output (its top 2
+    logprobs at each position): all of them, unless they part where ``want``'s two
+    best tokens are within ``LOGPROB_ATOL`` (a tie that fp32 summation order may flip:
+    seen on a random model with one KV head, a gap of 2e-6) and ``got`` took the other."""
+    ids, tops = want["output_ids"], want["meta_info"]["output_top_logprobs"]
+    assert len(got) == len(ids)
+    for k, (a, b) in enumerate(zip(got, ids)):
+        if a != b:
+            (l1, t1), (l2, t2) = tops[k][:2]
+            assert l1 - l2 < LOGPROB_ATOL and a in (t1, t2), f"token {k}: {a} against {b} (top 2: {tops[k]})"
+            return k
+    return len(got)
+
+
 def assert_same(got: list[dict], want: list[dict]) -> None:
     for i, (g, w) in enumerate(zip(got, want)):
-        assert g["output_ids"] == w["output_ids"], f"prompt {i}"
+        n = same_greedy(g["output_ids"], w)
         lg = torch.tensor([lp for lp, _ in g["meta_info"]["input_token_logprobs"][1:]] or [0.0])
         lw = torch.tensor([lp for lp, _ in w["meta_info"]["input_token_logprobs"][1:]] or [0.0])
         torch.testing.assert_close(lg, lw, atol=LOGPROB_ATOL, rtol=0)
-        og = torch.tensor([lp for lp, _ in g["meta_info"]["output_token_logprobs"]])
-        ow = torch.tensor([lp for lp, _ in w["meta_info"]["output_token_logprobs"]])
+        og = torch.tensor([lp for lp, _ in g["meta_info"]["output_token_logprobs"][: n + 1]])  # the tie's own too
+        ow = torch.tensor([lp for lp, _ in w["meta_info"]["output_token_logprobs"][: n + 1]])
         torch.testing.assert_close(og, ow, atol=LOGPROB_ATOL, rtol=0)
 
 
