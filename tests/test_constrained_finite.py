@@ -37,6 +37,25 @@ UNENDING_SCHEMAS = {
     "all_of_itself": {"type": "object", "allOf": [{"$ref": "#/$defs/n"}],
                       "$defs": {"n": {"type": "object", "properties": {"k": {"$ref": "#"}}, "required": ["k"]}}},
     "contains_itself": {"type": "array", "contains": {"$ref": "#"}},
+    # allOf parts apply to the same instance: required names, types and item counts
+    # combine with the properties and items of the schema beside them
+    "all_of_required": {"type": "object", "properties": {"next": {"$ref": "#"}}, "allOf": [{"required": ["next"]}]},
+    "all_of_type_and_required": {"properties": {"next": {"$ref": "#"}},
+                                 "allOf": [{"type": "object"}, {"required": ["next"]}]},
+    "all_of_property_in_a_part": {"type": "object", "required": ["next"],
+                                  "allOf": [{"properties": {"next": {"$ref": "#"}}}]},
+    "ref_beside_required": {"$defs": {"base": {"type": "object", "properties": {"child": {"$ref": "#/$defs/derived"}}},
+                                      "derived": {"$ref": "#/$defs/base", "required": ["child"]}},
+                            "$ref": "#/$defs/derived"},
+    "all_of_min_items": {"type": "array", "allOf": [{"minItems": 1}, {"items": {"$ref": "#"}}]},
+    "all_of_prefix_items": {"allOf": [{"type": "array", "prefixItems": [{"$ref": "#"}]}, {"minItems": 2}]},
+    # the property's value: an object (the schema's properties) and the part's required
+    # recursion (the part's properties): neither alone is unending
+    "property_schemas_meet": {"required": ["n"], "properties": {"n": {"type": "object"}},
+                              "allOf": [{"type": "object", "properties": {"n": {"properties": {"n": {"$ref": "#"}},
+                                                                                 "required": ["n"]}}}]},
+    "any_of_required_beside_properties": {"type": "object", "properties": {"l": {"$ref": "#"}, "r": {"$ref": "#"}},
+                                          "anyOf": [{"required": ["l"]}, {"required": ["r"]}]},
 }
 # each with a finite instance written by hand
 FINITE_SCHEMAS = {
@@ -59,6 +78,33 @@ FINITE_SCHEMAS = {
     "ref_to_false": ({"$ref": "#/$defs/b", "$defs": {"b": False}}, None),
     "required_ref_to_false": ({"type": "object", "properties": {"a": {"$ref": "#/$defs/no"}}, "required": ["a"],
                                "$defs": {"no": False}}, None),
+    "types_no_value_has": ({"allOf": [{"type": "integer"}, {"type": "string"}]}, None),
+    # allOf read together, with an end
+    "all_of_required_or_null": ({"type": ["object", "null"], "properties": {"next": {"$ref": "#"}},
+                                 "allOf": [{"required": ["next"]}]}, {"next": {"next": None}}),
+    "all_of_required_nullable_value": ({"type": "object",
+                                        "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+                                        "allOf": [{"required": ["next"]}]}, {"next": {"next": None}}),
+    "all_of_min_items_zero": ({"type": "array", "allOf": [{"minItems": 0}, {"items": {"$ref": "#"}}]}, [[], [[]]]),
+    "all_of_prefix_shorter_than_min": ({"type": "array", "allOf": [{"prefixItems": [{"type": "integer"}]},
+                                                                   {"minItems": 2}], "items": {"type": ["integer", "string"]}},
+                                       [1, "a"]),
+    "all_of_integer_within_number": ({"allOf": [{"type": ["number", "object"]}, {"type": ["integer", "object"]}],
+                                      "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, 3),
+    "all_of_required_in_an_other_property": ({"type": "object", "properties": {"next": {"$ref": "#"}},
+                                              "allOf": [{"properties": {"next": {"required": ["x"]}}}]},
+                                             {"next": {"x": 1}}),
+    "any_of_a_branch_without_recursion": ({"type": "object", "properties": {"l": {"$ref": "#"}},
+                                           "anyOf": [{"required": ["l"]}, {"required": ["x"]}]}, {"x": 1}),
+    "any_of_true_branch": ({"type": "object", "properties": {"l": {"$ref": "#"}},
+                            "anyOf": [True, {"required": ["l"]}]}, {}),
+    "two_lists_of_branches": ({"type": "object", "properties": {"l": {"$ref": "#"}},
+                               "anyOf": [{"required": ["l"]}, {}], "oneOf": [{"required": ["l"]}, {"required": ["m"]}]},
+                              {"m": 1}),
+    "pydantic_v1_all_of_ref": ({"$ref": "#/definitions/Node", "definitions": {"Node": {
+        "title": "Node", "type": "object", "properties": {
+            "next": {"title": "Next", "description": "the rest", "allOf": [{"$ref": "#/definitions/Node"}]}}}}},
+                               {"next": {}}),
 }
 
 UNENDING_GRAMMARS = {
@@ -143,6 +189,21 @@ def test_a_long_ref_chain_is_solved_in_one_pass():
     assert schema_unending({"$defs": {**defs, f"d{n}": {"type": "string"}}, "$ref": "#/$defs/d0"}) is None
     looped = {"$defs": {**defs, f"d{n}": {"$ref": "#/$defs/d0"}}, "$ref": "#/$defs/d0"}
     assert "goes on forever" in schema_unending(looped)
+
+
+def test_conjunctions_past_the_limit_count_as_finite(monkeypatch):
+    # a chain of $ref-only definitions, each a required property's schema: each property's
+    # conjunction holds the rest of the chain (quadratic); past the limit nothing is refused
+    from plait.runtime.constrained import finite
+
+    n = 60
+    defs = {f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(n)}
+    defs[f"a{n}"] = {"type": "object", "properties": {"x": {"$ref": "#/$defs/a0"}}, "required": ["x"]}
+    props = {f"p{i}": {"$ref": f"#/$defs/a{i}"} for i in range(n)}
+    schema = {"$defs": defs, "type": "object", "properties": props, "required": list(props)}
+    assert "goes on forever" in schema_unending(schema)
+    monkeypatch.setattr(finite, "MAX_CONJUNCTS", 1000)
+    assert schema_unending(schema) is None
 
 
 def test_the_and_or_solver_on_a_hand_built_graph():

@@ -12,7 +12,11 @@ It is the classic "productive symbols" computation of a context-free grammar, wr
 over an AND/OR graph (:class:`Productive`): an AND node holds when all its children do
 (a sequence, a schema's keywords together), an OR node when one child does (rule
 alternatives, ``anyOf``). Least fixpoint by counting, linear in the graph's size (a
-client cannot make it quadratic with long ``$ref`` chains).
+client cannot make it quadratic with long ``$ref`` chains). A schema's node is a
+*conjunction* (:class:`_Conjunctions`): what ``allOf`` and ``$ref`` put beside it
+applies to the same instance, so ``{"properties": {"next": {"$ref": "#"}}, "allOf":
+[{"required": ["next"]}]}`` is read as requiring ``next``. The conjunctions one schema
+makes are bounded (:data:`MAX_CONJUNCTS`; past it the schema counts as finite).
 
 Conservative both ways that matter: anything this does not read (an external
 ``$ref``, ``patternProperties``, a Lark construct it does not parse) counts as finite,
@@ -29,6 +33,7 @@ import re
 from typing import Any
 
 _SCALARS = frozenset(("null", "boolean", "string", "number", "integer"))
+_TYPES = _SCALARS | {"object", "array"}
 
 
 class Productive:
@@ -69,82 +74,145 @@ class Productive:
 
 
 # -- JSON Schema --------------------------------------------------------------------------------
+MAX_CONJUNCTS = 200_000  # subschemas read into conjunctions, in all; past it the schema counts as finite
+
+
 def schema_unending(root: Any) -> str | None:
     """None when some finite JSON value may satisfy ``root`` (a parsed schema, as the
     llguidance compiler gets it), or when none would even if every recursion ended (a
-    ``false`` subschema: no value at all, which the compiler names); else what says why
-    not: the local ``$ref`` targets with no finite value."""
-    g, top, targets, edges = _schema_graph(root, cut=frozenset())
-    value = g.solve()
-    if value[top]:
+    ``false`` subschema, types no value has: no value at all, which the compiler names);
+    else what says why not: the local ``$ref`` targets the endless recursion goes
+    through."""
+    try:
+        strict = _Conjunctions(root, cut=frozenset())
+        value = strict.g.solve()
+        if value[strict.top]:
+            return None
+        loose = _Conjunctions(root, cut=_cyclic(strict.edges))
+    except _TooMany:
         return None
-    loose, loose_top, _, _ = _schema_graph(root, cut=_cyclic(edges))
-    if not loose.solve()[loose_top]:
+    if not loose.g.solve()[loose.top]:
         return None  # no value even with every recursion ended: not a recursion's fault
+    stuck_ids = {i for key, node in strict.nodes.items() if not value[node] for i in key}
     stuck = sorted("#" + "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in place)
-                   for place, i in targets.items() if not value[i])
+                   for place, i in strict.places.items() if i in stuck_ids)
     return ("every value it admits goes on forever: a required property, minItems or allOf recurses through "
-            f"$ref with no way out (no finite value for: {', '.join(repr(p) for p in stuck[:4])}); give the "
+            f"$ref with no way out (no finite value through: {', '.join(repr(p) for p in stuck[:4])}); give the "
             "recursion an end (make it optional, add null or an empty case through anyOf)")
 
 
-_TOP: tuple[str, ...] = ("<top>",)  # the owner of what is not under any $ref target
+class _TooMany(Exception):
+    """More than :data:`MAX_CONJUNCTS` read: the schema counts as finite (not read)."""
 
 
-def _schema_graph(root: Any, cut: frozenset) -> tuple[Productive, int, dict[tuple[str, ...], int], set]:
-    """The AND/OR graph of ``root``'s "has a finite value", its top node, the node of
-    each local ``$ref`` target, and the ``$ref`` edges (owner target, target) seen; a
-    ``$ref`` edge in ``cut`` counts as satisfiable (a recursion taken as ended)."""
-    from plait.runtime.constrained.json_schema import NOWHERE, local_pointer, pointer_target
+class _Conjunctions:
+    """The AND/OR graph of "a finite value satisfies all of these subschemas at once",
+    one node per *conjunction*: the set of subschemas one instance must satisfy, closed
+    under ``allOf`` and local ``$ref`` (JSON Schema applies both to the instance itself).
+    Its keywords read together: ``type`` intersected (``integer`` within ``number``),
+    ``required`` names united, each required property's value the conjunction of every
+    part's schema for that name (``properties``, else ``additionalProperties``), the
+    largest ``minItems`` with each needed index's item schemas together; each
+    ``contains`` alone. An ``anyOf``/``oneOf`` is an OR of its branches, each added to
+    the whole conjunction when it is the only list of branches there not yet chosen
+    from (so ``anyOf: [{required: [a]}, ..]`` beside ``properties`` is read), else each
+    branch alone (a superset of its values: no blow-up over several lists).
 
-    g = Productive()
-    targets: dict[tuple[str, ...], int] = {}
-    edges: set[tuple[tuple[str, ...], tuple[str, ...]]] = set()
-    pending: list[tuple[int, Any, tuple[str, ...]]] = []
+    Nodes are keyed by the set of subschemas, so a recursion meets a node again: a
+    cycle, which the least fixpoint leaves false unless an exit makes it true. A child
+    edge in ``cut`` counts as satisfiable (a recursion taken as ended). ``edges``: the
+    (parent, child) node keys seen; ``places``: each ``$ref`` target's place and the
+    id of its subschema."""
 
-    def target(place: tuple[str, ...]) -> int:
-        if place in targets:
-            return targets[place]
-        node = pointer_target(root, list(place))
-        if node is NOWHERE:
-            targets[place] = g.true  # a dangling $ref is the compiler's to report
-            return g.true
-        targets[place] = i = g.node(True)
-        pending.append((i, node, place))
-        return i
+    def __init__(self, root: Any, cut: frozenset) -> None:
+        self.root, self.cut = root, cut
+        self.g = Productive()
+        self.nodes: dict[frozenset[int], int] = {}
+        self.keys: dict[int, frozenset[int] | None] = {}  # id(subschema) -> its conjunction's key
+        self.places: dict[tuple[str, ...], int] = {}
+        self.edges: set[tuple[frozenset[int], frozenset[int]]] = set()
+        self.budget = MAX_CONJUNCTS
+        self.pending: list[tuple[int, list[dict[str, Any]], frozenset[int]]] = []
+        self.top = self.conj([root], None)
+        while self.pending:
+            i, flat, key = self.pending.pop()
+            self.g.kids[i] = [self.body(flat, key)]
 
-    def build(s: Any, owner: tuple[str, ...]) -> int:
-        if s is False:
-            return g.false
-        if not isinstance(s, dict):
-            return g.true
-        parts: list[int] = []
-        place = local_pointer(root, s.get("$ref"))
-        if place is not None:
-            edges.add((owner, tuple(place)))
-            if (owner, tuple(place)) not in cut:
-                parts.append(target(tuple(place)))
-        if isinstance(s.get("allOf"), list):
-            parts += [build(x, owner) for x in s["allOf"]]
-        for k in ("anyOf", "oneOf"):
-            if isinstance(s.get(k), list) and s[k]:
-                parts.append(g.node(False, [build(x, owner) for x in s[k]]))
-        types = s.get("type")
-        types = [types] if isinstance(types, str) else types if isinstance(types, list) else None
-        if "const" not in s and "enum" not in s and types is not None and not _SCALARS.intersection(types):
-            alts = []
-            if "object" in types:
-                alts.append(g.node(True, [build(_property(s, name), owner) for name in _required(s)]))
-            if "array" in types:
-                alts.append(g.node(True, [build(x, owner) for x in _needed_items(s)]))
-            parts.append(g.node(False, alts))
+    def conj(self, schemas: list[Any], parent: frozenset[int] | None) -> int:
+        """The node of ``schemas`` together (reached from node ``parent``)."""
+        single = id(schemas[0]) if len(schemas) == 1 else None
+        if single is not None and single in self.keys:
+            key = self.keys[single]
+        else:
+            flat = self.flatten(schemas)
+            key = None if flat is None else frozenset(id(s) for s in flat)
+            if single is not None:
+                self.keys[single] = key
+            if key is not None and key not in self.nodes:
+                self.nodes[key] = i = self.g.node(True)
+                self.pending.append((i, flat or [], key))
+        if key is None:
+            return self.g.false
+        if not key:
+            return self.g.true
+        if parent is not None:
+            self.edges.add((parent, key))
+            if (parent, key) in self.cut:
+                return self.g.true
+        return self.nodes[key]
+
+    def flatten(self, schemas: list[Any]) -> list[dict[str, Any]] | None:
+        """``schemas`` with every ``allOf`` part and local ``$ref`` target they reach,
+        each once; None when one is ``false``."""
+        from plait.runtime.constrained.json_schema import NOWHERE, local_pointer, pointer_target
+
+        out: list[dict[str, Any]] = []
+        seen: set[int] = set()
+        todo = list(reversed(schemas))
+        while todo:
+            s = todo.pop()
+            if s is False:
+                return None
+            if not isinstance(s, dict) or id(s) in seen:
+                continue  # true, or what is not a schema: the compiler's to report
+            seen.add(id(s))
+            out.append(s)
+            self.budget -= 1
+            if self.budget < 0:
+                raise _TooMany
+            place = local_pointer(self.root, s.get("$ref"))
+            if place is not None:
+                target = pointer_target(self.root, place)
+                if target is not NOWHERE:  # a dangling $ref is the compiler's to report
+                    if isinstance(target, dict):
+                        self.places.setdefault(tuple(place), id(target))
+                    todo.append(target)
+            if isinstance(s.get("allOf"), list):
+                todo.extend(reversed(s["allOf"]))
+        return out
+
+    def body(self, flat: list[dict[str, Any]], key: frozenset[int]) -> int:
+        g = self.g
+        lists = []
+        for s in flat:
+            for k in ("anyOf", "oneOf"):
+                alts = s.get(k)
+                if (isinstance(alts, list) and alts and not any(id(x) in key for x in alts)
+                        and not any(x is True or not isinstance(x, (dict, bool)) for x in alts)):
+                    lists.append(alts)  # not yet chosen from, and no branch every value satisfies
+        parts = [g.node(False, [self.conj([*flat, x] if len(lists) == 1 else [x], key) for x in alts])
+                 for alts in lists]
+        if not any("const" in s or "enum" in s for s in flat):
+            types = _types(flat)
+            if types is not None and not _SCALARS.intersection(types):
+                alts = []
+                if "object" in types:
+                    names = dict.fromkeys(n for s in flat for n in _required(s))
+                    alts.append(g.node(True, [self.conj([_property(s, n) for s in flat], key) for n in names]))
+                if "array" in types:
+                    alts.append(g.node(True, [self.conj(items, key) for items in _needed_items(flat)]))
+                parts.append(g.node(False, alts))
         return g.node(True, parts)
-
-    top = build(root, _TOP)
-    while pending:
-        i, node, place = pending.pop()
-        g.kids[i] = [build(node, place)]
-    return g, top, targets, edges
 
 
 def _cyclic(edges: set) -> frozenset:
@@ -195,6 +263,20 @@ def _cyclic(edges: set) -> frozenset:
     return frozenset((u, v) for u, v in edges if comp[u] == comp[v])
 
 
+def _types(flat: list[dict[str, Any]]) -> set[str] | None:
+    """The types every part of a conjunction allows (None: no part says); a ``type`` with
+    a name no draft defines is not read."""
+    out: set[str] | None = None
+    for s in flat:
+        t = s.get("type")
+        names = [t] if isinstance(t, str) else t if isinstance(t, list) else None
+        if names is None or not all(isinstance(n, str) and n in _TYPES for n in names):
+            continue
+        allowed = set(names) | ({"integer"} if "number" in names else set())
+        out = allowed if out is None else out & allowed
+    return out
+
+
 def _required(s: dict[str, Any]) -> list[str]:
     req = s.get("required")
     return [r for r in req if isinstance(r, str)] if isinstance(req, list) else []
@@ -209,20 +291,23 @@ def _property(s: dict[str, Any], name: str) -> Any:
     return s.get("additionalProperties", True)
 
 
-def _needed_items(s: dict[str, Any]) -> list[Any]:
-    """The item schemas every array value must have (its first ``minItems`` and one
-    ``contains``)."""
-    n = s.get("minItems", 0)
-    n = n if isinstance(n, int) and not isinstance(n, bool) else 0
-    items = s.get("items")
-    if isinstance(items, list):  # draft 4-2019: a tuple, then additionalItems
-        prefix, rest = items, s.get("additionalItems", True)
-    else:
-        prefix = s.get("prefixItems") if isinstance(s.get("prefixItems"), list) else []
-        rest = True if items is None else items
-    out = [prefix[i] if i < len(prefix) else rest for i in range(min(n, len(prefix) + 1))]
-    if "contains" in s and s.get("minContains", 1) != 0:
-        out.append(s["contains"])
+def _needed_items(flat: list[dict[str, Any]]) -> list[list[Any]]:
+    """The item schemas (each a conjunction) every array value of all of ``flat`` must
+    have: its first ``minItems`` (the largest), each index's schemas from every part,
+    and one item per ``contains``."""
+    n = max((s["minItems"] for s in flat if isinstance(s.get("minItems"), int)
+             and not isinstance(s.get("minItems"), bool)), default=0)
+    shapes = []
+    for s in flat:
+        items = s.get("items")
+        if isinstance(items, list):  # draft 4-2019: a tuple, then additionalItems
+            shapes.append((items, s.get("additionalItems", True)))
+        else:
+            prefix = s.get("prefixItems")
+            shapes.append((prefix if isinstance(prefix, list) else [], True if items is None else items))
+    longest = max((len(prefix) for prefix, _ in shapes), default=0)
+    out = [[prefix[i] if i < len(prefix) else rest for prefix, rest in shapes] for i in range(min(n, longest + 1))]
+    out += [[s["contains"]] for s in flat if "contains" in s and s.get("minContains", 1) != 0]
     return out
 
 
