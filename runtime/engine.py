@@ -131,7 +131,11 @@ class Engine:
         )
         self.runner.fused = self._fused_decoder(self.model, attn)
         self._ids = itertools.count()
-        self._reqs: dict[str, Req] = {}  # unfinished client requests by rid
+        self._reqs: dict[str, Req] = {}  # unfinished sequences by rid
+        # client rid -> rids of its unfinished sequences (rid or rid#i): a request's
+        # sequences are found without a scan of every live request (a batch of
+        # thousands of prompts made submit and abort quadratic)
+        self._groups: dict[str, list[str]] = {}
         self._kept: set[str] = set()  # rids whose final output add_request keeps for result()
         self._results: dict[str, RequestOutput] = {}
         self._compiler: Grammars | None = None  # created with the first constraint
@@ -297,7 +301,7 @@ class Engine:
         nothing is checked again but the rid's uniqueness). With ``keep_results`` the
         finished outputs are also kept for :meth:`result` / :meth:`pop_result`."""
         base, params = inp.rid, inp.params
-        if any(k == base or k.startswith(base + "#") for k in self._reqs):
+        if base in self._groups or base in self._reqs:
             raise RequestError(f"rid={base!r} is already in use", "rid")
         future = self.grammar_compiler.request(inp.constraint) if inp.constraint is not None else None
         reqs = []
@@ -320,6 +324,7 @@ class Engine:
                 self._grammar_pending.append(r)
             self.outputs.start(r)
             self._reqs[r.rid] = r
+            self._groups.setdefault(base, []).append(r.rid)
             if keep_results:
                 self._kept.add(r.rid)
             self.scheduler.add_request(r)
@@ -369,13 +374,22 @@ class Engine:
         """Abort a waiting or running request (all ``n`` copies); True if one was found.
         Its final output comes from the next :meth:`step`."""
         found = False
-        for key in [k for k in self._reqs if k == rid or k.startswith(rid + "#")]:
+        for key in list(self._groups.get(rid) or ([rid] if rid in self._reqs else [])):
             found = self.scheduler.abort(self._reqs[key]) or found
         return found
 
     def live_rids(self) -> set[str]:
         """Client rids with a sequence not finished yet."""
-        return {r.group for r in self._reqs.values()}
+        return set(self._groups)
+
+    def _forget(self, rid: str, group: str) -> None:
+        """Sequence ``rid`` of client request ``group`` is no longer live."""
+        self._reqs.pop(rid, None)
+        seqs = self._groups.get(group)
+        if seqs is not None and rid in seqs:
+            seqs.remove(rid)
+            if not seqs:
+                del self._groups[group]
 
     def has_work(self) -> bool:
         """Requests to run, or outputs not yet returned by :meth:`step`."""
@@ -400,7 +414,7 @@ class Engine:
         outs = self.outputs.process(dict.fromkeys(r for r in changed if r.kind is ReqKind.GENERATE))
         for o in outs:
             if o.finished:
-                self._reqs.pop(o.rid, None)
+                self._forget(o.rid, o.group)
                 if o.rid in self._kept:
                     self._kept.discard(o.rid)
                     self._results[o.rid] = o
@@ -509,7 +523,7 @@ class Engine:
                 if not r.finished:
                     self.scheduler.abort(r, "generate() was interrupted")
                     self.outputs.forget(r)
-                self._reqs.pop(r.rid, None)
+                self._forget(r.rid, r.group)
         for o in outs:
             if o.error is not None:
                 raise o.error

@@ -36,6 +36,7 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_HEADER_BYTES = 64 * 1024
 RETRY_AFTER_S = 2  # what a 503 (engine restarting or down) tells clients
 PARSE_OFF_LOOP_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread
+SUBMIT_BATCH = 64  # a request with more prompts than this lets the loop run between each 64
 _json = msgspec.json.Encoder()
 
 
@@ -139,6 +140,8 @@ class Submission:
     async def submit(self, reqs: list[P.GenerateRequest], prompt_param: str | None = None) -> None:
         try:
             for i, r in enumerate(reqs):
+                if i and i % SUBMIT_BATCH == 0:
+                    await asyncio.sleep(0)  # other clients run between the slices of a large batch
                 self.states.append(await self.front.submit(r, self.queue.put_nowait, prompt_param=prompt_param))
                 self.prompt_of[r.rid] = i
         except RequestError:

@@ -1,0 +1,86 @@
+"""More careless and hostile clients (after test_server_hostile.py): transport quirks
+(chunked, compressed and BOM-prefixed bodies), batches that are large or repeat a rid,
+fields the OpenAI routes accepted unchecked, and streams dropped with n > 1. Each is
+served, or refused with a 4xx naming the problem, and never slows other clients."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from plait import protocol as P
+from plait.errors import RequestError
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+# -- batches --------------------------------------------------------------------------------------
+def test_a_large_batch_lets_the_loop_run_between_its_requests():
+    """Submitting the prompts of one request never awaited anything, so a batch of 20000
+    short prompts held the front's loop for seconds (no other client was served)."""
+    from plait.runtime.server.http_api import SUBMIT_BATCH, Submission
+
+    seen: list[str] = []
+
+    class Front:
+        async def submit(self, req: P.GenerateRequest, sink: Any, prompt_param: str | None = None) -> Any:
+            seen.append("submit")
+            return SimpleNamespace(rid=req.rid, n=1, done=set())
+
+    async def bystander() -> None:
+        while True:
+            seen.append("other")
+            await asyncio.sleep(0)
+
+    async def main() -> None:
+        other = asyncio.ensure_future(bystander())
+        await asyncio.sleep(0)
+        await Submission(Front()).submit([P.GenerateRequest(f"r{i}", input_ids=[1]) for i in range(4 * SUBMIT_BATCH)])
+        other.cancel()
+
+    asyncio.run(main())
+    first, last = seen.index("submit"), len(seen) - 1 - seen[::-1].index("submit")
+    assert seen.count("submit") == 4 * SUBMIT_BATCH
+    assert seen[first:last].count("other") >= 3  # between the slices
+
+
+def test_submit_and_abort_do_not_scan_every_live_request(tiny_model_factory):
+    """The engine checked a new rid and found an aborted rid's sequences by scanning all
+    live requests: quadratic in a batch (20000 prompts: 20 s of submits in the engine,
+    a bystander's stream stalled as long). Both now look up the rid's own sequences."""
+    from plait.runtime.engine import Engine
+    from plait.runtime.validation import validate_generate
+
+    with Engine(str(tiny_model_factory("llama")), num_threads=1, kv_cache_tokens=4096) as engine:
+        def inp(rid: str, n: int = 1) -> Any:
+            return validate_generate(rid, [1, 2], {"max_new_tokens": 1, "n": n, **GREEDY}, engine.limits)
+
+        for i in range(50):
+            engine.submit(inp(f"r{i}", 1 + i % 3))
+
+        class NoScan(dict):
+            def __iter__(self):
+                raise AssertionError("scanned every live request")
+
+            def values(self):
+                raise AssertionError("scanned every live request")
+
+        engine._reqs = NoScan(engine._reqs)
+        engine.submit(inp("late", 2))
+        with pytest.raises(RequestError, match="already in use"):
+            engine.submit(inp("r4"))
+        assert engine.abort("r5") and engine.abort("late") and not engine.abort("nope")
+        assert engine.live_rids() == {f"r{i}" for i in range(50)} | {"late"}
+        engine._reqs = dict(engine._reqs)
+        results: dict[str, list[Any]] = {}
+        while engine.has_work():
+            for o in engine.step():
+                if o.finished:
+                    results.setdefault(o.group, []).append(o.finish_reason.type)
+        assert results["r5"] == ["abort"] * 3 and results["late"] == ["abort"] * 2
+        assert all(len(results[f"r{i}"]) == 1 + i % 3 for i in range(50))
+        assert engine.live_rids() == set() and engine._groups == {}
+        engine.submit(inp("r5"))  # finished rids are free again
