@@ -6,15 +6,85 @@ served, or refused with a 4xx naming the problem, and never slows other clients.
 from __future__ import annotations
 
 import asyncio
+import gzip
+import json
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 
 from plait import protocol as P
 from plait.errors import RequestError
+from plait.runtime.server import launch
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_factory):
+    with launch(str(tiny_model_factory("llama")), num_threads=1, kv_cache_tokens=8192, max_running_requests=16,
+                echo_logs=False) as rt:
+        yield rt
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+# -- transport ------------------------------------------------------------------------------------
+def test_a_chunked_body_is_parsed_off_the_loop_like_a_sized_one(monkeypatch):
+    """A large OpenAI body is rendered and tokenized in a worker thread. That was decided
+    from Content-Length alone, so the same body sent chunked (no Content-Length) was
+    parsed on the event loop (1M short messages stalled every stream for 2 s)."""
+    from starlette.testclient import TestClient
+
+    from plait.runtime.server import http_api
+    from plait.runtime.server import openai_api as oa
+
+    on_loop: list[bool] = []
+
+    def parse(front: Any, body: dict[str, Any]) -> Any:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # no loop in this thread: a worker
+            on_loop.append(False)
+        raise RequestError("parsed", None)
+
+    monkeypatch.setattr(oa, "parse_chat", parse)
+    app = http_api.build_app(SimpleNamespace(args=SimpleNamespace(api_key=None)))  # parse is all the route reaches
+    body = json.dumps({"messages": [{"role": "user", "content": "x"}] * 2000}).encode()
+    assert len(body) > http_api.COSTLY_TEXT_CHARS
+    with TestClient(app) as client:
+        sized = client.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+        chunked = client.post("/v1/chat/completions", content=iter([body[:1000], body[1000:]]),
+                              headers={"Content-Type": "application/json"})
+        small = client.post("/v1/chat/completions", json={"messages": CHAT})
+    assert "content-length" not in chunked.request.headers  # really sent chunked
+    assert [r.json()["error"]["message"] for r in (sized, chunked, small)] == ["parsed"] * 3
+    assert on_loop == [False, False, True]  # a small body stays on the loop (a thread hop costs more)
+
+
+def test_a_compressed_body_is_a_415_naming_the_encoding(http):
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    r = http.post("/v1/completions", content=gzip.compress(body),
+                  headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert r.status_code == 415, r.text  # it was a 400 'not valid UTF-8 (byte 1)'
+    assert "Content-Encoding 'gzip'" in r.json()["error"]["message"] and "identity" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json",
+                                                            "Content-Encoding": "identity"})
+    assert r.status_code == 200, r.text
+
+
+def test_a_leading_byte_order_mark_is_ignored(http):
+    """RFC 8259 lets a parser ignore a BOM; Windows tools (PowerShell's UTF8) write one."""
+    body = b"\xef\xbb\xbf" + json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 2}}).encode()
+    r = http.post("/generate", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
 
 
 # -- batches --------------------------------------------------------------------------------------

@@ -94,10 +94,15 @@ class HeaderLimitMiddleware:
         await self.app(scope, receive, send)
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    """The JSON object of a request body: size checked before reading (Content-Length)
+async def read_json(request: Request) -> tuple[dict[str, Any], int]:
+    """The JSON object of a request body and the body's size in bytes (as read: a
+    chunked body has no Content-Length): size checked before reading (Content-Length)
     and while reading; a large body is parsed off the event loop. Every malformed body
-    is a 400 (413 when too large)."""
+    is a 400 (413 when too large, 415 when compressed)."""
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise RequestError(f"Content-Encoding {encoding!r} is not supported; allowed: identity (send the body "
+                           f"uncompressed)", None, 415)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise RequestError(f"the request body has {declared} bytes; at most {MAX_BODY_BYTES} are allowed", None, 413)
@@ -112,12 +117,12 @@ async def read_json(request: Request) -> dict[str, Any]:
     obj = await asyncio.to_thread(parse_json, body) if size > PARSE_OFF_LOOP_BYTES else parse_json(body)
     if not isinstance(obj, dict):
         raise RequestError("the request body must be a JSON object", None)
-    return obj
+    return obj, size
 
 
 def parse_json(body: bytes) -> Any:
     try:
-        text = body.decode("utf-8")
+        text = body.decode("utf-8-sig")  # a leading byte order mark is ignored (RFC 8259 allows it)
     except UnicodeDecodeError as e:
         raise RequestError(f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})", None) from None
     try:
@@ -267,7 +272,7 @@ EXCEPTION_HANDLERS: dict[Any, Any] = {
 def build_app(front: Front) -> ASGIApp:
     # -- native -----------------------------------------------------------------------------
     async def generate(request: Request) -> Response:
-        body = await read_json(request)
+        body, _ = await read_json(request)
         reqs, single, stream = parse_native(front, body)
         sub = Submission(front)
         await sub.submit(reqs)
@@ -361,7 +366,7 @@ def build_app(front: Front) -> ASGIApp:
                              "message": "Cache flushed." if salt is None else f"Cache of cache_salt {salt!r} flushed."})
 
     async def update_weights_from_disk(request: Request) -> Response:
-        body = await read_json(request)
+        body, _ = await read_json(request)
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             raise RequestError("model_path must be a path (a Hugging Face folder or a .gguf file)", "model_path")
@@ -373,7 +378,7 @@ def build_app(front: Front) -> ASGIApp:
         return JSONResponse({"success": True, "message": "Weights updated."})
 
     async def abort_request(request: Request) -> Response:
-        body = await read_json(request)
+        body, _ = await read_json(request)
         abort_all = oa.get_field(body, "abort_all", "bool", False)
         if abort_all:
             return JSONResponse({"aborted": front.abort_all(everyone=True)})
@@ -408,10 +413,10 @@ def build_app(front: Front) -> ASGIApp:
         return await _openai(request, oa.parse_chat)
 
     async def _openai(request: Request, parse: Any) -> Response:
-        body = await read_json(request)
+        body, size = await read_json(request)
         # a long prompt or chat is rendered and tokenized in a worker thread, off this loop
-        size = request.headers.get("content-length", "")
-        costly = size.isdigit() and int(size) > COSTLY_TEXT_CHARS
+        # (judged by the bytes read: a chunked body has no Content-Length)
+        costly = size > COSTLY_TEXT_CHARS
         job = await asyncio.to_thread(parse, front, body) if costly else parse(front, body)
         sub = Submission(front)
         try:  # errors found at admission or later (a constraint's compile) by OpenAI's names
@@ -426,9 +431,8 @@ def build_app(front: Front) -> ASGIApp:
     store = ra.ResponseStore()  # this server's responses, for previous_response_id
 
     async def responses(request: Request) -> Response:
-        body = await read_json(request)
-        size = request.headers.get("content-length", "")
-        costly = size.isdigit() and int(size) > COSTLY_TEXT_CHARS
+        body, size = await read_json(request)
+        costly = size > COSTLY_TEXT_CHARS  # as in _openai
         parse = ra.parse_response_request
         rj = await asyncio.to_thread(parse, front, store, body) if costly else parse(front, store, body)
         sub = Submission(front)
