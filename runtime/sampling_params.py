@@ -150,6 +150,13 @@ class SamplingParams:
             raise RequestError(
                 "whitespace_pattern is set without json_schema; it only applies to JSON output", "whitespace_pattern"
             )
+        if self.whitespace_pattern is not None:
+            from plait.runtime.constrained.json_schema import check_whitespace
+
+            try:  # here, by its own name (the translators would report it under json_schema, once per backend)
+                check_whitespace(self.whitespace_pattern)
+            except ValueError as e:
+                raise RequestError(str(e), "whitespace_pattern") from None
         if self.regex is not None and not isinstance(self.regex, str):
             raise RequestError(f"regex={self.regex!r} is invalid; allowed: a string", "regex")
         if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):

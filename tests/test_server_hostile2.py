@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import socket
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,6 +35,15 @@ def server(tiny_model_factory):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
+
+
+def wait_idle(http: httpx.Client) -> dict[str, Any]:
+    for _ in range(400):
+        info = http.get("/server_info").json()
+        if info["running"] == 0 and info["waiting"] == 0 and info["in_flight"] == 0 and info["live_requests"] == 0:
+            return info
+        time.sleep(0.025)
+    raise AssertionError(f"server did not become idle: {info}")
 
 
 # -- transport ------------------------------------------------------------------------------------
@@ -88,6 +99,15 @@ def test_a_leading_byte_order_mark_is_ignored(http):
 
 
 # -- batches --------------------------------------------------------------------------------------
+def test_a_rid_repeated_within_a_batch_is_refused_by_name(http):
+    """It was submitted once, then refused as 'already in use' by its own twin."""
+    r = http.post("/generate", json={"text": ["a", "b", "c"], "rid": ["x1", "x2", "x1"],
+                                     "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
+    assert "more than one prompt" in r.json()["error"]["message"], r.text
+    assert wait_idle(http)["live_requests"] == 0
+
+
 def test_a_large_batch_lets_the_loop_run_between_its_requests():
     """Submitting the prompts of one request never awaited anything, so a batch of 20000
     short prompts held the front's loop for seconds (no other client was served)."""
@@ -154,3 +174,76 @@ def test_submit_and_abort_do_not_scan_every_live_request(tiny_model_factory):
         assert all(len(results[f"r{i}"]) == 1 + i % 3 for i in range(50))
         assert engine.live_rids() == set() and engine._groups == {}
         engine.submit(inp("r5"))  # finished rids are free again
+
+
+# -- fields ---------------------------------------------------------------------------------------
+BAD = [  # (route, body, the param the 400 names)
+    ("/generate", {"text": "hi", "sampling_params": {"json_schema": {"type": "object"}, "whitespace_pattern": 5}},
+     "whitespace_pattern"),
+    ("/generate", {"text": "hi", "sampling_params": {"json_schema": {"type": "object"}, "whitespace_pattern": "\\s*"}},
+     "whitespace_pattern"),
+    ("/v1/chat/completions", {"messages": CHAT, "modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/chat/completions", {"messages": CHAT, "modalities": "text"}, "modalities"),
+    ("/v1/chat/completions", {"messages": CHAT, "reasoning_effort": 5}, "reasoning_effort"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 3, "max_tokens": "ten"}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD, ids=lambda v: str(v)[:40])
+def test_fields_once_unchecked_are_400s_naming_them(http, path, body, param):
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"], err
+    assert err["message"].count(param) <= 2, err  # one message, not one per grammar backend
+
+
+def test_accepted_forms_of_those_fields(http):
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "modalities": ["text"], "reasoning_effort": "low",
+                                                "max_completion_tokens": 3, "max_tokens": 1, **GREEDY})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3  # max_completion_tokens wins (as in vLLM)
+    r = http.post("/generate", json={"text": "hi", "sampling_params": {
+        "json_schema": {"type": "object"}, "whitespace_pattern": "[ ]?", "max_new_tokens": 4}})
+    assert r.status_code == 200, r.text
+
+
+def test_streamed_echo_offsets_count_the_echoed_prompt(http):
+    """text_offset is the position in the choice's text; streamed with echo, the output's
+    offsets started at 0 as if the prompt were not part of it."""
+    body = {"prompt": "The sky is", "echo": True, "logprobs": 0, "max_tokens": 4, **GREEDY}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    offsets = whole["logprobs"]["text_offset"][-4:]  # the output's (the prompt's come first)
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = [o for c in chunks if c["choices"][0]["logprobs"] for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    assert streamed == offsets and offsets[0] == len("The sky is"), (streamed, offsets)
+
+
+# -- dropped streams ------------------------------------------------------------------------------
+def test_dropped_n_streams_free_everything_and_others_are_served(server, http):
+    """Clients hang up on n > 1 streams (after a few chunks, or before any) on every
+    route: all sequences are aborted, memory returns, and the next request is served."""
+    long = {"max_tokens": 600, **GREEDY}
+    for path, body in [("/v1/chat/completions", {"messages": CHAT, "n": 3, "stream": True, **long}),
+                       ("/v1/completions", {"prompt": ["a", "b"], "n": 2, "stream": True, **long}),
+                       ("/generate", {"text": ["a", "b"], "stream": True,
+                                      "sampling_params": {"n": 2, "max_new_tokens": 600, **GREEDY}})]:
+        with httpx.stream("POST", server.url + path, json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for _ in range(4):
+                next(lines)
+    host, port = server.url.removeprefix("http://").split(":")
+    for i in range(16):
+        raw = json.dumps({"prompt": f"p{i}", "n": 2, "stream": True, **long})
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(raw)}\r\n\r\n{raw}".encode())
+            if i % 2:
+                s.recv(64)
+    assert http.get("/health").status_code == 200
+    r = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, **GREEDY})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    info = wait_idle(http)
+    assert info["invariant_ok"] and info["pool"]["locked"] == 0, info

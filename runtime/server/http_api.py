@@ -541,6 +541,12 @@ def parse_native(front: Front, body: dict[str, Any]) -> tuple[list[P.GenerateReq
     rids = _per_item(body, "rid", count, "str", None)
     if not single and body.get("rid") is not None and not isinstance(body.get("rid"), list):
         rids = [f"{body['rid']}-{i}" for i in range(count)]
+    seen: set[str] = set()
+    for r in rids:
+        if r is not None and r in seen:  # refused before any is submitted (not as 'in use' by its twin)
+            raise RequestError(f"rid={r!r} is given for more than one prompt; allowed: a distinct rid per prompt",
+                               "rid")
+        seen.add(r)
     salt = oa.get_field(body, "cache_salt", "str")
     text_lp = oa.get_field(body, "return_text_in_logprobs", "bool", False)
     stream = oa.get_field(body, "stream", "bool", False)
@@ -570,6 +576,7 @@ async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIte
         if job.echo_texts:
             for pi, text in enumerate(job.echo_texts):
                 for idx in range(job.n):
+                    offsets[oa.choice_index(job, pi, idx)] = len(text)  # the output's text_offset counts the echo
                     yield sse(oa.stream_chunk(job, oa.choice_index(job, pi, idx), text, None))
         async for msg in sub.events():
             yielded = True

@@ -572,9 +572,15 @@ def parse_chat(front: Front, body: dict[str, Any]) -> Job:
     for name in ("functions", "function_call"):
         if body.get(name) is not None:
             raise RequestError(f"{name} (the deprecated form) is not supported; use tools and tool_choice", name)
+    modalities = get_field(body, "modalities", "list")
+    if modalities is not None and any(m != "text" for m in modalities):
+        raise RequestError(f"modalities={_short(modalities)} is invalid; allowed: [\"text\"] (this server writes "
+                           f"text only)", "modalities")
+    get_field(body, "reasoning_effort", "str")  # a hint; the chat template decides how a model reasons
     schema = response_format_schema(get_field(body, "response_format", "dict"))
     chat = chat_request(front, body, messages, schema, "response_format")
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    get_field(body, "max_tokens", "int", None, 0)  # checked when max_completion_tokens, which wins, is given too
     sp = chat.sampling(sampling_params(front, body, len(chat.ids), None, max_name))
     want_lp = get_field(body, "logprobs", "bool", False)
     top = get_field(body, "top_logprobs", "int", None, 0, MAX_TOP_LOGPROBS)
