@@ -517,7 +517,11 @@ def ebnf_grammar(text: str) -> str:
     llguidance's rule (a ``start:`` rule or ``%llguidance`` line means Lark)."""
     from llguidance import grammar_from
 
+    from llguidance.gbnf_to_lark import is_lark_syntax
+
     _check_size(text, "the grammar")
+    if not is_lark_syntax(text):
+        text = gbnf_characters(text)
     try:
         grammar = grammar_from("ebnf", text)
     except ValueError as e:
@@ -527,6 +531,75 @@ def ebnf_grammar(text: str) -> str:
     if unending is not None:
         raise ValueError(f"it admits no finite output: {unending}")
     return grammar
+
+
+_GBNF_HEX = {"x": 2, "u": 4, "U": 8}
+_RUST_CLASS_OPS = "&~-"  # doubled inside a class, Rust's regex reads a set operation
+
+
+def gbnf_characters(text: str) -> str:
+    """GBNF ``text`` with the characters of its strings and classes written so that
+    llguidance's conversion to Lark keeps them (each the same character, as llama.cpp
+    reads it):
+
+    - ``\\uXXXX`` / ``\\UXXXXXXXX``: the conversion drops their leading zeros, so
+      ``\\u00e9`` became ``\\ue9`` (refused as an invalid escape) and
+      ``"\\u00410000"`` (``A0000``) became ``"\\u410000"`` (U+4100, then ``00``: a
+      wrong string admitted); written as ``\\xHH`` below U+0100 and as the character
+      itself above;
+    - inside a class, the second of ``&&``, ``~~`` or ``--`` as ``\\xHH``: the class
+      goes into a Rust regex as written, which reads them as intersection, symmetric
+      difference and difference (``[a&&b]`` admitted nothing; in GBNF it is ``a``,
+      ``&`` or ``b``).
+
+    Comments and everything outside strings and classes are left as they are; an escape
+    that is not valid is left for the conversion to refuse."""
+    out: list[str] = []
+    i, n = 0, len(text)
+    context = ""  # '"' in a string, "[" in a class, "" outside
+    last = ""  # the class's previous character as written (an escape counts as none)
+    while i < n:
+        c = text[i]
+        if not context:
+            if c == "#":
+                j = text.find("\n", i)
+                j = n if j < 0 else j
+                out.append(text[i:j])
+                i = j
+                continue
+            if c in '"[':
+                context, last = c, ""
+            out.append(c)
+            i += 1
+            continue
+        if c == "\\" and i + 1 < n:
+            e = text[i + 1]
+            digits = text[i + 2:i + 2 + _GBNF_HEX.get(e, 0)]
+            if e in "uU" and len(digits) == _GBNF_HEX[e] and all(d in "0123456789abcdefABCDEF" for d in digits):
+                cp = int(digits, 16)
+                if cp < 0x100:
+                    out.append(f"\\x{cp:02X}")
+                elif cp <= 0x10FFFF and not 0xD800 <= cp <= 0xDFFF:
+                    out.append(chr(cp))
+                else:
+                    out.append(text[i:i + 2 + len(digits)])
+                i += 2 + len(digits)
+            else:
+                out.append(text[i:i + 2])
+                i += 2
+            last = ""
+            continue
+        if (context == '"' and c == '"') or (context == "[" and c == "]"):
+            context = ""
+            out.append(c)
+        elif context == "[" and c in _RUST_CLASS_OPS and last == c:
+            out.append(f"\\x{ord(c):02X}")
+            c = ""
+        else:
+            out.append(c)
+        last = c
+        i += 1
+    return "".join(out)
 
 
 def regex_grammar(regex: str) -> str:

@@ -1,0 +1,60 @@
+"""Constraints as users send them, second trial: GBNF grammars as written for llama.cpp /
+SGLang and regexes past what an automaton builds quickly. Each either compiles and is
+enforced soundly (random outputs of the matcher checked against a reference written
+here: a Python regex of the same language) or is refused with a 400 naming the field."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from plait.errors import RequestError
+from plait.runtime.constrained.llguidance_backend import gbnf_characters
+from plait.runtime.sampling_params import SamplingParams
+from test_llguidance import admits, compiled, grammars, random_output, tokenizer, vocab  # noqa: F401 (fixtures)
+
+
+def matcher(grammars, params: dict):
+    c, fut = compiled(grammars, params)
+    m = grammars.matcher(fut, c, jump_forward=False, heal=False)
+    m.start([1])
+    return m
+
+
+# GBNF -> the same language as a Python regex (llama.cpp's reading), texts in it, texts outside it
+GBNF_CHARACTERS = {
+    # \u / \U escapes lost their leading zeros in llguidance's conversion to Lark: refused
+    # as invalid escapes, or read as another character
+    "u_escape_in_a_class": (r"root ::= [a-z\u00e0-\u00ff]+", r"[a-z\u00e0-\u00ff]+", ["caf\u00e9"], ["E", "\u0100"]),
+    "u_escape_then_hex_digits": (r'root ::= "\u00410000"', "A0000", ["A0000"], ["\u410000"]),
+    "u_escape_below_0x20": (r'root ::= "\"" [^\u0000-\u001F\u0022]+ "\""', r'"[^\x00-\x1f"]+"', ['"a b"'], ['"\n"']),
+    "big_u_escape": (r"root ::= [\U0001F600-\U0001F64F]+", "[\U0001F600-\U0001F64F]+", ["\U0001F600"],
+                    ["\U0001F680"]),
+    "u_escape_of_a_quote": (r'root ::= "\u0022" [a-z]+ "\u0022"', r'"[a-z]+"', ['"a"'], ["'a'"]),
+    # doubled &, ~, - in a class are plain characters in GBNF, set operations in Rust's regex
+    "and_and_in_a_class": (r"root ::= [a&&b]+", r"[a&b]+", ["a&b"], ["c"]),
+    "range_to_a_hyphen": (r"root ::= [+--]+", r"[+,\-]+", ["+,-"], ["."]),
+    "tilde_tilde_in_a_class": (r"root ::= [~~x]+", r"[~x]+", ["~x"], ["y"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GBNF_CHARACTERS))
+def test_gbnf_characters_mean_what_llama_cpp_reads(grammars, vocab, name):
+    text, reference, inside, outside = GBNF_CHARACTERS[name]
+    for seed in range(4):
+        out = random_output(matcher(grammars, {"ebnf": text}), vocab, seed, cap=12)
+        assert out is not None and re.fullmatch(reference, out.decode()), out
+    for good in inside:
+        assert re.fullmatch(reference, good) and admits(matcher(grammars, {"ebnf": text}), vocab, good), good
+    for bad in outside:
+        assert not admits(matcher(grammars, {"ebnf": text}), vocab, bad), bad
+
+
+def test_gbnf_rewrite_leaves_comments_lark_and_other_escapes_alone(grammars, vocab):
+    text = 'root ::= "a" [\\]\\\\-] # not a class: [&& \\u0041 "\nb ::= "\\x41"'
+    assert gbnf_characters(text) == text
+    assert gbnf_characters(r'root ::= "\u00e9\u4E00\U0001F600"') == 'root ::= "\\xE9\u4e00\U0001F600"'
+    assert gbnf_characters(r"root ::= [\uD800]") == r"root ::= [\uD800]"  # a surrogate: refused by the conversion
+    lark = 'start: "\\u00e9" /[a-c&&b]/'  # Lark reads its own escapes and Rust's class syntax: not rewritten
+    assert admits(matcher(grammars, {"ebnf": lark}), vocab, "\u00e9b")
