@@ -46,6 +46,15 @@ def wait_idle(http: httpx.Client) -> dict[str, Any]:
     raise AssertionError(f"server did not become idle: {info}")
 
 
+def _on_loop() -> bool:
+    """Whether the caller runs on an event loop's thread (else in a worker)."""
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:  # no loop in this thread: a worker
+        return False
+
+
 # -- transport ------------------------------------------------------------------------------------
 def test_a_chunked_body_is_parsed_off_the_loop_like_a_sized_one(monkeypatch):
     """A large OpenAI body is rendered and tokenized in a worker thread. That was decided
@@ -59,11 +68,7 @@ def test_a_chunked_body_is_parsed_off_the_loop_like_a_sized_one(monkeypatch):
     on_loop: list[bool] = []
 
     def parse(front: Any, body: dict[str, Any]) -> Any:
-        try:
-            asyncio.get_running_loop()
-            on_loop.append(True)
-        except RuntimeError:  # no loop in this thread: a worker
-            on_loop.append(False)
+        on_loop.append(_on_loop())
         raise RequestError("parsed", None)
 
     monkeypatch.setattr(oa, "parse_chat", parse)
@@ -174,6 +179,46 @@ def test_submit_and_abort_do_not_scan_every_live_request(tiny_model_factory):
         assert all(len(results[f"r{i}"]) == 1 + i % 3 for i in range(50))
         assert engine.live_rids() == set() and engine._groups == {}
         engine.submit(inp("r5"))  # finished rids are free again
+
+
+def test_a_large_response_is_built_off_the_loop(monkeypatch):
+    """A non-streamed response is built (logprob rows formatted, JSON encoded) in a
+    worker thread when it is large: n=32 choices of 500 tokens with 20 top logprobs (a
+    28 MB chat response) held the front's loop for 2.7 s; n=128 of 1000 tokens would
+    hold it for 20 s."""
+    from starlette.testclient import TestClient
+
+    from plait.runtime.server import http_api
+    from plait.runtime.server import openai_api as oa
+    from plait.runtime.server.front import ReqState
+
+    class Front:  # what the routes reach: submit answers at once with a result of `tokens` tokens
+        args = SimpleNamespace(api_key=None)
+        tokens = 0
+
+        async def submit(self, req: P.GenerateRequest, sink: Any, owner: Any = None,
+                         prompt_param: str | None = None) -> ReqState:
+            sink(P.GenerateResult(req.rid, 0, "x", [1] * self.tokens, {"completion_tokens": self.tokens}))
+            return ReqState(req.rid, 1, False, sink, None, 1)
+
+        def abort(self, rid: str) -> bool:
+            return False
+
+    built: list[bool] = []
+    native_out = http_api._native_out
+    monkeypatch.setattr(http_api, "_native_out", lambda r: (built.append(_on_loop()), native_out(r))[1])
+    monkeypatch.setattr(oa, "parse_completion", lambda front, body: oa.Job(
+        False, "cmpl-1", "m", 0, [P.GenerateRequest("c1", input_ids=[1])], 1, False))
+    monkeypatch.setattr(oa, "response", lambda front, job, results: (built.append(_on_loop()), {"id": job.id})[1])
+    front = Front()
+    with TestClient(http_api.build_app(front)) as client:
+        for tokens in (http_api.LARGE_RESPONSE_ENTRIES + 1, 10):
+            front.tokens = tokens
+            r = client.post("/generate", json={"input_ids": [1, 2], "rid": f"g{tokens}"})
+            assert r.status_code == 200 and len(r.json()["output_ids"]) == tokens, r.text[:200]
+            r = client.post("/v1/completions", json={})
+            assert r.status_code == 200 and r.json() == {"id": "cmpl-1"}, r.text[:200]
+    assert built == [False, False, True, True]  # large: in a worker; small: on the loop
 
 
 # -- fields ---------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -37,6 +37,7 @@ MAX_HEADER_BYTES = 64 * 1024
 RETRY_AFTER_S = 2  # what a 503 (engine restarting or down) tells clients
 PARSE_OFF_LOOP_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread
 SUBMIT_BATCH = 64  # a request with more prompts than this lets the loop run between each 64
+LARGE_RESPONSE_ENTRIES = 16_384  # a response carrying more token entries is built in a worker thread
 _json = msgspec.json.Encoder()
 
 
@@ -118,6 +119,30 @@ async def read_json(request: Request) -> tuple[dict[str, Any], int]:
     if not isinstance(obj, dict):
         raise RequestError("the request body must be a JSON object", None)
     return obj, size
+
+
+def _entries(results: Iterable[P.GenerateResult]) -> int:
+    """The token entries a response of ``results`` carries: output tokens and logprob
+    entries (every entry of a top-logprobs row)."""
+    n = 0
+    for r in results:
+        meta = r.meta_info
+        n += len(r.output_ids) + len(meta.get("input_token_logprobs") or ())
+        for key in ("output_top_logprobs", "input_top_logprobs"):
+            n += sum(len(row or ()) for row in meta.get(key) or ())
+    return n
+
+
+async def json_reply(build: Callable[[], Any], entries: int) -> Response:
+    """The JSON response of ``build()``, built and encoded in a worker thread when it
+    carries more than LARGE_RESPONSE_ENTRIES token entries (128 choices of 1000 tokens
+    with 20 top logprobs are 2.7M entries: seconds of work that would stall every other
+    client on this loop)."""
+    def encode() -> bytes:
+        return _json.encode(build())
+
+    body = await asyncio.to_thread(encode) if entries > LARGE_RESPONSE_ENTRIES else encode()
+    return Response(body, media_type="application/json")
 
 
 def parse_json(body: bytes) -> Any:
@@ -277,9 +302,13 @@ def build_app(front: Front) -> ASGIApp:
         sub = Submission(front)
         await sub.submit(reqs)
         if not stream:
-            results = await sub.results(request)
-            outs = [_native_out(r) for _, r in sorted(results.items())]
-            return JSONResponse(outs[0] if single and len(outs) == 1 else outs)
+            results = [r for _, r in sorted((await sub.results(request)).items())]
+
+            def build() -> Any:
+                outs = [_native_out(r) for r in results]
+                return outs[0] if single and len(outs) == 1 else outs
+
+            return await json_reply(build, _entries(results))
 
         first_index, total = {}, 0
         for st in sub.states:
@@ -422,7 +451,8 @@ def build_app(front: Front) -> ASGIApp:
         try:  # errors found at admission or later (a constraint's compile) by OpenAI's names
             await sub.submit(job.reqs, "messages" if job.chat else "prompt")
             if not job.stream:
-                return JSONResponse(oa.response(front, job, await sub.results(request)))
+                results = await sub.results(request)
+                return await json_reply(lambda: oa.response(front, job, results), _entries(results.values()))
             stream = await _first_then(request, sub, _openai_stream(front, job, sub))
         except RequestError as e:
             raise oa.openai_error(e, job) from None
