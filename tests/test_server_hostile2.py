@@ -231,6 +231,15 @@ BAD = [  # (route, body, the param the 400 names)
     ("/v1/chat/completions", {"messages": CHAT, "modalities": "text"}, "modalities"),
     ("/v1/chat/completions", {"messages": CHAT, "reasoning_effort": 5}, "reasoning_effort"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 3, "max_tokens": "ten"}, "max_tokens"),
+    # accepted and ignored, but not whatever their type (the Responses API echoed metadata: "x" back)
+    ("/v1/completions", {"prompt": "hi", "user": 5}, "user"),
+    ("/v1/chat/completions", {"messages": CHAT, "metadata": "x"}, "metadata"),
+    ("/v1/chat/completions", {"messages": CHAT, "store": "yes"}, "store"),
+    ("/v1/responses", {"input": "hi", "metadata": "x"}, "metadata"),
+    ("/v1/responses", {"input": "hi", "include": "x"}, "include"),
+    ("/v1/responses", {"input": "hi", "reasoning": "high"}, "reasoning"),
+    ("/v1/responses", {"input": "hi", "max_tool_calls": "x"}, "max_tool_calls"),
+    ("/v1/responses", {"input": "hi", "truncation": "middle"}, "truncation"),
 ]
 
 
@@ -251,6 +260,10 @@ def test_accepted_forms_of_those_fields(http):
     r = http.post("/generate", json={"text": "hi", "sampling_params": {
         "json_schema": {"type": "object"}, "whitespace_pattern": "[ ]?", "max_new_tokens": 4}})
     assert r.status_code == 200, r.text
+    r = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "include": [], "truncation": "auto",
+                                         "reasoning": {"effort": "low"}, "metadata": {"k": "v"}, "user": "u",
+                                         "store": False, "max_tool_calls": 1})
+    assert r.status_code == 200 and r.json()["metadata"] == {"k": "v"}, r.text
 
 
 def test_streamed_echo_offsets_count_the_echoed_prompt(http):

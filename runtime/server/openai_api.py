@@ -26,9 +26,10 @@ from plait.tool_parsers import ToolParser, ToolStream, check_tools, detect_tool_
 MAX_TOP_LOGPROBS = 20
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 
-# Fields accepted and ignored (they change nothing here).
-_IGNORED = {"user", "store", "metadata", "service_tier", "stream_options",
-            "prompt_cache_key", "safety_identifier"}
+# Fields accepted and ignored (they change nothing here), with the kind each must have
+# (a mistyped one is a 400, as on OpenAI's API: a client's bug is not silently dropped).
+_IGNORED = {"user": "str", "store": "bool", "metadata": "dict", "service_tier": "str", "stream_options": "dict",
+            "prompt_cache_key": "str", "safety_identifier": "str"}
 # Extensions passed to the sampler under the same name (vLLM / SGLang extras).
 _SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens")
 _COMMON = {"model", "n", "stop", "stream", "temperature", "top_p", "seed", "frequency_penalty", "presence_penalty",
@@ -101,6 +102,8 @@ def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
     unknown = sorted(k for k in body if k not in allowed and k not in _IGNORED)
     if unknown:
         raise RequestError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+    for name, kind in _IGNORED.items():
+        get_field(body, name, kind)
 
 
 def check_model(front: Front, body: dict[str, Any]) -> str:

@@ -139,6 +139,13 @@ def parse_response_request(front: Front, store: ResponseStore, body: dict[str, A
     model = oa.check_model(front, body)
     if oa.get_field(body, "background", "bool", False):  # accepted at its default: clients send it
         raise RequestError("background=true is not supported by this server; allowed: false", "background")
+    # accepted and ignored (no built-in tools, no reasoning settings, nothing extra to include), but typed
+    oa.get_field(body, "include", "list")
+    oa.get_field(body, "reasoning", "dict")
+    oa.get_field(body, "max_tool_calls", "int", None, 1)
+    truncation = oa.get_field(body, "truncation", "str")
+    if truncation not in (None, "auto", "disabled"):
+        raise RequestError(f"truncation={truncation!r} is invalid; allowed: 'auto' or 'disabled'", "truncation")
     prev = oa.get_field(body, "previous_response_id", "str")
     history: list[dict[str, Any]] = []
     if prev is not None:
