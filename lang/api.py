@@ -56,8 +56,10 @@ def _resolve_backend(backend: Any) -> BaseBackend:
     return backend
 
 
-def flush_cache(backend: Any = None) -> bool:
-    """Drop the runtime's cached prefixes (refused while requests run)."""
+def flush_cache(backend: Any = None, empty_cache: bool = True) -> bool:
+    """Drop the runtime's cached prefixes (refused while requests run). ``empty_cache``
+    is SGLang's (whether its server also hands cached device memory back to the
+    driver); it is accepted and changes nothing: plait's KV pool is allocated once."""
     b = backend if backend is not None else global_config.default_backend
     return False if b is None else _resolve_backend(b).flush_cache()
 
@@ -84,6 +86,8 @@ def _defaults(max_new_tokens: int, stop: Any, stop_token_ids: Any, temperature: 
 
 
 _EXTRA_DEFAULTS = ("seed", "repetition_penalty", "min_new_tokens")
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 class Function:
@@ -99,14 +103,19 @@ class Function:
         if not params or params[0].name != "s":
             raise ValueError(f"the first parameter of a plait function must be named 's'; {func.__name__} has "
                              f"{params[0].name if params else 'none'!r}")
-        self.arg_names = [p.name for p in params[1:]]
-        self.arg_defaults = {p.name: p.default for p in params[1:] if p.default is not inspect.Parameter.empty}
+        rest = params[1:]
+        # named parameters; a *args / **kwargs parameter takes what a call gives beyond them
+        self.arg_names = [p.name for p in rest if p.kind not in _VARIADIC]
+        self.positional_names = [p.name for p in rest if p.kind in _POSITIONAL]
+        self.var_args = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in rest)
+        self.var_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in rest)
+        self.arg_defaults = {p.name: p.default for p in rest if p.default is not inspect.Parameter.empty}
         self.__name__ = func.__name__
         self.__doc__ = func.__doc__
 
     def bind(self, **kwargs: Any) -> Function:
         unknown = sorted(set(kwargs) - set(self.arg_names))
-        if unknown:
+        if unknown and not self.var_kwargs:
             raise TypeError(f"{self.__name__}() has no argument(s) {', '.join(unknown)}")
         return Function(self.func, self.num_api_spec_tokens, {**self.bind_arguments, **kwargs})
 
@@ -115,14 +124,34 @@ class Function:
         return {k: kwargs.pop(k) for k in _EXTRA_DEFAULTS if k in kwargs and k not in self.arg_names}
 
     def _kwargs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        if len(args) > len(self.arg_names):
-            raise TypeError(f"{self.__name__}() takes {len(self.arg_names)} arguments after s, got {len(args)}")
-        out = {**self.bind_arguments, **dict(zip(self.arg_names, args))}
+        """The arguments of a call by name (bound ones first); a ``**kwargs`` program
+        takes any name."""
+        if len(args) > len(self.positional_names):
+            raise TypeError(f"{self.__name__}() takes {len(self.positional_names)} positional arguments after s, "
+                            f"got {len(args)}")
+        out = {**self.bind_arguments, **dict(zip(self.positional_names, args))}
         for k, v in kwargs.items():
-            if k not in self.arg_names:
+            if k not in self.arg_names and not self.var_kwargs:
                 raise TypeError(f"{self.__name__}() got an unexpected argument {k!r}")
             out[k] = v
         return out
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(positional, keyword)`` arguments of a call. Positional values past the
+        named parameters go to ``*args``; then, as Python needs, the named ones before
+        it are passed by position too (their defaults where the call leaves them out)."""
+        n = len(self.positional_names)
+        extra = tuple(args[n:])
+        named = self._kwargs(tuple(args[:n]), kwargs)
+        if not extra:
+            return (), named
+        if not self.var_args:
+            raise TypeError(f"{self.__name__}() takes {n} positional arguments after s, got {len(args)}")
+        missing = [k for k in self.positional_names if k not in named and k not in self.arg_defaults]
+        if missing:
+            raise TypeError(f"{self.__name__}() is missing argument(s) {', '.join(missing)}")
+        head = tuple(named.pop(k) if k in named else self.arg_defaults[k] for k in self.positional_names)
+        return head + extra, named
 
     def run(self, *args: Any, max_new_tokens: int = 128, stop: Any = None, stop_token_ids: Any = None,
             temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0,
@@ -135,8 +164,8 @@ class Function:
         defaults = _defaults(max_new_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p,
                              frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
                              top_logprobs_num, return_text_in_logprobs, self._extra(kwargs))
-        call = self._kwargs(args, kwargs)
-        return run_program(self.func, _resolve_backend(backend), (), call, defaults, stream)
+        call_args, call = self._call(args, kwargs)
+        return run_program(self.func, _resolve_backend(backend), call_args, call, defaults, stream)
 
     def run_batch(self, batch_kwargs: list[Any], *, max_new_tokens: int = 128, stop: Any = None,
                   stop_token_ids: Any = None, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
@@ -196,7 +225,7 @@ class Function:
         ``backend`` is accepted for SGLang's signature: a graph does not depend on it
         (roles are rendered when a prefix's text is asked for)."""
         return trace_program(self.func, self.__name__, self.arg_names, self.arg_defaults,
-                             {**self.bind_arguments, **kwargs})
+                             {**self.bind_arguments, **kwargs}, self.var_kwargs)
 
     def cache(self, backend: Any = None) -> bool:
         """Prefill the program's constant prefix (its text before the first argument,
@@ -224,7 +253,8 @@ class Function:
         fixed = {k: v for k, v in self.arg_defaults.items()
                  if not isinstance(v, str) or (given and not any(k in g for g in given))}
         bound = {**self.bind_arguments, **shared_arguments(given)}
-        first, second = (trace_program(self.func, self.__name__, self.arg_names, fixed, bound) for _ in range(2))
+        first, second = (trace_program(self.func, self.__name__, self.arg_names, fixed, bound, self.var_kwargs)
+                         for _ in range(2))
         return lint_graph(first, min_tokens, count_tokens, again=second)
 
     def compile(self, *, backend: Any = None) -> CompiledFunction:
@@ -247,7 +277,8 @@ class Function:
         """``f(s, ...)`` inside another program runs this one's body on that state;
         ``f(...)`` elsewhere is ``f.run(...)``."""
         if args and isinstance(args[0], (ProgramState, TracingState)):
-            return self.func(args[0], **self._kwargs(args[1:], kwargs))
+            call_args, call = self._call(args[1:], kwargs)
+            return self.func(args[0], *call_args, **call)
         return self.run(*args, **kwargs)
 
 

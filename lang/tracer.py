@@ -452,12 +452,14 @@ def _mark_bound_args(nodes: list[Node], bound: dict[str, Any]) -> list[Node]:
 
 
 def trace_program(fn: Callable[..., Any], name: str, arg_names: list[str], defaults: dict[str, Any],
-                  kwargs: dict[str, Any]) -> ProgramGraph:
+                  kwargs: dict[str, Any], var_kwargs: bool = False) -> ProgramGraph:
     """Run ``fn`` on a :class:`TracingState`. Never raises for the body's sake: an
-    error in the body ends the trace with a :class:`StopNode` naming it."""
+    error in the body ends the trace with a :class:`StopNode` naming it. A program
+    with ``**kwargs`` (``var_kwargs``) takes other names too, as given arguments."""
     unknown = sorted(set(kwargs) - set(arg_names))
-    if unknown:
+    if unknown and not var_kwargs:
         raise TypeError(f"{name}() got unexpected argument(s) {', '.join(unknown)}; its arguments: {', '.join(arg_names)}")
+    arg_names = list(arg_names) + unknown
     bound = {k: kwargs[k] if k in kwargs else defaults[k] for k in arg_names if k in kwargs or k in defaults}
     call_args = {k: bound.get(k, _ArgPlaceholder(k)) for k in arg_names}
     graph = ProgramGraph(name, list(arg_names), bound)
