@@ -266,6 +266,34 @@ def test_accepted_forms_of_those_fields(http):
     assert r.status_code == 200 and r.json()["metadata"] == {"k": "v"}, r.text
 
 
+PREFILL = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My answer is"}]
+
+
+@pytest.mark.parametrize("turn", [{"continue_final_message": True}, {"add_generation_prompt": False},
+                                  {"continue_final_message": True, "add_generation_prompt": False}, {}])
+def test_chat_turn_options_render_the_prompt_as_asked(http, tiny_model_factory, turn):
+    """vLLM's add_generation_prompt and continue_final_message (an assistant prefill the
+    model continues) were refused as unrecognized; without them a chat ending in an
+    assistant message still gets a new assistant turn (vLLM's and SGLang's default)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_factory("llama"))
+    kwargs = {"add_generation_prompt": True, **turn} if "continue_final_message" not in turn else turn
+    text = tok.apply_chat_template(PREFILL, tokenize=False, **kwargs)
+    assert text.endswith("My answer is") == bool(turn.get("continue_final_message"))
+    chat = http.post("/v1/chat/completions", json={"messages": PREFILL, "max_tokens": 6, **GREEDY, **turn})
+    assert chat.status_code == 200, chat.text
+    plain = http.post("/v1/completions", json={"prompt": text, "max_tokens": 6, **GREEDY}).json()
+    assert chat.json()["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    assert chat.json()["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
+
+
+def test_continue_final_message_with_a_generation_prompt_is_a_400(http):
+    r = http.post("/v1/chat/completions", json={"messages": PREFILL, "continue_final_message": True,
+                                                "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
 def test_streamed_echo_offsets_count_the_echoed_prompt(http):
     """text_offset is the position in the choice's text; streamed with echo, the output's
     offsets started at 0 as if the prompt were not part of it."""

@@ -38,7 +38,7 @@ _COMMON = {"model", "n", "stop", "stream", "temperature", "top_p", "seed", "freq
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                          "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "reasoning_effort",
-                         "modalities", "max_reasoning_chars"}
+                         "modalities", "max_reasoning_chars", "add_generation_prompt", "continue_final_message"}
 # engine name -> OpenAI name, for messages from SamplingParams' validation
 _RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
@@ -453,9 +453,10 @@ def server_tool_parser(front: Front) -> str:
 
 
 def render_chat(front: Front, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                parser: str) -> str:
+                parser: str, turn: dict[str, bool] | None = None) -> str:
     """The prompt text of a chat: the model's template with ``tools=`` when it reads
-    them; else plait's generic tool prompt and tool history as text."""
+    them; else plait's generic tool prompt and tool history as text. ``turn``: how the
+    prompt ends (:func:`chat_turn`; default: a new assistant turn)."""
     template = getattr(front.tokenizer, "chat_template", None)
     if not template:
         raise RequestError("this model has no chat template; use /v1/completions", "messages")
@@ -467,9 +468,23 @@ def render_chat(front: Front, messages: list[dict[str, Any]], tools: list[dict[s
     elif tools or has_tool_history(messages):
         messages = messages_without_tool_support(messages, tools, parser)
     try:
-        return front.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        return front.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                   **(turn or {"add_generation_prompt": True}), **kwargs)
     except Exception as e:  # noqa: BLE001  (a template may reject a message order)
         raise RequestError(f"the chat template rejected the messages: {e}", "messages") from None
+
+
+def chat_turn(body: dict[str, Any]) -> dict[str, bool]:
+    """How the rendered chat ends (vLLM's extras): a new assistant turn
+    (``add_generation_prompt``, the default), or the last message left open for the
+    model to continue (``continue_final_message``: an assistant prefill)."""
+    cont = get_field(body, "continue_final_message", "bool", False)
+    add = get_field(body, "add_generation_prompt", "bool", not cont)
+    if cont and add:
+        raise RequestError("continue_final_message=true continues the last message, so it cannot be combined with "
+                           "add_generation_prompt=true (a new assistant turn); allowed: one of them",
+                           "continue_final_message")
+    return {"add_generation_prompt": add, "continue_final_message": cont}
 
 
 def response_format_schema(fmt: dict[str, Any] | None, param: str = "response_format") -> Any:
@@ -528,7 +543,7 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     reasoning = get_reasoning_parser(front.args.reasoning_parser) if front.args.reasoning_parser else None
     if max_reasoning is not None and reasoning is None:
         raise RequestError("max_reasoning_chars needs a server started with --reasoning-parser", "max_reasoning_chars")
-    text = render_chat(front, messages, tools, parser_name)
+    text = render_chat(front, messages, tools, parser_name, chat_turn(body))
     ids = front.encode(text, "messages", bos=False)  # the template writes what it needs
     regex: str | None = None
     field_name: str | None = None
