@@ -51,9 +51,20 @@ class ChatTemplate:
         content = _marker(len(history))
         full = self._render_checked(msgs + [{"role": role, "content": content}], role, history)
         k = full.find(content)
+        end = len(full)
         if k < 0:
-            raise ChatTemplateError(f"the model's chat template drops the content of a {role!r} message")
-        suffix = full[k + len(content):]
+            # some templates write a message only once another follows it (Gemma 3 and
+            # Llama 2 fold the system text into the first user turn): read it with a
+            # turn after it; its suffix is the text up to that turn's content, and that
+            # turn's prefix (read after this history) is then empty
+            follower = "assistant" if role == "user" else "user"
+            nxt = _marker(len(history) + 1)
+            full = self._render_checked(msgs + [{"role": role, "content": content}, {"role": follower, "content": nxt}],
+                                        role, history)
+            k, end = full.find(content), full.find(nxt)
+            if k < 0 or end < k:
+                raise ChatTemplateError(f"the model's chat template drops the content of a {role!r} message")
+        suffix = full[k + len(content):end]
         if not msgs:
             prefix = full[:k]
         else:
@@ -66,7 +77,9 @@ class ChatTemplate:
             base = self._render(msgs)
         except Exception:  # noqa: BLE001 - some templates refuse a history on its own
             base = None
-        if base is not None and full.startswith(base) and len(base) <= k:
+        # (a history whose last message the template writes only when another follows
+        # renders without it: then its text is not a prefix of this one's)
+        if base is not None and full.startswith(base) and len(base) <= k and msgs[-1]["content"] in base:
             return full[len(base):k]
         # the template renders the last message differently when it is not last:
         # take what lies between the two contents, minus the suffix already emitted
@@ -79,8 +92,12 @@ class ChatTemplate:
         try:
             return self._render(msgs)
         except Exception as e:  # noqa: BLE001 - templates raise whatever they like
+            hint = ""
+            if role == "system":
+                hint = ("; this model's template has no system role: put the system text at the start of the "
+                        "first user message")
             raise ChatTemplateError(
-                f"the model's chat template cannot render a {role!r} message after roles {list(history)}: {e}"
+                f"the model's chat template cannot render a {role!r} message after roles {list(history)}: {e}{hint}"
             ) from None
 
     @property

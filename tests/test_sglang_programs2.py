@@ -100,3 +100,68 @@ def test_kwargs_and_varargs_programs_get_their_arguments_as_python_passes_them(b
 def test_flush_cache_takes_sglangs_empty_cache_keyword(backend):
     assert sgl.flush_cache(backend, empty_cache=False) is True
     assert sgl.flush_cache(backend=backend, empty_cache=True) is True
+
+
+# -- 3. a system role the template folds into the first user turn -----------------------------------
+# A Gemma-3-style template (written here): the system text opens the first user turn.
+FOLDING_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set head = messages[0]['content'] + '\\n\\n' %}"
+    "{% set turns = messages[1:] %}{% else %}{% set head = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ (head if loop.first else '') + m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+# A Gemma-2-style template: no system role at all.
+REFUSING_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def folding_folder(folder, tmp_path_factory):
+    """The tiny model with :data:`FOLDING_TEMPLATE` as its chat template."""
+    from pathlib import Path
+
+    out = tmp_path_factory.mktemp("tiny-folding-template")
+    for f in Path(folder).iterdir():
+        if f.name != "chat_template.jinja":
+            (out / f.name).symlink_to(f)
+    (out / "chat_template.jinja").write_text(FOLDING_TEMPLATE)
+    return str(out)
+
+
+@sgl.function
+def chat_with_system(s, question):
+    s += sgl.system("Answer in one word.")
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=4))
+    s += sgl.user("And then?")
+
+
+def test_system_folded_into_the_first_user_turn_renders_as_the_template_does(folding_folder, ref):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folding_folder)
+    with sgl.EngineBackend(folding_folder, **ENGINE_OPTS) as b:
+        state = chat_with_system.run(question="Hi there", temperature=0, backend=b)
+    msgs = state.messages()
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
+    head = tok.apply_chat_template(msgs[:2], tokenize=False, add_generation_prompt=True)
+    assert head == tok.bos_token + "<start_of_turn>user\nAnswer in one word.\n\nHi there<end_of_turn>\n<start_of_turn>model\n"
+    assert state["answer"] == greedy(ref, head, max_new_tokens=4, stop=["<end_of_turn>"])
+    assert state.text() == (head + state["answer"] + "<end_of_turn>\n<start_of_turn>user\nAnd then?<end_of_turn>\n")
+
+
+def test_a_template_without_a_system_role_says_what_to_do():
+    from plait.chat_template import ChatTemplate, ChatTemplateError, Transcript, jinja_render
+
+    template = ChatTemplate(jinja_render(REFUSING_TEMPLATE))
+    with pytest.raises(ChatTemplateError, match="System role not supported; this model's template has no system "
+                                                "role: put the system text at the start of the first user message"):
+        Transcript().begin_role("system", template)
+    ts = Transcript()  # the other roles render as before
+    ts.begin_role("user", template)
+    ts.fill("Hi")
+    ts.end_role("user", template)
+    assert ts.text == "<start_of_turn>user\nHi<end_of_turn>\n"
