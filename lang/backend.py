@@ -25,7 +25,9 @@ from plait.ir import ResolvedParams
 # choice's tokens begin (a choice may merge with the context's last tokens)
 BOUNDARY_WINDOW = 8
 
-OnChunk = Callable[[int, str], None]  # (sequence index, new text)
+# (sequence index, new text, the chunk's meta: completion_tokens so far and the new
+# output logprob entries, as the runtime streams them)
+OnChunk = Callable[[int, str, dict[str, Any]], None]
 
 
 @dataclass
@@ -65,9 +67,10 @@ class Pending:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def chunk(self, index: int, text: str) -> None:
-        if text and self.on_chunk is not None and not self.done:
-            self.on_chunk(index, text)
+    def chunk(self, index: int, text: str, meta: dict[str, Any] | None = None) -> None:
+        # a chunk with no text may still carry logprob entries of held-back tokens
+        if (text or meta) and self.on_chunk is not None and not self.done:
+            self.on_chunk(index, text, meta or {})
 
     def result(self, index: int, out: dict[str, Any]) -> None:
         with self._lock:

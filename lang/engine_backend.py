@@ -186,8 +186,10 @@ class EngineBackend(BaseBackend):
                 del self._live[o.group]
                 lv.pending.fail(o.error.to_backend_error())
                 continue
-            if lv.stream and o.text:
-                lv.pending.chunk(o.index, o.text)
+            if lv.stream and (o.text or o.meta):
+                if lv.text_in_logprobs:
+                    add_token_text(o.meta, self._token_text)
+                lv.pending.chunk(o.index, o.text, o.meta)
             if o.result is not None:
                 if lv.text_in_logprobs:
                     add_token_text(o.result["meta_info"], self._token_text)

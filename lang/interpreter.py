@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from plait.backend import BaseBackend, CancelScope
+from plait.backend import BaseBackend, CancelScope, logprob_tuples
 from plait.chat_template import ChatTemplate, ChatTemplateError, Transcript
 from plait.errors import ProgramCancelled, ProgramError, UnknownVariableError
 from plait.global_config import global_config
@@ -48,6 +48,7 @@ class Executor:
         self.variables: dict[str, Any] = {}
         self.meta_info: dict[str, Any] = {}
         self.partial: dict[str, str] = {}  # streamed text of gens still running
+        self.partial_meta: dict[str, dict[str, Any]] = {}  # their meta info so far (merge_chunk_meta)
         self.scopes: dict[str, int] = {}  # var_scope name -> start position
         self.pending: Counter[str] = Counter()  # names still being computed
         self.error: BaseException | None = None
@@ -210,6 +211,7 @@ class Executor:
         with self.cond:
             if name is not None:
                 self.partial.pop(name, None)
+                self.partial_meta.pop(name, None)
                 self.variables[name] = value
                 self.meta_info[name] = meta
                 self.pending[name] = max(self.pending[name] - 1, 0)
@@ -235,7 +237,7 @@ class Executor:
                 if rname is not None:
                     self.partial[rname] = ""
 
-            def on_chunk(index: int, piece: str) -> None:
+            def on_chunk(index: int, piece: str, meta: dict[str, Any]) -> None:
                 if index != 0:
                     return
                 reasoning = ""
@@ -246,6 +248,7 @@ class Executor:
                     streamed[0] += piece
                     if e.name is not None:
                         self.partial[e.name] = streamed[0]
+                        self.partial_meta[e.name] = merge_chunk_meta(self.partial_meta.get(e.name), meta)
                     if rname is not None:
                         self.partial[rname] += reasoning
                     self.cond.notify_all()
@@ -373,7 +376,7 @@ class ProgramState(RoleScopes):
             return
         pos = 0
         while True:
-            piece, done = self._next_piece(var_name, pos, None)
+            piece, done, _ = self._next_piece(var_name, pos, None)
             pos += len(piece)
             if piece:
                 yield piece
@@ -381,7 +384,12 @@ class ProgramState(RoleScopes):
                 return
 
     async def text_async_iter(self, var_name: str | None = None, return_meta_data: bool = False) -> AsyncIterator[Any]:
-        """``text_iter`` for asyncio. Cancelling the consuming task aborts the program."""
+        """``text_iter`` for asyncio. Cancelling the consuming task aborts the program.
+        With ``var_name`` and ``return_meta_data``, yields ``(piece, meta_info)``: the
+        variable's meta info so far (``completion_tokens`` ...), whose output logprob
+        entries are those of the tokens not yet yielded (as SGLang merges them), so
+        that they concatenate over the pieces. Each piece is held until the next one
+        comes, so that the last one carries the final meta info (``finish_reason``)."""
         ex = self.executor
         loop = asyncio.get_running_loop()
         if not ex.stream:
@@ -389,27 +397,34 @@ class ProgramState(RoleScopes):
             yield (value, self.get_meta_info(var_name)) if return_meta_data and var_name else value
             return
         pos = 0
+        sent: dict[str, int] = {}  # logprob entries yielded so far, per key
+        held: tuple[str, Any] | None = None  # (piece, meta) waiting for the next piece
+        with_meta = return_meta_data and var_name is not None
         try:
             while True:
-                piece, done = await loop.run_in_executor(None, self._next_piece, var_name, pos, 0.5)
+                piece, done, meta = await loop.run_in_executor(None, self._next_piece, var_name, pos, 0.5)
                 pos += len(piece)
-                if piece:
-                    if return_meta_data and var_name is not None:
-                        yield piece, ex.meta_info.get(var_name)
-                    else:
-                        yield piece
+                if piece and not with_meta:
+                    yield piece
+                elif piece:
+                    if held is not None:
+                        yield held[0], _unsent(held[1], sent)
+                    held = (piece, meta)
                 if done:
+                    if held is not None:
+                        yield held[0], _unsent(meta if isinstance(meta, dict) else held[1], sent)
                     return
         except asyncio.CancelledError:
             self.abort("the streaming consumer was cancelled")
             raise
 
-    def _next_piece(self, var_name: str | None, pos: int, timeout: float | None) -> tuple[str, bool]:
-        """Wait until there is text beyond ``pos`` (or the end); return it and whether
-        the stream is over."""
+    def _next_piece(self, var_name: str | None, pos: int, timeout: float | None) -> tuple[str, bool, Any]:
+        """Wait until there is text beyond ``pos`` (or the end); return it, whether
+        the stream is over, and the variable's meta info so far."""
         ex = self.executor
         with ex.cond:
             while True:
+                meta = None
                 if var_name is None:
                     current = ex.ts.text
                     over = ex.finished or ex.error is not None
@@ -417,11 +432,12 @@ class ProgramState(RoleScopes):
                     running = ex.pending[var_name] > 0
                     current = ex.partial.get(var_name, "") if running else ex.variables.get(var_name, "")
                     current = current if isinstance(current, str) else ""
+                    meta = ex.partial_meta.get(var_name) if running else ex.meta_info.get(var_name)
                     over = ex.error is not None or (not running and (var_name in ex.variables or ex.finished))
                 if len(current) > pos or over:
-                    return current[pos:], over
+                    return current[pos:], over, meta
                 if not ex.cond.wait(timeout) and timeout is not None:
-                    return "", False
+                    return "", False, None
 
     def __repr__(self) -> str:
         return f"ProgramState({self.text()!r})"
@@ -491,6 +507,36 @@ class ProgramStateGroup:
         for st in self.states:
             if st.executor in parent.children:
                 parent.children.remove(st.executor)
+
+
+# -- streamed meta info -----------------------------------------------------------------------------
+# meta info keys a stream delivers a piece at a time
+STREAMED_LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs")
+
+
+def merge_chunk_meta(so_far: dict[str, Any] | None, chunk: dict[str, Any]) -> dict[str, Any]:
+    """The meta info of a gen after one more streamed chunk: the chunk's counts, and
+    the output logprob entries of every chunk so far (SGLang's tuples)."""
+    new = dict(chunk)
+    logprob_tuples(new)
+    out = {**(so_far or {}), **new}
+    for key in STREAMED_LOGPROB_KEYS:
+        if key in new:
+            out[key] = list((so_far or {}).get(key, [])) + new[key]
+    return out
+
+
+def _unsent(meta: Any, sent: dict[str, int]) -> Any:
+    """``meta`` with only the logprob entries past ``sent`` (updated), so that the
+    entries of the pieces of a stream concatenate to the whole list."""
+    if not isinstance(meta, dict):
+        return meta
+    out = dict(meta)
+    for key in STREAMED_LOGPROB_KEYS:
+        if key in meta:
+            out[key] = list(meta[key][sent.get(key, 0):])
+            sent[key] = len(meta[key])
+    return out
 
 
 # -- running ---------------------------------------------------------------------------------------

@@ -279,7 +279,7 @@ class RuntimeEndpoint(BaseBackend):
 
         def handle(m: Any) -> None:
             if isinstance(m, P.StreamChunk):
-                pending.chunk(m.index, m.text)
+                pending.chunk(m.index, m.text, m.meta)
             elif isinstance(m, P.GenerateResult):
                 pending.result(m.index, {"text": m.text, "output_ids": m.output_ids, "meta_info": m.meta_info})
             elif isinstance(m, P.ErrorResponse):

@@ -165,3 +165,37 @@ def test_a_template_without_a_system_role_says_what_to_do():
     ts.fill("Hi")
     ts.end_role("user", template)
     assert ts.text == "<start_of_turn>user\nHi<end_of_turn>\n"
+
+
+# -- 4. streamed meta info ---------------------------------------------------------------------------
+@sgl.function
+def answer_with_logprobs(s, question):
+    s += "Q: " + question + "\nA:"
+    s += sgl.gen("answer", max_tokens=6, return_logprob=True, top_logprobs_num=2, return_text_in_logprobs=True)
+
+
+def test_text_async_iter_with_meta_data_streams_each_piece_s_meta_info(backend, ref):
+    """SGLang's ``text_async_iter(var, return_meta_data=True)``: every piece comes with
+    the meta info so far (it came with None, and the final meta info never came)."""
+    import asyncio
+
+    async def consume() -> list[tuple[str, Any]]:
+        st = answer_with_logprobs.run(question="Why?", temperature=0, ignore_eos=True, stream=True, backend=backend)
+        return [x async for x in st.text_async_iter(var_name="answer", return_meta_data=True)]
+
+    got = asyncio.run(consume())
+    want = ref.generate("Q: Why?\nA:", {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+                        return_logprob=True, top_logprobs_num=2)
+    assert len(got) > 1 and "".join(p for p, _ in got) == want["text"]
+    metas = [m for _, m in got]
+    assert all(isinstance(m, dict) for m in metas)
+    counts = [m["completion_tokens"] for m in metas]
+    assert counts == sorted(counts) and counts[-1] == 6 and metas[-1]["finish_reason"]["type"] == "length"
+    # each piece's logprob entries are its own tokens': together, the whole output's
+    entries = [e for m in metas for e in m["output_token_logprobs"]]
+    assert [e[1] for e in entries] == [e[1] for e in want["meta_info"]["output_token_logprobs"]]
+    assert [e[0] for e in entries] == pytest.approx([e[0] for e in want["meta_info"]["output_token_logprobs"]],
+                                                    abs=1e-4)
+    assert all(isinstance(e, tuple) and len(e) == 3 and isinstance(e[2], str) for e in entries)
+    tops = [row for m in metas for row in m["output_top_logprobs"]]
+    assert len(tops) == 6 and all(len(row) == 2 and isinstance(row[0], tuple) for row in tops)
