@@ -30,6 +30,7 @@ class _Cursor:
     sent_text: int = 0
     sent_ids: int = 0
     sent_logprobs: int = 0
+    sent_input_logprobs: bool = False
     first_token_time: float | None = None
 
 
@@ -136,6 +137,11 @@ class OutputProcessor:
             if lp.top_n > 0:
                 meta["output_top_logprobs"] = lp.output_top[cur.sent_logprobs :]
             cur.sent_logprobs = len(lp.output_token)
+            if not cur.sent_input_logprobs:  # the prompt's, complete once anything is output: in the first
+                meta["input_token_logprobs"] = lp.input_token
+                if lp.top_n > 0:
+                    meta["input_top_logprobs"] = lp.input_top
+                cur.sent_input_logprobs = True
         cur.sent_text, cur.sent_ids = end, r.output_len
         out = RequestOutput(r.rid, r.group, r.index, piece, ids, meta, reason)
         if reason is not None:

@@ -294,17 +294,28 @@ def test_continue_final_message_with_a_generation_prompt_is_a_400(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
 
 
-def test_streamed_echo_offsets_count_the_echoed_prompt(http):
-    """text_offset is the position in the choice's text; streamed with echo, the output's
-    offsets started at 0 as if the prompt were not part of it."""
-    body = {"prompt": "The sky is", "echo": True, "logprobs": 0, "max_tokens": 4, **GREEDY}
-    whole = http.post("/v1/completions", json=body).json()["choices"][0]
-    offsets = whole["logprobs"]["text_offset"][-4:]  # the output's (the prompt's come first)
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_streamed_echo_with_logprobs_is_the_non_streamed_one(http, n):
+    """Streamed with echo and logprobs, the echoed prompt came without its logprobs
+    (the non-streamed choice has them) and the output's text_offset started at 0, as if
+    the prompt were not part of the choice's text."""
+    body = {"prompt": "The sky is", "echo": True, "logprobs": 2, "max_tokens": 4, "n": n, **GREEDY}
+    whole = http.post("/v1/completions", json=body).json()["choices"]
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-    streamed = [o for c in chunks if c["choices"][0]["logprobs"] for o in c["choices"][0]["logprobs"]["text_offset"]]
-    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
-    assert streamed == offsets and offsets[0] == len("The sky is"), (streamed, offsets)
+        chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
+    for i, choice in enumerate(whole):
+        mine = [c for c in chunks if c["index"] == i]
+        assert mine[0]["text"] == "The sky is" and "".join(c["text"] for c in mine) == choice["text"]
+        streamed: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for c in mine:
+            for key in streamed:
+                streamed[key] += c["logprobs"][key] if c["logprobs"] else []
+        want = choice["logprobs"]
+        assert streamed["tokens"] == want["tokens"] and streamed["text_offset"] == want["text_offset"], streamed
+        assert [list(t or {}) for t in streamed["top_logprobs"]] == [list(t or {}) for t in want["top_logprobs"]]
+        assert streamed["token_logprobs"][0] is None and want["token_logprobs"][0] is None
+        assert streamed["token_logprobs"][1:] == pytest.approx(want["token_logprobs"][1:], abs=1e-4)
+        assert want["text_offset"][len(want["text_offset"]) - 4] == len("The sky is")
 
 
 # -- dropped streams ------------------------------------------------------------------------------

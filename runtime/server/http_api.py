@@ -602,15 +602,26 @@ async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIte
     started: set[int] = set()
     chats: dict[int, oa.ChatStream] = {}  # choice index -> its chat deltas (reasoning, tool calls)
     yielded = False
+    echoes: dict[int, str] = {}  # choice index -> its echoed prompt, sent with the prompt's logprobs
     try:
         if job.echo_texts:
             for pi, text in enumerate(job.echo_texts):
                 for idx in range(job.n):
-                    offsets[oa.choice_index(job, pi, idx)] = len(text)  # the output's text_offset counts the echo
-                    yield sse(oa.stream_chunk(job, oa.choice_index(job, pi, idx), text, None))
+                    index = oa.choice_index(job, pi, idx)
+                    offsets[index] = len(text)  # the output's text_offset counts the echo
+                    if job.logprobs is None:
+                        yielded = True
+                        yield sse(oa.stream_chunk(job, index, text, None))
+                    else:  # the prompt's logprobs come with the first output of the choice
+                        echoes[index] = text
         async for msg in sub.events():
             yielded = True
             index = oa.choice_index(job, sub.prompt_of[msg.rid], msg.index)
+            if index in echoes:
+                meta = msg.meta if isinstance(msg, P.StreamChunk) else msg.meta_info
+                tops = meta.get("input_top_logprobs") if job.logprobs else None
+                yield sse(oa.stream_chunk(job, index, echoes.pop(index), None,
+                                          logprobs=fmt.completion(meta.get("input_token_logprobs", []), tops, 0)))
             role = job.chat and index not in started
             started.add(index)
             if isinstance(msg, P.StreamChunk):
@@ -644,7 +655,7 @@ async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIte
         if job.include_usage:
             yield sse(oa.usage_chunk(job, completion, cached))
     except RequestError as e:
-        if not yielded and not job.echo_texts:
+        if not yielded:
             raise
         yield _stream_error(oa.openai_error(e, job))
     yield SSE_DONE
