@@ -508,8 +508,12 @@ def assistant_end() -> RoleEnd:
 
 
 def image(expr: Any) -> Any:
-    raise NotImplementedError("plait serves text models; image() is not supported")
+    raise NotImplementedError(f"image({expr!r}): plait serves text-only models, so a prompt cannot hold an image; "
+                              "put a description of the image in the text instead (programs with images need a "
+                              "vision-language server, such as SGLang's)")
 
 
 def video(path: str, num_frames: int) -> Any:
-    raise NotImplementedError("plait serves text models; video() is not supported")
+    raise NotImplementedError(f"video({path!r}, {num_frames!r}): plait serves text-only models, so a prompt cannot "
+                              "hold a video; put a description of it in the text instead (programs with videos need "
+                              "a vision-language server, such as SGLang's)")

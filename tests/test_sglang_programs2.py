@@ -199,3 +199,20 @@ def test_text_async_iter_with_meta_data_streams_each_piece_s_meta_info(backend, 
     assert all(isinstance(e, tuple) and len(e) == 3 and isinstance(e[2], str) for e in entries)
     tops = [row for m in metas for row in m["output_top_logprobs"]]
     assert len(tops) == 6 and all(len(row) == 2 and isinstance(row[0], tuple) for row in tops)
+
+
+# -- 5. images on a text model -------------------------------------------------------------------------
+def test_image_and_video_say_what_to_do_instead(backend):
+    """SGLang's image_qa shape: the error comes where the program builds the prompt,
+    naming the file and what to do."""
+
+    @sgl.function
+    def image_qa(s, question):
+        s += sgl.user(sgl.image("example_image.png") + question)
+        s += sgl.assistant(sgl.gen("answer"))
+
+    with pytest.raises(NotImplementedError, match=r"image\('example_image.png'\): plait serves text-only models.*"
+                                                  r"put a description of the image in the text instead"):
+        image_qa.run(question="What is this?", backend=backend)
+    with pytest.raises(NotImplementedError, match=r"video\('clip.mp4', 8\): .*put a description of it in the text"):
+        sgl.video("clip.mp4", 8)
