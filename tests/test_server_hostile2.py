@@ -266,6 +266,29 @@ def test_accepted_forms_of_those_fields(http):
     assert r.status_code == 200 and r.json()["metadata"] == {"k": "v"}, r.text
 
 
+def test_the_openai_client_retrieves_the_model(server, http):
+    """client.models.retrieve() (LangChain and others call it to check a model) was a
+    404 'Not Found' for the route itself."""
+    import openai
+
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    name = oai.models.list().data[0].id
+    for asked in (name, "default"):
+        got = oai.models.retrieve(asked)
+        assert got.id == name and got.object == "model"
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.models.retrieve("org/other-model")
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+
+
+@pytest.mark.parametrize("field,value", [("logit_bias", {"50256": -100}), ("suffix", " end.")])
+def test_unsupported_features_name_the_value_and_what_is_allowed(http, field, value):
+    r = http.post("/v1/completions", json={"prompt": "hi", field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    message = r.json()["error"]["message"]
+    assert repr(value) in message and "allowed: null" in message, message
+
+
 PREFILL = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My answer is"}]
 
 

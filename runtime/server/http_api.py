@@ -428,12 +428,19 @@ def build_app(front: Front) -> ASGIApp:
         return Response(front.metrics.render(), media_type=CONTENT_TYPE)
 
     # -- OpenAI -------------------------------------------------------------------------------
+    def model_card() -> dict[str, Any]:
+        # "sglang": routers (SMG) read it to pick the worker protocol, and plait speaks SGLang's
+        return {"id": front.args.model_name, "object": "model", "created": 0, "owned_by": "sglang",
+                "root": front.model_info.get("model_path"), "max_model_len": front.context_len}
+
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            # "sglang": routers (SMG) read it to pick the worker protocol, and plait speaks SGLang's
-            "id": front.args.model_name, "object": "model", "created": 0, "owned_by": "sglang",
-            "root": front.model_info.get("model_path"), "max_model_len": front.context_len,
-        }]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request: Request) -> Response:
+        """OpenAI's retrieve (``client.models.retrieve``): the served model, by any name a
+        request may use for it; another name is a 404 ``model_not_found``."""
+        oa.check_model(front, {"model": request.path_params["model"]})
+        return JSONResponse(model_card())
 
     async def completions(request: Request) -> Response:
         return await _openai(request, oa.parse_completion)
@@ -503,6 +510,7 @@ def build_app(front: Front) -> ASGIApp:
         Route("/v1/loads", loads, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),

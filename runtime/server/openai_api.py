@@ -152,8 +152,10 @@ def sampling_params(front: Front, body: dict[str, Any], prompt_len: int, default
         for s in stop:
             check_text(s, "stop")
         sp["stop"] = stop
-    if get_field(body, "logit_bias", "dict"):
-        raise RequestError("logit_bias is not supported by this server", "logit_bias")
+    bias = get_field(body, "logit_bias", "dict")
+    if bias:
+        raise RequestError(f"logit_bias={_short(bias)} is not supported by this server; allowed: null or {{}}",
+                           "logit_bias")
     for name in ("regex", "json_schema", "ebnf", "grammar_backend"):  # constrained decoding (SGLang's extra fields)
         if body.get(name) is not None:
             sp[name] = body[name]
@@ -213,8 +215,10 @@ def parse_completion(front: Front, body: dict[str, Any]) -> Job:
             "prompt is invalid; allowed: a string, an array of strings, an array of token ids, "
             "or an array of arrays of token ids (non-empty)", "prompt",
         )
-    if get_field(body, "suffix", "str"):
-        raise RequestError("suffix is not supported by this server", "suffix")
+    suffix = get_field(body, "suffix", "str")
+    if suffix:
+        raise RequestError(f"suffix={_short(suffix)} is not supported by this server (no fill-in-the-middle); "
+                           f"allowed: null or ''", "suffix")
     n = get_field(body, "n", "int", 1)
     best_of = get_field(body, "best_of", "int")
     if best_of is not None and best_of != n:
