@@ -301,10 +301,13 @@ class Executor:
 
 class ProgramState(RoleScopes):
     """The state ``s`` of a running program: ``s += ...`` appends, ``s["name"]`` reads
-    a variable (waiting for it), ``s.fork(n)`` branches."""
+    a variable (waiting for it), ``s.fork(n)`` branches. ``program``: the thread a
+    streamed program's body runs on (``run(stream=True)``); reading the state from
+    elsewhere waits for the body where what it reads may not be appended yet."""
 
-    def __init__(self, executor: Executor) -> None:
+    def __init__(self, executor: Executor, program: threading.Thread | None = None) -> None:
         self.executor = executor
+        self.program = program
         self.ret_value: Any = None
 
     # -- building ------------------------------------------------------------------------------
@@ -329,8 +332,11 @@ class ProgramState(RoleScopes):
             group.join()
 
     # -- reading ---------------------------------------------------------------------------------
+    def _body_running_elsewhere(self) -> bool:
+        return self.program is not None and self.program is not threading.current_thread() and self.program.is_alive()
+
     def __getitem__(self, name: str) -> Any:
-        return self.executor.get_var(name)
+        return self.get_var(name)
 
     def __setitem__(self, name: str, value: Any) -> None:
         self.executor.set_var(name, value)
@@ -339,27 +345,40 @@ class ProgramState(RoleScopes):
         return self.executor.has_var(name)
 
     def get_var(self, name: str) -> Any:
+        try:
+            return self.executor.get_var(name)
+        except UnknownVariableError:
+            if not self._body_running_elsewhere():
+                raise
+        assert self.program is not None
+        self.program.join()  # a streamed body may not have reached the gen yet
         return self.executor.get_var(name)
 
     def set_var(self, name: str, value: Any) -> None:
         self.executor.set_var(name, value)
 
     def get_meta_info(self, name: str) -> Any:
+        self.get_var(name)
         return self.executor.get_meta_info(name)
 
     def text(self) -> str:
-        self.executor.sync()
+        self.sync()
         return self.executor.ts.text
 
     def messages(self) -> list[dict[str, str]]:
-        self.executor.sync()
+        self.sync()
         return [dict(m) for m in self.executor.ts.messages]
 
     def sync(self) -> None:
+        """Wait until everything appended so far is done (for a streamed program read
+        from outside its body: until the body has returned, and then its work)."""
+        if self._body_running_elsewhere():
+            assert self.program is not None
+            self.program.join()
         self.executor.sync()
 
     def error(self) -> BaseException | None:
-        self.executor.sync()
+        self.sync()
         return self.executor.error
 
     def abort(self, reason: str = "aborted by the caller") -> None:
@@ -544,7 +563,8 @@ def run_program(fn: Callable[..., Any], backend: BaseBackend, args: tuple[Any, .
                 defaults: dict[str, Any], stream: bool) -> ProgramState:
     """Run ``fn(s, *args, **kwargs)``. Without ``stream``, returns when it is done;
     with it, returns at once and the program runs in a thread."""
-    state = ProgramState(Executor(backend, defaults, stream))
+    program = threading.Thread(target=lambda: body(), name="plait-stream", daemon=True) if stream else None
+    state = ProgramState(Executor(backend, defaults, stream), program)
 
     def body() -> None:
         ex = state.executor
@@ -557,8 +577,8 @@ def run_program(fn: Callable[..., Any], backend: BaseBackend, args: tuple[Any, .
         finally:
             ex.end()
 
-    if stream:
-        threading.Thread(target=body, name="plait-stream", daemon=True).start()
+    if program is not None:
+        program.start()
     else:
         body()
         state.executor.sync()

@@ -216,3 +216,30 @@ def test_image_and_video_say_what_to_do_instead(backend):
         image_qa.run(question="What is this?", backend=backend)
     with pytest.raises(NotImplementedError, match=r"video\('clip.mp4', 8\): .*put a description of it in the text"):
         sgl.video("clip.mp4", 8)
+
+
+# -- 6. reading a streamed program from outside ---------------------------------------------------------
+@sgl.function
+def branch_on_the_answer(s, question):
+    s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=4)
+    size = len(s["answer"])  # the body waits here before it appends the next gen
+    s += f"\nThat was {size} characters. More:" + sgl.gen("more", max_tokens=4)
+    return size
+
+
+def test_a_streamed_program_s_later_variables_and_return_value_wait_for_its_body(backend, ref):
+    """``state = f.run(stream=True); state["more"]``: the body had not appended gen
+    "more" yet (it was waiting for "answer"), so the read raised UnknownVariableError;
+    ``sync()`` could return before the body did, leaving ``ret_value`` None."""
+    first = greedy(ref, "Q: Why?\nA:", max_new_tokens=4)
+    second_prompt = f"Q: Why?\nA:{first}\nThat was {len(first)} characters. More:"
+    want = greedy(ref, second_prompt, max_new_tokens=4)
+    for _ in range(3):
+        state = branch_on_the_answer.run(question="Why?", temperature=0, stream=True, backend=backend)
+        assert state["more"] == want
+        assert state.get_meta_info("more")["completion_tokens"] == 4
+        state = branch_on_the_answer.run(question="Why?", temperature=0, stream=True, backend=backend)
+        state.sync()
+        assert state.ret_value == len(first) and state.text() == second_prompt + want
+    with pytest.raises(sgl.UnknownVariableError, match="unknown variable 'nothing'"):
+        branch_on_the_answer.run(question="Why?", temperature=0, stream=True, backend=backend)["nothing"]
