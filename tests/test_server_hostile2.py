@@ -113,6 +113,30 @@ def test_a_rid_repeated_within_a_batch_is_refused_by_name(http):
     assert wait_idle(http)["live_requests"] == 0
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"text": "b", "sampling_params": {"max_new_tokens": 2}}),
+    ("/v1/completions", {"prompt": "b", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}),
+    ("/generate", {"text": "b", "sampling_params": {"max_new_tokens": 2, "json_schema": {"type": "object"}}}),
+])
+def test_a_rid_in_use_is_refused_and_its_owner_runs_on(server, http, path, body):
+    """A second client reusing a running request's rid (any route; a constraint makes
+    the second one prepared in a worker thread) gets a 400; the first stream is not
+    aborted or mixed with the other's output."""
+    rid = f"shared-{path.count('/')}-{len(body)}"
+    want = http.post("/generate", json={"text": "a", "sampling_params": {**GREEDY, "max_new_tokens": 300}}).json()
+    with httpx.stream("POST", server.url + "/generate", timeout=60, json={
+            "text": "a", "rid": rid, "stream": True, "sampling_params": {**GREEDY, "max_new_tokens": 300}}) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        other = http.post(path, json={**body, "rid": rid})
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert other.status_code == 400 and other.json()["error"]["param"] == "rid", other.text
+    assert "already in use" in other.json()["error"]["message"]
+    assert events[-1]["output_ids"] == want["output_ids"] and events[-1]["meta_info"]["id"] == rid
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_a_large_batch_lets_the_loop_run_between_its_requests():
     """Submitting the prompts of one request never awaited anything, so a batch of 20000
     short prompts held the front's loop for seconds (no other client was served)."""
