@@ -123,13 +123,18 @@ class Function:
         """Pop the extra sampling defaults (seed, ...) that are not program arguments."""
         return {k: kwargs.pop(k) for k in _EXTRA_DEFAULTS if k in kwargs and k not in self.arg_names}
 
+    @property
+    def _free_positional(self) -> list[str]:
+        """The positional parameters ``bind`` left open: positional values fill these."""
+        return [k for k in self.positional_names if k not in self.bind_arguments]
+
     def _kwargs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The arguments of a call by name (bound ones first); a ``**kwargs`` program
         takes any name."""
-        if len(args) > len(self.positional_names):
-            raise TypeError(f"{self.__name__}() takes {len(self.positional_names)} positional arguments after s, "
-                            f"got {len(args)}")
-        out = {**self.bind_arguments, **dict(zip(self.positional_names, args))}
+        free = self._free_positional
+        if len(args) > len(free):
+            raise TypeError(f"{self.__name__}() takes {len(free)} positional arguments after s, got {len(args)}")
+        out = {**self.bind_arguments, **dict(zip(free, args))}
         for k, v in kwargs.items():
             if k not in self.arg_names and not self.var_kwargs:
                 raise TypeError(f"{self.__name__}() got an unexpected argument {k!r}")
@@ -140,7 +145,7 @@ class Function:
         """``(positional, keyword)`` arguments of a call. Positional values past the
         named parameters go to ``*args``; then, as Python needs, the named ones before
         it are passed by position too (their defaults where the call leaves them out)."""
-        n = len(self.positional_names)
+        n = len(self._free_positional)
         extra = tuple(args[n:])
         named = self._kwargs(tuple(args[:n]), kwargs)
         if not extra:

@@ -243,3 +243,24 @@ def test_a_streamed_program_s_later_variables_and_return_value_wait_for_its_body
         assert state.ret_value == len(first) and state.text() == second_prompt + want
     with pytest.raises(sgl.UnknownVariableError, match="unknown variable 'nothing'"):
         branch_on_the_answer.run(question="Why?", temperature=0, stream=True, backend=backend)["nothing"]
+
+
+# -- 7. bind, then positional arguments ---------------------------------------------------------------
+@sgl.function
+def few_shot(s, prompt, question):
+    s += prompt + "Q: What is the capital of France?\nA: Paris\nQ: " + question + "\nA:"
+    s += sgl.gen("answer", stop="\n", max_tokens=4)
+
+
+def test_positional_arguments_fill_what_bind_left_open(backend, ref):
+    """SGLang's test_bind shape, then ``run("...")`` / ``run_batch([[...]])``: the
+    positional value went to the bound ``prompt`` and ``question`` was missing."""
+    kid = few_shot.bind(prompt="Answer as a child would.\n\n")
+    prompts = [f"Answer as a child would.\n\nQ: What is the capital of France?\nA: Paris\nQ: {q}\nA:"
+               for q in ("Why?", "How?")]
+    want = [greedy(ref, p, stop=["\n"], max_new_tokens=4) for p in prompts]
+    assert kid.run("Why?", temperature=0, backend=backend)["answer"] == want[0]
+    assert [st["answer"] for st in kid.run_batch([["Why?"], ["How?"]], temperature=0, backend=backend)] == want
+    assert kid.trace(question="Why?").prefix_text(None) == prompts[0]
+    with pytest.raises(TypeError, match=r"takes 1 positional arguments after s, got 2"):
+        kid.run("Why?", "extra", backend=backend)
