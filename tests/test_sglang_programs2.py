@@ -264,3 +264,65 @@ def test_positional_arguments_fill_what_bind_left_open(backend, ref):
     assert kid.trace(question="Why?").prefix_text(None) == prompts[0]
     with pytest.raises(TypeError, match=r"takes 1 positional arguments after s, got 2"):
         kid.run("Why?", "extra", backend=backend)
+
+
+# -- benchmark shapes that already ran, kept running ------------------------------------------------------
+@sgl.function
+def multi_document_qa(s, docs, question):
+    """SGLang's multi_document_qa benchmark shape: the documents are forked inside an
+    open user turn and joined back as text."""
+    s += sgl.user_begin()
+    s += "Answer from the documents.\nQuestion: " + question + "\nDocuments begin.\n"
+    forks = s.fork(len(docs))
+    forks += lambda i: docs[i]
+    forks.join("concate_and_append")
+    s += "Documents end."
+    s += sgl.user_end()
+    s += sgl.assistant(sgl.gen("answer", max_tokens=4))
+
+
+def _plan(s, question, branches):
+    s += sgl.user("Plan: " + question)
+    forks = s.fork(branches)
+    forks += sgl.assistant(sgl.gen("plan", max_tokens=3))
+    return forks
+
+
+@sgl.function
+def tree_search(s, question, branches):
+    """The tree-of-thought benchmark shape: plain helpers fork forks, the program
+    returns the leaves' texts."""
+    leaves = []
+    for plan in _plan(s, question, branches):
+        plan += sgl.user("Solve it.")
+        forks = plan.fork(branches)
+        forks += sgl.assistant(sgl.gen("answer", max_tokens=3))
+        leaves.extend(forks)
+    return [leaf.text() for leaf in leaves]
+
+
+def test_benchmark_shaped_programs_match_the_reference(backend, ref, folder):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    end = "<|im_end|>"
+    docs = ["Ethan is Liam's father. ", "Noah is Julian's father. "]
+    states = multi_document_qa.run_batch([{"docs": docs, "question": "Who is Julian's father?"},
+                                          {"docs": docs[:1], "question": "Who is Liam's father?"}],
+                                         temperature=0, num_threads=2, backend=backend)
+    for st, n, q in zip(states, (2, 1), ("Who is Julian's father?", "Who is Liam's father?")):
+        user = "Answer from the documents.\nQuestion: " + q + "\nDocuments begin.\n" + "".join(docs[:n]) + "Documents end."
+        prompt = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+        answer = greedy(ref, prompt, max_new_tokens=4, stop=[end])
+        assert st["answer"] == answer and st.text() == prompt + answer + end + "\n"
+
+    [state] = tree_search.run_batch([{"question": "2+2?", "branches": 2}], temperature=0, backend=backend)
+    msgs = [{"role": "user", "content": "Plan: 2+2?"}]
+    plan = greedy(ref, tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), max_new_tokens=3,
+                  stop=[end])
+    msgs += [{"role": "assistant", "content": plan.lstrip()}, {"role": "user", "content": "Solve it."}]
+    head = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    if plan != plan.lstrip():  # the text keeps the generated whitespace that messages() strips
+        head = head.replace(plan.lstrip(), plan, 1)
+    leaf = head + greedy(ref, head, max_new_tokens=3, stop=[end]) + end + "\n"
+    assert state.ret_value == [leaf] * 4
