@@ -58,3 +58,41 @@ def test_gbnf_rewrite_leaves_comments_lark_and_other_escapes_alone(grammars, voc
     assert gbnf_characters(r"root ::= [\uD800]") == r"root ::= [\uD800]"  # a surrogate: refused by the conversion
     lark = 'start: "\\u00e9" /[a-c&&b]/'  # Lark reads its own escapes and Rust's class syntax: not rewritten
     assert admits(matcher(grammars, {"ebnf": lark}), vocab, "\u00e9b")
+
+
+# -- counted repetitions on the outlines backend ----------------------------------------------------
+def test_counted_repetitions_past_the_limit_are_found_in_one_pass():
+    from plait.runtime.constrained.worker import MAX_REPEAT_EXPANSION, counted_repetition_too_large as too_large
+
+    assert MAX_REPEAT_EXPANSION == 10_000
+    for ok in ["a{10001}", "(ab){5001}", "(?:ab){5001}", "(?P<x>ab){5001}", "(?i)(ab){5001}", "x{2}{3}",
+               "-?(?:0|[1-9][0-9]{0,15})", r"[\]a]{10001}", "a{5000}b{5000}c{5000}"]:
+        assert too_large(ok) is None, ok
+    for bad, where in [("a{100000}", "{100000} at position 1"), ("(a{1000}){1000}", "{1000} at position 9"),
+                       ("[a-z]{1,100000}", "{1,100000} at position 5"), ("(?:ab){5002}", "{5002}"),
+                       (r"\x{41}{20000}", "{20000}"), ("[]a]{20000}", "{20000}"), ("a{10002,}", "{10002,}")]:
+        why = too_large(bad)
+        assert why is not None and where in why and "llguidance" in why, (bad, why)
+
+
+def test_a_huge_counted_repetition_is_refused_before_the_build(vocab):
+    # outlines-core wrote every copy out and ran into the time limit, holding the one
+    # compile worker (every other outlines compile waited) all that time
+    import time
+
+    from plait.runtime.constrained.compiler import GrammarCompiler
+
+    c = GrammarCompiler(vocab, timeout_s=15)
+    try:
+        start = time.monotonic()
+        fut = c.request("a{100000}")
+        while not fut.done:
+            c.wait(0.2)
+        assert "the counted repetition {100000} at position 1" in fut.error and "at most 10000" in fut.error, fut.error
+        assert time.monotonic() - start < 10
+        quick = c.request("(yes|no){2}")
+        while not quick.done:
+            c.wait(0.2)
+        assert quick.grammar is not None
+    finally:
+        c.close()

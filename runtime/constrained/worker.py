@@ -19,6 +19,7 @@ watch). Imports no torch.
 from __future__ import annotations
 
 import pickle
+import re
 import resource
 import signal
 import struct
@@ -89,6 +90,80 @@ def _limit_cpu(seconds: float) -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
 
 
+MAX_REPEAT_EXPANSION = 10_000  # positions one counted repetition adds to the automaton outlines builds
+
+
+def counted_repetition_too_large(regex: str) -> str | None:
+    """Why ``regex`` is refused before its build, or None: a counted repetition
+    (``{n}``, ``{n,}``, ``{n,m}``) that adds more than :data:`MAX_REPEAT_EXPANSION`
+    positions (copies of what it repeats, each counted with the repetitions inside it).
+    outlines-core writes every copy into its automaton and walks the vocabulary from each
+    state: ``a{100000}`` ran into the time limit, holding the one compile worker all that
+    time. Checked here, before the build (one linear pass: a second for a megabyte
+    regex, kept off the engine loop); the dialect is checked at the edge (an unknown
+    construct counts as one position)."""
+    frames = [[0, 0]]  # per open group: [its positions so far, the size of its last item]
+    i, n = 0, len(regex)
+    while i < n:
+        c, top = regex[i], frames[-1]
+        size = 1
+        if c == "\\":
+            j = i + 2
+            if regex[i + 1:i + 2] in ("x", "u", "U", "p", "P") and regex[j:j + 1] == "{":
+                j = regex.find("}", j) + 1 or n
+            i = j
+        elif c == "[":
+            j = i + 1 + (regex[i + 1:i + 2] == "^")
+            j += regex[j:j + 1] == "]"  # a ']' first is a member
+            while j < n and regex[j] != "]":
+                j += 2 if regex[j] == "\\" else 1
+            i = j + 1
+        elif c == "(":
+            i += 1
+            if regex.startswith("?", i):  # (?:..), (?i:..), (?P<name>..): past the opening; (?i): no item
+                k = i + 1
+                while k < n and regex[k] not in ":)<":
+                    k += 1
+                if regex[k:k + 1] == ")":
+                    i = k + 1
+                    top[1] = 0
+                    continue
+                i = k + 1 if regex[k:k + 1] == ":" else regex.find(">", k) + 1 or n
+            frames.append([0, 0])
+            continue
+        elif c == ")" and len(frames) > 1:
+            size = frames.pop()[0]
+            top = frames[-1]
+            i += 1
+        elif c == "|":
+            top[1] = 0
+            i += 1
+            continue
+        elif c in "*+?":
+            i += 1
+            continue
+        elif c == "{" and (m := _COUNTED.match(regex, i)):
+            lo, comma, hi = m.groups()
+            copies = int(hi) if hi else int(lo) + (1 if comma else 0)
+            added = top[1] * max(copies - 1, 0)
+            if added > MAX_REPEAT_EXPANSION:
+                return (f"the counted repetition {m.group()} at position {i} adds {added} positions to the automaton "
+                        f"outlines builds; allowed: at most {MAX_REPEAT_EXPANSION} (fewer copies, or grammar_backend "
+                        "llguidance, which does not write each copy out)")
+            top[0] += added
+            top[1] += added
+            i = m.end()
+            continue
+        else:
+            i += 1
+        top[0] += size
+        top[1] = size
+    return None
+
+
+_COUNTED = re.compile(r"\{([0-9]{1,10})(,?)([0-9]{0,10})\}")
+
+
 def main(argv: list[str]) -> None:
     from plait.runtime.process import exit_when_parent_is_gone, set_parent_death_signal
 
@@ -120,6 +195,9 @@ def main(argv: list[str]) -> None:
         _limit_cpu(timeout_s + 1.0)
         try:
             t0 = time.monotonic()
+            too_large = counted_repetition_too_large(regex)
+            if too_large is not None:
+                raise ValueError(too_large)
             index = outlines_core.Index(regex, vocabs[key])
             # jump-forward is an optimisation: its automaton (pure Python) gets a bounded
             # share of the time; without it the constraint works, unaccelerated
