@@ -10,7 +10,7 @@ import re
 import pytest
 
 from plait.errors import RequestError
-from plait.runtime.constrained.llguidance_backend import gbnf_characters
+from plait.runtime.constrained.llguidance_backend import gbnf_for_llguidance
 from plait.runtime.sampling_params import SamplingParams
 from test_llguidance import admits, compiled, grammars, random_output, tokenizer, vocab  # noqa: F401 (fixtures)
 
@@ -40,7 +40,7 @@ GBNF_CHARACTERS = {
 
 
 @pytest.mark.parametrize("name", sorted(GBNF_CHARACTERS))
-def test_gbnf_characters_mean_what_llama_cpp_reads(grammars, vocab, name):
+def test_gbnf_for_llguidance_mean_what_llama_cpp_reads(grammars, vocab, name):
     text, reference, inside, outside = GBNF_CHARACTERS[name]
     for seed in range(4):
         out = random_output(matcher(grammars, {"ebnf": text}), vocab, seed, cap=12)
@@ -51,11 +51,20 @@ def test_gbnf_characters_mean_what_llama_cpp_reads(grammars, vocab, name):
         assert not admits(matcher(grammars, {"ebnf": text}), vocab, bad), bad
 
 
+@pytest.mark.parametrize("text, good, bad", [
+    ('root ::= "x" start\nstart ::= "a"', "xa", "a"),  # taken for Lark (its start rule: "a")
+    ('root ::= start start-rule\nstart ::= "a"\nstart-rule ::= "b" # start\n', "ab", "b"),
+])
+def test_a_gbnf_rule_named_start_is_a_gbnf_rule(grammars, vocab, text, good, bad):
+    assert admits(matcher(grammars, {"ebnf": text}), vocab, good)
+    assert not admits(matcher(grammars, {"ebnf": text}), vocab, bad)
+
+
 def test_gbnf_rewrite_leaves_comments_lark_and_other_escapes_alone(grammars, vocab):
     text = 'root ::= "a" [\\]\\\\-] # not a class: [&& \\u0041 "\nb ::= "\\x41"'
-    assert gbnf_characters(text) == text
-    assert gbnf_characters(r'root ::= "\u00e9\u4E00\U0001F600"') == 'root ::= "\\xE9\u4e00\U0001F600"'
-    assert gbnf_characters(r"root ::= [\uD800]") == r"root ::= [\uD800]"  # a surrogate: refused by the conversion
+    assert gbnf_for_llguidance(text) == text
+    assert gbnf_for_llguidance(r'root ::= "\u00e9\u4E00\U0001F600"') == 'root ::= "\\xE9\u4e00\U0001F600"'
+    assert gbnf_for_llguidance(r"root ::= [\uD800]") == r"root ::= [\uD800]"  # a surrogate: refused by the conversion
     lark = 'start: "\\u00e9" /[a-c&&b]/'  # Lark reads its own escapes and Rust's class syntax: not rewritten
     assert admits(matcher(grammars, {"ebnf": lark}), vocab, "\u00e9b")
 

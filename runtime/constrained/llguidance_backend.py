@@ -517,11 +517,9 @@ def ebnf_grammar(text: str) -> str:
     llguidance's rule (a ``start:`` rule or ``%llguidance`` line means Lark)."""
     from llguidance import grammar_from
 
-    from llguidance.gbnf_to_lark import is_lark_syntax
-
     _check_size(text, "the grammar")
-    if not is_lark_syntax(text):
-        text = gbnf_characters(text)
+    if not _LARK.search(text):
+        text = gbnf_for_llguidance(text)
     try:
         grammar = grammar_from("ebnf", text)
     except ValueError as e:
@@ -537,10 +535,18 @@ _GBNF_HEX = {"x": 2, "u": 4, "U": 8}
 _RUST_CLASS_OPS = "&~-"  # doubled inside a class, Rust's regex reads a set operation
 
 
-def gbnf_characters(text: str) -> str:
-    """GBNF ``text`` with the characters of its strings and classes written so that
-    llguidance's conversion to Lark keeps them (each the same character, as llama.cpp
-    reads it):
+# Lark, as llguidance tells it from GBNF: a %llguidance line or a start rule; its own
+# pattern also took a GBNF rule named start ("start ::= ...") for a Lark rule
+_LARK = re.compile(r"(?m)^\s*(%llguidance\b|start\s*:(?!:=))")
+_GBNF_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def gbnf_for_llguidance(text: str) -> str:
+    """GBNF ``text`` written so that llguidance's conversion to Lark reads it as
+    llama.cpp does. A rule named ``start`` is renamed (``start-rule``, or with a number
+    when that is taken): llguidance took the grammar for Lark, or refused it because
+    ``root`` becomes ``start`` in Lark. And the characters of strings and classes are
+    written so that the conversion keeps each one:
 
     - ``\\uXXXX`` / ``\\UXXXXXXXX``: the conversion drops their leading zeros, so
       ``\\u00e9`` became ``\\ue9`` (refused as an invalid escape) and
@@ -552,12 +558,13 @@ def gbnf_characters(text: str) -> str:
       difference and difference (``[a&&b]`` admitted nothing; in GBNF it is ``a``,
       ``&`` or ``b``).
 
-    Comments and everything outside strings and classes are left as they are; an escape
-    that is not valid is left for the conversion to refuse."""
+    Comments and, but for that rule name, everything outside strings and classes are left
+    as they are; an escape that is not valid is left for the conversion to refuse."""
     out: list[str] = []
     i, n = 0, len(text)
     context = ""  # '"' in a string, "[" in a class, "" outside
     last = ""  # the class's previous character as written (an escape counts as none)
+    renamed = None
     while i < n:
         c = text[i]
         if not context:
@@ -566,6 +573,18 @@ def gbnf_characters(text: str) -> str:
                 j = n if j < 0 else j
                 out.append(text[i:j])
                 i = j
+                continue
+            word = _GBNF_NAME.match(text, i)
+            if word:
+                if word.group() == "start":
+                    if renamed is None:
+                        names = {w.replace("-", "_").lower() for w in _GBNF_NAME.findall(text)}
+                        renamed = next(f"start-rule{k or ''}" for k in range(len(names) + 1)
+                                       if f"start_rule{k or ''}" not in names)
+                    out.append(renamed)
+                else:
+                    out.append(word.group())
+                i = word.end()
                 continue
             if c in '"[':
                 context, last = c, ""
