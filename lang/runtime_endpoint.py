@@ -472,3 +472,14 @@ class Runtime:
 
     def flush_cache(self) -> bool:
         return self.endpoint.flush_cache()
+
+    def cache_prefix(self, prefix: str) -> None:
+        """Prefill ``prefix`` into the runtime's prefix cache (SGLang's ``Runtime.cache_prefix``)."""
+        self.endpoint.cache_prefix(prefix)
+
+    def get_tokenizer(self) -> Any:
+        """The served model's ``transformers`` tokenizer (SGLang's ``Runtime.get_tokenizer``),
+        loaded in this process from the model's files: the sidecar runs on this machine."""
+        from plait.runtime.model_loader import resolve_model
+
+        return resolve_model(str(self.endpoint.server_info["model_path"])).load_tokenizer()

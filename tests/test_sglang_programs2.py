@@ -326,3 +326,26 @@ def test_benchmark_shaped_programs_match_the_reference(backend, ref, folder):
         head = head.replace(plan.lstrip(), plan, 1)
     leaf = head + greedy(ref, head, max_new_tokens=3, stop=[end]) + end + "\n"
     assert state.ret_value == [leaf] * 4
+
+
+# -- 8. sgl.Runtime's helpers ---------------------------------------------------------------------------
+def test_runtime_get_tokenizer_and_cache_prefix(folder):
+    """``runtime = sgl.Runtime(...); tok = runtime.get_tokenizer()`` (scripts count and
+    template tokens with it) and ``runtime.cache_prefix(text)`` raised AttributeError."""
+    from transformers import AutoTokenizer
+
+    text = "A shared instruction that every request of the batch starts with. " * 3
+    with sgl.Runtime(model_path=folder, kv_cache_tokens=8192, num_threads=1, attention_backend="torch",
+                     echo_logs=False) as rt:
+        tok = rt.get_tokenizer()
+        want = AutoTokenizer.from_pretrained(folder)
+        assert tok.encode(text, add_special_tokens=False) == want.encode(text, add_special_tokens=False)
+        assert tok.chat_template == want.chat_template
+        rt.cache_prefix(text)
+
+        @sgl.function
+        def after_the_prefix(s):
+            s += text + sgl.gen("x", max_tokens=2)
+
+        meta = after_the_prefix.run(temperature=0, backend=rt).get_meta_info("x")
+        assert meta["cached_tokens"] > 0  # a fresh runtime: only cache_prefix put it there (whole blocks of it)
