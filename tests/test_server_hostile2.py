@@ -1,7 +1,10 @@
 """More careless and hostile clients (after test_server_hostile.py): transport quirks
 (chunked, compressed and BOM-prefixed bodies), batches that are large or repeat a rid,
-fields the OpenAI routes accepted unchecked, and streams dropped with n > 1. Each is
-served, or refused with a 4xx naming the problem, and never slows other clients."""
+a rid reused while its request runs, responses too large to build on the event loop,
+fields the OpenAI routes accepted unchecked, what OpenAI and vLLM clients send that was
+refused (models.retrieve, continue_final_message), streamed echo with logprobs, and
+streams dropped with n > 1. Each is served, or refused with a 4xx naming the problem,
+and never slows or harms other clients."""
 
 from __future__ import annotations
 
