@@ -265,6 +265,10 @@ class OfflineEngine:
     def tokenizer(self) -> Any:
         return self.endpoint.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (SGLang's ``Engine.get_tokenizer``)."""
+        return self.tokenizer
+
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict[str, Any] | list[Any] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  logprob_start_len: int | None = None, top_logprobs_num: int | None = None,

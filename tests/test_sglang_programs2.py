@@ -331,7 +331,8 @@ def test_benchmark_shaped_programs_match_the_reference(backend, ref, folder):
 # -- 8. sgl.Runtime's helpers ---------------------------------------------------------------------------
 def test_runtime_get_tokenizer_and_cache_prefix(folder):
     """``runtime = sgl.Runtime(...); tok = runtime.get_tokenizer()`` (scripts count and
-    template tokens with it) and ``runtime.cache_prefix(text)`` raised AttributeError."""
+    template tokens with it), ``runtime.cache_prefix(text)`` and ``sgl.Engine``'s
+    ``get_tokenizer()`` raised AttributeError."""
     from transformers import AutoTokenizer
 
     text = "A shared instruction that every request of the batch starts with. " * 3
@@ -349,3 +350,7 @@ def test_runtime_get_tokenizer_and_cache_prefix(folder):
 
         meta = after_the_prefix.run(temperature=0, backend=rt).get_meta_info("x")
         assert meta["cached_tokens"] > 0  # a fresh runtime: only cache_prefix put it there (whole blocks of it)
+
+    with sgl.Engine(model_path=folder, max_total_tokens=4096, num_threads=1, attention_backend="torch") as engine:
+        assert engine.get_tokenizer().encode(text, add_special_tokens=False) == \
+            want.encode(text, add_special_tokens=False)
