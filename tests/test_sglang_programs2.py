@@ -9,6 +9,15 @@ reasoning, mt-bench), run through ``import plait as sgl``; one test per gap they
 3. ``sgl.system(...)`` on a model whose chat template folds the system text into the
    first user turn (Gemma 3, Llama 2) failed with "drops the content of a 'system'
    message"; a template that refuses the system role now says what to do.
+4. ``text_async_iter(var, return_meta_data=True)`` gave None for every piece's meta
+   info, and never the final one.
+5. ``sgl.image`` / ``sgl.video`` said "not supported" without naming a way out.
+6. Reading a streamed program from outside raced its body: ``state["later"]`` raised
+   UnknownVariableError until the body appended that gen; ``sync()`` could return
+   before ``ret_value`` was set.
+7. After ``f.bind(prompt=...)``, positional arguments went to the bound parameter.
+8. ``sgl.Runtime`` had no ``get_tokenizer()`` / ``cache_prefix()``, ``sgl.Engine`` no
+   ``get_tokenizer()``.
 
 Model outputs are compared with a plain reference ``Engine`` on the same tiny weights,
 so nothing depends on what the random model says.
