@@ -305,6 +305,40 @@ class BaseBackend(ABC):
         return result
 
 
+def generate_outputs(backend: BaseBackend, prompt: str | list[str] | None, sampling_params: Any,
+                     input_ids: list[int] | list[list[int]] | None, return_logprob: bool = False,
+                     logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+                     return_text_in_logprobs: bool = False) -> Any:
+    """SGLang's offline ``generate`` on ``backend`` (``Engine.generate``,
+    ``Runtime.generate``): one prompt (text or ``input_ids``) gives one output dict
+    (``text``, ``output_ids``, ``meta_info``; a list of ``n`` with ``n > 1``), a list
+    of prompts a list of outputs in order; ``sampling_params`` is one dict for all or
+    one per prompt. Logprob entries are tuples."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("give exactly one of prompt and input_ids")
+    if prompt is not None:
+        single = isinstance(prompt, str)
+        prompts: list[Any] = [prompt] if single else list(prompt)
+        key = "text"
+    else:
+        single = not input_ids or not isinstance(input_ids[0], list)
+        prompts = [input_ids] if single else list(input_ids)
+        key = "input_ids"
+    params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; they must match")
+    opts = dict(return_logprob=return_logprob, return_text_in_logprobs=return_text_in_logprobs,
+                logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
+                top_logprobs_num=top_logprobs_num or 0)
+    reqs = [Request(**{key: p}, sampling_params=dict(sp or {}), **opts) for p, sp in zip(prompts, params)]
+    outs = backend.run_requests(reqs)
+    for seqs in outs:
+        for out in seqs:
+            logprob_tuples(out["meta_info"])
+    flat = [o if len(o) > 1 else o[0] for o in outs]
+    return flat[0] if single else flat
+
+
 _LOGPROB_KEYS = ("output_token_logprobs", "input_token_logprobs")
 _TOP_LOGPROB_KEYS = ("output_top_logprobs", "input_top_logprobs")
 

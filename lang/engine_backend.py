@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from plait.backend import BaseBackend, OnChunk, Pending, Request, logprob_tuples
+from plait.backend import BaseBackend, OnChunk, Pending, Request, generate_outputs, logprob_tuples
 from plait.chat_template import ChatTemplate
 from plait.errors import RequestError, RuntimeUnavailableError
 
@@ -282,29 +282,8 @@ class OfflineEngine:
         if stream:
             raise ValueError("stream=True is not supported by Engine.generate; stream from a program "
                              "(f.run(..., stream=True, backend=engine) and state.text_iter())")
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt and input_ids")
-        if prompt is not None:
-            single = isinstance(prompt, str)
-            prompts: list[Any] = [prompt] if single else list(prompt)
-            key = "text"
-        else:
-            single = not input_ids or not isinstance(input_ids[0], list)
-            prompts = [input_ids] if single else list(input_ids)
-            key = "input_ids"
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; they must match")
-        opts = dict(return_logprob=return_logprob, return_text_in_logprobs=return_text_in_logprobs,
-                    logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
-                    top_logprobs_num=top_logprobs_num or 0)
-        reqs = [Request(**{key: p}, sampling_params=dict(sp or {}), **opts) for p, sp in zip(prompts, params)]
-        outs = self.endpoint.run_requests(reqs)
-        for seqs in outs:
-            for out in seqs:
-                logprob_tuples(out["meta_info"])
-        flat = [o if len(o) > 1 else o[0] for o in outs]
-        return flat[0] if single else flat
+        return generate_outputs(self.endpoint, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                top_logprobs_num, return_text_in_logprobs)
 
     def get_server_info(self) -> dict[str, Any]:
         return self.endpoint.get_server_info()

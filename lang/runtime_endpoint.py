@@ -35,7 +35,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from plait import protocol as P
-from plait.backend import BaseBackend, OnChunk, Pending, Request
+from plait.backend import BaseBackend, OnChunk, Pending, Request, generate_outputs
 from plait.chat_template import ChatTemplate, ChatTemplateError, jinja_render
 from plait.errors import BackendError, RuntimeUnavailableError
 
@@ -472,6 +472,18 @@ class Runtime:
 
     def flush_cache(self) -> bool:
         return self.endpoint.flush_cache()
+
+    def generate(self, prompt: str | list[str], sampling_params: dict[str, Any] | list[Any] | None = None,
+                 return_logprob: bool = False, logprob_start_len: int | None = None,
+                 top_logprobs_num: int | None = None, lora_path: Any = None) -> str:
+        """SGLang's ``Runtime.generate``: the runtime's answer as JSON text (an output
+        dict, ``text``, ``output_ids``, ``meta_info``, or a list of them for a list of
+        prompts), as SGLang's returns its HTTP response. plait serves no LoRA
+        adapters: ``lora_path`` is refused."""
+        if lora_path is not None:
+            raise ValueError(f"lora_path={lora_path!r} is not supported: plait serves no LoRA adapters")
+        return json.dumps(generate_outputs(self.endpoint, prompt, sampling_params, None, return_logprob,
+                                           logprob_start_len, top_logprobs_num))
 
     def cache_prefix(self, prefix: str) -> None:
         """Prefill ``prefix`` into the runtime's prefix cache (SGLang's ``Runtime.cache_prefix``)."""

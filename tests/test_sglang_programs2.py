@@ -16,8 +16,8 @@ reasoning, mt-bench), run through ``import plait as sgl``; one test per gap they
    UnknownVariableError until the body appended that gen; ``sync()`` could return
    before ``ret_value`` was set.
 7. After ``f.bind(prompt=...)``, positional arguments went to the bound parameter.
-8. ``sgl.Runtime`` had no ``get_tokenizer()`` / ``cache_prefix()``, ``sgl.Engine`` no
-   ``get_tokenizer()``.
+8. ``sgl.Runtime`` had no ``get_tokenizer()`` / ``generate()`` / ``cache_prefix()``,
+   ``sgl.Engine`` no ``get_tokenizer()``.
 
 Model outputs are compared with a plain reference ``Engine`` on the same tiny weights,
 so nothing depends on what the random model says.
@@ -338,10 +338,13 @@ def test_benchmark_shaped_programs_match_the_reference(backend, ref, folder):
 
 
 # -- 8. sgl.Runtime's helpers ---------------------------------------------------------------------------
-def test_runtime_get_tokenizer_and_cache_prefix(folder):
+def test_runtime_get_tokenizer_generate_and_cache_prefix(folder, ref):
     """``runtime = sgl.Runtime(...); tok = runtime.get_tokenizer()`` (scripts count and
-    template tokens with it), ``runtime.cache_prefix(text)`` and ``sgl.Engine``'s
-    ``get_tokenizer()`` raised AttributeError."""
+    template tokens with it), ``json.loads(runtime.generate(prompt, params))["text"]``,
+    ``runtime.cache_prefix(text)`` and ``sgl.Engine``'s ``get_tokenizer()`` raised
+    AttributeError."""
+    import json
+
     from transformers import AutoTokenizer
 
     text = "A shared instruction that every request of the batch starts with. " * 3
@@ -351,6 +354,15 @@ def test_runtime_get_tokenizer_and_cache_prefix(folder):
         want = AutoTokenizer.from_pretrained(folder)
         assert tok.encode(text, add_special_tokens=False) == want.encode(text, add_special_tokens=False)
         assert tok.chat_template == want.chat_template
+        out = json.loads(rt.generate("Q: Why?\nA:", {"temperature": 0, "max_new_tokens": 4}))
+        assert out["text"] == greedy(ref, "Q: Why?\nA:", max_new_tokens=4) and out["meta_info"]["completion_tokens"] == 4
+        outs = json.loads(rt.generate(["Q: Why?\nA:", "Q: How?\nA:"], {"temperature": 0, "max_new_tokens": 2},
+                                      return_logprob=True))
+        assert [o["text"] for o in outs] == [greedy(ref, p, max_new_tokens=2) for p in ("Q: Why?\nA:", "Q: How?\nA:")]
+        assert all(len(o["meta_info"]["output_token_logprobs"]) == 2 for o in outs)
+        with pytest.raises(ValueError, match="lora_path='a' is not supported"):
+            rt.generate("x", lora_path="a")
+        rt.flush_cache()
         rt.cache_prefix(text)
 
         @sgl.function
