@@ -93,7 +93,7 @@ class ChatTemplate:
             return self._render(msgs)
         except Exception as e:  # noqa: BLE001 - templates raise whatever they like
             hint = ""
-            if role == "system":
+            if role == "system" and not history:
                 hint = ("; this model's template has no system role: put the system text at the start of the "
                         "first user message")
             raise ChatTemplateError(
