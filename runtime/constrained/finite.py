@@ -110,8 +110,9 @@ class _Conjunctions:
     one node per *conjunction*: the set of subschemas one instance must satisfy, closed
     under ``allOf`` and local ``$ref`` (JSON Schema applies both to the instance itself).
     Its keywords read together: ``type`` intersected (``integer`` within ``number``),
-    ``required`` names united, each required property's value the conjunction of every
-    part's schema for that name (``properties``, else ``additionalProperties``), the
+    ``required`` names united (with those ``dependentRequired`` adds), each required
+    property's value the conjunction of every part's schema for that name
+    (``properties``, else ``additionalProperties``), the
     largest ``minItems`` with each needed index's item schemas together; each
     ``contains`` alone. An ``anyOf``/``oneOf`` is an OR of its branches, each added to
     the whole conjunction when it is the only list of branches there not yet chosen
@@ -207,7 +208,7 @@ class _Conjunctions:
             if types is not None and not _SCALARS.intersection(types):
                 alts = []
                 if "object" in types:
-                    names = dict.fromkeys(n for s in flat for n in _required(s))
+                    names = _required_names(flat)
                     alts.append(g.node(True, [self.conj([_property(s, n) for s in flat], key) for n in names]))
                 if "array" in types:
                     alts.append(g.node(True, [self.conj(items, key) for items in _needed_items(flat)]))
@@ -280,6 +281,25 @@ def _types(flat: list[dict[str, Any]]) -> set[str] | None:
 def _required(s: dict[str, Any]) -> list[str]:
     req = s.get("required")
     return [r for r in req if isinstance(r, str)] if isinstance(req, list) else []
+
+
+def _required_names(flat: list[dict[str, Any]]) -> list[str]:
+    """The property names every object value of all of ``flat`` has: ``required`` names,
+    and those ``dependentRequired`` (draft-7 ``dependencies`` lists) add for a name
+    already there."""
+    names = dict.fromkeys(n for s in flat for n in _required(s))
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        for s in flat:
+            for k in ("dependentRequired", "dependencies"):
+                deps = s.get(k)
+                more = deps.get(name) if isinstance(deps, dict) else None
+                for n in more if isinstance(more, list) else ():
+                    if isinstance(n, str) and n not in names:
+                        names[n] = None
+                        todo.append(n)
+    return list(names)
 
 
 def _property(s: dict[str, Any], name: str) -> Any:
