@@ -145,6 +145,19 @@ async def json_reply(build: Callable[[], Any], entries: int) -> Response:
     return Response(body, media_type="application/json")
 
 
+# fields whose parse checks or translates a schema: tools (each parameters schema checked
+# against its metaschema; a forced call's schemas translated to one regex, ~60 ms for a
+# 17 KB schema) and a response schema (translated to a regex under a reasoning parser)
+SCHEMA_FIELDS = ("tools", "response_format", "text")
+
+
+def parse_off_loop(body: dict[str, Any], size: int) -> bool:
+    """Whether an OpenAI or Responses body is parsed in a worker thread instead of on
+    the event loop: a long prompt or chat to render and tokenize (judged by the bytes
+    read: a chunked body has no Content-Length), or a schema to check or translate."""
+    return size > COSTLY_TEXT_CHARS or any(body.get(k) is not None for k in SCHEMA_FIELDS)
+
+
 def parse_json(body: bytes) -> Any:
     try:
         text = body.decode("utf-8-sig")  # a leading byte order mark is ignored (RFC 8259 allows it)
@@ -450,10 +463,7 @@ def build_app(front: Front) -> ASGIApp:
 
     async def _openai(request: Request, parse: Any) -> Response:
         body, size = await read_json(request)
-        # a long prompt or chat is rendered and tokenized in a worker thread, off this loop
-        # (judged by the bytes read: a chunked body has no Content-Length)
-        costly = size > COSTLY_TEXT_CHARS
-        job = await asyncio.to_thread(parse, front, body) if costly else parse(front, body)
+        job = await asyncio.to_thread(parse, front, body) if parse_off_loop(body, size) else parse(front, body)
         sub = Submission(front)
         try:  # errors found at admission or later (a constraint's compile) by OpenAI's names
             await sub.submit(job.reqs, "messages" if job.chat else "prompt")
@@ -469,9 +479,9 @@ def build_app(front: Front) -> ASGIApp:
 
     async def responses(request: Request) -> Response:
         body, size = await read_json(request)
-        costly = size > COSTLY_TEXT_CHARS  # as in _openai
         parse = ra.parse_response_request
-        rj = await asyncio.to_thread(parse, front, store, body) if costly else parse(front, store, body)
+        rj = (await asyncio.to_thread(parse, front, store, body) if parse_off_loop(body, size)
+              else parse(front, store, body))
         sub = Submission(front)
 
         async def events() -> AsyncIterator[bytes]:
