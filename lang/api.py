@@ -184,7 +184,11 @@ class Function:
         ones). The instances are traced first: the prefixes they share are pinned in
         the runtime for the batch's lifetime (``pin_prefixes``; by default
         ``global_config.enable_precache_with_tracing``) and they are submitted grouped
-        by shared prefix. States come back in input order: as a list, or with
+        by shared prefix. Tracing runs each body up to its first model output, so a
+        body that does something before that (a retrieval call) does it once more per
+        instance; with ``global_config.enable_precache_with_tracing = False`` (and no
+        ``pin_prefixes=True``) nothing is traced, as in SGLang, and instances run in
+        input order. States come back in input order: as a list, or with
         ``generator_style=True`` as an iterator that yields each state as soon as it
         (and every one before it) is done; the pins are released when the iterator
         is exhausted or closed."""
@@ -202,25 +206,26 @@ class Function:
         b = _resolve_backend(backend)
         if pin_prefixes is None:
             pin_prefixes = bool(global_config.enable_precache_with_tracing)
-        if generator_style:
-            return self._iter_batch(b, batch, defaults, num_threads, progress_bar, pin_prefixes)
-        return list(self._iter_batch(b, batch, defaults, num_threads, progress_bar, pin_prefixes))
+        trace = pin_prefixes or bool(global_config.enable_precache_with_tracing)
+        batches = self._iter_batch(b, batch, defaults, num_threads, progress_bar, pin_prefixes, trace)
+        return batches if generator_style else list(batches)
 
     def _iter_batch(self, b: Any, batch: list[dict[str, Any]], defaults: dict[str, Any], num_threads: int | str,
-                    progress_bar: bool, pin_prefixes: bool) -> Iterator[ProgramState]:
-        plan = self.plan(batch, b)
-        if len(batch) > 1:
+                    progress_bar: bool, pin_prefixes: bool, trace: bool) -> Iterator[ProgramState]:
+        plan = self.plan(batch, b) if trace else None
+        if trace and len(batch) > 1:
             for issue in self.lint(batch):
                 warnings.warn(str(issue), PromptLayoutWarning, stacklevel=3)
         pins: list[str] = []
-        if pin_prefixes and len(batch) > 1 and plan.pins and b.supports_pinning:
+        if plan is not None and pin_prefixes and len(batch) > 1 and plan.pins and b.supports_pinning:
             # all pins at once; the runtime acknowledges a pin before its prefill ends,
             # and the instances queued behind it share that prefill
             with ThreadPoolExecutor(len(plan.pins), thread_name_prefix="plait-pin") as pool:
                 found = list(pool.map(lambda p: _pin(b, p[0], len(p[1])), plan.pins))
             pins = [p for p in found if p is not None]
         try:
-            yield from iter_program_batch(self.func, b, batch, defaults, num_threads, progress_bar, plan.order)
+            order = plan.order if plan is not None else None
+            yield from iter_program_batch(self.func, b, batch, defaults, num_threads, progress_bar, order)
         finally:
             for pin_id in pins:
                 _unpin(b, pin_id)

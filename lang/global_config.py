@@ -14,7 +14,8 @@ class GlobalConfig:
     """``default_backend``: where programs run when ``run()`` gets no backend (written by
     :func:`plait.set_default_backend`). ``verbosity``: 2 or more prints a program's text
     when ``run()`` returns. ``enable_precache_with_tracing``: ``run_batch`` traces its
-    instances and pins the prefixes they share (the default of its ``pin_prefixes``).
+    instances and pins the prefixes they share (the default of its ``pin_prefixes``);
+    False: it traces nothing, so each program body runs once.
     ``enable_parallel_encoding``: accepted for SGLang programs and has no effect: a
     ``concate_and_append`` join always appends the branches' text (plait does not splice
     KV caches)."""

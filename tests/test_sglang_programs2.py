@@ -18,6 +18,8 @@ reasoning, mt-bench), run through ``import plait as sgl``; one test per gap they
 7. After ``f.bind(prompt=...)``, positional arguments went to the bound parameter.
 8. ``sgl.Runtime`` had no ``get_tokenizer()`` / ``generate()`` / ``cache_prefix()``,
    ``sgl.Engine`` no ``get_tokenizer()``.
+9. ``global_config.enable_precache_with_tracing = False`` still traced every
+   instance of a batch, so a body's work before its first gen (a retrieval) ran twice.
 
 Model outputs are compared with a plain reference ``Engine`` on the same tiny weights,
 so nothing depends on what the random model says.
@@ -375,3 +377,34 @@ def test_runtime_get_tokenizer_generate_and_cache_prefix(folder, ref):
     with sgl.Engine(model_path=folder, max_total_tokens=4096, num_threads=1, attention_backend="torch") as engine:
         assert engine.get_tokenizer().encode(text, add_special_tokens=False) == \
             want.encode(text, add_special_tokens=False)
+
+
+# -- 9. enable_precache_with_tracing = False traces nothing ------------------------------------------------
+def test_without_precache_tracing_a_batch_runs_each_body_once(backend, ref):
+    """A RAG-shaped body calls a retriever before its first gen. run_batch traces the
+    instances (the body runs once more, up to its first model output); SGLang's off
+    switch, ``global_config.enable_precache_with_tracing = False``, still traced them
+    (for the submission order and the layout lint), so the retriever ran twice."""
+    calls: list[str] = []
+
+    def retrieve(question: str) -> str:
+        calls.append(question)
+        return f"Context for {question}\n"
+
+    @sgl.function
+    def rag(s, question):
+        s += retrieve(question) + "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=3)
+
+    batch = [{"question": q} for q in ("Why?", "How?", "When?")]
+    cfg = sgl.global_config
+    cfg.enable_precache_with_tracing = False
+    try:
+        states = rag.run_batch(batch, temperature=0, backend=backend)
+    finally:
+        cfg.enable_precache_with_tracing = True
+    assert sorted(calls) == sorted(q["question"] for q in batch)  # once per instance
+    assert [st["answer"] for st in states] == [greedy(ref, f"Context for {q}\nQ: {q}\nA:", max_new_tokens=3)
+                                              for q in ("Why?", "How?", "When?")]
+    calls.clear()
+    rag.run_batch(batch, temperature=0, backend=backend)  # the default traces: the retriever runs again
+    assert len(calls) > len(batch)
