@@ -33,6 +33,7 @@ from plait.runtime.server.metrics import CONTENT_TYPE
 logger = logging.getLogger("plait.http")
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_BODIES_BYTES = 512 * 1024 * 1024  # bodies read and parsed at once, all requests (BodyBudget)
 MAX_HEADER_BYTES = 64 * 1024
 RETRY_AFTER_S = 2  # what a 503 (engine restarting or down) tells clients
 PARSE_OFF_LOOP_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread
@@ -95,11 +96,35 @@ class HeaderLimitMiddleware:
         await self.app(scope, receive, send)
 
 
-async def read_json(request: Request) -> tuple[dict[str, Any], int]:
+class BodyBudget:
+    """The bytes of request bodies being read and parsed at once, all requests together.
+
+    One body is at most MAX_BODY_BYTES, but nothing bounded how many arrive together:
+    a hundred clients each sending 64 MiB would hold 6.4 GiB of raw bytes and several
+    times that once parsed, and the front would be killed for memory with every
+    request in it. A body that would take the total past ``limit`` is a 503 (with
+    Retry-After) naming the limit; each body's share is given back once it is parsed."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> None:
+        if self.used + n > self.limit:
+            raise RequestError(f"the server is reading {self.used} bytes of other request bodies, and at most "
+                               f"{self.limit} are read at once; retry later", None, 503, "server_error")
+        self.used += n
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+async def read_json(request: Request, budget: BodyBudget | None = None) -> tuple[dict[str, Any], int]:
     """The JSON object of a request body and the body's size in bytes (as read: a
     chunked body has no Content-Length): size checked before reading (Content-Length)
-    and while reading; a large body is parsed off the event loop. Every malformed body
-    is a 400 (413 when too large, 415 when compressed)."""
+    and while reading, and against ``budget`` (bodies in flight) as it arrives; a large
+    body is parsed off the event loop. Every malformed body is a 400 (413 when too
+    large, 415 when compressed, 503 over the budget)."""
     encoding = request.headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise RequestError(f"Content-Encoding {encoding!r} is not supported; allowed: identity (send the body "
@@ -108,14 +133,20 @@ async def read_json(request: Request) -> tuple[dict[str, Any], int]:
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise RequestError(f"the request body has {declared} bytes; at most {MAX_BODY_BYTES} are allowed", None, 413)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise RequestError(f"the request body has more than {MAX_BODY_BYTES} bytes; at most {MAX_BODY_BYTES} are "
-                               f"allowed", None, 413)
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    obj = await asyncio.to_thread(parse_json, body) if size > PARSE_OFF_LOOP_BYTES else parse_json(body)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise RequestError(f"the request body has more than {MAX_BODY_BYTES} bytes; at most "
+                                   f"{MAX_BODY_BYTES} are allowed", None, 413)
+            if budget is not None:
+                budget.take(len(chunk))
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        obj = await asyncio.to_thread(parse_json, body) if size > PARSE_OFF_LOOP_BYTES else parse_json(body)
+    finally:
+        if budget is not None:
+            budget.give(sum(len(c) for c in chunks))
     if not isinstance(obj, dict):
         raise RequestError("the request body must be a JSON object", None)
     return obj, size
@@ -308,9 +339,11 @@ EXCEPTION_HANDLERS: dict[Any, Any] = {
 
 
 def build_app(front: Front) -> ASGIApp:
+    bodies = BodyBudget(MAX_BODIES_BYTES)
+
     # -- native -----------------------------------------------------------------------------
     async def generate(request: Request) -> Response:
-        body, _ = await read_json(request)
+        body, _ = await read_json(request, bodies)
         reqs, single, stream = parse_native(front, body)
         sub = Submission(front)
         await sub.submit(reqs)
@@ -408,7 +441,7 @@ def build_app(front: Front) -> ASGIApp:
                              "message": "Cache flushed." if salt is None else f"Cache of cache_salt {salt!r} flushed."})
 
     async def update_weights_from_disk(request: Request) -> Response:
-        body, _ = await read_json(request)
+        body, _ = await read_json(request, bodies)
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             raise RequestError("model_path must be a path (a Hugging Face folder or a .gguf file)", "model_path")
@@ -420,7 +453,7 @@ def build_app(front: Front) -> ASGIApp:
         return JSONResponse({"success": True, "message": "Weights updated."})
 
     async def abort_request(request: Request) -> Response:
-        body, _ = await read_json(request)
+        body, _ = await read_json(request, bodies)
         abort_all = oa.get_field(body, "abort_all", "bool", False)
         if abort_all:
             return JSONResponse({"aborted": front.abort_all(everyone=True)})
@@ -462,7 +495,7 @@ def build_app(front: Front) -> ASGIApp:
         return await _openai(request, oa.parse_chat)
 
     async def _openai(request: Request, parse: Any) -> Response:
-        body, size = await read_json(request)
+        body, size = await read_json(request, bodies)
         job = await asyncio.to_thread(parse, front, body) if parse_off_loop(body, size) else parse(front, body)
         sub = Submission(front)
         try:  # errors found at admission or later (a constraint's compile) by OpenAI's names
@@ -478,7 +511,7 @@ def build_app(front: Front) -> ASGIApp:
     store = ra.ResponseStore()  # this server's responses, for previous_response_id
 
     async def responses(request: Request) -> Response:
-        body, size = await read_json(request)
+        body, size = await read_json(request, bodies)
         parse = ra.parse_response_request
         rj = (await asyncio.to_thread(parse, front, store, body) if parse_off_loop(body, size)
               else parse(front, store, body))
