@@ -10,6 +10,7 @@ batch work, benchmarks and tests. :class:`OfflineEngine` (``plait.Engine``) is S
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import queue
@@ -284,6 +285,21 @@ class OfflineEngine:
                              "(f.run(..., stream=True, backend=engine) and state.text_iter())")
         return generate_outputs(self.endpoint, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                 top_logprobs_num, return_text_in_logprobs)
+
+    async def async_generate(self, prompt: str | list[str] | None = None,
+                             sampling_params: dict[str, Any] | list[Any] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
+                             logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+                             return_text_in_logprobs: bool = False, stream: bool = False) -> Any:
+        """SGLang's ``await engine.async_generate(...)``: :meth:`generate` without
+        blocking the event loop (its requests wait in a worker thread)."""
+        if stream:
+            raise ValueError("stream=True is not supported by Engine.async_generate; stream from a program "
+                             "(f.run(..., stream=True, backend=engine) and state.text_async_iter())")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, lambda: self.generate(
+            prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+            return_text_in_logprobs))
 
     def get_server_info(self) -> dict[str, Any]:
         return self.endpoint.get_server_info()

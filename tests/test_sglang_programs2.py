@@ -17,7 +17,7 @@ reasoning, mt-bench), run through ``import plait as sgl``; one test per gap they
    before ``ret_value`` was set.
 7. After ``f.bind(prompt=...)``, positional arguments went to the bound parameter.
 8. ``sgl.Runtime`` had no ``get_tokenizer()`` / ``generate()`` / ``cache_prefix()``,
-   ``sgl.Engine`` no ``get_tokenizer()``.
+   ``sgl.Engine`` no ``get_tokenizer()`` / ``async_generate()``.
 9. ``global_config.enable_precache_with_tracing = False`` still traced every
    instance of a batch, so a body's work before its first gen (a retrieval) ran twice.
 
@@ -344,7 +344,8 @@ def test_runtime_get_tokenizer_generate_and_cache_prefix(folder, ref):
     """``runtime = sgl.Runtime(...); tok = runtime.get_tokenizer()`` (scripts count and
     template tokens with it), ``json.loads(runtime.generate(prompt, params))["text"]``,
     ``runtime.cache_prefix(text)`` and ``sgl.Engine``'s ``get_tokenizer()`` raised
-    AttributeError."""
+    AttributeError; so did ``await engine.async_generate(...)``."""
+    import asyncio
     import json
 
     from transformers import AutoTokenizer
@@ -377,6 +378,15 @@ def test_runtime_get_tokenizer_generate_and_cache_prefix(folder, ref):
     with sgl.Engine(model_path=folder, max_total_tokens=4096, num_threads=1, attention_backend="torch") as engine:
         assert engine.get_tokenizer().encode(text, add_special_tokens=False) == \
             want.encode(text, add_special_tokens=False)
+
+        async def both() -> list[Any]:  # SGLang's "non-streaming asynchronous generation"
+            return list(await asyncio.gather(
+                engine.async_generate(["Q: Why?\nA:", "Q: How?\nA:"], {"temperature": 0, "max_new_tokens": 3}),
+                engine.async_generate("Q: When?\nA:", {"temperature": 0, "max_new_tokens": 3})))
+
+        batch, single = asyncio.run(both())
+        assert [o["text"] for o in batch + [single]] == [greedy(ref, f"Q: {q}\nA:", max_new_tokens=3)
+                                                         for q in ("Why?", "How?", "When?")]
 
 
 # -- 9. enable_precache_with_tracing = False traces nothing ------------------------------------------------
