@@ -212,14 +212,20 @@ class Submission:
         self.prompt_of: dict[str, int] = {}  # rid -> prompt position
 
     async def submit(self, reqs: list[P.GenerateRequest], prompt_param: str | None = None) -> None:
+        """Submit every request, or none: the first refused aborts those before it. In a
+        batch the refusal names the prompt it is about (its position, from 0)."""
+        i = 0
         try:
             for i, r in enumerate(reqs):
                 if i and i % SUBMIT_BATCH == 0:
                     await asyncio.sleep(0)  # other clients run between the slices of a large batch
                 self.states.append(await self.front.submit(r, self.queue.put_nowait, prompt_param=prompt_param))
                 self.prompt_of[r.rid] = i
-        except RequestError:
+        except RequestError as e:
             self.abort()
+            if len(reqs) > 1 and e.status < 500:
+                where = prompt_param or ("text" if reqs[i].text is not None else "input_ids")
+                raise e.with_param(e.param, f"{where}[{i}] (of {len(reqs)}): {e.message}") from None
             raise
 
     @property
