@@ -81,6 +81,8 @@ def _defaults(max_new_tokens: int, stop: Any, stop_token_ids: Any, temperature: 
         logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
         return_text_in_logprobs=return_text_in_logprobs,
     )
+    if not global_config.skip_special_tokens_in_output:
+        d["skip_special_tokens"] = False
     d.update(extra)
     return {k: v for k, v in d.items() if v is not None}
 

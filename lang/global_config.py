@@ -18,15 +18,21 @@ class GlobalConfig:
     False: it traces nothing, so each program body runs once.
     ``enable_parallel_encoding``: accepted for SGLang programs and has no effect: a
     ``concate_and_append`` join always appends the branches' text (plait does not splice
-    KV caches)."""
+    KV caches). ``skip_special_tokens_in_output``: False keeps special tokens in the
+    text of gens (their ``skip_special_tokens``), read when ``run()`` starts.
+    ``spaces_between_special_tokens_in_out``: accepted and has no effect (the runtime
+    decodes with the tokenizer's own spacing)."""
 
-    __slots__ = ("default_backend", "verbosity", "enable_precache_with_tracing", "enable_parallel_encoding")
+    __slots__ = ("default_backend", "verbosity", "enable_precache_with_tracing", "enable_parallel_encoding",
+                 "skip_special_tokens_in_output", "spaces_between_special_tokens_in_out")
 
     def __init__(self) -> None:
         self.default_backend: Any = None
         self.verbosity = 0
         self.enable_precache_with_tracing = True
         self.enable_parallel_encoding = True
+        self.skip_special_tokens_in_output = True
+        self.spaces_between_special_tokens_in_out = True
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__)

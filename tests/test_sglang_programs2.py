@@ -20,6 +20,8 @@ reasoning, mt-bench), run through ``import plait as sgl``; one test per gap they
    ``sgl.Engine`` no ``get_tokenizer()`` / ``async_generate()``.
 9. ``global_config.enable_precache_with_tracing = False`` still traced every
    instance of a batch, so a body's work before its first gen (a retrieval) ran twice.
+10. ``global_config.skip_special_tokens_in_output`` and
+    ``spaces_between_special_tokens_in_out`` (SGLang's) raised AttributeError.
 
 Model outputs are compared with a plain reference ``Engine`` on the same tiny weights,
 so nothing depends on what the random model says.
@@ -418,3 +420,49 @@ def test_without_precache_tracing_a_batch_runs_each_body_once(backend, ref):
     calls.clear()
     rag.run_batch(batch, temperature=0, backend=backend)  # the default traces: the retriever runs again
     assert len(calls) > len(batch)
+
+
+# -- 10. SGLang's output settings in global_config ------------------------------------------------------
+class Recording(sgl.BaseBackend):
+    """Answers every request with "ok" and records it."""
+
+    def __init__(self) -> None:
+        self.requests: list[Any] = []
+
+    def submit(self, req: Any, on_chunk: Any = None) -> Any:
+        from plait.backend import Pending
+
+        self.requests.append(req)
+        p = Pending(req, on_chunk)
+        meta = {"prompt_tokens": 1, "completion_tokens": 1, "finish_reason": {"type": "stop"}}
+        for i in range(req.n):
+            p.result(i, {"text": "ok", "output_ids": [], "meta_info": dict(meta)})
+        return p
+
+    def abort(self, rid: str) -> None:
+        pass
+
+    def get_chat_template(self) -> Any:
+        return None
+
+
+def test_global_config_special_token_settings(backend, ref):
+    """``sgl.global_config.skip_special_tokens_in_output = False`` (SGLang's switch to
+    keep special tokens in outputs) raised AttributeError."""
+    cfg = sgl.global_config
+    assert cfg.skip_special_tokens_in_output is True and cfg.spaces_between_special_tokens_in_out is True
+    fake = Recording()
+    few_shot.run(prompt="P\n", question="Why?", backend=fake)
+    assert "skip_special_tokens" not in fake.requests[-1].sampling_params  # the runtime's default: skip them
+    cfg.skip_special_tokens_in_output = False
+    cfg.spaces_between_special_tokens_in_out = False
+    try:
+        few_shot.run(prompt="P\n", question="Why?", backend=fake)
+        assert fake.requests[-1].sampling_params["skip_special_tokens"] is False
+        state = few_shot.run(prompt="P\n", question="Why?", temperature=0, backend=backend)
+    finally:
+        cfg.skip_special_tokens_in_output = True
+        cfg.spaces_between_special_tokens_in_out = True
+    prompt = "P\nQ: What is the capital of France?\nA: Paris\nQ: Why?\nA:"
+    want = greedy(ref, prompt, stop=["\n", "<|im_end|>"], max_new_tokens=4, skip_special_tokens=False)
+    assert state["answer"] == want
