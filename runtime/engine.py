@@ -683,7 +683,14 @@ class Engine:
         except AssertionError as err:
             invariant_error = str(err)
         mc = self.model_config
+        config = dataclasses.asdict(self.config)
+        total_tokens = self.pool_usage()["total"] * self.config.page_size
         return {
+            # SGLang's get_server_info is its server args and scheduler facts at the top
+            # level; programs and scripts read these names from it
+            **config,
+            "max_total_num_tokens": total_tokens,
+            "max_req_input_len": min(self.context_len - 1, total_tokens - 1),
             "engine_pid": os.getpid(),
             "model_path": str(self.source.path),
             "weights_fingerprint": self.weights_fingerprint,
@@ -691,7 +698,7 @@ class Engine:
             "context_len": self.context_len,
             "vocab_size": mc.vocab_size,
             "eos_token_ids": sorted(self.eos_ids),
-            "config": dataclasses.asdict(self.config),
+            "config": config,
             "device": str(self.device),
             "pool": self.pool_usage(),
             "host_pool": self.tier.usage() if self.tier is not None else None,

@@ -218,3 +218,16 @@ def test_kv_pool_budget_follows_mem_fraction_static():
     assert kv_pool_budget(0.3, free=50, total=100) <= 0  # 50 in use already exceeds 30
     assert EngineConfig(device="cpu").resolved_mem_fraction_static() == 0.3
     assert EngineConfig(device="cpu", mem_fraction_static=0.5).resolved_mem_fraction_static() == 0.5
+
+
+def test_server_info_has_sglangs_top_level_names(engine):
+    """SGLang's get_server_info puts its server args and scheduler facts at the top
+    level (``info["max_total_num_tokens"]``, ``info["chunked_prefill_size"]``); plait
+    kept its configuration under ``config`` only, so SGLang scripts reading them got a
+    KeyError."""
+    info = engine.server_info()
+    pages = info["pool"]["total"]
+    assert info["max_total_num_tokens"] == pages * engine.config.page_size > 0
+    assert info["max_req_input_len"] == min(engine.context_len - 1, info["max_total_num_tokens"] - 1)
+    for name in ("chunked_prefill_size", "max_running_requests", "page_size", "schedule_policy", "tp_size"):
+        assert info[name] == info["config"][name] == getattr(engine.config, name)

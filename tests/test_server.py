@@ -96,6 +96,10 @@ def test_models_and_info_routes(server, http, oai):
     sinfo = http.get("/server_info").json()
     assert sinfo["front_pid"] == server.pid and sinfo["engine_pid"] == server.engine_pid
     assert sinfo["zmq_address"] == server.zmq_address
+    # SGLang's top-level names (its server args, scheduler facts and version)
+    assert sinfo["version"] == http.get("/version").json()["version"]
+    assert sinfo["max_total_num_tokens"] == sinfo["pool"]["total"] * sinfo["page_size"]
+    assert sinfo["chunked_prefill_size"] == sinfo["config"]["chunked_prefill_size"]
     missing = http.get("/no/such/route")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
 

@@ -26,6 +26,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+import plait
 from plait import protocol as P
 from plait.errors import RequestError
 from plait.runtime.output_processor import add_token_text
@@ -350,6 +351,7 @@ class Front:
             info["invariant_error"] = "; ".join(i["invariant_error"] for i in infos if i.get("invariant_error"))
         state = self.engine_state()
         info.update(
+            version=plait.__version__,
             front_pid=os.getpid(),
             served_model_name=self.args.model_name,
             zmq_address=self.zmq_address,
