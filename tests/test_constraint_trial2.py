@@ -105,3 +105,68 @@ def test_a_huge_counted_repetition_is_refused_before_the_build(vocab):
         assert quick.grammar is not None
     finally:
         c.close()
+
+
+# -- llguidance computations that never end -------------------------------------------------------
+HANGING = r'''
+import json, sys, time
+from transformers import AutoTokenizer
+from plait.runtime.constrained import llguidance_backend as llg
+from plait.runtime.constrained.backend import Grammars
+from plait.runtime.constrained.vocab import TokenVocab
+from plait.runtime.sampling_params import SamplingParams
+
+llg.MASK_TIMEOUT_S = 0.5
+vocab = TokenVocab.from_tokenizer(AutoTokenizer.from_pretrained(sys.argv[1]), (0, 2), 49152)
+grammars = Grammars(lambda: vocab, timeout_s=2, memory_mb=2048, cache_size=8, jump_forward=True)
+out = {}
+
+def compile(text):
+    c = SamplingParams.from_dict({"ebnf": text}).constraint()
+    fut = grammars.request(c)
+    while not fut.done:
+        grammars.wait(0.1)
+    return c, fut
+
+# the first mask never ends: two of them (as many as the compile threads), then a plain grammar
+start = time.monotonic()
+out["first_mask"] = [compile(t)[1].error for t in ['start: A A\nA: /a+/', 'root ::= b b\nb ::= "x"+']]
+out["after"] = compile('root ::= "yes" | "no"')[1].grammar is not None
+out["compile_s"] = time.monotonic() - start
+# a later mask never ends: the request's next token is refused; then another request of
+# the same grammar (its copies share the lexer's state) ends at once, and others run
+c, fut = compile('start: ("c" | "d") x\nx: A A\nA: /a+/')
+(tok,) = vocab.encode("c")
+m = grammars.matcher(fut, c, jump_forward=True, heal=False)
+m.start([1])
+start = time.monotonic()
+out["later"] = [m.advance(tok), m.jump_forward(tok, 8), m.stuck, int(m.allowed(eos_ok=True).any()), m.is_final,
+                m.advance(tok), m.rejected == tok, time.monotonic() - start]
+m = grammars.matcher(fut, c, jump_forward=False, heal=False)
+m.start([1])
+out["again"] = [m.stuck, int(m.allowed(eos_ok=True).any()), m.advance(tok), m.rejected == tok]
+c, fut = compile('root ::= "yes" | "no"')
+m = grammars.matcher(fut, c, jump_forward=False, heal=False)
+m.start([1])
+out["other"] = [m.advance(vocab.encode("yes")[0]), m.is_final]
+print(json.dumps(out), flush=True)
+'''
+
+
+def test_llguidance_computations_that_never_end_are_given_up(tokenizer_dir):
+    # llguidance 1.9.1 never finishes these masks: the first one held a compile thread
+    # for good (two such grammars and no llguidance compile ran again, JSON Schemas
+    # included); a later one held the engine loop. In a child process: the threads it
+    # leaves spinning end with it.
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", HANGING, str(tokenizer_dir)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert all("longer than the 2 s limit" in e for e in out["first_mask"]), out
+    assert out["after"] and out["compile_s"] < 15, out
+    assert out["later"][:7] == [True, None, True, 0, False, False, True] and out["later"][7] < 5, out
+    assert out["again"] == [True, 0, False, True] and out["other"] == [True, True], out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import re
 import threading
@@ -34,6 +35,8 @@ import numpy as np
 from plait.runtime.constrained.backend import GrammarFuture
 from plait.runtime.constrained.finite import lark_unending, schema_unending
 from plait.runtime.constrained.vocab import TokenVocab
+
+logger = logging.getLogger(__name__)
 
 MAX_GRAMMAR_CHARS = 100_000  # an ebnf text or a JSON schema's JSON text
 MAX_INTEGER = 10**16 - 1
@@ -658,6 +661,40 @@ def build_tokenizer(vocab: TokenVocab) -> Any:
 
 
 # -- compiling -------------------------------------------------------------------------------------
+# An ebnf request's mask or forced text that llguidance has not computed after this long
+# is given up: the request ends (its next token is refused), the engine goes on.
+MASK_TIMEOUT_S = 2.0
+
+
+def _bounded(fn: Any, seconds: float) -> Any:
+    """``fn()`` in a daemon thread, waited for at most ``seconds``; ``TimeoutError``
+    past them. The thread is left running (llguidance cannot be interrupted; it runs
+    without the GIL, so the caller goes on).
+
+    NOTE: llguidance 1.9.1 computes some masks forever: a greedy terminal followed by
+    one it can continue (``start: A A``, ``A: /a+/``; GBNF ``root ::= a a``, ``a ::=
+    "x"+``), past every parser limit. Without a bound, the first mask held a compile
+    thread for good (two such grammars and no llguidance compile ran again), and a
+    later mask or forced text held the engine loop (every request stopped)."""
+    box: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            box.append((False, e))
+
+    t = threading.Thread(target=run, daemon=True, name="plait-llguidance-bounded")
+    t.start()
+    t.join(seconds)
+    if not box:
+        raise TimeoutError(f"llguidance did not finish within {seconds:g} s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
 class CompiledLLGuidance:
     """A built ``LLMatcher`` (never advanced: requests take a ``deep_copy``) and what
     masks need: the EOS bits to clear from llguidance's rows (EOS is the matcher's
@@ -668,6 +705,9 @@ class CompiledLLGuidance:
         self.vocab = vocab
         self.tokenizer = tokenizer
         self.words = vocab.mask_words
+        # a computation on one of its copies never ended (:func:`_bounded`); the copies
+        # share the lexer's state, so every call on another copy may wait on it forever
+        self.stuck = False
         eos = np.zeros(self.words, dtype=np.uint32)
         for e in tokenizer.eos_tokens:
             if e < self.words * 32:
@@ -715,7 +755,11 @@ class LLGuidanceCompiler:
         # first mask (on a copy: the compiled matcher is never advanced) reports it. (Nor
         # does it refuse one whose every text goes on forever: finite.py, at the edge.)
         probe = m.deep_copy()
-        probe.compute_bitmask()
+        try:
+            _bounded(probe.compute_bitmask, self.timeout_s)
+        except TimeoutError:
+            raise ValueError(f"its first mask took longer than the {self.timeout_s:g} s limit "
+                             "(grammar_compile_timeout): llguidance may never finish it") from None
         if probe.is_error():
             raise ValueError(f"it admits no output ({probe.get_error().splitlines()[0]}): no text satisfies it")
         return CompiledLLGuidance(m, self.vocab, tok)
@@ -803,10 +847,41 @@ class LLGuidanceMatcher:
         self.rejected: int | None = None
         self.healed_text = ""
         self.num_advanced = 0
+        self._stuck = False  # a computation past MASK_TIMEOUT_S: ``m`` is left to its thread
 
     @property
     def ready(self) -> bool:
         return self.future.grammar is not None
+
+    @property
+    def stuck(self) -> bool:
+        """No call may touch ``m`` any more: a computation on it, or on another copy of
+        its grammar, never ended."""
+        return self._stuck or (self.g is not None and self.g.stuck)
+
+    def _llg(self, fn: Any) -> Any:
+        """``fn()``, a mask or forced-text computation: bounded for ``ebnf`` grammars
+        (:func:`_bounded`; JSON Schemas and regexes compile to grammars without greedy
+        terminals side by side, and keep the direct call). ``TimeoutError`` sets
+        ``stuck``: the request's next token is then refused and it ends."""
+        if self.kind != "ebnf":
+            return fn()
+        try:
+            return _bounded(fn, MASK_TIMEOUT_S)
+        except TimeoutError:
+            self._stuck = self.g.stuck = True
+            logger.warning("an ebnf grammar's mask took longer than %g s in llguidance; ending its request",
+                           MASK_TIMEOUT_S)
+            raise
+
+    def _forced(self, fn: Any) -> Any:
+        """``fn()``, llguidance's forced text (``compute_ff_bytes`` / ``_tokens``). These
+        hold the GIL, so no thread can bound them: for ``ebnf`` grammars a bounded mask
+        at the same state comes first (both run the lexer from here; the hanging
+        grammars found hang in both). ``TimeoutError`` as :meth:`_llg`."""
+        if self.kind == "ebnf":
+            self._llg(self.m.compute_bitmask)
+        return fn()
 
     @property
     def error(self) -> str | None:
@@ -817,15 +892,18 @@ class LLGuidanceMatcher:
         g = self.future.grammar
         assert g is not None, "start() before the grammar is ready"
         self.g = g
-        self.m = g.matcher.deep_copy()
+        self.m = None if g.stuck else g.matcher.deep_copy()
         self.started = True
         return 0
 
     def jump_start(self, budget: int) -> list[int]:
         """The forced opening tokens (``{"`` of an object), at most ``budget``."""
-        if not self.use_jump_forward or budget < 1:
+        if not self.use_jump_forward or budget < 1 or self.stuck:
             return []
-        tokens = self.m.compute_ff_tokens()[:budget]
+        try:
+            tokens = self._forced(self.m.compute_ff_tokens)[:budget]
+        except TimeoutError:
+            return []
         if not tokens or not self.m.consume_tokens(tokens):
             return []
         self.num_advanced += len(tokens)
@@ -834,19 +912,24 @@ class LLGuidanceMatcher:
     # -- masks --------------------------------------------------------------------------------
     @property
     def is_final(self) -> bool:
-        return self.started and self.m.is_accepting()
+        return self.started and not self.stuck and self.m.is_accepting()
 
     @property
     def terminated(self) -> bool:
         """Final with nothing more to write."""
-        return self.is_final and self.m.is_stopped()
+        return self.is_final and not self.stuck and self.m.is_stopped()
 
     def allowed(self, eos_ok: bool) -> np.ndarray:
         """Packed allowed-token bits (``int32 [vocab.mask_words]``); EOS ids in final
         states when ``eos_ok``."""
         g = self.g
-        row = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint32)
         out = np.zeros(g.words, dtype=np.uint32)
+        if self.stuck:
+            return out.view(np.int32)  # nothing allowed: the next token is refused
+        try:
+            row = np.frombuffer(self._llg(self.m.compute_bitmask), dtype=np.uint32)
+        except TimeoutError:
+            return out.view(np.int32)
         n = min(len(row), g.words)
         out[:n] = row[:n]
         out &= ~g.eos_bits
@@ -862,18 +945,18 @@ class LLGuidanceMatcher:
         masks = [self.allowed(eos_ok)]
         taken = 0
         for t in drafts:
-            if self.m.try_consume_tokens([t]) != 1:
+            if self.stuck or self.m.try_consume_tokens([t]) != 1:
                 break
             taken += 1
             masks.append(self.allowed(eos_ok))
-        if taken:
+        if taken and not self.stuck:
             self.m.rollback(taken)
         return masks
 
     # -- advancing ----------------------------------------------------------------------------
     def advance(self, token: int) -> bool:
         """Take ``token``; False (and ``rejected`` set) if the grammar does not allow it."""
-        if self.m.try_consume_tokens([token]) != 1:
+        if self.stuck or self.m.try_consume_tokens([token]) != 1:
             self.rejected = token
             return False
         self.num_advanced += 1
@@ -885,9 +968,12 @@ class LLGuidanceMatcher:
         None when nothing is forced. The last re-tokenized token is held back when a
         longer token could continue from it (the model writes across that boundary)."""
         g, m = self.g, self.m
-        if not self.use_jump_forward or budget < 2 or g.vocab.encode is None:
+        if not self.use_jump_forward or budget < 2 or g.vocab.encode is None or self.stuck:
             return None
-        forced = m.compute_ff_bytes()
+        try:
+            forced = self._forced(m.compute_ff_bytes)
+        except TimeoutError:
+            return None
         if not forced:
             return None
         head = g.vocab.token_bytes[last] or b""
@@ -927,7 +1013,10 @@ class LLGuidanceMatcher:
         longer = self.g.vocab.tokens_with_prefix(self.g.vocab.token_bytes[token] or b"")
         if not longer:
             return False
-        row = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint32)
+        try:
+            row = np.frombuffer(self._llg(self.m.compute_bitmask), dtype=np.uint32)
+        except TimeoutError:
+            return False
         ids = np.asarray(longer, dtype=np.int64)
         ids = ids[ids < len(row) * 32]
         return bool(((row[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).any())
