@@ -97,7 +97,7 @@ def schema_unending(root: Any) -> str | None:
     stuck = sorted("#" + "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in place)
                    for place, i in strict.places.items() if i in stuck_ids)
     return ("every value it admits goes on forever: a required property, minItems or allOf recurses through "
-            f"$ref with no way out (no finite value through: {', '.join(repr(p) for p in stuck[:4])}); give the "
+            f"$ref with no way out (no finite value for: {', '.join(repr(p) for p in stuck[:4])}); give the "
             "recursion an end (make it optional, add null or an empty case through anyOf)")
 
 
