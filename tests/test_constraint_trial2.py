@@ -32,6 +32,8 @@ GBNF_CHARACTERS = {
     "big_u_escape": (r"root ::= [\U0001F600-\U0001F64F]+", "[\U0001F600-\U0001F64F]+", ["\U0001F600"],
                     ["\U0001F680"]),
     "u_escape_of_a_quote": (r'root ::= "\u0022" [a-z]+ "\u0022"', r'"[a-z]+"', ['"a"'], ["'a'"]),
+    # '.' is any character in llama.cpp, newlines too (the conversion's /./ left them out)
+    "dot_is_any_character": (r'root ::= . . "\""', r'(?s:..)"', ['a\n"', '\n\n"'], ["ab"]),
     # doubled &, ~, - in a class are plain characters in GBNF, set operations in Rust's regex
     "and_and_in_a_class": (r"root ::= [a&&b]+", r"[a&b]+", ["a&b"], ["c"]),
     "range_to_a_hyphen": (r"root ::= [+--]+", r"[+,\-]+", ["+,-"], ["."]),
@@ -40,7 +42,7 @@ GBNF_CHARACTERS = {
 
 
 @pytest.mark.parametrize("name", sorted(GBNF_CHARACTERS))
-def test_gbnf_for_llguidance_mean_what_llama_cpp_reads(grammars, vocab, name):
+def test_gbnf_characters_mean_what_llama_cpp_reads(grammars, vocab, name):
     text, reference, inside, outside = GBNF_CHARACTERS[name]
     for seed in range(4):
         out = random_output(matcher(grammars, {"ebnf": text}), vocab, seed, cap=12)

@@ -535,6 +535,7 @@ def ebnf_grammar(text: str) -> str:
 
 
 _GBNF_HEX = {"x": 2, "u": 4, "U": 8}
+_GBNF_ANY = "[\\x00-\U0010ffff]"  # GBNF's '.': any character (the conversion's /./ left out newlines)
 _RUST_CLASS_OPS = "&~-"  # doubled inside a class, Rust's regex reads a set operation
 
 
@@ -549,7 +550,9 @@ def gbnf_for_llguidance(text: str) -> str:
     llama.cpp does. A rule named ``start`` is renamed (``start-rule``, or with a number
     when that is taken): llguidance took the grammar for Lark, or refused it because
     ``root`` becomes ``start`` in Lark. And the characters of strings and classes are
-    written so that the conversion keeps each one:
+    written so that the conversion keeps each one, and ``.`` (any character, newlines
+    too, in llama.cpp) as a class of every character (the conversion wrote ``/./``,
+    which leaves newlines out):
 
     - ``\\uXXXX`` / ``\\UXXXXXXXX``: the conversion drops their leading zeros, so
       ``\\u00e9`` became ``\\ue9`` (refused as an invalid escape) and
@@ -561,8 +564,8 @@ def gbnf_for_llguidance(text: str) -> str:
       difference and difference (``[a&&b]`` admitted nothing; in GBNF it is ``a``,
       ``&`` or ``b``).
 
-    Comments and, but for that rule name, everything outside strings and classes are left
-    as they are; an escape that is not valid is left for the conversion to refuse."""
+    Comments and, but for that rule name and ``.``, everything outside strings and
+    classes are left as they are; an escape that is not valid is left for the conversion to refuse."""
     out: list[str] = []
     i, n = 0, len(text)
     context = ""  # '"' in a string, "[" in a class, "" outside
@@ -591,7 +594,7 @@ def gbnf_for_llguidance(text: str) -> str:
                 continue
             if c in '"[':
                 context, last = c, ""
-            out.append(c)
+            out.append(_GBNF_ANY if c == "." else c)
             i += 1
             continue
         if c == "\\" and i + 1 < n:
