@@ -16,7 +16,10 @@ or the compile limits (time, memory). Accepted:
   literal; ``[``, ``&&``, ``--`` and ``~~`` inside a class must be escaped);
 - groups ``(...)``, ``(?:...)``, ``(?P<name>...)``, ``(?<name>...)``; flags
   ``(?i)``, ``(?i-s:...)`` of ``i``, ``m``, ``s``, ``U``;
-- repetitions ``* + ? {n} {n,} {n,m}``, each optionally lazy (``*?``).
+- repetitions ``* + ? {n} {n,} {n,m}``, each optionally lazy (``*?``); a ``+`` right
+  after a repetition is refused (``a*+``, ``\\d++``: possessive in PCRE, Java and Python,
+  where Rust would nest it, so ``a*+a`` would admit ``a``; group it, ``(a*)+``, to
+  repeat a repetition).
 
 Rejected with the reason: anchors and word boundaries (the whole output always
 matches the pattern; outlines-core cannot start a DFA that looks behind), look-around,
@@ -98,11 +101,13 @@ class _Frame:
     items: int = 0  # in the current branch
     item_depth: int = 0  # deepest item of the current branch
     last: int | None = None  # depth of the last item; None when there is nothing to repeat
+    repeated: bool = False  # the last item is a repetition
 
     def add(self, depth: int | None) -> None:
         """An item; ``depth`` None for one that cannot be repeated (a flag group)."""
         self.items += 1
         self.last = depth
+        self.repeated = False
         self.item_depth = max(self.item_depth, depth or 0)
 
     def end_branch(self) -> None:
@@ -181,6 +186,13 @@ class _Parser:
     def _repeat(self, top: _Frame, start: int, end: int) -> int:
         if top.last is None:
             raise _Invalid(f"'{self.p[start:end]}' has nothing to repeat", start)
+        if top.repeated and self.p[start] == "+":
+            # possessive in PCRE, Java and Python, a nested repeat in Rust: 'a*+a' would admit
+            # 'a', which they all refuse (other repeats of a repeat mean the same in each)
+            raise _Invalid("", start, "a possessive quantifier ('+' right after a repetition)",
+                           "repetitions without '+' after them, optionally lazy ('*?'); to repeat a repetition, "
+                           "group it: '(a*)+'")
+        top.repeated = True
         top.last += 1
         top.item_depth = max(top.item_depth, top.last)
         if end < len(self.p) and self.p[end] == "?":  # lazy

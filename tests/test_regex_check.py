@@ -101,7 +101,7 @@ def test_what_the_check_accepts_outlines_core_compiles(pattern):
 # -- examples --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("pattern", [
     *DTYPE_REGEX.values(), *REGEXES.values(), r"\p{L}+", r"(?i)yes|no", r"(?P<year>[0-9]{4})-(?<m>[0-9]{2})",
-    r"[\]\-a]", r"\x{1F600}", "a{2}{3}", "[]a]", "[^]a]", "a|", "()", "}", r"\U0010FFFF", r"a{0,2}?",
+    r"[\]\-a]", r"\x{1F600}", "a{2}{3}", "(a*)+", "a**", "[]a]", "[^]a]", "a|", "()", "}", r"\U0010FFFF", r"a{0,2}?",
 ])
 def test_accepted(pattern):
     assert check_regex(pattern) == pattern
@@ -119,6 +119,11 @@ def test_accepted(pattern):
     (r"[\d-z]", "bound"),
     ("*a", "nothing to repeat"),
     ("(?i)*", "nothing to repeat"),
+    ("a*+a", "uses a possessive quantifier ('+' right after a repetition) at position 2"),
+    (r"\d++", "possessive"),
+    ("a?+", "possessive"),
+    ("a{2}+", "possessive"),
+    ("a{1,3}?+", "possessive"),
     ("^a", "anchor"),
     ("a$", "anchor"),
     (r"a\Z", "anchor"),
