@@ -346,7 +346,7 @@ class RuntimeEndpoint(BaseBackend):
 
 def _zmq_address_from_http(url: str, api_key: str | None, timeout: float) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    last: Exception | None = None
+    last: Exception | str | None = None
     for route in ("/server_info", "/get_server_info"):
         try:
             req = urllib.request.Request(url.rstrip("/") + route, headers=headers)
@@ -367,7 +367,8 @@ def _zmq_address_from_http(url: str, api_key: str | None, timeout: float) -> str
         address = info.get("zmq_address") if isinstance(info, dict) else None
         if isinstance(address, str) and address:
             return address
-    raise RuntimeUnavailableError(f"no plait runtime answered at {url} (its server info names no ZMQ address): {last}")
+        last = f"its {route} names no ZMQ address (a server, but not a plait runtime?)"
+    raise RuntimeUnavailableError(f"no plait runtime answered at {url}: {last}")
 
 
 def _template_from_info(info: dict[str, Any]) -> ChatTemplate | None:

@@ -658,3 +658,41 @@ def test_import_plait_stays_light():
     code = ("import sys, plait, plait.protocol; plait.gen('a', regex='[0-9]+'); "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_runtime_endpoint_says_why_no_runtime_answered():
+    """A refused connection said "(its server info names no ZMQ address)", as if a
+    server had answered; now that is said only of a server that answers without one."""
+    import json
+    import socket
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from plait.errors import RuntimeUnavailableError
+    from plait.runtime_endpoint import _zmq_address_from_http
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(RuntimeUnavailableError) as e:
+        _zmq_address_from_http(f"http://127.0.0.1:{port}", None, 2.0)
+    assert "refused" in str(e.value) and "ZMQ" not in str(e.value)
+
+    class NotPlait(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"version": "x"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), NotPlait)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(RuntimeUnavailableError) as e:
+            _zmq_address_from_http(f"http://127.0.0.1:{server.server_port}", None, 2.0)
+        assert "names no ZMQ address" in str(e.value)
+    finally:
+        server.shutdown()

@@ -46,8 +46,10 @@ ENGINE_HELP: dict[str, str] = {
     "eviction_policy": "prefix cache eviction: lru (least recently used), lfu (least reused) or cost "
                        "(lowest recency-decayed reuse x recompute cost)",
     "context_length": "cap the context length below the model's own",
-    "num_threads": "CPU threads torch may use in the engine process (with --tp-size > 1: in each rank; default "
-                   "there: the cores split evenly between the ranks)",
+    "num_threads": "CPU threads torch may use in the engine process (default: torch's, one per core; with "
+                   "--tp-size > 1: in each rank, default there: the cores split evenly between the ranks). On a "
+                   "machine other processes keep busy, fewer threads than cores (or OMP_WAIT_POLICY=PASSIVE) "
+                   "avoid OpenMP threads spinning against them",
     "tp_size": "tensor parallelism: shard the model over this many processes on this node (gloo on CPU, NCCL on "
                "CUDA, one GPU per rank); Llama, Mistral, Qwen2 and Qwen3 models",
     "nnodes": "tensor parallelism over this many nodes (machines), --tp-size / --nnodes ranks on each; run the "
