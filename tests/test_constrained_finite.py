@@ -249,3 +249,24 @@ def test_an_unending_constraint_is_a_400_before_decoding(engine, params, param):
     assert "finite" in info.value.message, info.value.message
     ok = engine.generate("Go", {"json_schema": FINITE_SCHEMAS["tree"][0], "max_new_tokens": 8})
     assert ok["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#"},
+    {"allOf": [{"$ref": "#"}]},
+    {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+    {"$ref": "#/$defs/a", "$defs": {"a": {"allOf": [{"$ref": "#/$defs/b"}]}, "b": {"$ref": "#/$defs/a"}}},
+])
+def test_a_reference_loop_with_nothing_else_is_refused(schema):
+    """An instance that must satisfy itself before anything else (validators recurse
+    forever; llguidance refuses it only after admission, as an error event mid-stream).
+    Reading a $ref target together with its referrer made such a loop one conjunction
+    with nothing in it, taken as 'any value'; the loop itself now keeps it unending."""
+    why = schema_unending(schema)
+    assert why is not None and "goes on forever" in why, why
+
+
+def test_two_references_to_one_target_are_no_loop():
+    schema = {"allOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/a"}], "$defs": {"a": {"type": "string"}}}
+    assert schema_unending(schema) is None
+    jsonschema.validate("x", schema)

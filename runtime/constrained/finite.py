@@ -134,10 +134,17 @@ class _Conjunctions:
         self.edges: set[tuple[frozenset[int], frozenset[int]]] = set()
         self.budget = MAX_CONJUNCTS
         self.pending: list[tuple[int, list[dict[str, Any]], frozenset[int]]] = []
+        self.loops: set[frozenset[int]] = set()  # conjunctions whose $ref / allOf chain comes back to itself
         self.top = self.conj([root], None)
         while self.pending:
             i, flat, key = self.pending.pop()
             self.g.kids[i] = [self.body(flat, key)]
+            if key in self.loops:
+                # {"$ref": "#/$defs/a"} with a = {"$ref": "#/$defs/a"}: the instance must satisfy
+                # itself before anything else; no value ends that (validators recurse forever)
+                self.edges.add((key, key))
+                if (key, key) not in self.cut:
+                    self.g.kids[i].append(i)
 
     def conj(self, schemas: list[Any], parent: frozenset[int] | None) -> int:
         """The node of ``schemas`` together (reached from node ``parent``)."""
@@ -169,6 +176,7 @@ class _Conjunctions:
 
         out: list[dict[str, Any]] = []
         seen: set[int] = set()
+        succ: dict[int, list[int]] = {}  # the $ref / allOf edges among them, for the loop check
         todo = list(reversed(schemas))
         while todo:
             s = todo.pop()
@@ -181,15 +189,20 @@ class _Conjunctions:
             self.budget -= 1
             if self.budget < 0:
                 raise _TooMany
+            kids = succ[id(s)] = []
             place = local_pointer(self.root, s.get("$ref"))
             if place is not None:
                 target = pointer_target(self.root, place)
                 if target is not NOWHERE:  # a dangling $ref is the compiler's to report
                     if isinstance(target, dict):
                         self.places.setdefault(tuple(place), id(target))
+                        kids.append(id(target))
                     todo.append(target)
             if isinstance(s.get("allOf"), list):
+                kids += [id(x) for x in s["allOf"] if isinstance(x, dict)]
                 todo.extend(reversed(s["allOf"]))
+        if _has_cycle(succ):
+            self.loops.add(frozenset(id(s) for s in out))
         return out
 
     def body(self, flat: list[dict[str, Any]], key: frozenset[int]) -> int:
@@ -214,6 +227,29 @@ class _Conjunctions:
                     alts.append(g.node(True, [self.conj(items, key) for items in _needed_items(flat)]))
                 parts.append(g.node(False, alts))
         return g.node(True, parts)
+
+
+def _has_cycle(succ: dict[int, list[int]]) -> bool:
+    """Whether the directed graph ``succ`` (node -> successors) has a cycle (iterative
+    three-colour depth-first search)."""
+    state: dict[int, int] = {}  # 1: on the current path, 2: done
+    for start in succ:
+        if start in state:
+            continue
+        state[start] = 1
+        work = [(start, iter(succ[start]))]
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is None:
+                state[v] = 2
+                work.pop()
+            elif state.get(w) == 1:
+                return True
+            elif w not in state and w in succ:
+                state[w] = 1
+                work.append((w, iter(succ[w])))
+    return False
 
 
 def _cyclic(edges: set) -> frozenset:
