@@ -186,6 +186,13 @@ class SamplingParams:
                 value = parse_schema_text(value)
             except ValueError as e:
                 raise RequestError(str(e), kind) from None
+        if kind == "regex":  # the dialect, once: every backend reads the same one
+            from plait.runtime.constrained.regexes import check_regex
+
+            try:
+                check_regex(value, "regex")
+            except ValueError as e:
+                raise RequestError(str(e), kind) from None
         order = choose_backend(kind) if backend == AUTO else [backend]
         errors = []
         for b in order:
@@ -222,14 +229,16 @@ class Constraint:
 def choose_backend(kind: str) -> list[str]:
     """``auto``'s rule: the backends to try for a constraint of ``kind``, in order (the
     first that accepts the constraint enforces it). ``ebnf`` needs llguidance; a regex
-    goes to outlines-core (cached per-state masks, token healing); a JSON Schema to
+    goes to outlines-core (cached per-state masks, token healing), and to llguidance
+    when outlines-core would write out too many copies of a counted repetition
+    (``a{100000}``: llguidance does not expand it); a JSON Schema to
     llguidance first (compiles in about a millisecond, recursive schemas, fast masks)
     and to plait's schema -> regex translation when llguidance refuses it (``uniqueItems``,
     disjoint ``oneOf``, ``not``, float-safe number bounds...). See docs/constrained.md."""
     if kind == "ebnf":
         return [LLGUIDANCE]
     if kind == "regex":
-        return [OUTLINES]
+        return [OUTLINES, LLGUIDANCE]
     return [LLGUIDANCE, OUTLINES]
 
 
@@ -239,8 +248,13 @@ def _translate(backend: str, kind: str, value: Any, whitespace: str | None) -> s
 
     if backend == OUTLINES:
         from plait.runtime.constrained.json_schema import schema_to_regex
+        from plait.runtime.constrained.worker import counted_repetition_too_large
 
-        return check_regex(value, "regex") if kind == "regex" else schema_to_regex(value, whitespace)
+        regex = check_regex(value, "regex") if kind == "regex" else schema_to_regex(value, whitespace)
+        too_large = counted_repetition_too_large(regex)  # the worker would refuse it after admission
+        if too_large is not None:
+            raise ValueError(f"{kind} is invalid: {too_large}")
+        return regex
     from plait.runtime.constrained import llguidance_backend as llg
 
     if kind == "regex":
