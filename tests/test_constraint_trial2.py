@@ -108,7 +108,7 @@ def test_a_huge_counted_repetition_is_refused_before_the_build(vocab):
 
 # -- llguidance computations that never end -------------------------------------------------------
 HANGING = r'''
-import json, sys, time
+import json, sys
 from transformers import AutoTokenizer
 from plait.runtime.constrained import llguidance_backend as llg
 from plait.runtime.constrained.backend import Grammars
@@ -128,19 +128,16 @@ def compile(text):
     return c, fut
 
 # the first mask never ends: two of them (as many as the compile threads), then a plain grammar
-start = time.monotonic()
 out["first_mask"] = [compile(t)[1].error for t in ['start: A A\nA: /a+/', 'root ::= b b\nb ::= "x"+']]
 out["after"] = compile('root ::= "yes" | "no"')[1].grammar is not None
-out["compile_s"] = time.monotonic() - start
 # a later mask never ends: the request's next token is refused; then another request of
 # the same grammar (its copies share the lexer's state) ends at once, and others run
 c, fut = compile('start: ("c" | "d") x\nx: A A\nA: /a+/')
 (tok,) = vocab.encode("c")
 m = grammars.matcher(fut, c, jump_forward=True, heal=False)
 m.start([1])
-start = time.monotonic()
 out["later"] = [m.advance(tok), m.jump_forward(tok, 8), m.stuck, int(m.allowed(eos_ok=True).any()), m.is_final,
-                m.advance(tok), m.rejected == tok, time.monotonic() - start]
+                m.advance(tok), m.rejected == tok]
 m = grammars.matcher(fut, c, jump_forward=False, heal=False)
 m.start([1])
 out["again"] = [m.stuck, int(m.allowed(eos_ok=True).any()), m.advance(tok), m.rejected == tok]
@@ -156,7 +153,8 @@ def test_llguidance_computations_that_never_end_are_given_up(tokenizer_dir):
     # llguidance 1.9.1 never finishes these masks: the first one held a compile thread
     # for good (two such grammars and no llguidance compile ran again, JSON Schemas
     # included); a later one held the engine loop. In a child process: the threads it
-    # leaves spinning end with it.
+    # leaves spinning end with it. A computation that is not given up hangs the child, which
+    # the deadline below ends (a failure, not a timing measurement).
     import json
     import subprocess
     import sys
@@ -166,8 +164,8 @@ def test_llguidance_computations_that_never_end_are_given_up(tokenizer_dir):
     assert run.returncode == 0, run.stderr[-2000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert all("longer than the 2 s limit" in e for e in out["first_mask"]), out
-    assert out["after"] and out["compile_s"] < 15, out
-    assert out["later"][:7] == [True, None, True, 0, False, False, True] and out["later"][7] < 5, out
+    assert out["after"], out  # a later compile ran: the hung first masks hold no compile thread
+    assert out["later"] == [True, None, True, 0, False, False, True], out
     assert out["again"] == [True, 0, False, True] and out["other"] == [True, True], out
 
 
