@@ -25,7 +25,11 @@ Until the fit exists (8 steps, 3 of them with prefill chunks of different sizes)
 chunks beside streaming decodes are small and of three sizes in turn (``EXPLORE``), so
 that the first measurements both stay near a decode step and tell the
 per-token cost apart from the fixed one (a first guess of 512 tokens made the first
-chunks of a long prompt 0.9-1.6 s steps beside 8 streams on the Zen 4).
+chunks of a long prompt 0.9-1.6 s steps beside 8 streams on the Zen 4). They stay at
+or under the floor: with 32/64/128 the 128-token step (3-5 decode steps beside 8
+streams on the Intel Xeon at 2.6 GHz) and one more set the p99 inter-token latency
+alone (bench_serving chunked-prefill: p99/p50 2.25-3.21; with 16/24/32 1.54-1.74, the
+long prompt's TTFT 1.83-2.06x unchunked either way).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from collections import deque
 import numpy as np
 
 AUTO = "auto"
-EXPLORE = (32, 64, 128)  # chunk sizes before the first fit
+EXPLORE = (16, 24, 32)  # chunk sizes before the first fit
 
 
 class ChunkSizer:

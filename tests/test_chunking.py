@@ -24,7 +24,9 @@ def test_the_chunk_keeps_a_mixed_step_within_twice_a_decode_step():
     for _ in range(3):
         explored.append(sizer.budget(8))
         sizer.observe(8, explored[-1], 0.02 + 0.0001 * explored[-1])
-    assert explored == [32, 64, 128] and sizer.budget(0) == 4096 and sizer.fit is None
+    # no larger than the floor: a 128-token exploration chunk beside 8 streams was 3-5 decode
+    # steps on the Intel Xeon and set the p99 inter-token latency by itself
+    assert explored == [16, 24, 32] and sizer.budget(0) == 4096 and sizer.fit is None
     sizer = ChunkSizer()
     _feed(sizer, a=0.010, d=0.001, p=0.0001)
     a, d, p, q = sizer.fit
