@@ -55,6 +55,29 @@ def test_a_chunk_late_in_a_long_prompt_is_smaller_by_its_attention():
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > 2 * sizes[3]
 
 
+def test_steps_that_run_over_the_fit_shrink_the_chunk():
+    """A least-squares fit is right on average, so about half the mixed steps run over
+    it, and the slow ones are what p99 sees: the budget keeps the prediction times the
+    fit's 90th-percentile high-side error (measured / predicted on mixed steps) within
+    the target. On an exact machine that error is 1 and nothing changes."""
+    a, d, p = 0.010, 0.001, 0.0001
+    exact = ChunkSizer()
+    _feed(exact, a, d, p)
+    noisy = ChunkSizer()
+    for i in range(40):  # mixed steps alternately 20 % under and over the machine's time
+        decodes, tokens = 4 + i % 5, (i * 37) % 300
+        noise = (0.8 if i % 2 else 1.2) if decodes and tokens else 1.0
+        noisy.observe(decodes, tokens, (a + d * decodes + p * tokens) * noise)
+    fa, fd, fp, _ = noisy.fit
+    decode_step = fa + fd * 8
+    n = noisy.budget(8)
+    predicted = lambda k: decode_step + fp * k  # noqa: E731
+    margin = noisy.margin  # the 90th percentile of measured / predicted on mixed steps
+    assert 1.1 < margin < 1.5 and exact.margin == pytest.approx(1.0)
+    assert predicted(n) * margin <= 2 * decode_step + 1e-9 < predicted(n + 1) * margin
+    assert noisy.budget(8) < exact.budget(8)
+
+
 def test_an_explicit_target_and_the_bounds():
     sizer = ChunkSizer(itl_target_ms=30.0, min_chunk=32, max_chunk=1000)
     _feed(sizer, a=0.010, d=0.001, p=0.0001)
