@@ -684,7 +684,8 @@ class Engine:
             invariant_error = str(err)
         mc = self.model_config
         config = dataclasses.asdict(self.config)
-        total_tokens = self.pool_usage()["total"] * self.config.page_size
+        pool = self.pool_usage()
+        total_tokens = pool["total"] * self.config.page_size
         return {
             # SGLang's get_server_info is its server args and scheduler facts at the top
             # level; programs and scripts read these names from it
@@ -700,7 +701,7 @@ class Engine:
             "eos_token_ids": sorted(self.eos_ids),
             "config": config,
             "device": str(self.device),
-            "pool": self.pool_usage(),
+            "pool": pool,
             "host_pool": self.tier.usage() if self.tier is not None else None,
             # the sliding-window layers' pool (plait.runtime.memory.WindowPages), or None
             "window_pool": self.pool.window.usage() if self.pool.window is not None else None,

@@ -243,14 +243,13 @@ def choose_backend(kind: str) -> list[str]:
 
 
 def _translate(backend: str, kind: str, value: Any, whitespace: str | None) -> str:
-    """What ``backend`` compiles for one constraint field, or ``ValueError``."""
-    from plait.runtime.constrained.regexes import check_regex
-
+    """What ``backend`` compiles for one constraint field (a regex already checked by
+    :meth:`SamplingParams.constraint`), or ``ValueError``."""
     if backend == OUTLINES:
         from plait.runtime.constrained.json_schema import schema_to_regex
         from plait.runtime.constrained.worker import counted_repetition_too_large
 
-        regex = check_regex(value, "regex") if kind == "regex" else schema_to_regex(value, whitespace)
+        regex = value if kind == "regex" else schema_to_regex(value, whitespace)  # a regex's dialect: checked once
         too_large = counted_repetition_too_large(regex)  # the worker would refuse it after admission
         if too_large is not None:
             raise ValueError(f"{kind} is invalid: {too_large}")
@@ -258,7 +257,7 @@ def _translate(backend: str, kind: str, value: Any, whitespace: str | None) -> s
     from plait.runtime.constrained import llguidance_backend as llg
 
     if kind == "regex":
-        return llg.regex_grammar(check_regex(value, "regex"))
+        return llg.regex_grammar(value)
     if kind == "ebnf":
         return llg.ebnf_grammar(value)
     return llg.schema_grammar(value, whitespace)

@@ -152,16 +152,17 @@ async def read_json(request: Request, budget: BodyBudget | None = None) -> tuple
     return obj, size
 
 
+def _meta_entries(meta: dict[str, Any]) -> int:
+    """The logprob entries of a result's or chunk's ``meta``: one per token entry, every
+    pair of a top-logprobs row."""
+    return sum(sum(len(x or ()) for x in v) if k.endswith("top_logprobs") else len(v)
+               for k, v in meta.items() if isinstance(v, list))
+
+
 def _entries(results: Iterable[P.GenerateResult]) -> int:
     """The token entries a response of ``results`` carries: output tokens and logprob
-    entries (every entry of a top-logprobs row)."""
-    n = 0
-    for r in results:
-        meta = r.meta_info
-        n += len(r.output_ids) + len(meta.get("input_token_logprobs") or ())
-        for key in ("output_top_logprobs", "input_top_logprobs"):
-            n += sum(len(row or ()) for row in meta.get(key) or ())
-    return n
+    entries."""
+    return sum(len(r.output_ids) + _meta_entries(r.meta_info) for r in results)
 
 
 async def json_reply(build: Callable[[], Any], entries: int) -> Response:
@@ -667,9 +668,9 @@ class NativeStreamState:
         for k, v in msg.meta.items():
             if isinstance(v, list):
                 a["meta_info"].setdefault(k, []).extend(v)
-                self.entries += sum(len(x) if isinstance(x, list) and k.endswith("top_logprobs") else 1 for x in v)
             else:
                 a["meta_info"][k] = v
+        self.entries += _meta_entries(msg.meta)
         a["meta_info"]["finish_reason"] = None
         if self.spent + self.entries > 4 * self.entries + self.FREE_ENTRIES:
             return None
