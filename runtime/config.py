@@ -15,7 +15,7 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-CPU_GEMMS = ("auto", "onednn", "torch")
+CPU_GEMMS = ("auto", "native", "onednn", "torch")
 PREFIX_CACHE_MODES = ("radix", "block_hash")
 QUANTIZATIONS = ("none", "int8", "q4")  # plait.runtime.models.quant
 SPECULATIVE = ("none", "ngram")
@@ -201,6 +201,15 @@ class EngineConfig:
             _require(self.resolved_device() == "cpu" and self.resolved_dtype() == "float32" and onednn_gemm_available(),
                      "cpu_gemm", self.cpu_gemm,
                      "onednn only with device cpu, dtype float32 and a torch build with oneDNN; auto or torch otherwise")
+        if self.cpu_gemm == "native":
+            from plait.kernels import gemm_cpu
+
+            _require(self.resolved_device() == "cpu" and self.resolved_dtype() == "float32", "cpu_gemm", self.cpu_gemm,
+                     "native only with device cpu and dtype float32; auto or torch otherwise")
+            if not gemm_cpu.available():
+                isa = gemm_cpu.choose_isa()
+                why = "this CPU has neither AVX-512F nor AVX2+FMA" if isa is None else gemm_cpu._error
+                _require(False, "cpu_gemm", self.cpu_gemm, f"onednn, torch or auto here ({why})")
         _require(self.quantization in QUANTIZATIONS, "quantization", self.quantization, ", ".join(QUANTIZATIONS))
         if self.quantization != "none" and self.resolved_device() == "cpu":
             _require(self.resolved_dtype() == "float32", "quantization", self.quantization,
@@ -289,12 +298,19 @@ class EngineConfig:
         return "cpu" if self.resolved_dtype() == "float32" else "torch"
 
     def resolved_cpu_gemm(self) -> str:
+        """``auto``: on CPU in float32, the native kernel where it builds for this CPU and
+        the start-up probe does not find oneDNN far faster (``gemm_cpu.native_preferred``),
+        else oneDNN where torch has it, else torch."""
         if self.cpu_gemm != "auto":
             return self.cpu_gemm
+        from plait.kernels import gemm_cpu
         from plait.runtime.models.linear import onednn_gemm_available
 
-        on_cpu_fp32 = self.resolved_device() == "cpu" and self.resolved_dtype() == "float32"
-        return "onednn" if on_cpu_fp32 and onednn_gemm_available() else "torch"
+        if not (self.resolved_device() == "cpu" and self.resolved_dtype() == "float32"):
+            return "torch"
+        if gemm_cpu.native_preferred():
+            return "native"
+        return "onednn" if onednn_gemm_available() else "torch"
 
 
 def build_trusted(cls: type[T], values: dict[str, Any]) -> T:

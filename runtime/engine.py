@@ -162,8 +162,8 @@ class Engine:
         model.load_weights(self.source.iter_weights(gguf_blocks=quantization != "none"))
         if quantization != "none":
             model.quantize_tied_lm_head()
-        elif self.config.resolved_cpu_gemm() == "onednn":
-            model.pack_for_cpu()
+        elif self.config.resolved_cpu_gemm() in ("onednn", "native"):
+            model.pack_for_cpu(self.config.resolved_cpu_gemm())
         return model.eval()
 
     def _attention_backend(self) -> AttentionBackend:

@@ -320,8 +320,8 @@ def worker_main(spec: dict[str, Any]) -> int:
         model = model_class(mc)(mc, max_pos=context_len, triton_ops=triton_ops, tp=group)
     model = model.materialize(device, dtype)
     model.load_weights(source.iter_weights())
-    if cfg.resolved_cpu_gemm() == "onednn":
-        model.pack_for_cpu()
+    if cfg.resolved_cpu_gemm() in ("onednn", "native"):
+        model.pack_for_cpu(cfg.resolved_cpu_gemm())
     model.eval()
     num_slots, context_len, backend = bcast(torch.zeros(3, dtype=torch.long)).tolist()
     shard = model.config

@@ -1,4 +1,5 @@
-"""Linear layers whose CPU GEMM can run on oneDNN with a weight packed once at load.
+"""Linear layers whose CPU GEMM runs on a weight packed once at load: oneDNN's, or plait's
+native kernel (:mod:`plait.kernels.gemm_cpu`).
 
 On CPU, ``F.linear`` in float32 calls MKL's sgemm. oneDNN, which every torch CPU build
 also carries, JIT-compiles its GEMM for the widest vector unit the CPU has and multiplies
@@ -9,8 +10,10 @@ SmolLM2's projections and oneDNN ~450, from 16 rows up. Results are float32 GEMM
 different summation order, so they differ from MKL's in the last bits only.
 
 The engine packs every projection and the LM head after loading when
-``EngineConfig.cpu_gemm`` resolves to ``onednn`` (``CausalLM.pack_for_cpu``). Packing replaces
-each weight: the model is then for inference only, and its state dict lacks them.
+``EngineConfig.cpu_gemm`` resolves to ``onednn`` or ``native`` (``CausalLM.pack_for_cpu``; the
+native kernel overlaps the weight read with the arithmetic at serving's row counts, see
+``gemm_cpu.c``). Packing replaces each weight: the model is then for inference only, and its
+state dict lacks them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from plait.kernels import gemm_cpu
 
 # Row count the packed layout is tuned for. Measured on the benchmark machine, one
 # layout packed for 64 rows runs within ~5% of a layout packed for each size from 16 to
@@ -35,18 +40,30 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` [rows, in] with a weight from :func:`pack_weight`."""
+def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` [rows, in] with a weight from :func:`pack_weight`
+    (oneDNN) or :func:`plait.kernels.gemm_cpu.pack` (native)."""
+    if isinstance(packed, gemm_cpu.Packed):
+        return gemm_cpu.linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_for(weight: torch.Tensor, kind: str):
+    """``weight`` packed for :func:`packed_linear` by ``kind``: ``onednn`` or ``native``."""
+    if kind == "native":
+        return gemm_cpu.pack(weight)
+    if kind == "onednn":
+        return pack_weight(weight)
+    raise ValueError(f"no packed GEMM named {kind!r} (onednn or native)")
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` that runs on a packed weight once :meth:`pack` was called."""
 
-    packed: torch.Tensor | None = None
+    packed = None  # a oneDNN tensor or a gemm_cpu.Packed once packed
 
-    def pack(self) -> None:
-        self.packed = pack_weight(self.weight)
+    def pack(self, kind: str = "onednn") -> None:
+        self.packed = pack_for(self.weight, kind)
         self.weight = None  # the packed copy is the weight from now on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from plait.kernels.rotary import rope_cos_sin_cache
 from plait.runtime.attention.base import AttentionBackend
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.models.config import ModelConfig
-from plait.runtime.models.linear import Linear, pack_weight, packed_linear
+from plait.runtime.models.linear import Linear, pack_for, packed_linear
 from plait.runtime.models.quant import QuantLinear, QuantWeight, quantized_lm_head
 from plait.runtime.models.parallel import RowParallelLinear, TPGroup, VocabParallelEmbedding, shard_config, shard_weights
 
@@ -346,15 +346,15 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def pack_for_cpu(self) -> None:
-        """Run every projection and the LM head on oneDNN with weights packed now
-        (:mod:`plait.runtime.models.linear`); call after :meth:`load_weights`. The
-        embedding table stays as it is for the lookup, so tied embeddings are held twice."""
+    def pack_for_cpu(self, kind: str = "onednn") -> None:
+        """Run every projection and the LM head on packed weights (``kind``: ``onednn`` or
+        ``native``, :mod:`plait.runtime.models.linear`); call after :meth:`load_weights`.
+        The embedding table stays as it is for the lookup, so tied embeddings are held twice."""
         for m in self.modules():
             if isinstance(m, Linear):
-                m.pack()
+                m.pack(kind)
         if self.config.tie_word_embeddings:
-            self.packed_lm_head = pack_weight(self.model.embed_tokens.weight)
+            self.packed_lm_head = pack_for(self.model.embed_tokens.weight, kind)
 
     def quantize_tied_lm_head(self) -> None:
         """With tied embeddings and ``quantization`` on: the LM head in q8 blocks from the

@@ -71,7 +71,7 @@ ENGINE_HELP: dict[str, str] = {
     "grammar_backend": "constrained decoding: grammar engine, auto (per constraint: ebnf and JSON Schema to llguidance "
                        "with outlines-core as fallback, regex to outlines-core), outlines or llguidance; a request's "
                        "grammar_backend overrides it",
-    "cpu_gemm": "CPU float32 GEMMs: auto (onednn where available), onednn (weights packed once for oneDNN's JIT GEMM) or torch (F.linear, MKL)",
+    "cpu_gemm": "CPU float32 GEMMs: auto (native where it builds for the CPU, else onednn), native (plait's kernel, AVX-512F or AVX2+FMA: overlaps the weight read with the arithmetic), onednn (weights packed once for oneDNN's JIT GEMM) or torch (F.linear, MKL)",
     "quantization": "weight-only quantization (CPU, dtype float32; activations stay float32): none (float32 "
                     "weights, the exact path), int8 (projections and LM head in int8 blocks of 32; a GGUF's Q8_0 "
                     "blocks as they are) or q4 (projections in 4-bit blocks of 32, a GGUF's Q4_0/Q4_1/Q4_K blocks "
