@@ -183,8 +183,8 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"],
                     help="plait's attention backend; with auto, (a) also runs with the torch backend to show the "
                          "native decode kernel's share")
-    ap.add_argument("--cpu-gemm", default="auto", choices=["auto", "onednn", "torch"],
-                    help="plait's EngineConfig.cpu_gemm; with auto, (a) also runs with torch's GEMMs to show their share")
+    ap.add_argument("--cpu-gemm", default="auto", choices=["auto", "native", "onednn", "torch"],
+                    help="plait's EngineConfig.cpu_gemm; with auto, (a) also runs with oneDNN's (when auto is native) and torch's GEMMs to show their share")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -218,7 +218,9 @@ def main() -> None:
         ablations = []
         if args.attention_backend == "auto" and isinstance(engine.runner.attn, CpuAttentionBackend):
             ablations.append(("attention_backend", "torch"))
-        if args.cpu_gemm == "auto" and engine.config.resolved_cpu_gemm() == "onednn":
+        if args.cpu_gemm == "auto" and engine.config.resolved_cpu_gemm() in ("native", "onednn"):
+            if engine.config.resolved_cpu_gemm() == "native":
+                ablations.append(("cpu_gemm", "onednn"))
             ablations.append(("cpu_gemm", "torch"))
     with Engine(args.model, disable_radix_cache=True, **common) as engine:
         run_plait(engine, random_workload(4, (16, 32), (4, 8), seed=99))

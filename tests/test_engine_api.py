@@ -167,6 +167,7 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(engine, baseline, kwargs
         ({"bogus": 1}, "bogus"),
         ({"cpu_gemm": "blas"}, "cpu_gemm"),
         ({"cpu_gemm": "onednn", "dtype": "bfloat16"}, "cpu_gemm"),
+        ({"cpu_gemm": "native", "dtype": "bfloat16"}, "cpu_gemm"),
     ],
 )
 def test_bad_config_is_rejected(kwargs, field):

@@ -58,13 +58,13 @@ def check_outputs(engine: Engine, outs: list[dict], greedy: list[list[int]]) -> 
     assert engine.pool_usage()["locked"] == 0
 
 
-@pytest.mark.parametrize("cpu_gemm", ["onednn", "torch"])
+@pytest.mark.parametrize("cpu_gemm", ["native", "onednn", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3"])
 def test_greedy_and_logprobs_match_hf(refs, arch, cpu_gemm):
     folder, prompts, greedy, lps = refs(arch)
     with Engine(str(folder), kv_cache_tokens=4096, cpu_gemm=cpu_gemm) as engine:
         packed = [m.packed is not None for m in engine.model.modules() if isinstance(m, Linear)]
-        assert packed and all(packed) == (cpu_gemm == "onednn") and any(packed) == all(packed)
+        assert packed and all(packed) == (cpu_gemm != "torch") and any(packed) == all(packed)
         outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
         check_outputs(engine, outs, greedy)
         for o, ref_lp, p in zip(outs, lps, prompts):
