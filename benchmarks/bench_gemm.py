@@ -47,7 +47,7 @@ def main() -> None:
     torch.set_num_threads(args.num_threads)
     isa = args.isa or gemm_cpu.choose_isa()
     if isa is None or not gemm_cpu.available():
-        sys.exit(f"no native GEMM here: {gemm_cpu._error or 'no AVX2+FMA / AVX-512F'}")
+        sys.exit(f"no native GEMM here: {gemm_cpu.build_error() or 'no AVX2+FMA / AVX-512F'}")
     print(f"machine: {machine_line(args.num_threads)}")
     print(f"native path {isa}; oneDNN max ISA {os.environ.get('ONEDNN_MAX_CPU_ISA', 'default')}; "
           f"{args.layers} layers of {SHAPES} (float32, random)")

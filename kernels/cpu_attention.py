@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -104,6 +105,39 @@ def _build(
             if os.path.exists(tmp):
                 os.unlink(tmp)
     raise RuntimeError(f"compiling {what} failed: " + " | ".join(errors))
+
+
+class NativeLibrary:
+    """A C file compiled on first use by :func:`_build` and loaded with ctypes, once per
+    process: :meth:`load` returns the library (``setup`` declared its functions), or
+    raises RuntimeError saying why it cannot be built; the failure is remembered."""
+
+    def __init__(self, source: Path, flag_sets: tuple[list[str], ...], what: str,
+                 setup: Callable[[ctypes.CDLL], None]) -> None:
+        self.source, self.flag_sets, self.what, self.setup = source, flag_sets, what, setup
+        self.lib: ctypes.CDLL | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()
+
+    def load(self) -> ctypes.CDLL:
+        if self.lib is not None:  # called per GEMM: no lock once loaded
+            return self.lib
+        with self._lock:
+            if self.lib is not None:
+                return self.lib
+            if self.error is not None:
+                raise RuntimeError(self.error)
+            try:
+                cc = _compiler()
+                if cc is None:
+                    raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang)")
+                lib = ctypes.CDLL(str(_build(cc, self.source, self.flag_sets, self.what)))
+                self.setup(lib)
+            except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+                self.error = f"{self.what} is unavailable: {e}"
+                raise RuntimeError(self.error) from e
+            self.lib = lib
+            return lib
 
 
 def load() -> ctypes.CDLL:

@@ -13,8 +13,6 @@ when it cannot be built.
 from __future__ import annotations
 
 import ctypes
-import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -32,9 +30,6 @@ PANEL, GROUP = 16, 2  # the C file's packed layout: panels of 16 columns, padded
 PREFETCH_MIN_ROWS = {"avx512": 16, "avx2": 1}
 _FLAG_SETS = (["-O3", "-fopenmp", "-fPIC", "-shared"], ["-O3", "-fPIC", "-shared"])
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
 
 
 _MISSING = object()
@@ -57,30 +52,19 @@ def choose_isa(flags_line: str | None = None) -> str | None:
     return None
 
 
-def load() -> ctypes.CDLL:
-    """The compiled kernel (built on the first call). Raises RuntimeError saying why it
-    cannot be built or loaded; the failure is remembered for the process."""
-    global _lib, _error
-    if _lib is not None:
-        return _lib
-    with _lock:
-        if _lib is not None:
-            return _lib
-        if _error is not None:
-            raise RuntimeError(_error)
-        try:
-            cc = cpu_attention._compiler()
-            if cc is None:
-                raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang)")
-            lib = ctypes.CDLL(str(cpu_attention._build(cc, SOURCE, _FLAG_SETS, "the float32 GEMM kernel")))
-            p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            lib.plait_gemm_f32.restype = i32
-            lib.plait_gemm_f32.argtypes = [i32, i64, i64, i64, p, i64, p, p, i64, i32, i32]
-        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-            _error = f"the native float32 GEMM kernel is unavailable: {e}"
-            raise RuntimeError(_error) from e
-        _lib = lib
-        return lib
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.plait_gemm_f32.restype = i32
+    lib.plait_gemm_f32.argtypes = [i32, i64, i64, i64, p, i64, p, p, i64, i32, i32]
+
+
+_native = cpu_attention.NativeLibrary(SOURCE, _FLAG_SETS, "the native float32 GEMM kernel", _declare)
+load = _native.load  # the compiled kernel, built on the first call (RuntimeError saying why not)
+
+
+def build_error() -> str | None:
+    """Why the kernel could not be built or loaded (None: it was not tried, or it loaded)."""
+    return _native.error
 
 
 def available() -> bool:

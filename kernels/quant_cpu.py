@@ -13,8 +13,6 @@ and cached like the decode attention kernel (:mod:`plait.kernels.cpu_attention`)
 from __future__ import annotations
 
 import ctypes
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
@@ -29,9 +27,6 @@ _VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 KINDS = ("q8", "q4")  # the C file's KIND_* codes
 _FLAG_SETS = (["-O3", "-fopenmp", "-fPIC", "-shared"], ["-O3", "-fPIC", "-shared"])
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
 
 
 def cpu_flags() -> str:
@@ -54,32 +49,16 @@ def choose_isa(flags_line: str | None = None) -> str:
     return "portable"
 
 
-def load() -> ctypes.CDLL:
-    """The compiled kernel (built on the first call). Raises RuntimeError saying why it
-    cannot be built or loaded; the failure is remembered for the process."""
-    global _lib, _error
-    if _lib is not None:
-        return _lib
-    with _lock:
-        if _lib is not None:
-            return _lib
-        if _error is not None:
-            raise RuntimeError(_error)
-        try:
-            cc = cpu_attention._compiler()
-            if cc is None:
-                raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang)")
-            lib = ctypes.CDLL(str(cpu_attention._build(cc, SOURCE, _FLAG_SETS, "the quantized GEMM kernel")))
-            p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            lib.plait_quant_linear_f32.restype = i32
-            lib.plait_quant_linear_f32.argtypes = [i32, i32, p, i64, i64, p, p, p, i64, p, p, i32]
-            lib.plait_quant_dequant_f32.restype = i32
-            lib.plait_quant_dequant_f32.argtypes = [i32, i32, p, p, p, i64, i64, p, i32]
-        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-            _error = f"the native quantized GEMM kernel is unavailable: {e}"
-            raise RuntimeError(_error) from e
-        _lib = lib
-        return lib
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.plait_quant_linear_f32.restype = i32
+    lib.plait_quant_linear_f32.argtypes = [i32, i32, p, i64, i64, p, p, p, i64, p, p, i32]
+    lib.plait_quant_dequant_f32.restype = i32
+    lib.plait_quant_dequant_f32.argtypes = [i32, i32, p, p, p, i64, i64, p, i32]
+
+
+_native = cpu_attention.NativeLibrary(SOURCE, _FLAG_SETS, "the native quantized GEMM kernel", _declare)
+load = _native.load  # the compiled kernel, built on the first call (RuntimeError saying why not)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -208,7 +208,7 @@ class EngineConfig:
                      "native only with device cpu and dtype float32; auto or torch otherwise")
             if not gemm_cpu.available():
                 isa = gemm_cpu.choose_isa()
-                why = "this CPU has neither AVX-512F nor AVX2+FMA" if isa is None else gemm_cpu._error
+                why = "this CPU has neither AVX-512F nor AVX2+FMA" if isa is None else gemm_cpu.build_error()
                 _require(False, "cpu_gemm", self.cpu_gemm, f"onednn, torch or auto here ({why})")
         _require(self.quantization in QUANTIZATIONS, "quantization", self.quantization, ", ".join(QUANTIZATIONS))
         if self.quantization != "none" and self.resolved_device() == "cpu":

@@ -17,7 +17,7 @@ NATIVE_ISAS = [isa for isa in ("avx512", "avx2") if isa == gemm_cpu.choose_isa()
 
 def test_native_kernel_builds_here():
     assert gemm_cpu.choose_isa() in ("avx512", "avx2")
-    assert gemm_cpu.available(), gemm_cpu._error
+    assert gemm_cpu.available(), gemm_cpu.build_error()
 
 
 @pytest.mark.parametrize("isa", NATIVE_ISAS)
