@@ -136,10 +136,13 @@ class Function:
         free = self._free_positional
         if len(args) > len(free):
             raise TypeError(f"{self.__name__}() takes {len(free)} positional arguments after s, got {len(args)}")
-        out = {**self.bind_arguments, **dict(zip(free, args))}
+        given = dict(zip(free, args))
+        out = {**self.bind_arguments, **given}
         for k, v in kwargs.items():
             if k not in self.arg_names and not self.var_kwargs:
                 raise TypeError(f"{self.__name__}() got an unexpected argument {k!r}")
+            if k in given:
+                raise TypeError(f"{self.__name__}() got multiple values for argument {k!r}")
             out[k] = v
         return out
 

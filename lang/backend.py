@@ -344,14 +344,20 @@ _TOP_LOGPROB_KEYS = ("output_top_logprobs", "input_top_logprobs")
 
 
 def logprob_tuples(meta: dict[str, Any]) -> None:
-    """In place: logprob entries become tuples, ``(logprob, token_id)`` or with
-    ``return_text_in_logprobs`` ``(logprob, token_id, text)``, as SGLang returns them."""
+    """In place: logprob entries become ``(logprob, token_id, text)`` tuples, as SGLang
+    returns them: ``text`` is None without ``return_text_in_logprobs`` (so that
+    ``for lp, tid, text in entries`` works either way)."""
     for key in _LOGPROB_KEYS:
         if key in meta:
-            meta[key] = [tuple(e) for e in meta[key]]
+            meta[key] = [_logprob_entry(e) for e in meta[key]]
     for key in _TOP_LOGPROB_KEYS:
         if key in meta:
-            meta[key] = [None if row is None else [tuple(e) for e in row] for row in meta[key]]
+            meta[key] = [None if row is None else [_logprob_entry(e) for e in row] for row in meta[key]]
+
+
+def _logprob_entry(e: Any) -> tuple[Any, ...]:
+    t = tuple(e)
+    return t + (None,) if len(t) == 2 else t
 
 
 def _mean_logprob(entries: list[Any]) -> float:

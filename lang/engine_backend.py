@@ -277,8 +277,8 @@ class OfflineEngine:
         """SGLang's ``Engine.generate``: one prompt (text or ``input_ids``) gives one
         output dict (``text``, ``output_ids``, ``meta_info``; a list of ``n`` with
         ``n > 1``), a list of prompts a list of outputs in order. Logprob entries are
-        tuples, ``(logprob, token_id)`` or with ``return_text_in_logprobs``
-        ``(logprob, token_id, text)``. Invalid requests raise
+        ``(logprob, token_id, text)`` tuples, ``text`` None without
+        ``return_text_in_logprobs``. Invalid requests raise
         :class:`~plait.errors.BackendError` naming the field (``param``)."""
         if stream:
             raise ValueError("stream=True is not supported by Engine.generate; stream from a program "

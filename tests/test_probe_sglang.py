@@ -1,0 +1,103 @@
+"""SGLang frontend programs plait's authors did not write, in the idioms of SGLang's
+docs, examples and benchmarks (the deep tree-of-thought and LLM-judge benchmarks,
+the speculative-character and dtype tests of its ``test_programs.py``, logprob
+readers), run through ``import plait as sgl``; one test per gap they found:
+
+1. Logprob entries were ``(logprob, token_id)`` pairs unless
+   ``return_text_in_logprobs=True``; SGLang always returns triples, with None for
+   the text, so ``for lp, tid, text in meta["output_token_logprobs"]`` failed.
+2. ``f.run("a", q="b")`` on ``def f(s, q)`` silently took ``q="b"``; Python (and
+   SGLang, which calls the body with both) raises "multiple values for argument".
+
+Model outputs are compared with a plain reference ``Engine`` on the same tiny
+weights, so nothing depends on what the random model says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+import plait as sgl
+from plait.backend import generate_outputs
+from plait.runtime import Engine
+
+ENGINE_OPTS = {"kv_cache_tokens": 8192, "num_threads": 1, "max_running_requests": 16, "attention_backend": "torch"}
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_model_factory):
+    return str(tiny_model_factory("llama"))
+
+
+@pytest.fixture(scope="module")
+def backend(folder):
+    b = sgl.EngineBackend(folder, **ENGINE_OPTS)
+    yield b
+    b.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ref(folder):
+    with Engine(folder, **ENGINE_OPTS) as e:
+        yield e
+
+
+def greedy(ref: Engine, prompt: str, **params: Any) -> dict[str, Any]:
+    return ref.generate(prompt, {"temperature": 0.0, **params})
+
+
+# -- 1. logprob entries are always (logprob, token_id, text) -------------------------------------
+@sgl.function
+def scored_answer(s, question):
+    s += "Q: " + question + "\nA:"
+    s += sgl.gen("answer", max_tokens=3, return_logprob=True, top_logprobs_num=2, logprob_start_len=0)
+
+
+def test_logprob_entries_are_triples_with_none_text_as_in_sglang(backend, ref, folder):
+    state = scored_answer.run("Why?", temperature=0, backend=backend)
+    meta = state.get_meta_info("answer")
+    want = greedy(ref, "Q: Why?\nA:", max_new_tokens=3)
+    # the reader of SGLang's examples: three names per entry
+    ids = [tid for _, tid, text in meta["output_token_logprobs"]]
+    assert ids == want["output_ids"]
+    assert all(text is None for _, _, text in meta["output_token_logprobs"])
+    assert all(len(e) == 3 and e[2] is None for row in meta["output_top_logprobs"] for e in row)
+    assert len(meta["output_top_logprobs"]) == 3 and all(len(row) == 2 for row in meta["output_top_logprobs"])
+    first, *rest = meta["input_token_logprobs"]
+    assert first[0] is None and len(first) == 3 and all(len(e) == 3 for e in rest)
+
+    # with return_text_in_logprobs the third field is the token's text
+    with_text = scored_answer.run("Why?", temperature=0, return_text_in_logprobs=True, backend=backend)
+    entries = with_text.get_meta_info("answer")["output_token_logprobs"]
+    assert [e[1] for e in entries] == ids and "".join(e[2] for e in entries) == with_text["answer"]
+
+    # streamed pieces carry triples too, and concatenate to the whole list
+    async def pieces() -> list[Any]:
+        st = scored_answer.run("Why?", temperature=0, stream=True, backend=backend)
+        return [m async for _, m in st.text_async_iter("answer", return_meta_data=True)]
+
+    metas = asyncio.run(pieces())
+    streamed = [e for m in metas for e in m["output_token_logprobs"]]
+    assert [tid for _, tid, text in streamed] == ids and all(text is None for *_, text in streamed)
+
+    # sgl.Engine.generate / sgl.Runtime.generate (SGLang's offline calls) have the same shape
+    out = generate_outputs(backend, "Q: Why?\nA:", {"max_new_tokens": 2, "temperature": 0}, None, return_logprob=True)
+    assert [e[1:] for e in out["meta_info"]["output_token_logprobs"]] == [(i, None) for i in ids[:2]]
+
+
+# -- 2. a value given by position and by name ------------------------------------------------------
+@sgl.function
+def echo(s, q, suffix="!"):
+    s += q + suffix
+
+
+def test_an_argument_given_twice_is_refused_as_python_does(backend):
+    with pytest.raises(TypeError, match="multiple values for argument 'q'"):
+        echo.run("a", q="b", backend=backend)
+    with pytest.raises(TypeError, match="multiple values for argument 'suffix'"):
+        echo.run("a", "?", suffix=".", backend=backend)
+    assert echo.run("a", suffix="?", backend=backend).text() == "a?"
+    assert echo.bind(q="x").run(q="y", backend=backend).text() == "y!"  # a bound value is a default
