@@ -437,7 +437,9 @@ class Scheduler:
             if (not self.cache.disable and match.length < EARLY_DIVERGENCE_TOKENS <= r.prompt_len // 2
                     and self.cache.divergence(r.token_ids, r.kv_namespace, EARLY_DIVERGENCE_TOKENS) is not None):
                 self.early_divergences += 1
-            r.cached_tokens = match.length
+            # (a constraint's forced opening text is output written before admission: a
+            # match reaching into it is not prompt served from the cache)
+            r.cached_tokens = min(match.length, r.prompt_len)
             r.admitted_once = True
         r.row = self.req_to_token.alloc_row()
         self.cache.lock(match.node)
