@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,6 +123,8 @@ class SamplingParams:
                 f"stop is invalid: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_LEN} characters are allowed",
                 "stop",
             )
+        for s in self.stop:
+            _check_unicode(s, "stop")
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise RequestError(
                 f"stop_token_ids={self.stop_token_ids!r} is invalid; allowed: a list of non-negative token ids",
@@ -186,6 +189,7 @@ class SamplingParams:
                 value = parse_schema_text(value)
             except ValueError as e:
                 raise RequestError(str(e), kind) from None
+        _check_unicode(value, kind)
         if kind == "regex":  # the dialect, once: every backend reads the same one
             from plait.runtime.constrained.regexes import check_regex
 
@@ -212,6 +216,17 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _check_unicode(value: Any, kind: str) -> None:
+    """Refuse a constraint holding a lone surrogate (a JSON ``\\ud800`` escape, in a
+    pattern, a schema's keys or values): its translation cannot be encoded as UTF-8, so
+    it would fail as an internal error when sent to the engine."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"{kind} is not valid UTF-8 (it contains a lone surrogate)", kind) from None
 
 
 @dataclass(frozen=True)

@@ -235,7 +235,7 @@ class Front:
         ids = inp.input_ids
         try:
             data = P.encode(inp.to_wire())
-        except (OverflowError, TypeError, msgspec.EncodeError) as e:
+        except (OverflowError, TypeError, UnicodeEncodeError, msgspec.EncodeError) as e:  # (a lone surrogate)
             raise RequestError(f"the request holds a value that cannot be sent to the engine: {e}", "sampling_params") from None
         replica = self.pick_replica()
         cost = len(ids) + inp.params.max_new_tokens

@@ -539,6 +539,8 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     the Responses API's flat one) and ``tool_choice`` from ``body``, ``schema`` (from
     ``schema_field``) for JSON output."""
     tools = check_tools(body["tools"], "tools", nested_tools) if body.get("tools") is not None else None
+    if tools:  # rendered into the prompt: a lone surrogate would be blamed on the messages
+        check_text(json.dumps(body["tools"], ensure_ascii=False), "tools")
     choice = _tool_choice(body, tools)
     parallel = get_field(body, "parallel_tool_calls", "bool", True)
     max_reasoning = get_field(body, "max_reasoning_chars", "int", None, 0, MAX_REASONING_CHARS)

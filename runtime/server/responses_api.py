@@ -157,11 +157,17 @@ def parse_response_request(front: Front, store: ResponseStore, body: dict[str, A
     new = input_messages(body.get("input"))
     instructions = oa.get_field(body, "instructions", "str")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history + new
-    checked = oa._messages({"messages": messages})  # the chat path's checks, on the merged conversation
     text = oa.get_field(body, "text", "dict")
     fmt = oa.get_field(text, "format", "dict") if text is not None else None
     schema = oa.response_format_schema(fmt, "text.format")
-    chat = oa.chat_request(front, body, checked, schema, "text.format", nested_tools=False)
+    try:  # the chat path's checks, on the merged conversation, whose errors name the chat's field
+        checked = oa._messages({"messages": messages})
+        chat = oa.chat_request(front, body, checked, schema, "text.format", nested_tools=False)
+    except RequestError as e:
+        if e.param != "messages":
+            raise
+        bare = e.message.startswith("messages ")  # (an indexed one counts the instructions and history too)
+        raise e.with_param("input", "input" + e.message[len("messages"):] if bare else e.message) from None
     sp = oa.sampling_params(front, body, len(chat.ids), None, "max_output_tokens")
     sp = chat.sampling(sp)
     sp.pop("n", None)

@@ -1,0 +1,113 @@
+"""A careless or hostile client of the OpenAI-compatible API (after test_server_hostile*.py):
+requests the ``openai`` client lets through that the server answered with a 500, a
+dropped connection or a response the client's types contradict. Each is now served in
+the shape the client parses, or refused with a 4xx naming the field."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from plait.runtime.server import launch
+
+MODEL = "tiny"
+ASK = [{"role": "user", "content": "yo"}]
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"]}
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add", "parameters": ADD}}]
+SURROGATE = "\\ud800"  # a JSON escape of a lone surrogate: valid JSON, not valid Unicode
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_factory):
+    with launch(str(tiny_model_factory("llama")), num_threads=1, kv_cache_tokens=8192, max_running_requests=16,
+                served_model_name=MODEL, echo_logs=False) as rt:
+        yield rt
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+def wait_idle(http: httpx.Client) -> dict[str, Any]:
+    for _ in range(400):
+        info = http.get("/server_info").json()
+        if info["running"] == 0 and info["waiting"] == 0 and info["in_flight"] == 0 and info["live_requests"] == 0:
+            return info
+        time.sleep(0.025)
+    raise AssertionError(f"server did not become idle: {info}")
+
+
+# -- usage ----------------------------------------------------------------------------------------
+def test_cached_tokens_never_exceed_the_prompt_after_a_forced_tool_call(client):
+    """A forced call's opening text (``<tool_call>\\n{"name": "add", ...``) is written as
+    output before the request is first admitted; the prefix cache then matched the
+    prompt *and* that text, and usage reported 224 cached of a 220-token prompt."""
+    usages = []
+    for _ in range(2):  # the second finds the first's prompt and forced text in the cache
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                           max_tokens=40, temperature=0)
+        assert r.choices[0].message.tool_calls, r
+        usages.append(r.usage)
+    for u in usages:
+        assert u.prompt_tokens_details.cached_tokens <= u.prompt_tokens, u
+    assert usages[1].prompt_tokens_details.cached_tokens > 0  # the prompt itself was a hit
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                            max_tokens=40, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, n=2)
+    last = list(stream)[-1]
+    assert last.usage.prompt_tokens_details.cached_tokens <= last.usage.prompt_tokens, last.usage
+
+
+# -- lone surrogates ------------------------------------------------------------------------------
+def _raw(path: str, body: str) -> tuple[str, str]:
+    return path, body.replace("@", SURROGATE)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    # each ran into the engine message's UTF-8 encoding: a 500, then a dropped connection
+    _raw("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "response_format": '
+         '{"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["a@"]}}}}') + ("response_format",),
+    _raw("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "response_format": '
+         '{"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": '
+         '{"k@": {"type": "string"}}, "required": ["k@"]}}}}') + ("response_format",),
+    _raw("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "regex": "a@"}')
+    + ("regex",),
+    _raw("/v1/responses", '{"input": "x", "max_output_tokens": 2, "text": {"format": {"type": "json_schema", '
+         '"name": "x", "schema": {"enum": ["a@"]}}}}') + ("text.format",),
+    _raw("/generate", '{"text": "x", "sampling_params": {"max_new_tokens": 2, "json_schema": '
+         '"{\\"enum\\": [\\"a\\\\ud800\\"]}"}}') + ("json_schema",),
+    _raw("/generate", '{"text": "x", "sampling_params": {"max_new_tokens": 2, "ebnf": "root ::= \\"a@\\""}}')
+    + ("ebnf",),
+    _raw("/generate", '{"text": "x", "sampling_params": {"max_new_tokens": 2, "stop": ["a@"]}}') + ("stop",),
+    # refused before, but blamed on the messages (the tools are rendered into the prompt)
+    _raw("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tools": '
+         '[{"type": "function", "function": {"name": "f", "description": "d@"}}]}') + ("tools",),
+    _raw("/v1/responses", '{"input": "x", "max_output_tokens": 2, "tools": [{"type": "function", "name": "f", '
+         '"parameters": {"type": "object", "properties": {"k@": {"type": "string"}}}}]}') + ("tools",),
+    # the Responses API has no field 'messages'
+    _raw("/v1/responses", '{"input": [{"role": "user", "content": "a@"}], "max_output_tokens": 2}') + ("input",),
+    _raw("/v1/responses", '{"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", '
+         '"call_id": "c", "output": "a@"}], "max_output_tokens": 2}') + ("input",),
+])
+def test_a_lone_surrogate_anywhere_is_a_400_naming_its_field(http, path, body, param):
+    assert SURROGATE in body
+    r = http.post(path, content=body.encode(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "lone surrogate" in err["message"], err
+    # the connection still serves (an internal error made the server drop it)
+    ok = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+    assert wait_idle(http)["live_requests"] == 0
