@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import ssl
 import threading
 import time
 import urllib.error
@@ -232,13 +233,15 @@ class RuntimeEndpoint(BaseBackend):
     """A running plait runtime: ``RuntimeEndpoint(url)`` with its HTTP base URL
     (``http://host:port``; the ZMQ address is read from its server info) or its ZMQ
     address (``tcp://...`` / ``ipc://...``). Raises :class:`RuntimeUnavailableError`
-    if nothing answers within ``connect_timeout_s``. SGLang's ``chat_template_name``
+    if nothing answers within ``connect_timeout_s``. ``verify`` is SGLang's (as in
+    ``requests``): for an ``https://`` URL, False skips certificate checks and a path
+    names a CA bundle (file) or folder of certificates. SGLang's ``chat_template_name``
     (a frontend template by name) is refused: roles render with the served model's
     own chat template."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, *, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 liveness_timeout_s: float = LIVENESS_TIMEOUT_S, alive: Callable[[], bool] | None = None,
-                 chat_template_name: str | None = None) -> None:
+    def __init__(self, base_url: str, api_key: str | None = None, verify: bool | str | None = None,
+                 chat_template_name: str | None = None, *, connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 liveness_timeout_s: float = LIVENESS_TIMEOUT_S, alive: Callable[[], bool] | None = None) -> None:
         if chat_template_name is not None:
             raise ValueError(f"chat_template_name={chat_template_name!r} is not supported by plait: roles render "
                              "with the chat template of the model the runtime serves (from tokenizer_config.json, "
@@ -250,7 +253,7 @@ class RuntimeEndpoint(BaseBackend):
         if base_url.startswith(("tcp://", "ipc://")):
             address = base_url
         elif base_url.startswith(("http://", "https://")):
-            address = _zmq_address_from_http(base_url, api_key, connect_timeout_s)
+            address = _zmq_address_from_http(base_url, api_key, connect_timeout_s, _ssl_context(verify))
         else:
             raise ValueError(f"base_url={base_url!r} is invalid; allowed: http(s)://host:port, tcp://host:port or ipc://path")
         self.zmq_address = address
@@ -344,13 +347,34 @@ class RuntimeEndpoint(BaseBackend):
         return reply
 
 
-def _zmq_address_from_http(url: str, api_key: str | None, timeout: float) -> str:
+def _ssl_context(verify: bool | str | None) -> ssl.SSLContext | None:
+    """The TLS settings of ``verify`` (``requests``' meaning): None or True the
+    defaults, False no certificate checks, a path a CA bundle file or folder."""
+    if verify is None or verify is True:
+        return None
+    if verify is False:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+    if isinstance(verify, (str, os.PathLike)):
+        if os.path.isdir(verify):
+            return ssl.create_default_context(capath=verify)
+        if os.path.isfile(verify):
+            return ssl.create_default_context(cafile=verify)
+        raise ValueError(f"verify={verify!r} is invalid: no such file or folder; allowed: True, False, or the path "
+                         "of a CA bundle file or of a folder of certificates")
+    raise ValueError(f"verify={verify!r} is invalid; allowed: True, False, or the path of a CA bundle file or of a "
+                     "folder of certificates")
+
+
+def _zmq_address_from_http(url: str, api_key: str | None, timeout: float, context: ssl.SSLContext | None = None) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     last: Exception | str | None = None
     for route in ("/server_info", "/get_server_info"):
         try:
             req = urllib.request.Request(url.rstrip("/") + route, headers=headers)
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
+            with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
                 info = json.loads(resp.read())
         except urllib.error.HTTPError as e:
             if e.code == 401:

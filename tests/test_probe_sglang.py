@@ -101,3 +101,61 @@ def test_an_argument_given_twice_is_refused_as_python_does(backend):
         echo.run("a", "?", suffix=".", backend=backend)
     assert echo.run("a", suffix="?", backend=backend).text() == "a?"
     assert echo.bind(q="x").run(q="y", backend=backend).text() == "y!"  # a bound value is a default
+
+
+# -- 3. RuntimeEndpoint(url, api_key, verify) -------------------------------------------------------
+@pytest.fixture
+def https_info_server(tmp_path):
+    """An HTTPS server with a self-signed certificate whose /server_info names a ZMQ
+    address nothing listens on: the endpoint gets past HTTPS only if it trusts it."""
+    import http.server
+    import json
+    import shutil
+    import socket
+    import ssl
+    import subprocess
+    import threading
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead_port = sock.getsockname()[1]
+    body = json.dumps({"zmq_address": f"tcp://127.0.0.1:{dead_port}"}).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"https://127.0.0.1:{server.server_address[1]}", str(cert), dead_port
+    server.shutdown()
+    server.server_close()
+
+
+def test_runtime_endpoint_takes_sglangs_verify_argument(https_info_server):
+    url, cert, dead_port = https_info_server
+    # the default checks the certificate: the HTTPS step fails
+    with pytest.raises(sgl.RuntimeUnavailableError, match="CERTIFICATE_VERIFY_FAILED"):
+        sgl.RuntimeEndpoint(url, connect_timeout_s=1.0)
+    # verify=False (positional, as SGLang's signature) and verify=<CA file> get past
+    # HTTPS to the ZMQ address the server named
+    for verify in (False, cert):
+        with pytest.raises(sgl.RuntimeUnavailableError, match=f"tcp://127.0.0.1:{dead_port}"):
+            sgl.RuntimeEndpoint(url, None, verify, connect_timeout_s=0.5)
+    with pytest.raises(ValueError, match="verify='/no/such/ca.pem' is invalid"):
+        sgl.RuntimeEndpoint(url, verify="/no/such/ca.pem")
