@@ -465,11 +465,17 @@ def _token_str(tok: Any) -> str | None:
 class Runtime:
     """``Runtime(model_path=None, **config)``: launch a runtime sidecar
     (:func:`plait.runtime.launch`) and connect to it. ``.url`` is its HTTP base,
-    ``.endpoint`` the connected :class:`RuntimeEndpoint`; ``shutdown()`` stops it."""
+    ``.endpoint`` the connected :class:`RuntimeEndpoint`; ``shutdown()`` stops it.
+    ``launch_timeout`` (SGLang's name) is launch's ``startup_timeout``."""
 
     def __init__(self, model_path: str | None = None, **config: Any) -> None:
         from plait.runtime.server import launch
 
+        if "launch_timeout" in config:
+            if "startup_timeout" in config:
+                raise ValueError("launch_timeout and startup_timeout were both given; they are one option (seconds "
+                                 "to wait for the runtime to start): give one")
+            config["startup_timeout"] = config.pop("launch_timeout")
         self.handle = launch(model_path, **config)
         self.url: str = self.handle.url
         self.zmq_address: str = self.handle.zmq_address

@@ -159,3 +159,21 @@ def test_runtime_endpoint_takes_sglangs_verify_argument(https_info_server):
             sgl.RuntimeEndpoint(url, None, verify, connect_timeout_s=0.5)
     with pytest.raises(ValueError, match="verify='/no/such/ca.pem' is invalid"):
         sgl.RuntimeEndpoint(url, verify="/no/such/ca.pem")
+
+
+# -- 4. sgl.Runtime(launch_timeout=...) -------------------------------------------------------------
+def test_runtime_takes_sglangs_launch_timeout(monkeypatch):
+    import plait.runtime.server as server
+
+    seen: dict[str, Any] = {}
+
+    def fake_launch(model: Any, **options: Any) -> Any:
+        seen.update(options, model=model)
+        raise RuntimeError("not launched")
+
+    monkeypatch.setattr(server, "launch", fake_launch)
+    with pytest.raises(RuntimeError, match="not launched"):
+        sgl.Runtime(model_path="m", launch_timeout=42.0, log_level="error")
+    assert seen == {"model": "m", "startup_timeout": 42.0, "log_level": "error"}
+    with pytest.raises(ValueError, match="launch_timeout and startup_timeout were both given"):
+        sgl.Runtime("m", launch_timeout=1.0, startup_timeout=2.0)
