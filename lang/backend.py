@@ -8,11 +8,13 @@ written once, here, on top of that.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 import threading
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -337,6 +339,51 @@ def generate_outputs(backend: BaseBackend, prompt: str | list[str] | None, sampl
             logprob_tuples(out["meta_info"])
     flat = [o if len(o) > 1 else o[0] for o in outs]
     return flat[0] if single else flat
+
+
+async def stream_text(backend: BaseBackend, prompt: str, sampling_params: dict[str, Any] | None) -> AsyncIterator[str]:
+    """SGLang's ``Runtime.async_generate`` on ``backend``: the new text of one
+    generation, piece by piece, without blocking the event loop. Pieces concatenate
+    to the output's text (what the final output adds to them, such as text held back
+    while it could still begin a stop string, comes last). Closing the iterator early
+    aborts the request; an invalid request raises :class:`BackendError`."""
+    params = dict(sampling_params or {})
+    if params.get("n", 1) != 1:
+        raise ValueError(f"n={params['n']!r} is invalid for a streamed generate; allowed: 1 (run a program with "
+                         "gen(n=...) for several samples)")
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    end = object()
+
+    def on_chunk(index: int, piece: str, meta: dict[str, Any]) -> None:
+        if index == 0 and piece:
+            loop.call_soon_threadsafe(queue.put_nowait, piece)
+
+    pending = backend.submit(Request(text=prompt, sampling_params=params, stream=True), on_chunk)
+
+    def wait() -> None:  # in a worker thread: after the last chunk, the end
+        try:
+            pending.wait()
+        except BaseException:  # noqa: BLE001 - read from pending below
+            pass
+        with contextlib.suppress(RuntimeError):  # the loop closed after an early exit
+            loop.call_soon_threadsafe(queue.put_nowait, end)
+
+    threading.Thread(target=wait, name="plait-stream-wait", daemon=True).start()
+    streamed = ""
+    try:
+        while (piece := await queue.get()) is not end:
+            streamed += piece
+            yield piece
+        out = pending.wait(0)[0]  # raises the request's error
+        backend.token_usage.add(out["meta_info"].get("prompt_tokens", 0), out["meta_info"].get("completion_tokens", 0))
+        _check_not_aborted(out, None)
+        rest = out["text"][len(streamed):] if out["text"].startswith(streamed) else ""
+        if rest:
+            yield rest
+    finally:
+        if not pending.done:
+            backend.abort(pending.rid)
 
 
 _LOGPROB_KEYS = ("output_token_logprobs", "input_token_logprobs")

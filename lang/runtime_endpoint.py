@@ -27,7 +27,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -36,7 +36,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from plait import protocol as P
-from plait.backend import BaseBackend, OnChunk, Pending, Request, generate_outputs
+from plait.backend import BaseBackend, OnChunk, Pending, Request, generate_outputs, stream_text
 from plait.chat_template import ChatTemplate, ChatTemplateError, jinja_render
 from plait.errors import BackendError, RuntimeUnavailableError
 
@@ -515,6 +515,14 @@ class Runtime:
             raise ValueError(f"lora_path={lora_path!r} is not supported: plait serves no LoRA adapters")
         return json.dumps(generate_outputs(self.endpoint, prompt, sampling_params, None, return_logprob,
                                            logprob_start_len, top_logprobs_num))
+
+    async def async_generate(self, prompt: str, sampling_params: dict[str, Any] | None = None) -> AsyncIterator[str]:
+        """SGLang's ``Runtime.async_generate`` (also ``add_request``): ``async for``
+        over the new text of one generation as the runtime streams it."""
+        async for piece in stream_text(self.endpoint, prompt, sampling_params):
+            yield piece
+
+    add_request = async_generate
 
     def cache_prefix(self, prefix: str) -> None:
         """Prefill ``prefix`` into the runtime's prefix cache (SGLang's ``Runtime.cache_prefix``)."""

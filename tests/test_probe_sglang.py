@@ -16,6 +16,7 @@ weights, so nothing depends on what the random model says.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -177,3 +178,51 @@ def test_runtime_takes_sglangs_launch_timeout(monkeypatch):
     assert seen == {"model": "m", "startup_timeout": 42.0, "log_level": "error"}
     with pytest.raises(ValueError, match="launch_timeout and startup_timeout were both given"):
         sgl.Runtime("m", launch_timeout=1.0, startup_timeout=2.0)
+
+
+# -- 5. Runtime.async_generate / add_request ---------------------------------------------------------
+def test_runtime_async_generate_streams_the_text_of_one_generation(backend, ref, monkeypatch):
+    # the method streams through the runtime's endpoint; an in-process backend stands
+    # in for a launched sidecar (the same BaseBackend.submit)
+    rt = object.__new__(sgl.Runtime)
+    rt.endpoint = backend
+    want = greedy(ref, "Hello", max_new_tokens=8)["text"]
+    stop = want[len(want) // 2: len(want) // 2 + 3]  # cuts the text in the middle
+
+    async def run() -> tuple[list[str], list[str], list[str]]:
+        plain = [p async for p in rt.async_generate("Hello", {"max_new_tokens": 8, "temperature": 0})]
+        stopped = [p async for p in rt.add_request("Hello", {"max_new_tokens": 8, "temperature": 0, "stop": stop})]
+        many = await asyncio.gather(*[collect(f"Q{i}") for i in range(3)])
+        return plain, stopped, many
+
+    async def collect(prompt: str) -> str:
+        return "".join([p async for p in rt.async_generate(prompt, {"max_new_tokens": 4, "temperature": 0})])
+
+    plain, stopped, many = asyncio.run(run())
+    assert len(plain) > 1 and "".join(plain) == want
+    assert "".join(stopped) == greedy(ref, "Hello", max_new_tokens=8, stop=stop)["text"] and stop not in "".join(stopped)
+    assert many == [greedy(ref, f"Q{i}", max_new_tokens=4)["text"] for i in range(3)]
+
+    async def early_exit() -> None:
+        agen = rt.async_generate("Hello", {"max_new_tokens": 400, "ignore_eos": True})
+        async for _ in agen:
+            break
+        await agen.aclose()  # aborts the request
+
+    aborted: list[str] = []
+    abort = backend.abort
+    monkeypatch.setattr(backend, "abort", lambda rid: (aborted.append(rid), abort(rid)))
+    asyncio.run(early_exit())
+    assert len(aborted) == 1
+    deadline = time.monotonic() + 30
+    while backend.get_server_info()["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert backend.get_server_info()["running"] == 0
+
+    async def bad(params: dict[str, Any]) -> list[str]:
+        return [p async for p in rt.async_generate("Hello", params)]
+
+    with pytest.raises(sgl.BackendError, match="max_new_tokens=-1 is invalid"):
+        asyncio.run(bad({"max_new_tokens": -1}))
+    with pytest.raises(ValueError, match="n=2 is invalid for a streamed generate"):
+        asyncio.run(bad({"n": 2}))
