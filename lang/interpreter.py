@@ -319,8 +319,9 @@ class ProgramState(RoleScopes):
         self.executor.submit(expr)
 
     def fork(self, size: int = 1, position_ids_offset: Any = None) -> ProgramStateGroup:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"fork size={size!r} is invalid; allowed: an integer >= 1")
+        # size 0 (a fork per item of an empty list) is an empty group, as in SGLang
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"fork size={size!r} is invalid; allowed: an integer >= 0")
         return ProgramStateGroup([ProgramState(x) for x in self.executor.fork(size)], self)
 
     @contextlib.contextmanager

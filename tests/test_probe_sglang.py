@@ -226,3 +226,39 @@ def test_runtime_async_generate_streams_the_text_of_one_generation(backend, ref,
         asyncio.run(bad({"max_new_tokens": -1}))
     with pytest.raises(ValueError, match="n=2 is invalid for a streamed generate"):
         asyncio.run(bad({"n": 2}))
+
+
+# -- 6. s.fork(0) ------------------------------------------------------------------------------------
+@sgl.function
+def judge_each(s, article, dimensions):
+    s += "Article: " + article + "\n"
+    forks = s.fork(len(dimensions))  # one branch per dimension: none for an empty list
+    for f, d in zip(forks, dimensions):
+        f += "Judge " + d + ":" + sgl.gen("judgement", max_tokens=3)
+    forks.join()
+    for f, d in zip(forks, dimensions):
+        s += d + ": " + f["judgement"] + "\n"
+    s += "Score:" + sgl.gen("score", max_tokens=2)
+    return len(forks)
+
+
+def test_a_fork_of_zero_branches_is_an_empty_group(backend, ref):
+    state = judge_each.run("hi", [], temperature=0, backend=backend)
+    assert state.ret_value == 0 and "judgement" not in state
+    assert state["score"] == greedy(ref, "Article: hi\nScore:", max_new_tokens=2)["text"]
+    # a batch mixing empty and non-empty lists (traced, planned) runs both
+    states = judge_each.run_batch([{"article": "a", "dimensions": []}, {"article": "b", "dimensions": ["x", "y"]}],
+                                  temperature=0, backend=backend)
+    assert [st.ret_value for st in states] == [0, 2] and len(states[1]["judgement"]) == 2
+    assert states[0]["score"] == greedy(ref, "Article: a\nScore:", max_new_tokens=2)["text"]
+    with pytest.raises(ValueError, match="fork size=-1 is invalid; allowed: an integer >= 0"):
+        _fork(-1, backend)
+
+
+def _fork(size: int, backend: Any) -> None:
+    @sgl.function
+    def forked(s):
+        s += "x"
+        s.fork(size)
+
+    forked.run(backend=backend)
