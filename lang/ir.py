@@ -208,9 +208,12 @@ class RoleScopes:
         raise NotImplementedError
 
     def _role(self, role: str, expr: Any = None) -> Any:
+        """``s.user(x)`` appends the turn at once; what it returns appends nothing, so
+        ``s += s.user(x)`` (as SGLang's frontend tutorial writes it) is the same turn,
+        once. ``s.user()`` is a ``with`` block."""
         if expr is not None:
             self._append(ExprList([RoleBegin(role), as_expr(expr), RoleEnd(role)]))
-            return None
+            return ExprList([])
         return self._role_scope(role)
 
     @contextlib.contextmanager

@@ -262,3 +262,23 @@ def _fork(size: int, backend: Any) -> None:
         s.fork(size)
 
     forked.run(backend=backend)
+
+
+# -- 7. s += s.system(...) ---------------------------------------------------------------------------
+@sgl.function
+def chat_example(s, question):
+    s += s.system("You are a helpful assistant.")  # "Same as: s += system(...)" in SGLang's tutorial
+    s.user("Question: " + question)  # appends by itself
+    s += sgl.assistant("Answer:" + sgl.gen("answer", max_tokens=3))
+
+
+def test_a_role_method_appends_once_whether_or_not_it_is_added(backend, ref):
+    tok = ref.tokenizer
+    for state in [chat_example.run("Why?", temperature=0, backend=backend),
+                  *chat_example.run_batch([{"question": "Why?"}, {"question": "Why?"}], temperature=0,
+                                          backend=backend)]:
+        msgs = state.messages()
+        assert [m["role"] for m in msgs] == ["system", "user", "assistant"]
+        prompt = tok.apply_chat_template(msgs[:2], tokenize=False, add_generation_prompt=True) + "Answer:"
+        assert state["answer"] == greedy(ref, prompt, max_new_tokens=3)["text"]
+        assert msgs[2]["content"] == "Answer:" + state["answer"]
