@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from plait.errors import RequestError, is_int
 from plait.runtime.constrained.backend import AUTO, GRAMMAR_BACKENDS, LLGUIDANCE, OUTLINES
+
+logger = logging.getLogger(__name__)
 
 MAX_N = 128
 MAX_STOP_STRINGS = 64
@@ -204,6 +207,10 @@ class SamplingParams:
                 return Constraint(kind, _translate(b, kind, value, self.whitespace_pattern), b)
             except ValueError as e:  # the translators' messages name the keyword and its location
                 errors.append(f"{e} (llguidance backend)" if b == LLGUIDANCE and len(order) > 1 else str(e))
+            except Exception as e:  # noqa: BLE001  (a translator's bug on a value it did not expect)
+                # the request's own fault or not, it fails alone and by name, not as a 500
+                logger.warning("the %s translator failed on a %s", b, kind, exc_info=True)
+                errors.append(f"{kind} cannot be compiled ({type(e).__name__}: {e}) ({b} backend)")
         message = "; ".join(reversed(errors) if len(order) > 1 and order[0] == LLGUIDANCE else errors)
         raise RequestError(message if message.startswith(kind) else f"{kind} is invalid: {message}", kind)
 

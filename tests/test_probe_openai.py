@@ -111,3 +111,37 @@ def test_a_lone_surrogate_anywhere_is_a_400_naming_its_field(http, path, body, p
     ok = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 1})
     assert ok.status_code == 200, ok.text
     assert wait_idle(http)["live_requests"] == 0
+
+
+# -- internal errors ------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", [{"type": "json_schema"}, ["date"]])
+def test_a_schema_a_translator_trips_on_is_a_400_not_a_500(client, http, fmt):
+    """``format`` holding an object or array (OpenAI's ``text.format`` pasted into a
+    schema) raised TypeError in the regex translator: a 500."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": fmt}}})
+    assert e.value.body["param"] == "response_format", e.value.body
+    assert wait_idle(http)["live_requests"] == 0
+
+
+def test_an_answered_internal_error_keeps_the_connection(monkeypatch):
+    """Starlette re-raises an exception after its handler has sent the 500; uvicorn then
+    closed the keep-alive connection and the client's next request on it was reset."""
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from plait.runtime.server import http_api
+    from plait.runtime.server import openai_api as oa
+
+    def parse(front: Any, body: dict[str, Any]) -> Any:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(oa, "parse_chat", parse)
+    app = http_api.build_app(SimpleNamespace(args=SimpleNamespace(api_key=None)))
+    with TestClient(app) as tc:  # raises what the app lets out to the server
+        r = tc.post("/v1/chat/completions", json={"messages": ASK})
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and "KeyError" in err["message"], err

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from plait import protocol as P
 from plait.runtime.server import openai_api as oa
@@ -77,6 +77,37 @@ class ApiKeyMiddleware:
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class AnsweredErrorMiddleware:
+    """Keeps an unexpected exception that was already answered (the 500 of
+    :func:`on_error`) from reaching the HTTP server. Starlette re-raises it after
+    answering, and uvicorn then closes the connection, so the client's next request on
+    that keep-alive connection was reset (``Connection reset by peer``) although it was
+    fine. An exception not answered in full (a stream cut short) still goes on: that
+    connection must close."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        complete = False
+
+        async def watch(message: Message) -> None:
+            nonlocal complete
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            if not complete:
+                raise
+            # (on_error logged it)
 
 
 class HeaderLimitMiddleware:
@@ -562,7 +593,7 @@ def build_app(front: Front) -> ASGIApp:
     app: ASGIApp = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
     if front.args.api_key:
         app = ApiKeyMiddleware(app, front.args.api_key)
-    return HeaderLimitMiddleware(app)
+    return AnsweredErrorMiddleware(HeaderLimitMiddleware(app))
 
 
 # -- native /generate -------------------------------------------------------------------------
