@@ -87,7 +87,8 @@ def _defaults(max_new_tokens: int, stop: Any, stop_token_ids: Any, temperature: 
     return {k: v for k, v in d.items() if v is not None}
 
 
-_EXTRA_DEFAULTS = ("seed", "repetition_penalty", "min_new_tokens")
+_EXTRA_DEFAULTS = ("seed", "repetition_penalty", "min_new_tokens", "n")
+_NO_STOP_REGEX = "stop_regex is not supported by plait; use stop strings or regex= to constrain the output"
 _VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -122,8 +123,15 @@ class Function:
         return Function(self.func, self.num_api_spec_tokens, {**self.bind_arguments, **kwargs})
 
     def _extra(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Pop the extra sampling defaults (seed, ...) that are not program arguments."""
-        return {k: kwargs.pop(k) for k in _EXTRA_DEFAULTS if k in kwargs and k not in self.arg_names}
+        """Pop the extra sampling defaults (seed, n, ...) that are not program arguments,
+        and SGLang's ``use_thread`` (whether its executor runs on a thread of its own;
+        plait's always does, and the results are the same either way)."""
+        mine = [k for k in (*_EXTRA_DEFAULTS, "use_thread", "stop_regex") if k in kwargs and k not in self.arg_names]
+        out = {k: kwargs.pop(k) for k in mine}
+        out.pop("use_thread", None)
+        if out.pop("stop_regex", None):
+            raise ValueError(_NO_STOP_REGEX)
+        return out
 
     @property
     def _free_positional(self) -> list[str]:
@@ -369,7 +377,7 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
         return select(name, choices, 0.0 if temperature is None else temperature,
                       token_length_normalized if choices_method is None else choices_method)
     if stop_regex is not None:
-        raise ValueError("stop_regex is not supported by plait; use stop strings or regex= to constrain the output")
+        raise ValueError(_NO_STOP_REGEX)
     constraints = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("ebnf", ebnf), ("dtype", dtype))
                    if v is not None]
     if len(constraints) > 1:

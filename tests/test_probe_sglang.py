@@ -282,3 +282,28 @@ def test_a_role_method_appends_once_whether_or_not_it_is_added(backend, ref):
         prompt = tok.apply_chat_template(msgs[:2], tokenize=False, add_generation_prompt=True) + "Answer:"
         assert state["answer"] == greedy(ref, prompt, max_new_tokens=3)["text"]
         assert msgs[2]["content"] == "Answer:" + state["answer"]
+
+
+# -- 8. run()'s n, use_thread and stop_regex ---------------------------------------------------------
+@sgl.function
+def sample_answer(s, question):
+    s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=3)
+
+
+@sgl.function
+def count_to(s, n):
+    s += "Count to " + str(n) + ":" + sgl.gen("count", max_tokens=2)
+
+
+def test_run_takes_sglangs_n_use_thread_and_stop_regex(backend, ref):
+    state = sample_answer.run("Why?", n=2, temperature=0, use_thread=False, backend=backend)
+    want = greedy(ref, "Q: Why?\nA:", max_new_tokens=3)["text"]
+    assert state["answer"] == [want, want] and state.text().endswith("A:" + want)
+    states = sample_answer.run_batch([{"question": "Why?"}], n=2, temperature=0, backend=backend)
+    assert states[0]["answer"] == [want, want]
+    assert sample_answer.run("Why?", stop_regex=[], temperature=0, backend=backend)["answer"] == want
+    with pytest.raises(ValueError, match="stop_regex is not supported by plait"):
+        sample_answer.run("Why?", stop_regex=r"\d", backend=backend)
+    # a program's own parameter of that name is still its argument
+    state = count_to.run(n=3, temperature=0, backend=backend)
+    assert state["count"] == greedy(ref, "Count to 3:", max_new_tokens=2)["text"]
