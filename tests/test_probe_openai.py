@@ -145,3 +145,55 @@ def test_an_answered_internal_error_keeps_the_connection(monkeypatch):
     assert r.status_code == 500, r.text
     err = r.json()["error"]
     assert err["type"] == "server_error" and "KeyError" in err["message"], err
+
+
+# -- messages -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("part,kind", [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "'image_url'"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "'input_audio'"),
+    ({"type": "file", "file": {"file_id": "f"}}, "'file'"),
+])
+def test_a_non_text_part_is_a_400_naming_the_part_and_its_type(client, part, kind):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}])
+    assert e.value.body["param"] == "messages"
+    assert "messages[0].content[1]" in e.value.body["message"] and kind in e.value.body["message"], e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, max_output_tokens=1, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "what is this?"},
+                                         {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}])
+    assert e.value.body["param"] == "input" and "'input_image'" in e.value.body["message"], e.value.body
+
+
+def test_an_assistant_refusal_part_is_replayed_as_its_text(client, http):
+    """OpenAI's assistant content may hold ``refusal`` parts; they were a 400."""
+    history = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+               {"role": "user", "content": "ok"}]
+    r = client.chat.completions.create(model=MODEL, max_tokens=1, messages=history)
+    assert r.choices[0].finish_reason == "length"
+    as_text = [*history[:1], {"role": "assistant", "content": "I can't help with that."}, history[2]]
+    same = client.chat.completions.create(model=MODEL, max_tokens=1, messages=as_text)
+    assert r.usage.prompt_tokens == same.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError):  # a user's refusal part is not text
+        client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+            {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}])
+
+
+def test_a_legacy_function_call_in_history_is_refused_not_dropped(client):
+    """The call was silently dropped from the prompt (content null became ''), so the
+    model saw a conversation with an empty assistant turn; ``function_call: null``, as
+    ``message.model_dump()`` writes it, stays fine."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": None, "function_call": {"name": "add", "arguments": "{\"a\": 1}"}}])
+    assert "messages[1].function_call" in e.value.body["message"] and "tool_calls" in e.value.body["message"]
+    r = client.chat.completions.create(model=MODEL, max_tokens=40, temperature=0, messages=ASK, tools=TOOLS,
+                                       tool_choice="required")
+    dumped = r.choices[0].message.model_dump()
+    assert "function_call" in dumped and dumped["function_call"] is None
+    replay = [*ASK, dumped, {"role": "tool", "tool_call_id": dumped["tool_calls"][0]["id"], "content": "5"}]
+    again = client.chat.completions.create(model=MODEL, max_tokens=1, messages=replay, tools=TOOLS)
+    assert again.choices[0].message.role == "assistant"

@@ -248,15 +248,25 @@ def parse_completion(front: Front, body: dict[str, Any]) -> Job:
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _text_content(content: Any, where: str) -> str:
+_TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def _text_content(content: Any, where: str, role: str = "user") -> str:
+    """A message's content as text: a string, or an array of text parts (and, in an
+    assistant message, OpenAI's ``refusal`` parts, whose text it said). Other parts
+    (``image_url``, ``input_audio``, ``file``) are a 400 naming the part and its type."""
     if isinstance(content, list):
         parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text") \
-                    or not isinstance(part.get("text"), str):
-                raise RequestError(f"{where}.content parts must be {{\"type\": \"text\", \"text\": str}}; "
-                                   "other content types are not supported", "messages")
-            parts.append(part["text"])
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            key = "refusal" if kind == "refusal" and role == "assistant" else "text"
+            if kind not in _TEXT_PARTS and key == "text":
+                what = f"a {_short(kind)} part" if isinstance(kind, str) else _short(part)
+                raise RequestError(f"{where}.content[{k}] is {what}, which is not supported (this server reads text "
+                                   f"only); allowed: {{\"type\": \"text\", \"text\": str}} parts", "messages")
+            if not isinstance(part.get(key), str):
+                raise RequestError(f"{where}.content[{k}].{key} must be a string", "messages")
+            parts.append(part[key])
         content = "".join(parts)
     if not isinstance(content, str):
         raise RequestError(f"{where}.content must be a string or an array of text parts", "messages")
@@ -298,7 +308,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if content is None and role == "assistant":
             content = ""
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                               "content": _text_content(content, where)}
+                               "content": _text_content(content, where, role)}
+        if m.get("function_call") is not None:  # (null, as the client's model_dump() writes it, is fine)
+            raise RequestError(f"{where}.function_call (the deprecated form) is not supported; give the call as "
+                               f"tool_calls", "messages")
         if m.get("name") is not None:
             if not isinstance(m["name"], str):
                 raise RequestError(f"{where}.name={_short(m['name'])} is invalid; allowed: a string", "messages")

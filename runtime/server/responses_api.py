@@ -71,11 +71,14 @@ def _content_text(content: Any, where: str) -> str:
         return content
     if isinstance(content, list):
         parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                    or not isinstance(part.get("text"), str):
-                raise RequestError(f"{where}.content parts must be input_text/output_text parts; other content types "
-                                   f"are not supported", "input")
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("input_text", "output_text", "text"):
+                what = f"a {kind!r} part" if isinstance(kind, str) else repr(part)[:80]
+                raise RequestError(f"{where}.content[{k}] is {what}, which is not supported (this server reads text "
+                                   f"only); allowed: input_text and output_text parts", "input")
+            if not isinstance(part.get("text"), str):
+                raise RequestError(f"{where}.content[{k}].text must be a string", "input")
             parts.append(part["text"])
         return "".join(parts)
     raise RequestError(f"{where}.content must be a string or an array of text parts", "input")
