@@ -197,3 +197,23 @@ def test_a_legacy_function_call_in_history_is_refused_not_dropped(client):
     replay = [*ASK, dumped, {"role": "tool", "tool_call_id": dumped["tool_calls"][0]["id"], "content": "5"}]
     again = client.chat.completions.create(model=MODEL, max_tokens=1, messages=replay, tools=TOOLS)
     assert again.choices[0].message.role == "assistant"
+
+
+# -- logprobs -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprob_bytes_are_the_tokens_raw_bytes(client, stream):
+    """OpenAI's ``bytes`` exist for tokens that are pieces of a character; they were the
+    UTF-8 of the piece's text "\\ufffd", so joining an emoji's bytes gave garbage."""
+    text = "😀🎉é!"
+    r = client.chat.completions.create(model=MODEL, messages=ASK, logprobs=True, top_logprobs=2, max_tokens=12,
+                                       temperature=0, stream=stream, extra_body={"regex": text})
+    if stream:
+        entries = [t for ch in r if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    else:
+        assert r.choices[0].message.content == text
+        entries = r.choices[0].logprobs.content
+    assert any(t.token == "\ufffd" for t in entries)  # the emoji's tokens are pieces of it
+    assert bytes(b for t in entries for b in t.bytes) == text.encode()
+    for t in entries:
+        for alt in t.top_logprobs:
+            assert alt.bytes == list(alt.token.encode()) or alt.token == "\ufffd"

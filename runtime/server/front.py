@@ -127,6 +127,8 @@ class Front:
         self.zmq_address = zmq_address
         self._engine_decoder = msgspec.msgpack.Decoder(P.EngineMessage)
         self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
+        self._vocab_kind: str | None = None  # the tokenizer's spelling of bytes (constrained.vocab)
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task] = set()
         # language clients that ping are watched: silent for client_timeout_s = gone
@@ -152,6 +154,21 @@ class Front:
         if s is None:
             s = self._token_text[tid] = self.tokenizer.decode([tid])
         return s
+
+    def token_bytes(self, tid: int) -> bytes:
+        """The raw bytes token ``tid`` writes: OpenAI's ``bytes`` of a logprob. A piece
+        of a multi-byte character has the text ``"\ufffd"`` alone, whose bytes are not
+        the piece's (a client joining the bytes of an emoji's tokens got garbage)."""
+        b = self._token_bytes.get(tid)
+        if b is None:
+            from plait.runtime.constrained.vocab import detect_kind, token_to_bytes
+
+            if self._vocab_kind is None:
+                self._vocab_kind = detect_kind(self.tokenizer)
+            tok = self.tokenizer.convert_ids_to_tokens(tid)
+            b = token_to_bytes(tok, self._vocab_kind) if isinstance(tok, str) else self.token_text(tid).encode()
+            self._token_bytes[tid] = b
+        return b
 
     # -- requests -------------------------------------------------------------------------
     def new_rid(self, prefix: str = "req") -> str:

@@ -669,10 +669,9 @@ class LogprobFormatter:
             tok = self.front.token_text(tid)
             row = tops[i] if tops is not None and i < len(tops) else None
             out.append({
-                "token": tok, "logprob": _lp(lp), "bytes": list(tok.encode("utf-8", "replace")),
+                "token": tok, "logprob": _lp(lp), "bytes": list(self.front.token_bytes(tid)),
                 "top_logprobs": [
-                    {"token": self.front.token_text(t), "logprob": _lp(v),
-                     "bytes": list(self.front.token_text(t).encode("utf-8", "replace"))}
+                    {"token": self.front.token_text(t), "logprob": _lp(v), "bytes": list(self.front.token_bytes(t))}
                     for v, t, *_ in (row or [])
                 ],
             })
