@@ -213,21 +213,31 @@ def schema_to_regex(schema: Any, whitespace: str | None = None) -> str:
 
 
 def check_schema_size(schema: Any) -> None:
-    """Nesting depth and size of the schema document, walked without recursion."""
-    stack: list[tuple[Any, int]] = [(schema, 1)]
+    """Nesting depth and size of the schema document, walked without recursion; and no
+    NaN or Infinity in it (Python's JSON parser reads them, but they are not JSON: an
+    ``enum`` holding one wrote ``NaN`` as an output, a bound holding one failed inside
+    the llguidance translation)."""
+    stack: list[tuple[Any, int, str]] = [(schema, 1, "#")]
     nodes = 0
     while stack:
-        node, depth = stack.pop()
+        node, depth, path = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:
             raise SchemaError(f"json_schema is nested more than {MAX_SCHEMA_DEPTH} levels deep; allowed: at most "
                               f"{MAX_SCHEMA_DEPTH}")
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        for child in children:
+        children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, child in children:
             nodes += 1
             if nodes > MAX_SCHEMA_CHARS // 4:
                 raise SchemaError(f"json_schema has more than {MAX_SCHEMA_CHARS // 4} values; it is too large")
             if isinstance(child, (dict, list)):
-                stack.append((child, depth + 1))
+                stack.append((child, depth + 1, f"{path}/{_pointer_part(key)}"))
+            elif isinstance(child, float) and not math.isfinite(child):
+                raise SchemaError(f"json_schema holds {child} at {path}/{_pointer_part(key)}; allowed: JSON numbers (NaN and "
+                                  "Infinity are not JSON; a number literal past a double's range reads as Infinity)")
+
+
+def _pointer_part(key: Any) -> str:
+    return str(key).replace("~", "~0").replace("/", "~1")
 
 
 def check_whitespace(pattern: Any) -> str:
@@ -712,7 +722,7 @@ class _Translator:
                             props[name] = False
                             continue
                         fa, fb = self.finite(props[name], path), self.finite(ps, path)
-                        if fa is not None and fb is not None and not any(_json_equal(x, y) for x in fa for y in fb):
+                        if fa is not None and fb is not None and not _json_common(fa, fb):
                             props[name] = False  # no value satisfies both: the property cannot be present
                         else:
                             props[name] = {"allOf": [props[name], ps]}
@@ -731,7 +741,7 @@ class _Translator:
                 elif k in ("maximum", "maxLength", "maxItems", "exclusiveMaximum") and _is_num(v) and _is_num(out[k]):
                     out[k] = min(out[k], v)
                 elif k == "enum" and isinstance(v, list):
-                    out[k] = [x for x in out[k] if any(_json_equal(x, y) for y in v)]
+                    out[k] = _json_common(out[k], v)
                     if not out[k]:
                         raise _NoValue(f"json_schema 'allOf' at {path}: the 'enum' lists have no value in common")
                 elif k in (_FORBID, _NEED_ONE_OF):
@@ -887,7 +897,8 @@ class _Translator:
         rest = {k: v for k, v in s.items() if k != "not"}
         values = self.finite(rest, path)
         if values is not None:
-            kept = [v for v in values if not any(_json_equal(v, x) for x in excluded)]
+            drop = {_json_key(x) for x in excluded}
+            kept = [v for v in values if _json_key(v) not in drop]
             if not kept:
                 raise _NoValue(f"json_schema 'not' at {path} excludes every listed value")
             out = {k: v for k, v in rest.items() if k not in ("enum", "const")}
@@ -1100,7 +1111,7 @@ class _Translator:
             for sub in s["allOf"]:
                 values = self.finite(sub, path)
                 if values is not None:
-                    found = values if found is None else [x for x in found if any(_json_equal(x, y) for y in values)]
+                    found = values if found is None else _json_common(found, values)
             return found
         return None
 
@@ -1117,7 +1128,7 @@ class _Translator:
         if not (self.atoms(a, path) & self.atoms(b, path)):
             return True
         fa, fb = self.finite(a, path), self.finite(b, path)
-        if fa is not None and fb is not None and not any(_json_equal(x, y) for x in fa for y in fb):
+        if fa is not None and fb is not None and not _json_common(fa, fb):
             return True
         for values, other in ((fa, b), (fb, a)):  # every listed value fails the other side
             if values is not None and len(values) <= MAX_UNIQUE_VALUES and all(self.rejects(other, x) for x in values):
@@ -1130,7 +1141,7 @@ class _Translator:
             req = set(da.get("required", [])) | set(db.get("required", []))
             for name in set(pa) & set(pb) & req if isinstance(pa, dict) and isinstance(pb, dict) else ():
                 va, vb = self.finite(pa[name], path), self.finite(pb[name], path)
-                if va is not None and vb is not None and not any(_json_equal(x, y) for x in va for y in vb):
+                if va is not None and vb is not None and not _json_common(va, vb):
                     return True  # a discriminator: the property has distinct values on each side
         return False
 
@@ -1151,13 +1162,11 @@ class _Translator:
         if "const" in s and "enum" in s:
             values = [v for v in s["enum"] if _json_equal(v, s["const"])]
         if set(s) - {"enum", "const"} - ANNOTATIONS:
-            check = self.validator(s)
+            # the values come from enum/const: jsonschema need not look them up again
+            # (it compares each with every listed value: quadratic in a long enum)
+            check = self.validator({k: x for k, x in s.items() if k not in ("enum", "const")})
             values = [v for v in values if check(v)]
-        out: list[Any] = []
-        for v in values:
-            if not any(_json_equal(v, w) for w in out):
-                out.append(v)
-        return out
+        return _json_unique(values)
 
     def root_validator(self) -> Any:
         """``jsonschema``'s validator of the root document (built once), formats checked."""
@@ -1922,6 +1931,39 @@ def _atom(v: Any) -> str:
     if isinstance(v, (int, float)):
         return "int" if float(v).is_integer() else "frac"
     return {str: "string", dict: "object", list: "array"}.get(type(v), "string")
+
+
+def _json_key(v: Any) -> Any:
+    """A hashable key with JSON equality (as :func:`_json_equal`): ``1`` and ``1.0``
+    share a key, ``true`` and ``1`` do not. Comparing lists of values through it is
+    linear: a 20 000-value ``enum`` compared pairwise took a minute to translate."""
+    if isinstance(v, bool) or v is None:
+        return ("b", v)
+    if isinstance(v, (int, float)):
+        return ("n", v)  # Python's int/float equality and hash agree: 1 == 1.0, same hash
+    if isinstance(v, list):
+        return ("a", tuple(_json_key(x) for x in v))
+    if isinstance(v, dict):
+        return ("o", frozenset((k, _json_key(x)) for k, x in v.items()))
+    return (type(v).__name__, v)
+
+
+def _json_unique(values: list[Any]) -> list[Any]:
+    """``values`` without JSON-equal repeats, first occurrences in order."""
+    seen: set[Any] = set()
+    out = []
+    for v in values:
+        k = _json_key(v)
+        if k not in seen:
+            seen.add(k)
+            out.append(v)
+    return out
+
+
+def _json_common(a: list[Any], b: list[Any]) -> list[Any]:
+    """The values of ``a`` JSON-equal to some value of ``b``, in ``a``'s order."""
+    keys = {_json_key(y) for y in b}
+    return [x for x in a if _json_key(x) in keys]
 
 
 def _json_equal(a: Any, b: Any) -> bool:

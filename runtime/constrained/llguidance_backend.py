@@ -456,7 +456,10 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
                                                        plain_schema)
 
     # a caller's dict too goes through its JSON text: that is what is bounded, and the
-    # round trip makes it plain JSON (tuples become lists)
+    # round trip makes it plain JSON (tuples become lists); its depth is checked first
+    # (json.dumps recurses: a schema 500 levels deep failed with a RecursionError)
+    if not isinstance(schema, str):
+        check_schema_size(schema)
     value = parse_schema_text(schema if isinstance(schema, str) else json.dumps(schema))
     if not isinstance(value, (dict, bool)):
         raise ValueError("it must be a JSON object (or true/false)")

@@ -1,0 +1,106 @@
+"""Real-world JSON Schemas the authors did not write (pydantic v2 output, OpenAI strict
+schemas, draft-4/7 and 2020-12 idioms, hostile inputs) through
+``SamplingParams.constraint()``: each compiles to something whose outputs ``jsonschema``
+accepts, or is refused with a ``RequestError`` naming the place. Then the bugs this
+probe found, one test each."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from plait.errors import RequestError
+from plait.runtime.constrained import json_schema as js
+from plait.runtime.sampling_params import SamplingParams
+from regex_sampling import sample
+
+
+def constraint(schema: object, backend: str):
+    return SamplingParams.from_dict({"json_schema": schema, "grammar_backend": backend}).constraint()
+
+
+def strict_json(text: str) -> object:
+    """RFC 8259 JSON: Python's parser also reads NaN and Infinity, which are not JSON."""
+    def refuse(name: str) -> object:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def assert_valid(schema: object, texts: list[str]) -> None:
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    v = cls(schema, format_checker=cls.FORMAT_CHECKER)
+    assert texts
+    for text in texts:
+        errors = list(v.iter_errors(strict_json(text)))
+        assert not errors, (text, errors[0].message)
+
+
+# -- bugs found, each fixed ------------------------------------------------------------------------
+def test_long_enum_is_translated_without_pairwise_comparisons(monkeypatch):
+    # a 20 000-value enum took a minute on the regex path: its values were deduplicated by
+    # comparing each with every kept one, and jsonschema checked each against the whole
+    # enum again (quadratic both); the translation ran on a front thread, unbounded
+    calls = 0
+    equal = js._json_equal
+
+    def counting(a: object, b: object) -> bool:
+        nonlocal calls
+        calls += 1
+        return equal(a, b)
+
+    monkeypatch.setattr(js, "_json_equal", counting)
+    n = 3000
+    original = jsonschema.validators.Draft202012Validator.VALIDATORS["enum"]
+    for schema in ({"enum": [f"value_{i}" for i in range(n)] + ["value_7"]},
+                   {"type": "integer", "enum": list(range(0, 7 * n, 7)) + [7.0]}):
+        seen: list[object] = []
+
+        def enum_check(validator, enums, instance, schema, seen=seen):  # noqa: ANN001
+            seen.append(instance)
+            return original(validator, enums, instance, schema)
+
+        monkeypatch.setitem(jsonschema.validators.Draft202012Validator.VALIDATORS, "enum", enum_check)
+        c = constraint(schema, "outlines")
+        assert calls < n and not seen  # linear: no pairwise equality, enum not re-checked
+        monkeypatch.setitem(jsonschema.validators.Draft202012Validator.VALIDATORS, "enum", original)
+        texts = sample(c.grammar, 30, seed=1)
+        assert_valid(schema, texts)
+        assert len(c.grammar.split("|")) == n  # the repeat (7 and 7.0 are one JSON value) written once
+
+
+def test_json_keys_compare_as_json_does():
+    assert js._json_unique([1, 1.0, True, 1, "a", [1], [1.0], {"a": 1}, {"a": 1.0}, None, False, 0, -0.0]) == \
+        [1, True, "a", [1], {"a": 1}, None, False, 0]
+    assert js._json_common([1, True, 2.0, {"x": [1]}, "1"], [1.0, 2, {"x": [1.0]}, False]) == [1, 2.0, {"x": [1]}]
+
+
+@pytest.mark.parametrize("text, where", [
+    ('{"enum": [NaN, 1]}', "#/enum/0"),
+    ('{"const": Infinity}', "#/const"),
+    ('{"type": "number", "maximum": 1e400}', "#/maximum"),
+    ('{"type": "integer", "minimum": -Infinity}', "#/minimum"),
+    ('{"type": "object", "properties": {"a/b": {"exclusiveMaximum": NaN}}}', "#/properties/a~1b/exclusiveMaximum"),
+])
+def test_non_json_numbers_are_refused_by_place(text, where):
+    # Python's json (the HTTP body's parser too) reads NaN, Infinity and 1e400 (as inf):
+    # an enum holding NaN wrote 'NaN' as the output on the regex path, and a bound of
+    # inf failed inside the llguidance translation as an OverflowError
+    for backend in ("auto", "llguidance", "outlines"):
+        for schema in (text, json.loads(text)):
+            with pytest.raises(RequestError, match=f"holds -?(nan|inf) at {where};"):
+                constraint(schema, backend)
+
+
+def test_a_deep_schema_is_refused_on_llguidance_before_it_is_encoded():
+    # schema_grammar encoded a caller's dict with json.dumps before checking its depth: a
+    # schema 700 levels deep failed with a RecursionError instead of the depth limit
+    from plait.runtime.constrained.llguidance_backend import schema_grammar
+
+    s: dict = {"type": "integer"}
+    for _ in range(700):
+        s = {"type": "object", "properties": {"x": s}}
+    with pytest.raises(ValueError, match="nested more than 64 levels deep"):
+        schema_grammar(s, None)
