@@ -72,7 +72,10 @@ class Pending:
     def chunk(self, index: int, text: str, meta: dict[str, Any] | None = None) -> None:
         # a chunk with no text may still carry logprob entries of held-back tokens
         if (text or meta) and self.on_chunk is not None and not self.done:
-            self.on_chunk(index, text, meta or {})
+            try:
+                self.on_chunk(index, text, meta or {})
+            except Exception as e:  # noqa: BLE001 - the caller's callback fails its request, not the backend's thread
+                self.fail(BackendError(f"the stream's consumer failed: {type(e).__name__}: {e}"))
 
     def result(self, index: int, out: dict[str, Any]) -> None:
         with self._lock:
@@ -355,9 +358,17 @@ async def stream_text(backend: BaseBackend, prompt: str, sampling_params: dict[s
     queue: asyncio.Queue[Any] = asyncio.Queue()
     end = object()
 
+    closed = threading.Event()  # the consumer left: later chunks go nowhere
+
+    def deliver(item: Any) -> None:
+        # runs on the backend's thread, which must never see the consumer's errors
+        if not closed.is_set():
+            with contextlib.suppress(RuntimeError):  # the loop closed after an early exit
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
     def on_chunk(index: int, piece: str, meta: dict[str, Any]) -> None:
         if index == 0 and piece:
-            loop.call_soon_threadsafe(queue.put_nowait, piece)
+            deliver(piece)
 
     pending = backend.submit(Request(text=prompt, sampling_params=params, stream=True), on_chunk)
 
@@ -366,8 +377,7 @@ async def stream_text(backend: BaseBackend, prompt: str, sampling_params: dict[s
             pending.wait()
         except BaseException:  # noqa: BLE001 - read from pending below
             pass
-        with contextlib.suppress(RuntimeError):  # the loop closed after an early exit
-            loop.call_soon_threadsafe(queue.put_nowait, end)
+        deliver(end)
 
     threading.Thread(target=wait, name="plait-stream-wait", daemon=True).start()
     streamed = ""
@@ -382,6 +392,7 @@ async def stream_text(backend: BaseBackend, prompt: str, sampling_params: dict[s
         if rest:
             yield rest
     finally:
+        closed.set()
         if not pending.done:
             backend.abort(pending.rid)
 

@@ -5,7 +5,12 @@ instead. For a role after a given history of roles, it renders the history plus 
 message whose content is a marker, and reads the text before the marker (the role's
 prefix, including anything the template adds first, such as BOS or a default system
 prompt) and after it (the suffix, the end-of-turn text). Any Hugging Face chat model
-works this way; the assistant's end-of-turn text becomes a stop string.
+works this way; the assistant's end-of-turn text becomes a stop string. An assistant
+turn after a history opens as the template's generation prompt opens a reply where
+that is shorter than how it writes a finished message (Qwen3 writes a last assistant
+message after an empty think block, which switches reasoning off, but opens a reply
+without one). A longer opening (DeepSeek-R1's ``<think>\n``) is not taken: the
+reasoning ``separate_reasoning`` removes would leave it unclosed in the text.
 """
 
 from __future__ import annotations
@@ -32,11 +37,14 @@ class ChatTemplate:
     """Role prefixes and suffixes of one model's chat template.
 
     ``render(messages)`` returns the template's text for OpenAI-style messages, with no
-    generation prompt. Results are cached per (role, history of roles).
+    generation prompt; ``render_generation(messages)``, when given, the same text with
+    the generation prompt (``add_generation_prompt=True``). Results are cached per
+    (role, history of roles).
     """
 
-    def __init__(self, render: Render, name: str = "") -> None:
+    def __init__(self, render: Render, name: str = "", render_generation: Render | None = None) -> None:
         self._render = render
+        self._render_generation = render_generation
         self.name = name
         self._cache: dict[tuple[str, tuple[str, ...]], tuple[str, str]] = {}
 
@@ -69,8 +77,25 @@ class ChatTemplate:
             prefix = full[:k]
         else:
             prefix = self._prefix_after_history(full, k, msgs, history)
+            if role == "assistant":
+                prefix = self._reply_prefix(full, msgs, prefix)
         self._cache[key] = (prefix, suffix)
         return prefix, suffix
+
+    def _reply_prefix(self, full: str, msgs: list[dict[str, str]], written: str) -> str:
+        """How the generation prompt opens a reply after ``msgs``, where it extends the
+        history's text and is a shorter start of ``written`` (the finished message's
+        prefix); else ``written``."""
+        if self._render_generation is None:
+            return written
+        try:
+            base, opened = self._render(msgs), self._render_generation(msgs)
+        except Exception:  # noqa: BLE001 - the finished message's prefix stands
+            return written
+        if not (full.startswith(base) and opened.startswith(base) and len(opened) > len(base)):
+            return written
+        reply = opened[len(base):]
+        return reply if written.startswith(reply) else written
 
     def _prefix_after_history(self, full: str, k: int, msgs: list[dict[str, str]], history: tuple[str, ...]) -> str:
         try:
@@ -164,7 +189,14 @@ def _need(template: ChatTemplate | None) -> ChatTemplate:
 ROLES = ("system", "user", "assistant")
 
 
-def jinja_render(source: str, special_tokens: dict[str, Any] | None = None) -> Render:
+def jinja_template(source: str, special_tokens: dict[str, Any] | None = None, name: str = "") -> ChatTemplate:
+    """The :class:`ChatTemplate` of a Hugging Face chat template given as Jinja source."""
+    return ChatTemplate(jinja_render(source, special_tokens), name,
+                        jinja_render(source, special_tokens, add_generation_prompt=True))
+
+
+def jinja_render(source: str, special_tokens: dict[str, Any] | None = None,
+                 add_generation_prompt: bool = False) -> Render:
     """A renderer for a Hugging Face chat template given as Jinja source, set up as
     ``transformers`` does (sandbox, trim_blocks, lstrip_blocks, loop controls,
     ``raise_exception``, ``strftime_now``, ``tojson``)."""
@@ -187,7 +219,7 @@ def jinja_render(source: str, special_tokens: dict[str, Any] | None = None) -> R
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     tpl = env.from_string(source)
     extra = dict(special_tokens or {})
-    return lambda messages: tpl.render(messages=messages, add_generation_prompt=False, **extra)
+    return lambda messages: tpl.render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
 
 
 # -- tools in chat prompts -------------------------------------------------------------------------

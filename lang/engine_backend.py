@@ -95,6 +95,8 @@ class EngineBackend(BaseBackend):
                     self._template = ChatTemplate(
                         lambda msgs: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False),
                         name=str(self.engine.source.path),
+                        render_generation=lambda msgs: tok.apply_chat_template(msgs, tokenize=False,
+                                                                               add_generation_prompt=True),
                     )
                 else:
                     self._template = None

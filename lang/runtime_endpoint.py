@@ -37,7 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from plait import protocol as P
 from plait.backend import BaseBackend, OnChunk, Pending, Request, generate_outputs, stream_text
-from plait.chat_template import ChatTemplate, ChatTemplateError, jinja_render
+from plait.chat_template import ChatTemplate, ChatTemplateError, jinja_template
 from plait.errors import BackendError, RuntimeUnavailableError
 
 logger = logging.getLogger("plait")
@@ -401,14 +401,14 @@ def _template_from_info(info: dict[str, Any]) -> ChatTemplate | None:
     for key in ("chat_template_text", "chat_template"):
         text = info.get(key)
         if isinstance(text, str) and text:
-            return ChatTemplate(jinja_render(text, info.get("special_tokens") or {}), name=str(info.get("model_path")))
+            return jinja_template(text, info.get("special_tokens") or {}, name=str(info.get("model_path")))
     if info.get("chat_template") is False:
         return None
     path = info.get("model_path")
     if isinstance(path, str) and os.path.exists(path):
         found = _template_from_files(path)
         if found is not None:
-            return ChatTemplate(jinja_render(*found), name=path)
+            return jinja_template(*found, name=path)
     raise ChatTemplateError(
         "the runtime has a chat template but does not send its text, and its model files are not on this machine; "
         "roles cannot be rendered"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -307,3 +308,95 @@ def test_run_takes_sglangs_n_use_thread_and_stop_regex(backend, ref):
     # a program's own parameter of that name is still its argument
     state = count_to.run(n=3, temperature=0, backend=backend)
     assert state["count"] == greedy(ref, "Count to 3:", max_new_tokens=2)["text"]
+
+
+# -- 9. an assistant turn opens as the template opens a reply ---------------------------------------
+# Written here after Qwen3's template: the last assistant message after the last user
+# turn is written after an empty think block, while a reply opens without one.
+QWEN3_LIKE = (
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and loop.last and loop.index0 > ns.last_query %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m.content }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# after DeepSeek-R1's: a reply opens with "<think>\n", a finished message has none; that
+# opening is not taken (the answer would follow an unclosed think tag in later turns)
+R1_LIKE = (
+    "{{- bos_token }}{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{- '<|User|>' + m.content }}"
+    "{%- elif m.role == 'assistant' %}{{- '<|Assistant|>' + m.content + '<|end|>' }}"
+    "{%- else %}{{- m.content }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|Assistant|><think>\\n' }}{%- endif %}"
+)
+
+
+class Scripted(sgl.BaseBackend):
+    """Answers every generate request with ``reply``; roles through ``template``."""
+
+    def __init__(self, reply: str, template: Any) -> None:
+        self.reply, self.template, self.requests = reply, template, []
+
+    def submit(self, req: Any, on_chunk: Any = None) -> Any:
+        from plait.backend import Pending
+
+        self.requests.append(req)
+        p = Pending(req, on_chunk)
+        text = "" if req.sampling_params.get("max_new_tokens") == 0 else self.reply
+        p.result(0, {"text": text, "output_ids": [], "meta_info": {"prompt_tokens": 1, "completion_tokens": 1}})
+        return p
+
+    def abort(self, rid: str) -> None:
+        pass
+
+    def get_chat_template(self) -> Any:
+        return self.template
+
+
+@sgl.function
+def reasoned_turns(s, model_type):
+    s += sgl.user("Give me a capital.")
+    s += sgl.assistant(sgl.separate_reasoning(sgl.gen("first", max_tokens=32), model_type=model_type))
+    s += sgl.user("Another one.")
+    s += sgl.assistant(sgl.separate_reasoning(sgl.gen("second", max_tokens=32), model_type=model_type))
+
+
+@pytest.mark.parametrize("source, model_type, reply, opens", [
+    (QWEN3_LIKE, "qwen3", "<think>\nHm.\n</think>\n\nParis.", "<|im_start|>assistant\n"),
+    (R1_LIKE, "deepseek-r1", "Hm.\n</think>\n\nParis.", "<|Assistant|>"),
+])
+def test_an_assistant_turn_opens_as_the_template_opens_a_reply(source, model_type, reply, opens, folder):
+    from plait.chat_template import jinja_template
+
+    template = jinja_template(source, {"bos_token": "<s>"})
+    fake = Scripted(reply, template)
+    state = reasoned_turns.run(model_type, backend=fake)
+    gens = [r.text for r in fake.requests if r.sampling_params.get("max_new_tokens") != 0]
+    assert len(gens) == 2 and all(t.endswith(opens) for t in gens)
+    assert "<think>\n\n</think>" not in "".join(gens)  # thinking is not switched off
+    assert (state["first"], state["first_reasoning_content"]) == ("Paris.", "Hm.")
+    assert (state["second"], state["second_reasoning_content"]) == ("Paris.", "Hm.")
+    # the second request holds the first turn's answer only, after the history's own text
+    assert gens[1].startswith(gens[0][: -len(opens)])
+    # a template whose reply opens as its messages are written (SmolLM2's) reads as before
+    with open(Path(folder) / "chat_template.jinja") as f:
+        smol = jinja_template(f.read())
+    assert smol.markers("assistant", ("user",)) == ("<|im_start|>assistant\n", "<|im_end|>\n")
+
+
+def test_a_failing_stream_consumer_fails_its_request_not_the_backend(backend, ref):
+    from plait.backend import Request
+
+    def boom(index: int, piece: str, meta: dict[str, Any]) -> None:
+        raise RuntimeError("consumer gone")
+
+    pending = backend.submit(Request(text="Hello", sampling_params={"max_new_tokens": 4}, stream=True), boom)
+    with pytest.raises(sgl.BackendError, match="the stream's consumer failed: RuntimeError: consumer gone"):
+        pending.wait(30)
+    # the in-process engine's thread survived: later programs run
+    assert sample_answer.run("Why?", temperature=0, backend=backend)["answer"] == \
+        greedy(ref, "Q: Why?\nA:", max_new_tokens=3)["text"]
