@@ -1,6 +1,6 @@
 """SGLang frontend programs plait's authors did not write, in the idioms of SGLang's
-docs, examples and benchmarks (the deep tree-of-thought and LLM-judge benchmarks,
-the speculative-character and dtype tests of its ``test_programs.py``, logprob
+docs, examples and benchmarks (the frontend tutorial, the LLM-judge and multi-stage
+fork examples, the async-io Runtime example, reasoning models' templates, logprob
 readers), run through ``import plait as sgl``; one test per gap they found:
 
 1. Logprob entries were ``(logprob, token_id)`` pairs unless
@@ -8,6 +8,18 @@ readers), run through ``import plait as sgl``; one test per gap they found:
    the text, so ``for lp, tid, text in meta["output_token_logprobs"]`` failed.
 2. ``f.run("a", q="b")`` on ``def f(s, q)`` silently took ``q="b"``; Python (and
    SGLang, which calls the body with both) raises "multiple values for argument".
+3. ``sgl.RuntimeEndpoint(url, api_key, verify)`` (SGLang's signature) raised TypeError.
+4. ``sgl.Runtime(..., launch_timeout=...)`` was refused as an unknown engine option.
+5. ``sgl.Runtime`` had no ``async_generate`` / ``add_request``; and a stream consumer's
+   callback that raised (chunks after an early exit) killed the in-process engine.
+6. ``s.fork(0)`` (one branch per item of an empty list) raised; SGLang gives an empty group.
+7. ``s += s.system(...)``, as SGLang's frontend tutorial writes it, raised TypeError
+   (the role method appended and returned None).
+8. ``f.run(..., n=2)`` / ``use_thread=`` / ``stop_regex=`` (SGLang's ``run`` keywords)
+   were taken for program arguments.
+9. With Qwen3's chat template every assistant turn opened after an empty think block,
+   which switches the model's reasoning off; a reply now opens as the template's
+   generation prompt opens it.
 
 Model outputs are compared with a plain reference ``Engine`` on the same tiny
 weights, so nothing depends on what the random model says.
