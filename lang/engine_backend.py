@@ -275,13 +275,16 @@ class OfflineEngine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict[str, Any] | list[Any] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
-                 return_text_in_logprobs: bool = False, stream: bool = False) -> Any:
+                 return_text_in_logprobs: bool = False, stream: bool = False, **sglang_only: Any) -> Any:
         """SGLang's ``Engine.generate``: one prompt (text or ``input_ids``) gives one
         output dict (``text``, ``output_ids``, ``meta_info``; a list of ``n`` with
         ``n > 1``), a list of prompts a list of outputs in order. Logprob entries are
         ``(logprob, token_id, text)`` tuples, ``text`` None without
         ``return_text_in_logprobs``. Invalid requests raise
-        :class:`~plait.errors.BackendError` naming the field (``param``)."""
+        :class:`~plait.errors.BackendError` naming the field (``param``). SGLang's
+        keywords for what plait does not serve (``image_data``, ``lora_path``,
+        ``return_hidden_states`` ...) are refused by name when set."""
+        _refuse_sglang_only(sglang_only)
         if stream:
             raise ValueError("stream=True is not supported by Engine.generate; stream from a program "
                              "(f.run(..., stream=True, backend=engine) and state.text_iter())")
@@ -292,9 +295,10 @@ class OfflineEngine:
                              sampling_params: dict[str, Any] | list[Any] | None = None,
                              input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                              logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
-                             return_text_in_logprobs: bool = False, stream: bool = False) -> Any:
+                             return_text_in_logprobs: bool = False, stream: bool = False, **sglang_only: Any) -> Any:
         """SGLang's ``await engine.async_generate(...)``: :meth:`generate` without
         blocking the event loop (its requests wait in a worker thread)."""
+        _refuse_sglang_only(sglang_only)
         if stream:
             raise ValueError("stream=True is not supported by Engine.async_generate; stream from a program "
                              "(f.run(..., stream=True, backend=engine) and state.text_async_iter())")
@@ -317,3 +321,28 @@ class OfflineEngine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+# SGLang's Engine.generate keywords for what plait does not serve, and why; a keyword
+# left at its default (None / False) changes nothing and is accepted
+_SGLANG_ONLY = {
+    "image_data": "plait serves text-only models, so a prompt cannot hold an image",
+    "audio_data": "plait serves text-only models, so a prompt cannot hold audio",
+    "video_data": "plait serves text-only models, so a prompt cannot hold a video",
+    "lora_path": "plait serves no LoRA adapters",
+    "custom_logit_processor": "plait runs no custom logit processors",
+    "return_hidden_states": "plait does not return hidden states",
+    "token_ids_logprob": "plait returns the logprobs of the sampled and the top tokens only (top_logprobs_num)",
+    "data_parallel_rank": "plait's in-process engine is one replica",
+    "bootstrap_host": "plait has no prefill/decode disaggregation",
+    "bootstrap_port": "plait has no prefill/decode disaggregation",
+    "bootstrap_room": "plait has no prefill/decode disaggregation",
+}
+
+
+def _refuse_sglang_only(given: dict[str, Any]) -> None:
+    for key, value in given.items():
+        if key not in _SGLANG_ONLY:
+            raise TypeError(f"generate() got an unexpected keyword argument {key!r}")
+        if value is not None and value is not False:
+            raise ValueError(f"{key}={value!r} is not supported: {_SGLANG_ONLY[key]}")

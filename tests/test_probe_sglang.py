@@ -20,6 +20,8 @@ readers), run through ``import plait as sgl``; one test per gap they found:
 9. With Qwen3's chat template every assistant turn opened after an empty think block,
    which switches the model's reasoning off; a reply now opens as the template's
    generation prompt opens it.
+10. ``sgl.Engine.generate(..., image_data=...)`` (or ``lora_path``, ``return_hidden_states``
+    ...) failed with "unexpected keyword"; they are refused by name, accepted when unset.
 
 Model outputs are compared with a plain reference ``Engine`` on the same tiny
 weights, so nothing depends on what the random model says.
@@ -412,3 +414,19 @@ def test_a_failing_stream_consumer_fails_its_request_not_the_backend(backend, re
     # the in-process engine's thread survived: later programs run
     assert sample_answer.run("Why?", temperature=0, backend=backend)["answer"] == \
         greedy(ref, "Q: Why?\nA:", max_new_tokens=3)["text"]
+
+
+# -- 10. sgl.Engine.generate with SGLang's other keywords --------------------------------------------
+def test_engine_generate_names_sglangs_keywords_it_does_not_serve(backend, ref):
+    engine = object.__new__(sgl.Engine)  # the offline engine over the module's in-process backend
+    engine.endpoint = backend
+    params = {"max_new_tokens": 3, "temperature": 0}
+    out = engine.generate("Hello", params, image_data=None, lora_path=None, return_hidden_states=False,
+                          data_parallel_rank=None)
+    assert out["text"] == greedy(ref, "Hello", max_new_tokens=3)["text"]
+    with pytest.raises(ValueError, match="image_data='cat.png' is not supported: plait serves text-only models"):
+        engine.generate("Hello", params, image_data="cat.png")
+    with pytest.raises(ValueError, match="lora_path='adapter' is not supported: plait serves no LoRA adapters"):
+        asyncio.run(engine.async_generate("Hello", params, lora_path="adapter"))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_tokens'"):
+        engine.generate("Hello", params, max_tokens=3)
