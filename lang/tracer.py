@@ -322,6 +322,8 @@ class TracingState(RoleScopes):
         self += expr
 
     def fork(self, size: int = 1, position_ids_offset: Any = None) -> TracingGroup:
+        if size == 0 and isinstance(size, int) and not isinstance(size, bool):
+            return TracingGroup([], self)  # no branches: nothing to record, its join adds nothing
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise _StopTracing(f"fork size {size!r} is known only at run time")
         node = ForkNode(size, [[] for _ in range(size)])
@@ -404,6 +406,8 @@ class TracingGroup:
         return self
 
     def join(self, mode: str = "gather_variable") -> None:
+        if not self.states:
+            return
         self.parent.nodes.append(JoinNode(mode))
         for st in self.states:
             self.parent.outputs |= st.outputs

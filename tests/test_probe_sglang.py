@@ -266,6 +266,9 @@ def test_a_fork_of_zero_branches_is_an_empty_group(backend, ref):
                                   temperature=0, backend=backend)
     assert [st.ret_value for st in states] == [0, 2] and len(states[1]["judgement"]) == 2
     assert states[0]["score"] == greedy(ref, "Article: a\nScore:", max_new_tokens=2)["text"]
+    # the trace of an empty fork records what runs: no branches, no join, the gen after
+    graph = judge_each.trace(article="a", dimensions=[])
+    assert graph.stop_reason is None and "fork" not in graph.pretty() and "gen 'score'" in graph.pretty()
     with pytest.raises(ValueError, match="fork size=-1 is invalid; allowed: an integer >= 0"):
         _fork(-1, backend)
 
