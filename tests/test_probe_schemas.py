@@ -104,3 +104,30 @@ def test_a_deep_schema_is_refused_on_llguidance_before_it_is_encoded():
         s = {"type": "object", "properties": {"x": s}}
     with pytest.raises(ValueError, match="nested more than 64 levels deep"):
         schema_grammar(s, None)
+
+
+def test_the_translation_time_limit_holds_inside_allof_merges(monkeypatch):
+    # the 5 s limit was checked per subschema translated, not inside allOf merges and
+    # listed-value lookups: an allOf of 90 if/then conditions on one enum property ran
+    # 37 s (200 of them, 490 s) on a front thread before failing with "longer than 5 s".
+    # Here the limit is made 0 s: a check that stops at once fails before any subschema
+    # is written, and counting the merges shows where it stopped.
+    merges = 0
+    merge = js._Translator.merge
+
+    def counting(self, subs, path):  # noqa: ANN001
+        nonlocal merges
+        merges += 1
+        return merge(self, subs, path)
+
+    monkeypatch.setattr(js._Translator, "merge", counting)
+    monkeypatch.setattr(js, "MAX_TRANSLATE_S", 0.0)
+    schema = {"type": "object", "properties": {"k": {"enum": [f"v{i}" for i in range(30)]}, "x": {"type": "string"}},
+              "required": ["k"],
+              "allOf": [{"if": {"properties": {"k": {"const": f"v{i}"}}},
+                         "then": {"properties": {"x": {"maxLength": i % 7 + 1}}}} for i in range(30)]}
+    t = js._Translator(schema, "")
+    t.deadline = 0.0  # long past
+    with pytest.raises(js.SchemaError, match="took longer than 0 s to translate"):
+        t.merge(t.all_of(schema, "#"), "#")
+    assert merges == 1  # stopped in the first merge, not after all of them

@@ -519,12 +519,18 @@ class _Translator:
         self._validator: Any = None  # jsonschema's validator of the root, made on first use
         self.ref_alone = ref_siblings_ignored(root)  # drafts 3-7: keywords beside a $ref do nothing
 
-    # -- dispatch ---------------------------------------------------------------------
-    def value(self, s: Any, path: str) -> str:
-        self.expanded += 1
+    def check_deadline(self) -> None:
+        """The wall-time limit, checked wherever the work can grow: each subschema
+        translated, each part merged, each listed-value lookup (an allOf of 90
+        if/then conditions spent 37 s in merges that never checked it)."""
         if time.monotonic() > self.deadline:
             raise SchemaError(f"json_schema took longer than {MAX_TRANSLATE_S:g} s to translate; allowed: at most "
                               f"{MAX_TRANSLATE_S:g} s (a smaller schema, fewer alternatives)")
+
+    # -- dispatch ---------------------------------------------------------------------
+    def value(self, s: Any, path: str) -> str:
+        self.expanded += 1
+        self.check_deadline()
         if self.expanded > MAX_SCHEMA_EXPANSION:
             raise SchemaError(
                 f"json_schema expands to more than {MAX_SCHEMA_EXPANSION} subschemas (each use of a '$ref' counts); "
@@ -686,6 +692,7 @@ class _Translator:
         via: list[str] = []  # the $refs inlined here (each once: A and A is A)
         todo = list(subs)
         while todo:
+            self.check_deadline()
             sub = todo.pop(0)
             if len(flat) + len(todo) > MAX_SCHEMA_EXPANSION:
                 raise SchemaError(f"json_schema 'allOf' at {path} expands to more than {MAX_SCHEMA_EXPANSION} schemas")
@@ -1103,6 +1110,7 @@ class _Translator:
 
     def finite(self, s: Any, path: str) -> list[Any] | None:
         """The values ``s`` allows when it lists them (enum/const), else None."""
+        self.check_deadline()
         s = self.deref(s, path)
         if isinstance(s, dict) and ("enum" in s or "const" in s):
             return [s["const"]] if "const" in s else s["enum"] if isinstance(s["enum"], list) else None
@@ -1412,9 +1420,7 @@ class _Translator:
         if n > MAX_REGEX_CHARS:
             raise SchemaError(f"json_schema translates to a regex of more than {MAX_REGEX_CHARS} characters at {path}; "
                               "allowed: at most that (fewer optional properties, enums or alternatives)")
-        if time.monotonic() > self.deadline:
-            raise SchemaError(f"json_schema took longer than {MAX_TRANSLATE_S:g} s to translate; allowed: at most "
-                              f"{MAX_TRANSLATE_S:g} s (a smaller schema, fewer alternatives)")
+        self.check_deadline()
 
     def free_object(self, s: dict[str, Any], patterns: dict[str, Any], extra: Any, lo: int, hi: int | None,
                     path: str) -> str:
