@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 
@@ -217,3 +218,75 @@ def test_logprob_bytes_are_the_tokens_raw_bytes(client, stream):
     for t in entries:
         for alt in t.top_logprobs:
             assert alt.bytes == list(alt.token.encode()) or alt.token == "\ufffd"
+
+
+# -- one huge request -----------------------------------------------------------------------------
+def test_a_huge_step_reaches_the_front_in_bounded_messages():
+    """5000 prompts x n=128, dropped by the client: the engine aborted 636k sequences in
+    one step and sent one message the front decoded and dispatched in one go, on its
+    event loop (/health took 11 s for everyone). A step's outputs are now sent in
+    messages of at most OUTPUTS_PER_MESSAGE items, in order."""
+    from types import SimpleNamespace
+
+    from plait import protocol as P
+    from plait.runtime.server import engine_proc
+
+    sent: list[bytes] = []
+    loop = engine_proc.EngineLoop.__new__(engine_proc.EngineLoop)
+    loop.push = SimpleNamespace(send=sent.append)
+    k = engine_proc.OUTPUTS_PER_MESSAGE
+    chunks = [P.StreamChunk(f"c{i}", 0, "x", [1], {}) for i in range(k + 5)]
+    results = [P.GenerateResult(f"r{i}", 0, "", [], {}) for i in range(2 * k + 1)]
+    stats = P.EngineStats()
+    loop._send_outputs(P.EngineOutputs(chunks=chunks, results=results, stats=stats))
+    decoder = msgspec.msgpack.Decoder(P.EngineMessage)
+    msgs = [decoder.decode(m) for m in sent]
+    assert len(msgs) == 5 and all(len(m.chunks) + len(m.results) + len(m.errors) <= k for m in msgs)
+    assert [c.rid for m in msgs for c in m.chunks] == [c.rid for c in chunks]  # chunks first, in order
+    assert [r.rid for m in msgs for r in m.results] == [r.rid for r in results]
+    assert msgs[0].stats is not None and all(m.stats is None for m in msgs[1:])
+    sent.clear()
+    loop._send_outputs(P.EngineOutputs(results=results[:3], stats=stats))  # a usual step: one message
+    assert len(sent) == 1
+
+
+def test_the_front_lets_others_run_between_engine_messages():
+    """A recv that finds a message waiting does not yield to the event loop, so a burst
+    of engine messages was dispatched back to back while every client waited."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from plait import protocol as P
+    from plait.runtime.server.front import Front
+
+    data = P.encode(P.EngineOutputs(results=[P.GenerateResult("r", 0, "", [], {})]))
+    seen: list[str] = []
+
+    class Pull:
+        def __init__(self) -> None:
+            self.left = 5
+
+        async def recv(self) -> bytes:  # already there: returns without yielding
+            if not self.left:
+                raise asyncio.CancelledError
+            self.left -= 1
+            return data
+
+    fake = SimpleNamespace(_engine_decoder=msgspec.msgpack.Decoder(P.EngineMessage),
+                           on_outputs=lambda out, replica: seen.append("message"))
+
+    async def main() -> None:
+        async def bystander() -> None:
+            while True:
+                seen.append("other")
+                await asyncio.sleep(0)
+
+        other = asyncio.ensure_future(bystander())
+        await asyncio.sleep(0)
+        with pytest.raises(asyncio.CancelledError):
+            await Front.engine_reader(fake, SimpleNamespace(rank=0), Pull())
+        other.cancel()
+
+    asyncio.run(main())
+    first, last = seen.index("message"), len(seen) - 1 - seen[::-1].index("message")
+    assert seen.count("message") == 5 and seen[first:last].count("other") >= 4, seen

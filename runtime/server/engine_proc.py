@@ -35,6 +35,10 @@ logger = logging.getLogger("plait.engine")
 STATS_INTERVAL_S = 0.5
 PARENT_CHECK_INTERVAL_S = 0.5
 IDLE_POLL_MS = 100
+# a step's outputs go to the front in messages of at most this many items: a step that
+# ends 600k sequences (a huge n x prompts request aborted) was one message the front's
+# event loop decoded and dispatched in one go, stalling every client for 10 s
+OUTPUTS_PER_MESSAGE = 2048
 _STAT_FIELDS = set(P.EngineStats.__struct_fields__)
 
 
@@ -70,12 +74,26 @@ class EngineLoop:
             if out.chunks or out.results or out.errors or now - self._last_stats >= STATS_INTERVAL_S:
                 out.stats = P.EngineStats(**{k: v for k, v in engine.stats().items() if k in _STAT_FIELDS})
                 self._last_stats = now
-                self._send(out)
+                self._send_outputs(out)
             if now - self._last_parent_check >= PARENT_CHECK_INTERVAL_S:
                 self._last_parent_check = now
                 if os.getppid() != self.parent_pid:
                     logger.warning("front process is gone; engine exits")
                     return
+
+    def _send_outputs(self, out: P.EngineOutputs) -> None:
+        """Send a step's outputs in messages of at most :data:`OUTPUTS_PER_MESSAGE`
+        items, in their order (chunks, results, errors; the stats with the first)."""
+        k = OUTPUTS_PER_MESSAGE
+        if len(out.chunks) + len(out.results) + len(out.errors) <= k:
+            self._send(out)
+            return
+        stats = out.stats
+        for name in ("chunks", "results", "errors"):
+            items = getattr(out, name)
+            for i in range(0, len(items), k):
+                self._send(P.EngineOutputs(**{name: items[i:i + k]}, stats=stats))
+                stats = None
 
     def _send(self, msg: msgspec.Struct) -> None:
         self.push.send(P.encode(msg))

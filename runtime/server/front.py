@@ -420,6 +420,9 @@ class Front:
                 continue
             if isinstance(msg, P.EngineOutputs):
                 self.on_outputs(msg, replica)
+                # other clients run between messages: a recv that finds one waiting does
+                # not yield, and a huge step comes as many messages (engine_proc)
+                await asyncio.sleep(0)
             elif isinstance(msg, P.EngineReady):
                 self._on_engine_ready(replica, msg)
             elif isinstance(msg, P.EngineStartupError):
