@@ -192,14 +192,14 @@ class SamplingParams:
                 value = parse_schema_text(value)
             except ValueError as e:
                 raise RequestError(str(e), kind) from None
-        _check_unicode(value, kind)
-        if kind == "regex":  # the dialect, once: every backend reads the same one
+        if kind == "regex":  # the dialect, once: every backend reads the same one (a surrogate by position)
             from plait.runtime.constrained.regexes import check_regex
 
             try:
                 check_regex(value, "regex")
             except ValueError as e:
                 raise RequestError(str(e), kind) from None
+        _check_unicode(value, kind)
         order = choose_backend(kind) if backend == AUTO else [backend]
         errors = []
         for b in order:
