@@ -712,3 +712,52 @@ def test_pattern_except_matches_every_string_but_the_words():
         assert rx.fullmatch(w) is None, w
     for p in probes:
         assert rx.fullmatch(p), p
+
+
+@pytest.mark.parametrize(
+    "regex,text",
+    [
+        (r"[0-9]+(\.[0-9]+)?", "3.14"),  # a float's decimal point after digits that could end it
+        (r"(ab)?", "ab"),  # the empty output is complete, "ab" too
+        (r"[a-z]+( [a-z]+)*", "one two three"),
+        (r"-?[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?", "-12.5e+3"),
+    ],
+)
+def test_tokens_leaving_a_final_state_stay_allowed(compiler, vocab, regex, text):
+    """outlines-core drops tokens that lead from a state where the pattern could end to
+    one where it cannot yet (worker.py's end sentinel): each byte of ``text``, written
+    one single-byte token at a time, must stay allowed, and EOS exactly where the
+    prefix matches."""
+    g = build(compiler, regex)
+    assert g.error is None, g.error
+    m = GrammarMatcher(g, jump_forward=False)
+    m.start([5000])
+    data = text.encode()
+    for k, byte in enumerate(data):
+        ids = set(allowed_ids(m).tolist())
+        assert bool(set(EOS) & ids) == bool(re.fullmatch(regex, data[:k].decode())), (regex, data[:k])
+        tok = vocab.byte_token(byte)
+        assert tok in ids, (regex, data[:k], chr(byte))
+        assert m.advance(tok)
+    assert m.is_final and set(EOS) <= set(allowed_ids(m).tolist())
+
+
+def test_the_end_sentinel_is_never_written(compiler, vocab):
+    """Under the sentinel no token holding its first byte (plane 16, U+100000..U+10FFFF)
+    is offered, even where the pattern allows any character; a pattern that names a
+    plane-16 character is built without the sentinel and can write it."""
+    g = build(compiler, r".{0,3}")
+    m = GrammarMatcher(g, jump_forward=False)
+    m.start([5000])
+    ids = allowed_ids(m)
+    assert len(ids) > 1000
+    assert not any(vocab.token_bytes[i] and 0xF4 in vocab.token_bytes[i] for i in ids)
+    assert g.grammar.sentinel is not None and g.grammar.sentinel not in ids.tolist()
+    plane16 = build(compiler, "x\U0010fffdy")
+    assert plane16.error is None and plane16.grammar.sentinel is None
+    m = GrammarMatcher(plane16, jump_forward=False)
+    m.start([5000])
+    for byte in "x\U0010fffdy".encode():
+        tok = vocab.byte_token(byte)
+        assert tok in allowed_ids(m).tolist() and m.advance(tok)
+    assert m.is_final

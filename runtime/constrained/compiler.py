@@ -33,22 +33,30 @@ class CompiledGrammar:
 
     Masks are packed bit rows (``int32 [words]``, bit ``i % 32`` of word ``i // 32``
     is token ``i``) of the allowed non-EOS tokens; EOS is the matcher's business.
+
+    ``sentinel``: the pseudo-token id of an index built with the worker's end sentinel
+    (``worker.py``: outlines-core drops tokens that leave a state where the pattern could
+    end); a state is then final when it may take the pseudo-token, which is never
+    offered, and neither is a token holding the sentinel's first byte. None: the index
+    is the pattern's own.
     """
 
-    def __init__(self, index: Any, vocab: TokenVocab, chars: CharAutomaton | None) -> None:
+    def __init__(self, index: Any, vocab: TokenVocab, chars: CharAutomaton | None, sentinel: int | None = None) -> None:
         self.index = index
         self.vocab = vocab
         self.chars = chars
+        self.sentinel = sentinel
         self.initial: int = index.get_initial_state()
         self.words = vocab.mask_words
         self._masks: dict[int, np.ndarray] = {}
+        self._final: dict[int, bool] = {}
         self._extend: dict[tuple[int, int], bool] = {}
         self._heal: dict[bytes, dict[int, tuple[int | None, bytes]]] = {}
         self._first_bytes: set[int] | None = None
 
-    def pack(self, ids: list[int]) -> np.ndarray:
+    def pack(self, ids: Any) -> np.ndarray:
         bits = np.zeros(self.words * 32, dtype=np.bool_)
-        if ids:
+        if len(ids):
             bits[np.asarray(ids, dtype=np.int64)] = True
         bits[self.vocab.outlines_eos_id] = False
         return np.packbits(bits, bitorder="little").view(np.int32)
@@ -57,24 +65,38 @@ class CompiledGrammar:
         """Allowed non-EOS tokens in ``state`` (cached; do not modify)."""
         m = self._masks.get(state)
         if m is None:
-            m = self._masks[state] = self.pack(self.index.get_allowed_tokens(state) or [])
+            ids = self.index.get_allowed_tokens(state) or []
+            if self.sentinel is not None:
+                arr = np.asarray(ids, dtype=np.int64)
+                is_pseudo = arr == self.sentinel
+                self._final[state] = bool(is_pseudo.any())
+                m = self.pack(arr[~is_pseudo]) & ~self.vocab.sentinel_byte_mask
+            else:
+                m = self.pack(ids)
+            self._masks[state] = m
             m.setflags(write=False)
         return m
 
     def is_final(self, state: int) -> bool:
-        return bool(self.index.is_final_state(state))
+        if self.sentinel is None:
+            return bool(self.index.is_final_state(state))
+        if state not in self._final:
+            self.mask(state)
+        return self._final[state]
 
     def has_continuation(self, state: int) -> bool:
         return bool(self.mask(state).any())
 
     def next_state(self, state: int, token: int) -> int | None:
+        if self.sentinel is not None and (token == self.sentinel or self.vocab.holds_sentinel_byte(token)):
+            return None
         return self.index.get_next_state(state, token)
 
     def walk(self, state: int | None, tokens: list[int]) -> list[int] | None:
         """States after each token (None if one is not allowed)."""
         out = []
         for t in tokens:
-            state = None if state is None else self.index.get_next_state(state, t)
+            state = None if state is None else self.next_state(state, t)
             if state is None:
                 return None
             out.append(state)
@@ -84,7 +106,7 @@ class CompiledGrammar:
         """The state after ``data`` read one single-byte token at a time."""
         for b in data:
             tok = self.vocab.byte_token(b)
-            nxt = None if tok is None else self.index.get_next_state(state, tok)
+            nxt = None if tok is None else self.next_state(state, tok)
             if nxt is None:
                 return None
             state = nxt
@@ -98,7 +120,7 @@ class CompiledGrammar:
         if key not in self._extend:
             b = self.vocab.token_bytes[token] or b""
             self._extend[key] = any(
-                self.index.get_next_state(state, t) is not None for t in self.vocab.tokens_with_prefix(b)
+                self.next_state(state, t) is not None for t in self.vocab.tokens_with_prefix(b)
             )
         return self._extend[key]
 
@@ -258,8 +280,8 @@ class GrammarCompiler:
         fut = self._inflight
         assert fut is not None
         if reply[0] == "ok":
-            _, _, index, chars = reply
-            fut.grammar = CompiledGrammar(index, self.vocab, chars)
+            _, _, index, chars, sentinel = reply
+            fut.grammar = CompiledGrammar(index, self.vocab, chars, sentinel)
             self.build_times[fut.source] = time.monotonic() - fut.started
             self._inflight = None
         elif reply[0] == "error":

@@ -21,6 +21,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from plait.runtime.constrained.worker import SENTINEL_FIRST_BYTE
+
 BYTE_LEVEL = "byte_level"
 SENTENCEPIECE = "sentencepiece"
 PLAIN = "plain"
@@ -108,6 +112,8 @@ class TokenVocab:
     _sorted: list[tuple[bytes, int]] = field(default_factory=list, repr=False)
     _keys: list[bytes] = field(default_factory=list, repr=False)
     _by_bytes: dict[bytes, list[int]] = field(default_factory=dict, repr=False)
+    _sentinel_ids: frozenset[int] | None = field(default=None, repr=False)
+    _sentinel_mask: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.token_bytes) < self.size:
@@ -166,6 +172,27 @@ class TokenVocab:
     def outlines_map(self) -> dict[bytes, list[int]]:
         """``{bytes: [ids]}`` for ``outlines_core.Vocabulary``."""
         return {b: list(ids) for b, ids in self._by_bytes.items()}
+
+    @property
+    def sentinel_byte_mask(self) -> np.ndarray:
+        """Packed row (``int32 [mask_words]``) of the tokens holding the first byte of
+        the outlines end sentinel (0xF4; ``worker.py``): never offered under it."""
+        if self._sentinel_mask is None:
+            bits = np.zeros(self.mask_words * 32, dtype=np.bool_)
+            bits[sorted(self._sentinel_token_ids())] = True
+            self._sentinel_mask = np.packbits(bits, bitorder="little").view(np.int32)
+            self._sentinel_mask.setflags(write=False)
+        return self._sentinel_mask
+
+    def holds_sentinel_byte(self, token: int) -> bool:
+        return token in self._sentinel_token_ids()
+
+    def _sentinel_token_ids(self) -> frozenset[int]:
+        if self._sentinel_ids is None:
+            self._sentinel_ids = frozenset(
+                i for i, b in enumerate(self.token_bytes) if b is not None and SENTINEL_FIRST_BYTE in b
+            )
+        return self._sentinel_ids
 
     def ids_of(self, b: bytes) -> list[int]:
         return self._by_bytes.get(b, [])

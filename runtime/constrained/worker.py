@@ -3,10 +3,24 @@
 Reads length-prefixed pickled requests on stdin, answers on stdout:
 
 - ``("vocab", key, eos_id, {bytes: [ids]})`` -> ``("ready", key)`` (keeps an outlines Vocabulary)
-- ``("build", job, key, regex, jf_seconds, timeout_s)`` -> ``("ok", job, Index, CharAutomaton|None)``
-  (the jump-forward automaton only if ``jf_seconds`` > 0 and it is built within the
-  time left of them after the index)
-  or ``("error", job, message)``
+- ``("build", job, key, regex, jf_seconds, timeout_s)`` ->
+  ``("ok", job, Index, CharAutomaton|None, sentinel_id|None)`` (the jump-forward
+  automaton only if ``jf_seconds`` > 0 and it is built within the time left of them
+  after the index; the sentinel below) or ``("error", job, message)``
+
+**The end sentinel.** outlines-core (0.2.x) drops every token that leads out of a state
+where the pattern could already end into one where it cannot yet (its DFA reports a
+match one byte late, and a token whose last byte leaves a match state is taken for
+neither an intermediate nor a matching step): with ``[0-9]+([.][0-9]+)?`` the token
+``.`` after ``3`` was never allowed, so a float never got its decimal point, and
+``(ab)?`` could not write ``a``. So the index is built for ``(?:regex)`` followed by
+:data:`SENTINEL` (U+10FFFF, a noncharacter no text holds), with a pseudo-token (its id
+in the reply, past every real id) for it: no state but the sentinel's end is a match
+state, so no token is dropped, and a state is final for ``regex`` exactly when the
+pseudo-token may follow (``compiler.CompiledGrammar`` reads it so and never offers the
+pseudo-token, nor any real token holding the sentinel's first byte, 0xF4: U+100000 to
+U+10FFFF, private use plane 16, cannot be written). A pattern that names a character of
+that plane itself is built without the sentinel.
 
 Its address space is capped at MEM_MB (``RLIMIT_AS``): a build that needs more dies,
 and the engine reports the limit. The engine kills it on timeout, and the worker
@@ -28,6 +42,16 @@ import time
 from typing import IO, Any
 
 _HEADER = struct.Struct("<Q")
+
+SENTINEL = "\U0010FFFF"  # see the module docstring
+SENTINEL_FIRST_BYTE = SENTINEL.encode()[0]  # 0xF4
+# a pattern naming a character of plane 16 (literally or by escape) is built without it
+_PLANE16 = re.compile(r"[\U00100000-\U0010FFFF]|\\U0010[0-9a-fA-F]{4}|\\[xuU]\{0*10[0-9a-fA-F]{4}\}")
+
+
+def uses_sentinel(regex: str) -> bool:
+    """Whether ``regex`` is built with the end sentinel (module docstring)."""
+    return _PLANE16.search(regex) is None
 
 
 def write_frame(out: IO[bytes], msg: Any) -> None:
@@ -182,6 +206,8 @@ def main(argv: list[str]) -> None:
     from plait.runtime.constrained.jump_forward import CharAutomaton
 
     vocabs: dict[str, Any] = {}
+    # key -> (the vocabulary with the sentinel pseudo-token, its id)
+    sentinel_vocabs: dict[str, tuple[Any, int]] = {}
     while True:
         msg = read_frame(inp)
         if msg is None:
@@ -189,6 +215,8 @@ def main(argv: list[str]) -> None:
         if msg[0] == "vocab":
             _, key, eos_id, mapping = msg
             vocabs[key] = outlines_core.Vocabulary(eos_id, mapping)
+            pseudo = max([eos_id, *(i for ids in mapping.values() for i in ids)]) + 1
+            sentinel_vocabs[key] = (outlines_core.Vocabulary(eos_id, {**mapping, SENTINEL.encode(): [pseudo]}), pseudo)
             write_frame(out, ("ready", key))
             continue
         _, job, key, regex, jump_forward, timeout_s = msg
@@ -198,12 +226,16 @@ def main(argv: list[str]) -> None:
             too_large = counted_repetition_too_large(regex)
             if too_large is not None:
                 raise ValueError(too_large)
-            index = outlines_core.Index(regex, vocabs[key])
+            if uses_sentinel(regex):
+                vocab, sentinel = sentinel_vocabs[key]
+                index = outlines_core.Index(f"(?:{regex}){SENTINEL}", vocab)
+            else:
+                index, sentinel = outlines_core.Index(regex, vocabs[key]), None
             # jump-forward is an optimisation: its automaton (pure Python) gets a bounded
             # share of the time; without it the constraint works, unaccelerated
             budget = min(JUMP_FORWARD_BUDGET_S, jump_forward - (time.monotonic() - t0)) if jump_forward else 0.0
             auto = _with_alarm(budget, CharAutomaton.from_regex, regex) if budget > 0.05 else None
-            reply: tuple = ("ok", job, index, auto)
+            reply: tuple = ("ok", job, index, auto, sentinel)
         except MemoryError:
             reply = ("error", job, "memory")
         except Exception as e:
