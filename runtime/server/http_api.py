@@ -84,8 +84,8 @@ class AnsweredErrorMiddleware:
     :func:`on_error`) from reaching the HTTP server. Starlette re-raises it after
     answering, and uvicorn then closes the connection, so the client's next request on
     that keep-alive connection was reset (``Connection reset by peer``) although it was
-    fine. An exception not answered in full (a stream cut short) still goes on: that
-    connection must close."""
+    fine. Any other exception (a stream cut short) still goes on: that connection must
+    close."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -94,20 +94,23 @@ class AnsweredErrorMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        status = 0
         complete = False
 
         async def watch(message: Message) -> None:
-            nonlocal complete
+            nonlocal status, complete
             await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 complete = True
 
         try:
             await self.app(scope, receive, watch)
         except Exception:
-            if not complete:
+            if not (complete and status == 500):
                 raise
-            # (on_error logged it)
+            # answered (and logged) by on_error
 
 
 class HeaderLimitMiddleware:
