@@ -290,3 +290,38 @@ def test_the_front_lets_others_run_between_engine_messages():
     asyncio.run(main())
     first, last = seen.index("message"), len(seen) - 1 - seen[::-1].index("message")
     assert seen.count("message") == 5 and seen[first:last].count("other") >= 4, seen
+
+
+def test_the_refused_requests_do_not_disturb_a_concurrent_stream(client, http):
+    """Each request above, sent many times while another client streams: the stream's
+    greedy text is the one it gets alone, and the server ends idle."""
+    import threading
+
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "count"}], max_tokens=24, temperature=0)
+    alone = client.chat.completions.create(**kw).choices[0].message.content
+    bad = [
+        ('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": '
+         '{"name": "x", "schema": {"enum": ["a' + SURROGATE + '"]}}}}'),
+        ('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": '
+         '{"name": "x", "schema": {"type": "string", "format": {"type": "x"}}}}}'),
+        '{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+    ]
+    codes: list[int] = []
+
+    def hostile() -> None:
+        with httpx.Client(base_url=http.base_url, timeout=60) as h:
+            for _ in range(5):
+                for body in bad:
+                    codes.append(h.post("/v1/chat/completions", content=body.encode(),
+                                        headers={"Content-Type": "application/json"}).status_code)
+
+    threads = [threading.Thread(target=hostile) for _ in range(2)]
+    for t in threads:
+        t.start()
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(**kw, stream=True)
+                       if ch.choices)
+    for t in threads:
+        t.join()
+    assert streamed == alone
+    assert codes == [400] * len(codes) and len(codes) == 30, codes
+    assert wait_idle(http)["live_requests"] == 0
