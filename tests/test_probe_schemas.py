@@ -131,3 +131,40 @@ def test_the_translation_time_limit_holds_inside_allof_merges(monkeypatch):
     with pytest.raises(js.SchemaError, match="took longer than 0 s to translate"):
         t.merge(t.all_of(schema, "#"), "#")
     assert merges == 1  # stopped in the first merge, not after all of them
+
+
+def test_exponential_pattern_automata_are_cut_off_by_place(monkeypatch):
+    # patternProperties keys are checked exclusive (and whitespace_pattern whitespace-only)
+    # with interegular automata built on a front thread, with no limit: the key
+    # '^(a|b)*a(a|b){15}$' (2**16 states) held it for minutes; {12} took 5 s
+    from plait.runtime.constrained import fsm_limits
+
+    monkeypatch.setattr(fsm_limits, "MAX_FSM_S", 0.05)
+    schema = {"type": "object", "patternProperties": {"^(a|b)*a(a|b){12}$": {"type": "integer"}, "^c": {}}}
+    for backend in ("llguidance", "outlines"):
+        with pytest.raises(RequestError, match=r"patternProperties' at #/patternProperties/\^\(a\|b\)\*a\(a\|b\)\{12\}\$: "
+                                               r"the patterns are too complex to check|patternProperties at "
+                                               r"#/patternProperties: the patterns are too complex to check"):
+            constraint(schema, backend)
+    with pytest.raises(RequestError, match=r"whitespace_pattern=.* is too complex to check"):
+        SamplingParams.from_dict({"json_schema": {"type": "object"}, "whitespace_pattern": "( |\t)*\t( |\t){12}",
+                                  "grammar_backend": "outlines"}).constraint()
+    # small patterns are checked as before, and the limit is the thread's own
+    simple = {"type": "object", "patternProperties": {"^(a|b)*a(a|b){3}$": {"type": "integer"}, "^c": {}}}
+    for backend in ("llguidance", "outlines"):
+        assert constraint(simple, backend).backend == backend
+
+
+def test_fsm_deadline_builds_the_same_automata():
+    import interegular
+
+    from plait.runtime.constrained.fsm_limits import FsmTooLarge, fsm_deadline
+
+    pattern = "(a|b)*a(a|b){5}"
+    with fsm_deadline(60):
+        inside = interegular.parse_pattern(pattern).to_fsm()
+    outside = interegular.parse_pattern(pattern).to_fsm()
+    assert len(inside.states) == len(outside.states) > 32
+    assert inside.equivalent(outside)
+    with pytest.raises(FsmTooLarge), fsm_deadline(-1):
+        interegular.parse_pattern(pattern).to_fsm()

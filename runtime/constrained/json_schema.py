@@ -244,9 +244,16 @@ def check_whitespace(pattern: Any) -> str:
     """A whitespace pattern must match only JSON whitespace (spaces, tabs, newlines)."""
     import interegular
 
+    from plait.runtime.constrained.fsm_limits import FsmTooLarge, fsm_deadline
+
     check_regex(pattern, "whitespace_pattern")
     try:
-        ok = interegular.parse_pattern(pattern).to_fsm().issubset(interegular.parse_pattern(JSON_WHITESPACE).to_fsm())
+        with fsm_deadline():  # (a|b)*a(a|b){15}-like patterns have exponential automata
+            ok = interegular.parse_pattern(pattern).to_fsm().issubset(
+                interegular.parse_pattern(JSON_WHITESPACE).to_fsm())
+    except FsmTooLarge as e:
+        raise ValueError(f"whitespace_pattern={pattern!r} is too complex to check ({e}); allowed: a simple regex "
+                         "matching only spaces, tabs and newlines, e.g. '[ ]?'") from None
     except Exception:
         ok = False
     if not ok:
@@ -1913,17 +1920,23 @@ def _check_keys_exclusive(key: str, others: list[str], path: str) -> None:
     pattern of ``patternProperties`` (whose schema would then apply too)."""
     import interegular
 
+    from plait.runtime.constrained.fsm_limits import FsmTooLarge, fsm_deadline
+
     content = key[1:-1]
     try:
-        fsm = interegular.parse_pattern(content).to_fsm()
-        for q in others:
-            q = q[1:] if q.startswith("^") else ".*" + q
-            q = q[:-1] if q.endswith("$") and not q.endswith("\\$") else q + ".*"
-            if not (fsm & interegular.parse_pattern(q).to_fsm()).empty():
-                raise SchemaError(f"json_schema 'patternProperties' at {path}: keys of this pattern can also match "
-                                  f"{q!r}; supported: patterns whose keys are exclusive")
+        with fsm_deadline():  # a short pattern can have an exponential automaton
+            fsm = interegular.parse_pattern(content).to_fsm()
+            for q in others:
+                q = q[1:] if q.startswith("^") else ".*" + q
+                q = q[:-1] if q.endswith("$") and not q.endswith("\\$") else q + ".*"
+                if not (fsm & interegular.parse_pattern(q).to_fsm()).empty():
+                    raise SchemaError(f"json_schema 'patternProperties' at {path}: keys of this pattern can also "
+                                      f"match {q!r}; supported: patterns whose keys are exclusive")
     except SchemaError:
         raise
+    except FsmTooLarge as e:
+        raise SchemaError(f"json_schema 'patternProperties' at {path}: the patterns are too complex to check that "
+                          f"they are exclusive ({e}); allowed: patterns whose automata build within the limit") from None
     except Exception as e:
         raise SchemaError(f"json_schema 'patternProperties' at {path}: could not check the patterns are exclusive "
                           f"({str(e)[:80]})") from None

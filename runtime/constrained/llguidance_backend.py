@@ -149,15 +149,21 @@ def _check_patterns_exclusive(patterns: list[str], where: str) -> None:
         p = p[:-1] if p.endswith("$") and not p.endswith("\\$") else p + ".*"
         return interegular.parse_pattern(p).to_fsm()
 
+    from plait.runtime.constrained.fsm_limits import FsmTooLarge, fsm_deadline
+
     if len(patterns) < 2:
         return
     try:
-        fsms = [searched(p) for p in patterns]
-        for i in range(len(fsms)):
-            for j in range(i + 1, len(fsms)):
-                if not (fsms[i] & fsms[j]).empty():
-                    raise ValueError(f"patternProperties at {where}: a key can match both {patterns[i]!r} and "
-                                     f"{patterns[j]!r}, which the llguidance backend does not combine")
+        with fsm_deadline():  # a short pattern can have an exponential automaton
+            fsms = [searched(p) for p in patterns]
+            for i in range(len(fsms)):
+                for j in range(i + 1, len(fsms)):
+                    if not (fsms[i] & fsms[j]).empty():
+                        raise ValueError(f"patternProperties at {where}: a key can match both {patterns[i]!r} and "
+                                         f"{patterns[j]!r}, which the llguidance backend does not combine")
+    except FsmTooLarge as e:
+        raise ValueError(f"patternProperties at {where}: the patterns are too complex to check that they are "
+                         f"exclusive ({e}); allowed: patterns whose automata build within the limit") from None
     except ValueError:
         raise
     except Exception as e:
