@@ -325,3 +325,37 @@ def test_the_refused_requests_do_not_disturb_a_concurrent_stream(client, http):
     assert streamed == alone
     assert codes == [400] * len(codes) and len(codes) == 30, codes
     assert wait_idle(http)["live_requests"] == 0
+
+
+# -- browsers -------------------------------------------------------------------------------------
+def test_cors_is_off_by_default_and_answers_preflights_when_origins_are_allowed():
+    """A web page's preflight OPTIONS was a 405 (vLLM and SGLang answer it); with
+    --allowed-origins it is answered before the API key check (a preflight carries no
+    Authorization) and responses are readable by those origins; by default nothing changes."""
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from plait.runtime.server import http_api
+    from plait.runtime.server.args import ServerArgs
+
+    pre = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    off = http_api.build_app(SimpleNamespace(args=SimpleNamespace(api_key="k")))
+    with TestClient(off) as tc:
+        r = tc.options("/v1/chat/completions", headers=pre)
+        assert r.status_code in (401, 405) and "access-control-allow-origin" not in r.headers
+    args = ServerArgs(api_key="k", allowed_origins="http://ui.example, https://other.example")
+    assert args.origins == ["http://ui.example", "https://other.example"]
+    assert ServerArgs(allowed_origins='["*"]').origins == ["*"]  # vLLM's JSON form
+    on = http_api.build_app(SimpleNamespace(args=SimpleNamespace(api_key="k", origins=args.origins)))
+    with TestClient(on) as tc:
+        r = tc.options("/v1/chat/completions", headers=pre)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example", r.headers
+        r = tc.get("/v1/models", headers={"Origin": "http://ui.example"})  # no key: refused, but readable
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://ui.example"
+        r = tc.options("/v1/chat/completions", headers={**pre, "Origin": "http://evil.example"})
+        assert r.headers.get("access-control-allow-origin") != "http://evil.example"
+    for bad in ("ui.example", "", "[1]", "[nope"):
+        with pytest.raises(ValueError, match="allowed_origins"):
+            ServerArgs(allowed_origins=bad)

@@ -115,6 +115,7 @@ class ServerArgs:
     dp_size: int = 1  # engine replicas (data parallel) behind this front
     tool_call_parser: str | None = None  # None: detected from the chat template (plait.tool_parsers)
     reasoning_parser: str | None = None  # None: reasoning stays in the content (plait.reasoning)
+    allowed_origins: str | None = None  # browser origins allowed by CORS, comma-separated or "*"; None: no CORS
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -143,6 +144,14 @@ class ServerArgs:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is invalid; allowed: "
                              f"{', '.join(REASONING_PARSERS)} or None")
+        if self.allowed_origins is not None and not (
+            isinstance(self.allowed_origins, str)
+            and all(o == "*" or o.startswith(("http://", "https://")) for o in self.origins)
+            and self.origins
+        ):
+            raise ValueError(f"allowed_origins={self.allowed_origins!r} is invalid; allowed: '*' or comma-separated "
+                             f"origins such as 'http://localhost:3000,https://app.example.com' (or a JSON array of "
+                             f"them), or None (no CORS)")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level={self.log_level!r} is invalid; allowed: {', '.join(LOG_LEVELS)}")
         if self.zmq_address is not None and not (
@@ -155,6 +164,22 @@ class ServerArgs:
                 f"zmq_address={self.zmq_address!r} binds a non-loopback address without api_key; set api_key "
                 f"(clients send it in every message) or bind tcp://127.0.0.1:PORT"
             )
+
+    @property
+    def origins(self) -> list[str]:
+        """The CORS origins of ``allowed_origins``: comma-separated, or a JSON array as
+        vLLM's ``--allowed-origins`` takes it (empty: CORS off)."""
+        if not isinstance(self.allowed_origins, str):
+            return []
+        text = self.allowed_origins.strip()
+        if text.startswith("["):
+            try:
+                items = json.loads(text)
+            except ValueError:
+                return []
+            return [o.strip() for o in items if isinstance(o, str) and o.strip()] \
+                if isinstance(items, list) and all(isinstance(o, str) for o in items) else []
+        return [o.strip() for o in text.split(",") if o.strip()]
 
     @property
     def model_name(self) -> str:
@@ -202,6 +227,9 @@ _SERVER_HELP = {
     "detected from the chat template, else hermes with plait's generic tool prompt)",
     "reasoning_parser": "split <think>...</think> reasoning into reasoning_content: deepseek-r1 or qwen3 "
     "(default: off)",
+    "allowed_origins": "let browser pages from these origins call the HTTP API (CORS, preflight included, answered "
+    "before the API key check): '*' or comma-separated origins such as http://localhost:3000 (default: no CORS "
+    "headers, so a web page cannot read this server's answers)",
     "restart_engine": "start a new engine process when it dies (503 with Retry-After meanwhile); stops after "
     "3 deaths within 60 s",
 }

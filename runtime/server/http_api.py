@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -596,6 +597,9 @@ def build_app(front: Front) -> ASGIApp:
     app: ASGIApp = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
     if front.args.api_key:
         app = ApiKeyMiddleware(app, front.args.api_key)
+    origins = getattr(front.args, "origins", [])
+    if origins:  # outside the key check: a browser's preflight carries no Authorization
+        app = CORSMiddleware(app, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
     return AnsweredErrorMiddleware(HeaderLimitMiddleware(app))
 
 
