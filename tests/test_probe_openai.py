@@ -344,7 +344,7 @@ def test_cors_is_off_by_default_and_answers_preflights_when_origins_are_allowed(
     off = http_api.build_app(SimpleNamespace(args=SimpleNamespace(api_key="k")))
     with TestClient(off) as tc:
         r = tc.options("/v1/chat/completions", headers=pre)
-        assert r.status_code in (401, 405) and "access-control-allow-origin" not in r.headers
+        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers  # BrowserOriginGuard
     args = ServerArgs(api_key="k", allowed_origins="http://ui.example, https://other.example")
     assert args.origins == ["http://ui.example", "https://other.example"]
     assert ServerArgs(allowed_origins='["*"]').origins == ["*"]  # vLLM's JSON form
@@ -359,3 +359,48 @@ def test_cors_is_off_by_default_and_answers_preflights_when_origins_are_allowed(
     for bad in ("ui.example", "", "[1]", "[nope"):
         with pytest.raises(ValueError, match="allowed_origins"):
             ServerArgs(allowed_origins=bad)
+
+
+def test_a_web_page_of_another_origin_cannot_drive_the_server():
+    """CORS hides answers from a foreign page, but a "simple" request (a form post, a
+    text/plain fetch, an <img>) still ran: any site the user visited could generate on,
+    abort every request of, or flush a keyless local server. Such requests are a 403
+    unless --allowed-origins allows the origin; clients outside browsers are untouched."""
+    from types import SimpleNamespace
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from plait.runtime.server import http_api
+
+    hit: list[str] = []
+
+    async def flush(request: Any) -> Any:
+        hit.append(request.url.path)
+        return JSONResponse({"ok": True})
+
+    def app(origins: list[str]) -> Any:
+        return http_api.BrowserOriginGuard(Starlette(routes=[Route("/flush_cache", flush, methods=["GET", "POST"])]),
+                                           origins)
+
+    with TestClient(app([])) as tc:
+        assert tc.post("/flush_cache", content=b"{}", headers={"Origin": "https://evil.example",
+                                                                "Content-Type": "text/plain"}).status_code == 403
+        assert tc.get("/flush_cache", headers={"Sec-Fetch-Site": "cross-site"}).status_code == 403  # an <img>
+        assert tc.post("/flush_cache", headers={"Origin": "null"}).status_code == 403
+        assert hit == []
+        r = tc.post("/flush_cache")  # curl, python, node: no Origin
+        assert r.status_code == 200 and hit == ["/flush_cache"]
+        assert tc.get("/flush_cache", headers={"Sec-Fetch-Site": "none"}).status_code == 200  # typed in the bar
+    with TestClient(app(["http://ui.example"])) as tc:
+        assert tc.post("/flush_cache", headers={"Origin": "http://ui.example"}).status_code == 200
+        r = tc.post("/flush_cache", headers={"Origin": "https://evil.example"})
+        assert r.status_code == 403 and "--allowed-origins" in r.json()["error"]["message"]
+    with TestClient(app(["*"])) as tc:
+        assert tc.post("/flush_cache", headers={"Origin": "https://any.example"}).status_code == 200
+    # wired in front of every route
+    full = http_api.build_app(SimpleNamespace(args=SimpleNamespace(api_key=None)))
+    with TestClient(full) as tc:
+        assert tc.post("/flush_cache", headers={"Origin": "https://evil.example"}).status_code == 403

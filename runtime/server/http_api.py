@@ -114,6 +114,36 @@ class AnsweredErrorMiddleware:
             # answered (and logged) by on_error
 
 
+class BrowserOriginGuard:
+    """403 for a request a web page of another origin made (its ``Origin`` header, or
+    ``Sec-Fetch-Site: cross-site`` where a browser sends no Origin, as for an image)
+    unless ``--allowed-origins`` allows that origin. CORS only hides answers from such
+    a page; a "simple" request (a form, a text/plain fetch, an ``<img>``) still ran, so
+    any site the user visited could generate on, abort every request of, or flush a
+    keyless server on the user's machine. Clients outside browsers send neither header."""
+
+    def __init__(self, app: ASGIApp, origins: list[str]) -> None:
+        self.app = app
+        self.origins = set(origins)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and "*" not in self.origins:
+            headers = dict(scope["headers"])
+            origin = headers.get(b"origin", b"").decode("latin-1")
+            if origin:  # ("null": a sandboxed frame or a file:// page, refused unless allowed by name)
+                foreign = origin not in self.origins
+            else:
+                foreign = headers.get(b"sec-fetch-site") == b"cross-site"
+            if foreign:
+                shown = origin or "a cross-site page"
+                resp = error_response(f"requests from web pages of other origins ({shown}) are refused; allowed: "
+                                      f"origins the server was started with --allowed-origins", 403, None,
+                                      "permission_error")
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class HeaderLimitMiddleware:
     """431 for requests whose headers exceed MAX_HEADER_BYTES in all."""
 
@@ -598,6 +628,7 @@ def build_app(front: Front) -> ASGIApp:
     if front.args.api_key:
         app = ApiKeyMiddleware(app, front.args.api_key)
     origins = getattr(front.args, "origins", [])
+    app = BrowserOriginGuard(app, origins)
     if origins:  # outside the key check: a browser's preflight carries no Authorization
         app = CORSMiddleware(app, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
     return AnsweredErrorMiddleware(HeaderLimitMiddleware(app))
