@@ -182,3 +182,17 @@ def add_token_text(meta: dict[str, Any], token_text: Callable[[int], str]) -> No
             meta[key] = [
                 None if row is None else [[lp, tid, token_text(tid)] for lp, tid, *_ in row] for row in meta[key]
             ]
+
+
+def pad_logprob_text(meta: dict[str, Any]) -> dict[str, Any]:
+    """In place: ``[logprob, id]`` entries (and top-logprob rows) become
+    ``[logprob, id, None]``, entries with their text stay: the native HTTP API's shape,
+    as SGLang's ``/generate`` returns them (``None`` text without
+    ``return_text_in_logprobs``). Returns ``meta``."""
+    for key in _LOGPROB_KEYS:
+        if key in meta:
+            meta[key] = [e if len(e) > 2 else [*e, None] for e in meta[key]]
+    for key in _TOP_LOGPROB_KEYS:
+        if key in meta:
+            meta[key] = [None if row is None else [e if len(e) > 2 else [*e, None] for e in row] for row in meta[key]]
+    return meta

@@ -216,6 +216,16 @@ def test_native_generate_shapes_and_logprobs(http):
     assert all(isinstance(e[2], str) for e in lp["output_token_logprobs"])
     assert len(lp["input_token_logprobs"]) == one["meta_info"]["prompt_tokens"]
     assert all(len(row) == 3 for row in lp["output_top_logprobs"])
+    # without return_text_in_logprobs: SGLang's (logprob, token_id, None) triples, streamed or not
+    req = {"text": PROMPTS[5], "sampling_params": {**GREEDY, "max_new_tokens": 4}, "return_logprob": True,
+           "top_logprobs_num": 2}
+    bare = http.post("/generate", json=req).json()["meta_info"]
+    events = [json.loads(line[6:]) for line in http.post("/generate", json={**req, "stream": True}).text.splitlines()
+              if line.startswith("data: {")]
+    for meta in (bare, events[-2]["meta_info"], events[-1]["meta_info"]):
+        assert [e[1] for e in meta["output_token_logprobs"]] == one["output_ids"][:4]
+        assert all(len(e) == 3 and e[2] is None for e in meta["output_token_logprobs"] + meta["input_token_logprobs"])
+        assert all(len(e) == 3 and e[2] is None for row in meta["output_top_logprobs"] for e in row)
 
 
 def test_native_stream_is_cumulative(http):

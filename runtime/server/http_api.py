@@ -27,6 +27,7 @@ from plait import protocol as P
 from plait.runtime.server import openai_api as oa
 from plait.runtime.server import responses_api as ra
 from plait.errors import RequestError, is_int
+from plait.runtime.output_processor import pad_logprob_text
 from plait.runtime.server.front import COSTLY_TEXT_CHARS, Front, ReqState
 from plait.runtime.validation import check_cache_salt, check_text
 from plait.runtime.server.metrics import CONTENT_TYPE
@@ -734,7 +735,7 @@ class NativeStreamState:
         a = self.out
         a["text"] += msg.text
         a["output_ids"] += msg.token_ids
-        for k, v in msg.meta.items():
+        for k, v in pad_logprob_text(msg.meta).items():
             if isinstance(v, list):
                 a["meta_info"].setdefault(k, []).extend(v)
             else:
@@ -748,7 +749,7 @@ class NativeStreamState:
 
 
 def _native_out(r: P.GenerateResult) -> dict[str, Any]:
-    return {"text": r.text, "output_ids": r.output_ids, "meta_info": r.meta_info}
+    return {"text": r.text, "output_ids": r.output_ids, "meta_info": pad_logprob_text(r.meta_info)}
 
 
 async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIterator[bytes]:
