@@ -33,27 +33,10 @@ from plait.ir import DTYPE_REGEX, DTYPE_STOP, REGEX_BOOL, REGEX_FLOAT, REGEX_INT
 from plait.reasoning import get_reasoning_parser
 from plait.runtime import Engine
 
-ENGINE_OPTS = {"kv_cache_tokens": 8192, "num_threads": 1, "max_running_requests": 16, "attention_backend": "torch"}
+from lang_fixtures import backend, folder, ref  # noqa: F401  (pytest fixtures)
+
 GREEDY = {"temperature": 0.0}
 JSON_INT = r"-?(0|[1-9][0-9]*)"
-
-
-@pytest.fixture(scope="module")
-def folder(tiny_model_factory):
-    return str(tiny_model_factory("llama"))
-
-
-@pytest.fixture(scope="module")
-def backend(folder):
-    b = sgl.EngineBackend(folder, **ENGINE_OPTS)
-    yield b
-    b.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ref(folder):
-    with Engine(folder, **ENGINE_OPTS) as e:
-        yield e
 
 
 def ref_gen(ref: Engine, prompt: str, **params: Any) -> dict[str, Any]:

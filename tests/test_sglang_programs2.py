@@ -36,25 +36,7 @@ import pytest
 import plait as sgl
 from plait.runtime import Engine
 
-ENGINE_OPTS = {"kv_cache_tokens": 8192, "num_threads": 1, "max_running_requests": 16, "attention_backend": "torch"}
-
-
-@pytest.fixture(scope="module")
-def folder(tiny_model_factory):
-    return str(tiny_model_factory("llama"))
-
-
-@pytest.fixture(scope="module")
-def backend(folder):
-    b = sgl.EngineBackend(folder, **ENGINE_OPTS)
-    yield b
-    b.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ref(folder):
-    with Engine(folder, **ENGINE_OPTS) as e:
-        yield e
+from lang_fixtures import ENGINE_OPTS, backend, folder, ref  # noqa: F401  (pytest fixtures)
 
 
 def greedy(ref: Engine, prompt: str, **params: Any) -> str:
