@@ -16,6 +16,8 @@ import pytest
 
 from plait.runtime.server import launch
 
+from http_helpers import wait_idle
+
 MODEL = "tiny"
 ASK = [{"role": "user", "content": "yo"}]
 ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"]}
@@ -39,15 +41,6 @@ def http(server):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-
-
-def wait_idle(http: httpx.Client) -> dict[str, Any]:
-    for _ in range(400):
-        info = http.get("/server_info").json()
-        if info["running"] == 0 and info["waiting"] == 0 and info["in_flight"] == 0 and info["live_requests"] == 0:
-            return info
-        time.sleep(0.025)
-    raise AssertionError(f"server did not become idle: {info}")
 
 
 # -- usage ----------------------------------------------------------------------------------------

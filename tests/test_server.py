@@ -24,6 +24,8 @@ import zmq
 from plait import protocol as P
 from plait.runtime.server import launch
 
+from http_helpers import wait_idle
+
 API_KEY = "sk-plait-test"
 MODEL = "tiny"
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -54,16 +56,6 @@ def generate(http: httpx.Client, text: str, max_new_tokens: int = 12, **fields: 
                                      **fields})
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def wait_idle(http: httpx.Client) -> dict[str, Any]:
-    """Server info once nothing runs (bounded wait)."""
-    for _ in range(400):
-        info = http.get("/server_info").json()
-        if info["running"] == 0 and info["waiting"] == 0 and info["in_flight"] == 0 and info["live_requests"] == 0:
-            return info
-        time.sleep(0.025)
-    raise AssertionError(f"server did not become idle: {info}")
 
 
 def assert_memory_returned(http: httpx.Client) -> None:

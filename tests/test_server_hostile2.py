@@ -23,6 +23,8 @@ from plait import protocol as P
 from plait.errors import RequestError
 from plait.runtime.server import launch
 
+from http_helpers import wait_idle
+
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -38,15 +40,6 @@ def server(tiny_model_factory):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
-
-
-def wait_idle(http: httpx.Client) -> dict[str, Any]:
-    for _ in range(400):
-        info = http.get("/server_info").json()
-        if info["running"] == 0 and info["waiting"] == 0 and info["in_flight"] == 0 and info["live_requests"] == 0:
-            return info
-        time.sleep(0.025)
-    raise AssertionError(f"server did not become idle: {info}")
 
 
 def _on_loop() -> bool:
