@@ -168,3 +168,32 @@ def test_fsm_deadline_builds_the_same_automata():
     assert inside.equivalent(outside)
     with pytest.raises(FsmTooLarge), fsm_deadline(-1):
         interegular.parse_pattern(pattern).to_fsm()
+
+
+def test_patterns_against_listed_values_and_names_are_matched_under_a_limit(monkeypatch):
+    # the translation matched patterns against an enum's values (through jsonschema) and
+    # against listed property names with Python's re, which backtracks without limit while
+    # holding the GIL: '^(a+)+$' against a listed 40-character 'aaa...!' stalled the front
+    # for hours. Now the regex module matches them (it sees through that one) under a time
+    # limit, past which the schema is refused by name.
+    monkeypatch.setattr(js, "MAX_MATCH_S", 0.02)
+    hard = {"type": "object", "properties": {"a" * 30 + "!": {"type": "integer"}},
+            "patternProperties": {"^(a|aa)+$": {"type": "string"}}}  # backtracks in both engines
+    for backend in ("outlines", "llguidance"):
+        with pytest.raises(RequestError, match=r"pattern '\^\(a\|aa\)\+\$' takes longer than 0.02 s to match "
+                                               r"'a+!' \(catastrophic backtracking\)"):
+            constraint(hard, backend)
+    monkeypatch.setattr(js, "MAX_MATCH_S", 1.0)
+    long = "a" * 40 + "!"
+    values = {"type": "string", "pattern": "^(a+)+$", "enum": [long, "aaa"]}
+    names = {"type": "object", "properties": {long: {"type": "integer"}}, "required": [long],
+             "patternProperties": {"^(a+)+$": {"type": "string"}}, "additionalProperties": False}
+    for backend in ("outlines", "llguidance"):
+        assert constraint(names, backend).backend == backend
+    c = constraint(values, "outlines")
+    assert c.grammar == '"aaa"'
+    assert_valid(values, sample(c.grammar, 3, seed=0))
+    # (jsonschema itself would backtrack on the name: the outputs are checked by hand)
+    for text in sample(constraint(names, "outlines").grammar, 3, seed=0):
+        value = strict_json(text)
+        assert list(value) == [long] and type(value[long]) is int  # its own schema; '^(a+)+$' does not match it

@@ -1184,12 +1184,13 @@ class _Translator:
         return _json_unique(values)
 
     def root_validator(self) -> Any:
-        """``jsonschema``'s validator of the root document (built once), formats checked."""
+        """``jsonschema``'s validator of the root document (built once), formats checked;
+        its ``pattern`` keywords matched under a time limit (:func:`bounded_search`)."""
         import jsonschema
 
         if self._validator is None:
             root = self.root if isinstance(self.root, dict) else {}
-            cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
+            cls = _bounded_patterns(jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator))
             self._validator = cls(root, format_checker=cls.FORMAT_CHECKER)
         return self._validator
 
@@ -1346,7 +1347,7 @@ class _Translator:
             hits = []
             for pat, sub in patterns.items():
                 try:
-                    if _re.search(pat, name):
+                    if bounded_search(pat, name):
                         hits.append(sub)
                 except _re.error:
                     raise SchemaError(f"json_schema 'patternProperties' at {path}: {pat!r} is not a valid pattern") from None
@@ -1910,9 +1911,68 @@ def _search(pattern: str, name: str) -> bool:
     import re as _re
 
     try:
-        return _re.search(pattern, name) is not None
+        return bounded_search(pattern, name)
     except _re.error:
         return False
+
+
+MAX_MATCH_S = 1.0  # one pattern against one listed value or name, while translating
+
+
+def bounded_search(pattern: str, text: str) -> bool:
+    """``re.search(pattern, text)`` (how ``jsonschema`` reads ``pattern`` and
+    ``patternProperties``), matched by the ``regex`` module under :data:`MAX_MATCH_S`:
+    Python's ``re`` backtracks without limit and holds the GIL while it does, so
+    ``^(a+)+$`` against a listed 40-character value stalled the whole front. Raises
+    ``re.error`` for an invalid pattern and ``SchemaError`` past the limit."""
+    import re as _re
+
+    import regex
+
+    _re.compile(pattern)  # what re refuses is refused here too
+    try:
+        compiled = regex.compile(pattern)
+    except regex.error:  # re reads it, regex does not: re's own match (a rare syntax corner)
+        return _re.search(pattern, text) is not None
+    try:
+        return compiled.search(text, timeout=MAX_MATCH_S) is not None
+    except TimeoutError:
+        raise SchemaError(f"json_schema pattern {pattern!r} takes longer than {MAX_MATCH_S:g} s to match "
+                          f"{text[:40]!r} (catastrophic backtracking); allowed: patterns that match the schema's "
+                          "listed values and names in time") from None
+
+
+def _bounded_patterns(cls: Any) -> Any:
+    """``cls`` (a ``jsonschema`` validator class) with ``pattern``, ``patternProperties``
+    and ``additionalProperties`` matching through :func:`bounded_search`."""
+    from jsonschema.exceptions import ValidationError
+    from jsonschema.validators import extend
+
+    def pattern(validator: Any, patrn: str, instance: Any, schema: Any) -> Any:
+        if validator.is_type(instance, "string") and not bounded_search(patrn, instance):
+            yield ValidationError(f"{instance!r} does not match {patrn!r}")
+
+    def pattern_properties(validator: Any, patterns: dict[str, Any], instance: Any, schema: Any) -> Any:
+        if not validator.is_type(instance, "object"):
+            return
+        for patrn, sub in patterns.items():
+            for k, v in instance.items():
+                if bounded_search(patrn, k):
+                    yield from validator.descend(v, sub, path=k, schema_path=patrn)
+
+    def additional_properties(validator: Any, extra: Any, instance: Any, schema: Any) -> Any:
+        if not validator.is_type(instance, "object"):
+            return
+        props, patterns = schema.get("properties", {}), schema.get("patternProperties", {})
+        extras = [k for k in instance if k not in props and not any(bounded_search(p, k) for p in patterns)]
+        if validator.is_type(extra, "object"):
+            for k in extras:
+                yield from validator.descend(instance[k], extra, path=k)
+        elif not extra and extras:
+            yield ValidationError(f"additional properties are not allowed ({sorted(extras)!r})")
+
+    return extend(cls, {"pattern": pattern, "patternProperties": pattern_properties,
+                        "additionalProperties": additional_properties})
 
 
 def _check_keys_exclusive(key: str, others: list[str], path: str) -> None:

@@ -384,6 +384,8 @@ def close_objects(schema: Any, *, open_defs: bool, in_all_of: bool = False) -> A
     without a bound get one at 16 digits (a model cannot loop on digits). Not done
     inside ``allOf`` or next to it (another branch may list more properties), nor in
     ``$defs`` when ``open_defs`` (the document has an ``allOf`` that may reference them)."""
+    from plait.runtime.constrained.json_schema import bounded_search
+
     if not isinstance(schema, dict):
         return schema
     schema = _close_all_of(schema) if not in_all_of else schema
@@ -402,7 +404,7 @@ def close_objects(schema: Any, *, open_defs: bool, in_all_of: bool = False) -> A
         # a listed property must also satisfy every pattern its name contains a match of
         folded = {}
         for name, own in schema["properties"].items():
-            hits = [sub for pat, sub in patterns.items() if re.search(pat, name)]
+            hits = [sub for pat, sub in patterns.items() if bounded_search(pat, name)]
             folded[name] = {"allOf": [own, *hits]} if hits else own
         schema = {**schema, "properties": folded}
 
