@@ -160,3 +160,27 @@ def test_response_store_is_a_bounded_lru():
     store.put("c", [{"role": "user", "content": "3"}])
     assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
     assert len(store) == 2
+
+
+def test_retrieve_and_delete_a_stored_response(oai, server):
+    """``responses.retrieve`` returns what ``create`` returned (streamed or not);
+    ``responses.delete`` forgets it, after which retrieving it or continuing from it is
+    a 404 naming the id; a ``store=False`` response is never held."""
+    first = oai.responses.create(model=MODEL, input="Say hi.", max_output_tokens=6, temperature=0)
+    got = oai.responses.retrieve(first.id)
+    assert got.model_dump() == first.model_dump()
+    with oai.responses.create(model=MODEL, input="Say hi.", max_output_tokens=6, temperature=0, stream=True) as s:
+        done = [e for e in s if e.type in ("response.completed", "response.incomplete")][-1].response
+    assert oai.responses.retrieve(done.id).output_text == done.output_text
+    assert oai.responses.delete(first.id) is None
+    with pytest.raises(openai.NotFoundError, match=first.id):
+        oai.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError, match=first.id):
+        oai.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError, match="previous_response_id"):
+        oai.responses.create(model=MODEL, input="Again.", previous_response_id=first.id, max_output_tokens=4)
+    unstored = oai.responses.create(model=MODEL, input="Say hi.", max_output_tokens=4, temperature=0, store=False)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(unstored.id)
+    r = httpx.get(f"{server.url}/v1/responses/{done.id}", params={"stream": "true"})
+    assert r.status_code == 400 and "stream" in r.json()["error"]["message"]

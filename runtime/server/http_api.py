@@ -604,6 +604,20 @@ def build_app(front: Front) -> ASGIApp:
             raise oa.openai_error(e, rj.job) from None
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
 
+    async def stored_response(request: Request) -> Response:
+        rid = request.path_params["response_id"]
+        if request.method == "DELETE":
+            if not store.delete(rid):
+                raise ra.not_held(store, rid)
+            return JSONResponse({"id": rid, "object": "response", "deleted": True})
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise RequestError("stream=true is not supported when retrieving a stored response; allowed: false "
+                               "(the response is returned whole)", "stream")
+        obj = store.response(rid)
+        if obj is None:
+            raise ra.not_held(store, rid)
+        return JSONResponse(obj)
+
     routes = [
         Route("/generate", generate, methods=["POST"]),
         Route("/model_info", model_info, methods=["GET"]),
@@ -623,6 +637,7 @@ def build_app(front: Front) -> ASGIApp:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
     ]
 
     app: ASGIApp = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)

@@ -10,7 +10,9 @@ API's events (``response.created`` ... ``response.completed``).
 Continuation is stateless for the client and bounded here: the server keeps the
 conversations of its last :data:`STORE_SIZE` stored responses (``store`` true, the
 default) in memory, least recently used first out; an id it does not hold is a 404
-naming ``previous_response_id``. Nothing survives a restart.
+naming ``previous_response_id``. ``GET /v1/responses/{id}`` returns a stored response
+object and ``DELETE /v1/responses/{id}`` forgets it (the openai client's
+``responses.retrieve`` / ``responses.delete``). Nothing survives a restart.
 """
 
 from __future__ import annotations
@@ -41,28 +43,45 @@ def _id(prefix: str) -> str:
 
 
 class ResponseStore:
-    """The conversations (chat messages, output included) of the last ``capacity``
-    stored responses, by id; LRU. One per server; written only by the route once a
-    response completes."""
+    """The last ``capacity`` stored responses, by id; LRU: each one's conversation (chat
+    messages, output included, for ``previous_response_id``) and its response object
+    (for ``GET /v1/responses/{id}``). One per server; written only by the routes, once a
+    response completes (and by ``DELETE``)."""
 
     def __init__(self, capacity: int = STORE_SIZE) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any] | None]] = OrderedDict()
 
     def get(self, rid: str) -> list[dict[str, Any]] | None:
-        msgs = self._items.get(rid)
-        if msgs is not None:
-            self._items.move_to_end(rid)
-        return msgs
+        """The conversation of a stored response (None: not held)."""
+        entry = self._items.get(rid)
+        if entry is None:
+            return None
+        self._items.move_to_end(rid)
+        return entry[0]
 
-    def put(self, rid: str, messages: list[dict[str, Any]]) -> None:
-        self._items[rid] = messages
+    def response(self, rid: str) -> dict[str, Any] | None:
+        """The response object of a stored response (None: not held)."""
+        entry = self._items.get(rid)
+        return None if entry is None else entry[1]
+
+    def put(self, rid: str, messages: list[dict[str, Any]], obj: dict[str, Any] | None = None) -> None:
+        self._items[rid] = (messages, obj)
         self._items.move_to_end(rid)
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
 
+    def delete(self, rid: str) -> bool:
+        return self._items.pop(rid, None) is not None
+
     def __len__(self) -> int:
         return len(self._items)
+
+
+def not_held(store: ResponseStore, rid: str) -> RequestError:
+    """The 404 for a response id this server does not hold."""
+    return RequestError(f"response_id={rid!r} is not held by this server (it keeps the last {store.capacity} "
+                        "stored responses, in memory; store=false responses are not kept)", "response_id", 404)
 
 
 # -- request ----------------------------------------------------------------------------------
@@ -253,9 +272,10 @@ def response_object(rj: ResponseJob, items: list[dict[str, Any]], meta: dict[str
 
 def finish(store: ResponseStore, rj: ResponseJob, items: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
     """The completed response; stored for continuation when ``store``."""
+    obj = response_object(rj, items, meta, "completed")
     if rj.store:
-        store.put(rj.job.id, conversation(rj, items))
-    return response_object(rj, items, meta, "completed")
+        store.put(rj.job.id, conversation(rj, items), obj)
+    return obj
 
 
 def _mark_cut(items: list[dict[str, Any]], cut: bool) -> None:
