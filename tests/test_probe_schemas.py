@@ -7,6 +7,7 @@ probe found, one test each."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -15,6 +16,8 @@ from plait.errors import RequestError
 from plait.runtime.constrained import json_schema as js
 from plait.runtime.sampling_params import SamplingParams
 from regex_sampling import sample
+from test_llguidance import grammars, tokenizer, vocab  # noqa: F401 (fixtures)
+from test_schema_trial import outputs
 
 
 def constraint(schema: object, backend: str):
@@ -36,6 +39,133 @@ def assert_valid(schema: object, texts: list[str]) -> None:
     for text in texts:
         errors = list(v.iter_errors(strict_json(text)))
         assert not errors, (text, errors[0].message)
+
+
+def pydantic_schemas() -> list[tuple[str, object]]:
+    """pydantic v2 ``model_json_schema()`` of the shapes users send: nested models,
+    Optional (anyOf with null), Literal, Enum, discriminated unions, $defs + $ref,
+    recursive models, dict[str, X], tuples (prefixItems), constrained fields, formats,
+    annotations (title, description, examples, default)."""
+    import datetime
+    import enum
+    import uuid
+    from typing import Annotated, Literal, Optional, Union
+
+    from pydantic import BaseModel, Field, conint, constr
+
+    class Color(str, enum.Enum):
+        red = "red"
+        green = "green"
+
+    class Address(BaseModel):
+        street: str = Field(..., title="Street", description="the street", examples=["Main St"], max_length=12)
+        zip: constr(pattern=r"^\d{5}(-\d{4})?$")
+        country: Literal["US", "CA"] = "US"
+
+    class User(BaseModel):
+        id: uuid.UUID
+        email: str = Field(json_schema_extra={"format": "email"}, max_length=30)
+        age: conint(ge=0, le=130) | None = None
+        score: float = Field(0.5, gt=0, lt=1)
+        color: Color
+        created: datetime.datetime
+        birthday: Optional[datetime.date] = None
+        pairs: list[tuple[int, str]] = Field(default_factory=list, max_length=2)
+        meta: dict[str, int] = {}
+        address: Optional[Address] = None
+
+    class Cat(BaseModel):
+        pet_type: Literal["cat"]
+        meows: int
+
+    class Dog(BaseModel):
+        pet_type: Literal["dog"]
+        barks: float
+
+    class Owner(BaseModel):
+        pet: Union[Cat, Dog] = Field(..., discriminator="pet_type")
+        pets: list[Annotated[Union[Cat, Dog], Field(discriminator="pet_type")]] = Field(max_length=2)
+
+    class Tree(BaseModel):
+        value: int
+        children: list["Tree"] = Field(default_factory=list, max_length=2)
+
+    class Steps(BaseModel):
+        steps: list[constr(max_length=8)] = Field(min_length=1, max_length=3)
+        m: int = Field(multiple_of=5, ge=0, le=100)
+        f: float = Field(ge=-1.5, le=2.5)
+        s: str = Field(pattern=r"^[A-Z][a-z]{1,6}$")
+
+    return [(f"pyd-{m.__name__}-{mode}", m.model_json_schema(mode=mode))
+            for m in (Address, User, Owner, Tree, Steps) for mode in ("validation", "serialization")]
+
+
+HAND = [
+    ("empty", {}),
+    ("draft4-exclusive-bool", {"$schema": "http://json-schema.org/draft-04/schema#", "id": "http://x.com/s.json",
+                               "definitions": {"pos": {"type": "integer", "minimum": 0, "exclusiveMinimum": True}},
+                               "type": "object", "properties": {"a": {"$ref": "#/definitions/pos"},
+                                                                "b": {"type": "number", "maximum": 10,
+                                                                      "exclusiveMaximum": True}},
+                               "required": ["a", "b"], "additionalProperties": False}),
+    ("draft7-dependencies", {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+                             "properties": {"cc": {"type": "integer"}, "addr": {"type": "string", "maxLength": 5}},
+                             "dependencies": {"cc": {"required": ["addr"], "properties": {"addr": {"maxLength": 3}}}}}),
+    ("2020-anchor", {"$defs": {"n": {"$anchor": "name", "type": "string", "maxLength": 4}}, "type": "object",
+                     "properties": {"a": {"$ref": "#name"}}, "required": ["a"], "additionalProperties": False}),
+    ("2020-dependentRequired", {"type": "object", "properties": {k: {"type": "integer"} for k in "xyz"},
+                                "dependentRequired": {"x": ["y", "z"]}, "additionalProperties": False}),
+    ("2020-if-then-else", {"type": "object", "properties": {"country": {"enum": ["US", "NL"]},
+                                                            "postal": {"type": "string"}},
+                           "required": ["country", "postal"], "if": {"properties": {"country": {"const": "US"}}},
+                           "then": {"properties": {"postal": {"pattern": "^[0-9]{5}$"}}},
+                           "else": {"properties": {"postal": {"pattern": "^[0-9]{4} ?[A-Z]{2}$"}}},
+                           "additionalProperties": False}),
+    ("2020-contains", {"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}}),
+    ("2020-contains-minmax", {"type": "array", "items": {"type": "integer"}, "contains": {"minimum": 10},
+                              "minContains": 2, "maxContains": 3}),
+    ("2020-unevaluatedProperties", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                    "unevaluatedProperties": False}),
+    ("2020-prefixItems", {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 4}],
+                          "items": False, "minItems": 2}),
+    ("remote-ref", {"type": "object", "properties": {"a": {"$ref": "https://json.schemastore.org/package.json"}}}),
+    ("file-ref", {"$ref": "file:///etc/passwd"}),
+    ("look-ahead", {"type": "string", "pattern": "^(?=.*[A-Z])(?=.*\\d).{8,}$"}),
+    ("back-reference", {"type": "string", "pattern": "^(a+)\\1$"}),
+    ("unicode-names", {"type": "object", "properties": {"名前": {"type": "string", "maxLength": 3},
+                                                         "émoji😀": {"type": "boolean"}, "a\"b": {"type": "null"},
+                                                         "back\\slash": {"const": 1}, "new\nline": {"type": "integer"},
+                                                         "\u2028": {"enum": ["\u2029", "\u0007"]}},
+                       "required": ["名前", "émoji😀", "a\"b", "back\\slash", "new\nline", "\u2028"],
+                       "additionalProperties": False}),
+    ("openai-strict", {"type": "object", "properties": {
+        "steps": {"type": "array", "items": {"type": "object", "properties": {"explanation": {"type": "string"},
+                                                                           "output": {"type": "string"}},
+                                             "required": ["explanation", "output"], "additionalProperties": False}},
+        "final_answer": {"type": "string"}}, "required": ["steps", "final_answer"], "additionalProperties": False}),
+    ("openapi-nullable", {"type": "object", "properties": {"a": {"type": "string", "nullable": True, "maxLength": 3,
+                                                                 "example": "x", "x-order": 1}}, "required": ["a"]}),
+    ("big-enum", {"enum": [f"value_{i}" for i in range(5000)]}),
+]
+
+
+@pytest.mark.parametrize("name, schema", pydantic_schemas() + HAND, ids=[n for n, _ in pydantic_schemas() + HAND])
+def test_probe_schema_compiles_soundly_or_is_refused_by_place(name, schema, grammars, vocab):  # noqa: F811
+    done: set[tuple[str, str]] = set()
+    for backend in ("auto", "llguidance", "outlines"):
+        try:
+            c = constraint(schema, backend)
+        except RequestError as e:
+            assert e.param == "json_schema"
+            assert re.search(r"at #|processing json-schema:///#|characters|nested too deeply", str(e)), (backend, str(e))
+            continue
+        if (c.backend, c.grammar) not in done:
+            done.add((c.backend, c.grammar))
+            texts = outputs(grammars, vocab, c, 2)
+            if c.backend == "outlines" or not any(k in json.dumps(schema) for k in ('"string"', "{}")):
+                assert texts  # free-form strings may outrun a random walk's cap on llguidance
+            if texts:
+                assert_valid(schema, texts)
 
 
 # -- bugs found, each fixed ------------------------------------------------------------------------
@@ -197,3 +327,15 @@ def test_patterns_against_listed_values_and_names_are_matched_under_a_limit(monk
     for text in sample(constraint(names, "outlines").grammar, 3, seed=0):
         value = strict_json(text)
         assert list(value) == [long] and type(value[long]) is int  # its own schema; '^(a+)+$' does not match it
+
+
+def test_boolean_schemas_as_text_on_llguidance(grammars, vocab):  # noqa: F811
+    # 'true' (the JSON text of the schema every value satisfies, what response_format
+    # sends for {"schema": true}) failed on llguidance with "Expecting object schema to
+    # apply options"; 'false' with the same words instead of saying nothing satisfies it
+    c = constraint("true", "llguidance")
+    assert c.backend == "llguidance"
+    assert_valid(True, outputs(grammars, vocab, c, 3))
+    for backend in ("llguidance", "outlines", "auto"):
+        with pytest.raises(RequestError, match=r"at # is false: no value can satisfy it"):
+            constraint("false", backend)

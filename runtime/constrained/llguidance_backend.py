@@ -471,6 +471,9 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
     value = parse_schema_text(schema if isinstance(schema, str) else json.dumps(schema))
     if not isinstance(value, (dict, bool)):
         raise ValueError("it must be a JSON object (or true/false)")
+    if value is False:  # (llguidance's options need an object: "Expecting object schema to apply options")
+        raise ValueError("json_schema at # is false: no value can satisfy it")
+    value = {} if value is True else value  # the same schema: any JSON value
     check_schema_size(value)
     value = plain_schema(value)
     value = llguidance_schema(value)
@@ -500,6 +503,9 @@ _AT_FAULT: list[tuple[str, Any]] = [
     (r"required property '(.*)' is unsatisfiable",
      lambda s, m: isinstance(s.get("required"), list) and m.group(1) in s["required"]),
     (r"Pointer '(.*)' does not exist", lambda s, m: isinstance(s.get("$ref"), str) and s["$ref"].endswith("#" + m.group(1))),
+    (r"Resource '(.*)' is not present in a registry",  # a $ref to another document: never fetched
+     lambda s, m: isinstance(s.get("$ref"), str) and bool(s["$ref"].split("#")[0])
+     and m.group(1).endswith(s["$ref"].split("#")[0])),
     (r"anyOf is empty", lambda s, m: s.get("enum") == [] or s.get("anyOf") == []),
     (r"incompatible types", lambda s, m: len({json.dumps(p["type"]) for p in [s, *s.get("allOf", [])]
                                               if isinstance(p, dict) and "type" in p}) > 1),
