@@ -339,3 +339,13 @@ def test_boolean_schemas_as_text_on_llguidance(grammars, vocab):  # noqa: F811
     for backend in ("llguidance", "outlines", "auto"):
         with pytest.raises(RequestError, match=r"at # is false: no value can satisfy it"):
             constraint("false", backend)
+
+
+def test_listed_values_are_checked_within_the_translation_time_limit():
+    # each value's check may match patterns for up to MAX_MATCH_S: 100 values of an enum
+    # beside a backtracking pattern ran 100 s with no check of the 5 s limit between them
+    schema = {"type": "string", "pattern": "^(a|aa)+$", "enum": [f"a{i}" for i in range(100)]}
+    t = js._Translator(schema, "")
+    t.deadline = 0.0  # long past
+    with pytest.raises(js.SchemaError, match="took longer than"):
+        t.finite_values(schema, "#")

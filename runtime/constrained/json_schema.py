@@ -1180,7 +1180,12 @@ class _Translator:
             # the values come from enum/const: jsonschema need not look them up again
             # (it compares each with every listed value: quadratic in a long enum)
             check = self.validator({k: x for k, x in s.items() if k not in ("enum", "const")})
-            values = [v for v in values if check(v)]
+            kept = []
+            for v in values:  # each check may match patterns for up to MAX_MATCH_S
+                self.check_deadline()
+                if check(v):
+                    kept.append(v)
+            values = kept
         return _json_unique(values)
 
     def root_validator(self) -> Any:
@@ -1935,7 +1940,8 @@ def bounded_search(pattern: str, text: str) -> bool:
     except regex.error:  # re reads it, regex does not: re's own match (a rare syntax corner)
         return _re.search(pattern, text) is not None
     try:
-        return compiled.search(text, timeout=MAX_MATCH_S) is not None
+        # concurrent: the GIL is released while it matches (the front's loop goes on)
+        return compiled.search(text, timeout=MAX_MATCH_S, concurrent=True) is not None
     except TimeoutError:
         raise SchemaError(f"json_schema pattern {pattern!r} takes longer than {MAX_MATCH_S:g} s to match "
                           f"{text[:40]!r} (catastrophic backtracking); allowed: patterns that match the schema's "
