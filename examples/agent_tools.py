@@ -10,6 +10,11 @@ calls it made in ``s.get_meta_info(name)["tool_calls"]`` (OpenAI's shape). The f
 step uses ``tool_choice="required"``: constrained decoding forces a well-formed call
 whose arguments follow the tool's JSON Schema, so even a 135M model makes a valid one.
 Later steps use ``auto``: the model calls again or answers in text, which ends the loop.
+
+Expect well-formed calls, not sensible ones, from the default 135M model: a run on it
+called ``calculator`` with ``"1.0000000000000001"`` and then repeated the tool's
+response as its answer. The program is the point; pass ``--model`` with a larger
+instruct model for useful answers.
 """
 
 from __future__ import annotations
