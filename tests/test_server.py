@@ -371,15 +371,21 @@ def test_bad_input_matrix(http, server):
     assert_memory_returned(http)
 
 
-def test_api_key_guards_every_route(server):
-    routes = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/completions"),
+def test_api_key_guards_every_route_but_the_probes(server):
+    """As SGLang: /health, /health_generate and /metrics answer without the key (load
+    balancers, routers, Prometheus); every other route is a 401 without it."""
+    routes = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/server_info"),
               ("POST", "/v1/chat/completions"), ("POST", "/generate"), ("GET", "/model_info"),
-              ("POST", "/flush_cache"), ("POST", "/abort_request"), ("GET", "/server_info")]
+              ("POST", "/flush_cache"), ("POST", "/abort_request"), ("GET", "/v1/responses/x"),
+              ("GET", "/health/"), ("GET", "/metrics/x")]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         for method, path in routes:
             r = httpx.request(method, server.url + path, headers=headers, json={})
             assert r.status_code == 401, (method, path, headers)
             assert r.json()["error"]["type"] == "authentication_error"
+        for path in ("/health", "/health_generate", "/metrics"):
+            r = httpx.get(server.url + path, headers=headers, timeout=60)
+            assert r.status_code == 200, (path, headers, r.text)
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()

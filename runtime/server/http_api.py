@@ -64,14 +64,19 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class ApiKeyMiddleware:
-    """Bearer auth on every route."""
+    """Bearer auth on every route but the probes: ``/health``, ``/health_generate`` and
+    ``/metrics`` stay open, as SGLang leaves them, so that load balancers, routers and
+    Prometheus reach a keyed server (they report liveness and counts, never a request's
+    content; ``/health_generate`` runs one token)."""
+
+    OPEN = frozenset({"/health", "/health_generate", "/metrics"})
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and scope.get("path") not in self.OPEN:
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
                 resp = error_response("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
