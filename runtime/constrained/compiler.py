@@ -36,8 +36,8 @@ class CompiledGrammar:
 
     ``sentinel``: the pseudo-token id of an index built with the worker's end sentinel
     (``worker.py``: outlines-core drops tokens that leave a state where the pattern could
-    end); a state is then final when it may take the pseudo-token, which is never
-    offered, and neither is a token holding the sentinel's first byte. None: the index
+    end); a state is then final when the pseudo-token may follow and leads to a final
+    state; it is never offered, and neither is a token holding the sentinel's first byte. None: the index
     is the pattern's own.
     """
 
@@ -69,7 +69,11 @@ class CompiledGrammar:
             if self.sentinel is not None:
                 arr = np.asarray(ids, dtype=np.int64)
                 is_pseudo = arr == self.sentinel
-                self._final[state] = bool(is_pseudo.any())
+                # final when the pattern may end here: the sentinel may follow *and* ends the
+                # match (a pattern that allows the character U+10FFFF itself, inside a JSON
+                # string say, takes the pseudo-token there too, into a state that is not final)
+                self._final[state] = bool(is_pseudo.any()) and bool(
+                    self.index.is_final_state(self.index.get_next_state(state, self.sentinel)))
                 m = self.pack(arr[~is_pseudo]) & ~self.vocab.sentinel_byte_mask
             else:
                 m = self.pack(ids)

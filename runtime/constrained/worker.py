@@ -17,10 +17,12 @@ neither an intermediate nor a matching step): with ``[0-9]+([.][0-9]+)?`` the to
 :data:`SENTINEL` (U+10FFFF, a noncharacter no text holds), with a pseudo-token (its id
 in the reply, past every real id) for it: no state but the sentinel's end is a match
 state, so no token is dropped, and a state is final for ``regex`` exactly when the
-pseudo-token may follow (``compiler.CompiledGrammar`` reads it so and never offers the
+pseudo-token may follow and ends the match there (a pattern that allows U+10FFFF itself,
+in a JSON string, takes it elsewhere too) (``compiler.CompiledGrammar`` reads it so and never offers the
 pseudo-token, nor any real token holding the sentinel's first byte, 0xF4: U+100000 to
 U+10FFFF, private use plane 16, cannot be written). A pattern that names a character of
-that plane itself is built without the sentinel.
+that plane itself is built without the sentinel, and so is one whose build with it runs
+past a budget (``SENTINEL_MIN_S``): the plain index, with outlines-core's gap, serves it.
 
 Its address space is capped at MEM_MB (``RLIMIT_AS``): a build that needs more dies,
 and the engine reports the limit. The engine kills it on timeout, and the worker
@@ -32,9 +34,11 @@ watch). Imports no torch.
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import resource
+import select
 import signal
 import struct
 import sys
@@ -44,6 +48,12 @@ from typing import IO, Any
 _HEADER = struct.Struct("<Q")
 
 SENTINEL = "\U0010FFFF"  # see the module docstring
+# the index with the sentinel is built after the plain one, in a child, within
+# max(SENTINEL_MIN_S, SENTINEL_FACTOR x the plain build) (and a third of the limit): on
+# some patterns it is far slower (a recursive schema's regex: 1.5 s plain, past 200 s),
+# and then the plain index serves
+SENTINEL_MIN_S = 1.0
+SENTINEL_FACTOR = 5.0
 SENTINEL_FIRST_BYTE = SENTINEL.encode()[0]  # 0xF4
 # a pattern naming a character of plane 16 (literally or by escape) is built without it
 _PLANE16 = re.compile(r"[\U00100000-\U0010FFFF]|\\U0010[0-9a-fA-F]{4}|\\[xuU]\{0*10[0-9a-fA-F]{4}\}")
@@ -101,6 +111,43 @@ def _with_alarm(seconds: float, fn: Any, *args: Any) -> Any:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def _in_child(seconds: float, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` computed in a forked child and unpickled here, or None if the child
+    fails or runs past ``seconds`` (then it is killed: native code ignores SIGALRM)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: compute, write, leave without cleanup of the parent's state
+        code = 1
+        try:
+            os.close(r)
+            data = pickle.dumps(fn(*args), protocol=pickle.HIGHEST_PROTOCOL)
+            with os.fdopen(w, "wb") as f:
+                f.write(data)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + seconds
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                chunks = []
+                break
+            chunk = os.read(r, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+    if not chunks or not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
+        return None
+    return pickle.loads(b"".join(chunks))
 
 
 def _limit_cpu(seconds: float) -> None:
@@ -226,11 +273,14 @@ def main(argv: list[str]) -> None:
             too_large = counted_repetition_too_large(regex)
             if too_large is not None:
                 raise ValueError(too_large)
+            index, sentinel = outlines_core.Index(regex, vocabs[key]), None
             if uses_sentinel(regex):
-                vocab, sentinel = sentinel_vocabs[key]
-                index = outlines_core.Index(f"(?:{regex}){SENTINEL}", vocab)
-            else:
-                index, sentinel = outlines_core.Index(regex, vocabs[key]), None
+                vocab, pseudo = sentinel_vocabs[key]
+                plain_s = time.monotonic() - t0
+                budget = min(max(SENTINEL_MIN_S, SENTINEL_FACTOR * plain_s), timeout_s / 3)
+                fixed = _in_child(budget, outlines_core.Index, f"(?:{regex}){SENTINEL}", vocab)
+                if fixed is not None:
+                    index, sentinel = fixed, pseudo
             # jump-forward is an optimisation: its automaton (pure Python) gets a bounded
             # share of the time; without it the constraint works, unaccelerated
             budget = min(JUMP_FORWARD_BUDGET_S, jump_forward - (time.monotonic() - t0)) if jump_forward else 0.0
