@@ -262,6 +262,10 @@ def run(args: ServerArgs, ready_fd: int | None = None, parent_pid: int | None = 
                 os.write(ready_fd, (json.dumps(obj) + "\n").encode())
                 os.close(ready_fd)
 
+    if announce:  # the model loads (and kernels build) before the ready line, tens of seconds on a CPU;
+        # stderr: stdout's first line stays the ready line scripts wait for
+        print(f"plait server starting: loading {args.model or 'the default model (SmolLM2-135M-Instruct)'}...",
+              file=sys.stderr, flush=True)
     sweep_stale_socket_dirs()
     tmpdir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)  # 0700: only this user reaches the ipc sockets
     with open(os.path.join(tmpdir, OWNER_FILE), "w") as f:
