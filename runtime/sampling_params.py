@@ -192,6 +192,14 @@ class SamplingParams:
                 value = parse_schema_text(value)
             except ValueError as e:
                 raise RequestError(str(e), kind) from None
+        if kind == "json_schema":  # depth and size first, walked without recursion: the UTF-8 check
+            # below (json.dumps) recursed into a 600-level schema, a RecursionError and a 500
+            from plait.runtime.constrained.json_schema import check_schema_size
+
+            try:
+                check_schema_size(value)
+            except ValueError as e:
+                raise RequestError(str(e), kind) from None
         if kind == "regex":  # the dialect, once: every backend reads the same one (a surrogate by position)
             from plait.runtime.constrained.regexes import check_regex
 

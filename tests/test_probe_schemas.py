@@ -349,3 +349,29 @@ def test_listed_values_are_checked_within_the_translation_time_limit():
     t.deadline = 0.0  # long past
     with pytest.raises(js.SchemaError, match="took longer than"):
         t.finite_values(schema, "#")
+
+
+@pytest.mark.parametrize("as_text", [False, True])
+def test_a_schema_too_deep_for_recursion_is_a_request_error(as_text):
+    """A schema 600 properties deep (1200 levels of JSON) is refused by its depth, as the
+    64-level limit says, before anything recurses into it (the UTF-8 check's json.dumps
+    raised RecursionError: a 500 through the server)."""
+    schema: dict = {"type": "object"}
+    node = schema
+    for _ in range(600):
+        node["properties"] = {"a": {"type": "object"}}
+        node = node["properties"]["a"]
+    value = schema
+    if as_text:
+        import sys
+
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(10_000)  # json.dumps itself recurses: write the text once
+        try:
+            value = json.dumps(schema)
+        finally:
+            sys.setrecursionlimit(limit)
+    # (as text, the parse itself stops: "not valid JSON: maximum recursion depth exceeded")
+    with pytest.raises(RequestError, match="recursion depth" if as_text else "nested more than 64 levels") as info:
+        SamplingParams(json_schema=value).constraint()
+    assert info.value.param == "json_schema"
