@@ -169,7 +169,7 @@ def test_a_forced_call_cut_by_the_length_limit_is_the_call_so_far(oai):
 
 def test_a_cut_call_in_the_responses_api_is_an_incomplete_item(oai):
     kw = dict(model=MODEL, input="What is 2 + 3?", tools=[{"type": "function", **TOOLS[0]["function"]}],
-              tool_choice="required", temperature=0)
+              tool_choice="required", parallel_tool_calls=False, temperature=0)  # one call, then the end
     full = oai.responses.create(max_output_tokens=200, **kw)
     [call] = [it for it in full.output if it.type == "function_call"]
     for limit in range(full.usage.output_tokens - 1, 0, -1):  # the longest cut inside the arguments
@@ -194,8 +194,8 @@ def test_a_forced_call_is_not_cut_by_stop_strings(oai, stop):
     assert plain == streamed and plain[2] == "tool_calls"
     _valid(plain[1])
     r = oai.responses.create(model=MODEL, input="What is 2 + 3?", tools=[{"type": "function", **TOOLS[0]["function"]}],
-                             tool_choice="required", max_output_tokens=100, temperature=0,
-                             extra_body={"stop": stop})
+                             tool_choice="required", parallel_tool_calls=False, max_output_tokens=100,
+                             temperature=0, extra_body={"stop": stop})
     assert r.status == "completed" and [it.type for it in r.output] == ["function_call"]
     _valid([(r.output[0].name, r.output[0].arguments)])
 
