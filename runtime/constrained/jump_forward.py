@@ -72,6 +72,11 @@ class CharAutomaton:
             s = t
         return "".join(out)
 
+    def extends_past_a_match(self) -> bool:
+        """Whether some match of the pattern is the start of a longer one (a final state
+        with a way on): where outlines-core's index drops tokens (``worker.py``)."""
+        return any(self.transitions.get(s) for s in self.finals)
+
     def step(self, state: int, char: str) -> int | None:
         k = self.classes.get(char, self.other)
         if k is None:

@@ -53,7 +53,7 @@ SENTINEL = "\U0010FFFF"  # see the module docstring
 # some patterns it is far slower (a recursive schema's regex: 1.5 s plain, past 200 s),
 # and then the plain index serves
 SENTINEL_MIN_S = 1.0
-SENTINEL_FACTOR = 5.0
+SENTINEL_FACTOR = 5.0  # (and only for a pattern whose matches can go on: CharAutomaton.extends_past_a_match)
 SENTINEL_FIRST_BYTE = SENTINEL.encode()[0]  # 0xF4
 # a pattern naming a character of plane 16 (literally or by escape) is built without it
 _PLANE16 = re.compile(r"[\U00100000-\U0010FFFF]|\\U0010[0-9a-fA-F]{4}|\\[xuU]\{0*10[0-9a-fA-F]{4}\}")
@@ -274,17 +274,20 @@ def main(argv: list[str]) -> None:
             if too_large is not None:
                 raise ValueError(too_large)
             index, sentinel = outlines_core.Index(regex, vocabs[key]), None
-            if uses_sentinel(regex):
-                vocab, pseudo = sentinel_vocabs[key]
-                plain_s = time.monotonic() - t0
-                budget = min(max(SENTINEL_MIN_S, SENTINEL_FACTOR * plain_s), timeout_s / 3)
-                fixed = _in_child(budget, outlines_core.Index, f"(?:{regex}){SENTINEL}", vocab)
-                if fixed is not None:
-                    index, sentinel = fixed, pseudo
+            plain_s = time.monotonic() - t0
             # jump-forward is an optimisation: its automaton (pure Python) gets a bounded
             # share of the time; without it the constraint works, unaccelerated
-            budget = min(JUMP_FORWARD_BUDGET_S, jump_forward - (time.monotonic() - t0)) if jump_forward else 0.0
+            budget = min(JUMP_FORWARD_BUDGET_S, jump_forward - plain_s) if jump_forward else 0.0
             auto = _with_alarm(budget, CharAutomaton.from_regex, regex) if budget > 0.05 else None
+            # the sentinel build only where a match can go on (the automaton, when built, tells:
+            # a JSON object's regex cannot, and its index is the plain one)
+            if uses_sentinel(regex) and (auto is None or auto.extends_past_a_match()):
+                vocab, pseudo = sentinel_vocabs[key]
+                left = timeout_s - (time.monotonic() - t0)
+                budget = min(max(SENTINEL_MIN_S, SENTINEL_FACTOR * plain_s), timeout_s / 3, left / 2)
+                fixed = _in_child(budget, outlines_core.Index, f"(?:{regex}){SENTINEL}", vocab) if budget > 0 else None
+                if fixed is not None:
+                    index, sentinel = fixed, pseudo
             reply: tuple = ("ok", job, index, auto, sentinel)
         except MemoryError:
             reply = ("error", job, "memory")
