@@ -1,6 +1,7 @@
 """The language tests' shared module fixtures: a tiny random Llama folder, an
 ``EngineBackend`` on it and a reference ``Engine`` on the same weights (greedy outputs
-of a program are checked against the engine's own). Import the fixtures by name."""
+of a program are checked against the engine's own). Import the fixtures by name; a
+module's own ``ENGINE_OPTS`` replaces the default options."""
 
 from __future__ import annotations
 
@@ -17,14 +18,18 @@ def folder(tiny_model_factory):
     return str(tiny_model_factory("llama"))
 
 
+def _opts(request: pytest.FixtureRequest) -> dict:
+    return getattr(request.module, "ENGINE_OPTS", ENGINE_OPTS)
+
+
 @pytest.fixture(scope="module")
-def backend(folder):
-    b = sgl.EngineBackend(folder, **ENGINE_OPTS)
+def backend(folder, request):
+    b = sgl.EngineBackend(folder, **_opts(request))
     yield b
     b.shutdown()
 
 
 @pytest.fixture(scope="module")
-def ref(folder):
-    with Engine(folder, **ENGINE_OPTS) as e:
+def ref(folder, request):
+    with Engine(folder, **_opts(request)) as e:
         yield e

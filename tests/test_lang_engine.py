@@ -18,26 +18,10 @@ import plait as sgl
 from plait.runtime import Engine
 from plait.runtime.sampling_params import SamplingParams
 
+from lang_fixtures import backend, folder, ref  # noqa: F401  (pytest fixtures)
+
 GREEDY = {"temperature": 0.0}
-ENGINE_OPTS = {"kv_cache_tokens": 8192, "num_threads": 1, "max_running_requests": 64}
-
-
-@pytest.fixture(scope="module")
-def folder(tiny_model_factory):
-    return str(tiny_model_factory("llama"))
-
-
-@pytest.fixture(scope="module")
-def backend(folder):
-    b = sgl.EngineBackend(folder, **ENGINE_OPTS)
-    yield b
-    b.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ref(folder):
-    with Engine(folder, **ENGINE_OPTS) as e:
-        yield e
+ENGINE_OPTS = {"kv_cache_tokens": 8192, "num_threads": 1, "max_running_requests": 64}  # (lang_fixtures reads it)
 
 
 def ref_gen(ref: Engine, prompt: str, **params) -> str:
