@@ -371,7 +371,9 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
     """Call the model and store the output as variable ``name``. With ``choices``
     this is :func:`select`. ``regex``/``json_schema``/``ebnf``/``dtype`` constrain the
     output (enforced by the runtime's constrained decoding; ``grammar_backend`` picks
-    its engine: auto, outlines or llguidance); a bad pattern raises here."""
+    its engine: auto, outlines or llguidance); a bad pattern raises here.
+    ``json_schema`` is a dict, its JSON text, ``True`` (any JSON value) or a pydantic
+    model class (its ``model_json_schema()``)."""
     name = check_name(name)
     if choices is not None:
         return select(name, choices, 0.0 if temperature is None else temperature,

@@ -263,17 +263,25 @@ def defined_names(x: Expr) -> list[str]:
 
 # -- validation at gen() time -------------------------------------------------------------
 def check_json_schema(schema: Any) -> str:
-    if isinstance(schema, dict):
-        return json.dumps(schema)
-    if isinstance(schema, str):
-        try:
-            value = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"json_schema is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("json_schema is invalid; allowed: a JSON object (a schema) as a dict or a string")
-        return schema
-    raise ValueError(f"json_schema={schema!r} is invalid; allowed: a dict or a JSON string")
+    """The JSON text a gen sends as its ``json_schema``, from a dict, JSON text, a bool
+    (true: any JSON value) or a pydantic model class or ``TypeAdapter`` (its JSON Schema,
+    as outlines, vLLM and SGLang take one). Raises ``ValueError`` for a value that is no
+    schema (JSON text of an array, ``false``...), ``TypeError`` for any other object."""
+    from plait.runtime.constrained.json_schema import check_schema_size, load_schema
+
+    if isinstance(schema, type) and callable(getattr(schema, "model_json_schema", None)):
+        schema = schema.model_json_schema()  # a pydantic BaseModel class
+    elif type(schema).__name__ == "TypeAdapter" and callable(getattr(schema, "json_schema", None)):
+        schema = schema.json_schema()  # a pydantic TypeAdapter
+    elif not isinstance(schema, (dict, bool, str)):
+        allowed = "allowed: a dict, JSON text, true/false, or a pydantic model class"
+        if callable(getattr(schema, "model_json_schema", None)):
+            raise TypeError(f"json_schema={schema!r:.80} is a pydantic model instance; {allowed} "
+                            f"(here {type(schema).__name__})")
+        raise TypeError(f"json_schema={schema!r:.80} ({type(schema).__name__}) is invalid; {allowed}")
+    value = load_schema(schema)  # text: parsed to check it; the runtime reads the text as given
+    check_schema_size(value)  # before json.dumps recurses into it
+    return schema if isinstance(schema, str) else json.dumps(value)
 
 
 def _dtype_key(dtype: Any) -> str:

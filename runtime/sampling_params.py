@@ -47,13 +47,13 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     # Constraints (at most one): the output fully matches ``regex``, or is JSON that
-    # validates against ``json_schema`` (a dict or JSON text), written compactly unless
+    # validates against ``json_schema`` (a dict, a bool or JSON text), written compactly unless
     # ``whitespace_pattern`` (a regex over spaces/tabs/newlines, e.g. "[ ]?") is given.
     # ``ebnf``: a grammar (GBNF ``root ::= ...`` as in SGLang/llama.cpp, or Lark with a
     # ``start`` rule) the output must match. ``grammar_backend`` picks the engine that
     # enforces the constraint: outlines, llguidance, or auto (None: the engine's option).
     regex: str | None = None
-    json_schema: dict[str, Any] | str | None = None
+    json_schema: dict[str, Any] | bool | str | None = None
     ebnf: str | None = None
     whitespace_pattern: str | None = None
     grammar_backend: str | None = None
@@ -165,9 +165,10 @@ class SamplingParams:
                 raise RequestError(str(e), "whitespace_pattern") from None
         if self.regex is not None and not isinstance(self.regex, str):
             raise RequestError(f"regex={self.regex!r} is invalid; allowed: a string", "regex")
-        if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, bool, str)):
             raise RequestError(
-                f"json_schema={self.json_schema!r} is invalid; allowed: a JSON Schema object or its JSON text",
+                f"json_schema={self.json_schema!r} is invalid; allowed: a JSON Schema (an object, or true/false) "
+                "or its JSON text",
                 "json_schema",
             )
 
@@ -185,18 +186,13 @@ class SamplingParams:
             raise RequestError("grammar_backend='outlines' cannot enforce an ebnf grammar; allowed: llguidance or auto",
                                "grammar_backend")
         value = getattr(self, kind)
-        if kind == "json_schema" and isinstance(value, str):
-            from plait.runtime.constrained.json_schema import parse_schema_text
-
-            try:  # once, not once per backend tried
-                value = parse_schema_text(value)
-            except ValueError as e:
-                raise RequestError(str(e), kind) from None
-        if kind == "json_schema":  # depth and size first, walked without recursion: the UTF-8 check
-            # below (json.dumps) recursed into a 600-level schema, a RecursionError and a 500
-            from plait.runtime.constrained.json_schema import check_schema_size
+        if kind == "json_schema":  # its text parsed here, once: the translators get the object
+            # (or True); then depth and size, walked without recursion: the UTF-8 check below
+            # (json.dumps) recursed into a 600-level schema, a RecursionError and a 500
+            from plait.runtime.constrained.json_schema import check_schema_size, load_schema
 
             try:
+                value = load_schema(value)
                 check_schema_size(value)
             except ValueError as e:
                 raise RequestError(str(e), kind) from None

@@ -172,23 +172,55 @@ class SchemaError(ValueError):
     """A schema plait cannot (or will not) enforce; the message names the keyword."""
 
 
-def parse_schema_text(text: str) -> Any:
-    """A schema's JSON text, parsed (its length checked first). Raises ``SchemaError``."""
+def parse_schema_text(text: str) -> dict[str, Any] | bool:
+    """A schema's JSON text, parsed (its length checked first): a JSON object or a
+    boolean (``true``/``false`` are schemas). Raises ``SchemaError`` saying what else
+    the text holds."""
     if len(text) > MAX_SCHEMA_CHARS:
         raise SchemaError(f"json_schema has {len(text)} characters; allowed: at most {MAX_SCHEMA_CHARS}")
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise SchemaError(f"json_schema is not valid JSON: {str(e)[:200]}") from None
+    return _schema_shape(value)
+
+
+def load_schema(schema: Any) -> dict[str, Any] | bool:
+    """The schema a user gave (a dict, a bool, or its JSON text: parsed here, the one
+    time it is) as a JSON object or ``True``. Raises ``SchemaError`` naming json_schema:
+    for anything else (a JSON string holding a schema's text too: encoded twice), and
+    for ``false``, which no output can satisfy."""
+    value = parse_schema_text(schema) if isinstance(schema, str) else _schema_shape(schema)
+    if value is False:
+        raise SchemaError("json_schema at # is false: no value can satisfy it, so no output would be valid; "
+                          "allowed: an object schema, or true for any JSON value")
+    return value
+
+
+def _schema_shape(value: Any) -> dict[str, Any] | bool:
+    """``value`` if it can be a schema (an object or a boolean); else ``SchemaError``
+    saying what it is."""
+    if isinstance(value, (dict, bool)):
+        return value
+    kinds = {str: "a JSON string", list: "a JSON array", tuple: "a JSON array", int: "a JSON number",
+             float: "a JSON number", type(None): "null"}
+    found = kinds.get(type(value), f"a {type(value).__name__}")
+    hint = ""
+    if isinstance(value, str):  # a hint only: the string is never taken as the schema
+        try:
+            inner = json.loads(value)
+        except (ValueError, RecursionError):
+            inner = None
+        if isinstance(inner, (dict, bool)):
+            hint = " (it holds a schema's JSON text: the schema was JSON-encoded twice; send it encoded once)"
+    raise SchemaError(f"json_schema is {found}, not a schema{hint}; allowed: a JSON object (a schema) or true/false")
 
 
 def schema_to_regex(schema: Any, whitespace: str | None = None) -> str:
-    """The regex of the JSON texts that ``schema`` (a dict, bool or JSON string)
-    admits, in plait's layout. Raises ``SchemaError`` naming what is unsupported."""
-    if isinstance(schema, str):
-        schema = parse_schema_text(schema)
-    if not isinstance(schema, (dict, bool)):
-        raise SchemaError(f"json_schema must be a JSON object (or true), got {type(schema).__name__}")
+    """The regex of the JSON texts that ``schema`` (a dict, bool or JSON text, as
+    :func:`load_schema` takes it) admits, in plait's layout. Raises ``SchemaError``
+    naming what is unsupported."""
+    schema = load_schema(schema)
     check_schema_size(schema)
     nested = nested_resource_ref(schema)
     if nested is not None:
