@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from plait.runtime.request import Req
-from plait.runtime.sampler import PenaltyCounts, Sampler, counter_noise
+from plait.runtime.sampler import PenaltyCounts, Sampler, counter_uniform
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.staging import Staging
 
@@ -52,16 +52,15 @@ def test_penalty_rows_follow_new_tokens_and_new_owners():
     assert logits[0].tolist() == [1, 1, 1, 1, -0.5, 1, 1, 0.5]  # a's tokens are gone
 
 
-def test_counter_noise_is_exponential_and_a_function_of_seed_and_step():
+def test_counter_uniform_is_uniform_and_a_function_of_seed_and_step():
     seeds = torch.tensor([1, 1, 2, -(2**63)])
     steps = torch.tensor([0, 1, 0, 5])
-    a = counter_noise(seeds, steps, 250_000)
-    assert torch.equal(a, counter_noise(seeds, steps, 250_000))
+    a = counter_uniform(seeds, steps, 250_000)
+    assert torch.equal(a, counter_uniform(seeds, steps, 250_000))
     assert all(not torch.equal(a[i], a[j]) for i in range(4) for j in range(i))
-    assert bool((a > 0).all()) and bool(torch.isfinite(a).all())
-    flat = a.flatten().double()
-    assert abs(flat.mean().item() - 1.0) < 0.005 and abs(flat.var().item() - 1.0) < 0.01
-    u = torch.exp(-flat)  # uniform on (0, 1): every decile holds a tenth
+    assert bool((a > 0).all()) and bool((a < 1).all())
+    u = a.flatten().double()
+    assert abs(u.mean().item() - 0.5) < 0.002 and abs(u.var().item() - 1 / 12) < 0.001
     hist = torch.histc(u, bins=10, min=0.0, max=1.0) / u.numel()
     assert bool(((hist - 0.1).abs() < 0.002).all()), hist
 
@@ -105,3 +104,74 @@ def test_staging_packs_lists_into_one_tensor_per_call():
     assert a.tolist() == [1, 2, 3] and b.tolist() == [] and c.tolist() == [4] and a.dtype == torch.long
     (f,) = Staging(CPU, torch.float32).to_device([0.5, 2])
     assert f.tolist() == [0.5, 2.0] and f.dtype == torch.float32
+
+
+def _reference_filter(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """One row, the definitions written out: keep the top_k highest (ties with the k-th
+    kept), then the tokens with at most top_p of the (renormalised) mass before them in
+    rank order, then those with at least min_p x the highest probability."""
+    row = row.clone()
+    kth = row.sort(descending=True).values[top_k - 1]
+    row[row < kth] = -math.inf
+    if top_p < 1.0:
+        order = row.argsort(descending=True, stable=True)
+        probs = row.softmax(-1)[order].double()
+        before = probs.cumsum(0) - probs
+        row[order[before > top_p]] = -math.inf
+    if min_p > 0.0:
+        probs = row.softmax(-1)
+        row[probs < min_p * probs.max()] = -math.inf
+    return row
+
+
+@pytest.mark.parametrize("settings,sorts", [
+    ([(0, 1.0, 0.0), (0, 1.0, 0.0)], False),  # temperature only: nothing filtered
+    ([(5, 1.0, 0.0), (0, 1.0, 0.0), (300, 1.0, 0.0)], False),  # top-k alone (partial top-k)
+    ([(0, 0.9, 0.0), (40, 0.95, 0.0), (0, 1.0, 0.0)], False),  # nucleus among the candidates
+    ([(0, 0.999, 0.0), (0, 0.5, 0.0)], True),  # a flat row's nucleus is wider: the full sort
+    ([(1000, 0.9, 0.0), (0, 0.9, 0.0)], False),  # a top-k of 1000: that many candidates
+    ([(20, 0.8, 0.1), (0, 1.0, 0.05)], False),  # all three
+])
+def test_filters_keep_what_their_definitions_keep(settings, sorts, monkeypatch):
+    """The sampler's filters (partial top-k, the nucleus among the highest tokens, a
+    filter no row uses skipped) keep exactly the tokens the definitions keep, and sort
+    the vocabulary only where a nucleus is wider than the candidates."""
+    from plait.runtime.sampler import _filter
+
+    vocab, g = 5000, torch.Generator().manual_seed(3)
+    rows = []
+    for i in range(len(settings)):
+        scale = 0.05 if settings[i][1] == 0.999 else 3.0  # a nearly flat row, or a peaked one
+        row = torch.randn(vocab, generator=g) * scale
+        row[7] = row[8] = row[9] = row.max() + 1  # ties at the top
+        row[100:110] = -math.inf  # banned tokens
+        rows.append(row)
+    logits = torch.stack(rows)
+    top_k = torch.tensor([k if 0 < k < vocab else vocab for k, _, _ in settings])
+    top_p = torch.tensor([p for _, p, _ in settings])
+    min_p = torch.tensor([m for _, _, m in settings])
+    calls = []
+    sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **kw: calls.append(1) or sort(self, *a, **kw))
+    k_max = max((k for k, _, _ in settings if 0 < k < vocab), default=0)
+    out = _filter(logits.clone(), top_k, top_p, min_p, k_max, bool((top_p < 1).any()), bool((min_p > 0).any()))
+    monkeypatch.undo()
+    assert bool(calls) == sorts
+    for i, (k, p, m) in enumerate(settings):
+        want = _reference_filter(logits[i], int(top_k[i]), p, m)
+        assert torch.equal(torch.isfinite(out[i]), torch.isfinite(want)), (i, settings[i])
+        kept = torch.isfinite(want)
+        assert torch.equal(out[i][kept], logits[i][kept])
+        if p < 1.0 or k:
+            assert 0 < int(kept.sum()) < vocab - 10  # the case filters something
+
+
+def test_inverse_cdf_draws_only_tokens_with_mass():
+    from plait.runtime.sampler import inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.8, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0], [0.5, 0.0, 0.0, 0.0, 0.5]])
+    for u in (1e-7, 0.2, 0.2000001, 0.5, 0.9999999, 1.0 - 2**-25):
+        got = inverse_cdf(probs, torch.full((3,), u)).tolist()
+        assert probs[0, got[0]] > 0 and got[1] == 4 and probs[2, got[2]] > 0, (u, got)
+    assert inverse_cdf(probs, torch.tensor([0.1, 0.5, 0.49])).tolist() == [1, 4, 0]
+    assert inverse_cdf(probs, torch.tensor([0.3, 0.5, 0.51])).tolist() == [3, 4, 4]
