@@ -184,3 +184,141 @@ def test_retrieve_and_delete_a_stored_response(oai, server):
         oai.responses.retrieve(unstored.id)
     r = httpx.get(f"{server.url}/v1/responses/{done.id}", params={"stream": "true"})
     assert r.status_code == 400 and "stream" in r.json()["error"]["message"]
+
+
+# -- logprobs -----------------------------------------------------------------------------------
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def _text_part(response):
+    return [it for it in response.output if it.type == "message"][0].content[0]
+
+
+def _lp_view(entries) -> list[tuple]:
+    """Logprob entries without their values (compared approximately, apart)."""
+    return [(t.token, t.bytes, [(a.token, a.bytes) for a in t.top_logprobs]) for t in entries]
+
+
+def test_output_text_logprobs_are_the_chat_completions_ones(oai):
+    """``include: ["message.output_text.logprobs"]`` was ignored and ``top_logprobs``
+    refused: the message's output_text now carries the logprobs chat completions gives
+    for the same conversation; streamed, the text deltas carry them as they are written."""
+    ask = {"model": MODEL, "input": "Say hi.", "max_output_tokens": 8, "temperature": 0}
+    r = oai.responses.create(include=LOGPROBS, top_logprobs=2, **ask)
+    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    part, want = _text_part(r), chat.choices[0].logprobs.content
+    assert part.text == chat.choices[0].message.content and want
+    assert _lp_view(part.logprobs) == _lp_view(want) and all(len(t.top_logprobs) == 2 for t in want)
+    assert [t.logprob for t in part.logprobs] == pytest.approx([t.logprob for t in want], abs=1e-4)
+    assert _text_part(oai.responses.create(**ask)).logprobs == []  # not included: none
+    with oai.responses.create(include=LOGPROBS, top_logprobs=2, stream=True, **ask) as s:
+        events = list(s)
+    tokens = [t.token for t in part.logprobs]
+    streamed = [t.token for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert streamed and streamed == tokens[:len(streamed)]  # (a last token that writes no text: on the part only)
+    text_done = [e for e in events if e.type == "response.output_text.done"][0]
+    assert [t.token for t in text_done.logprobs] == tokens
+    final = _text_part(events[-1].response)
+    assert final.text == part.text and _lp_view(final.logprobs) == _lp_view(part.logprobs)
+    assert [t.logprob for t in final.logprobs] == pytest.approx([t.logprob for t in part.logprobs], abs=1e-4)
+
+
+def test_include_top_logprobs_and_reasoning_effort_are_checked(oai, server):
+    """Any ``include`` value and any reasoning effort were accepted (and ``top_logprobs``
+    refused as unknown): an unknown one is a 400 naming the field and the value."""
+    efforts = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for path, body, param, value in [
+            ("/v1/responses", {"input": "hi", "include": [LOGPROBS[0], "bogus.value"]}, "include", "bogus.value"),
+            ("/v1/responses", {"input": "hi", "include": LOGPROBS, "top_logprobs": 21}, "top_logprobs", "21"),
+            ("/v1/responses", {"input": "hi", "top_logprobs": 2}, "top_logprobs", LOGPROBS[0]),
+            ("/v1/responses", {"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort", "extreme"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "extreme"},
+             "reasoning_effort", "extreme"),
+        ]:
+            r = http.post(path, json={"model": MODEL, "max_tokens" if "messages" in body else "max_output_tokens": 1,
+                                      **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+            assert value in r.json()["error"]["message"], r.text
+            if param.endswith("effort"):
+                assert all(repr(e) in r.json()["error"]["message"] for e in efforts), r.text
+    for effort in (None, "minimal", "high"):
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                    reasoning_effort=effort)
+        oai.responses.create(model=MODEL, input="hi", max_output_tokens=1, reasoning={"effort": effort},
+                             include=["reasoning.encrypted_content"])  # (harmless to ignore: reasoning is in clear)
+
+
+def test_completion_text_offsets_of_split_characters(server):
+    """A token that is only part of a character counted as one character of its own
+    (its text is U+FFFD) in the non-streamed ``text_offset``, so every later offset was
+    past the text; streamed, the text a chunk wrote resynchronized it. Both are now the
+    index of the character each token's first byte is part of."""
+    text = "😀🎉é!"
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 16, "temperature": 0, "logprobs": 0, "regex": text}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
+    assert whole["text"] == text
+    tokens, offsets = whole["logprobs"]["tokens"], whole["logprobs"]["text_offset"]
+    assert "\ufffd" in tokens  # the emoji's tokens are pieces of it
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    for tok, off in zip(tokens, offsets):
+        if off < len(text) and tok != "\ufffd":  # a whole-character token is where the text has it
+            assert text[off:off + len(tok)] == tok, (tokens, offsets)
+    assert text.index("!") in offsets and offsets[-1] <= len(text)
+    streamed = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert streamed == offsets
+
+
+# -- input items --------------------------------------------------------------------------------
+def test_input_items_list_the_stored_input_in_openais_shapes():
+    """``GET /v1/responses/{id}/input_items`` was missing: a stored response's input
+    items, after those of the response it continued (its input and output), paged as
+    OpenAI's list object (newest first by default), each as the client's types have
+    it; an id not held is a 404 naming it."""
+    from pydantic import TypeAdapter
+    from starlette.datastructures import QueryParams
+
+    from openai.pagination import SyncCursorPage
+    from openai.types.responses import ResponseItem
+    from plait.errors import RequestError
+    from plait.runtime.server.responses_api import input_items_page, stored_input_items
+
+    store = ResponseStore()
+    call = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "add", "arguments": "{}",
+            "status": "completed"}
+    first = stored_input_items(store, None, "What is 2 + 3?")
+    store.put("resp_1", [], {"output": [call]}, first)
+    second = stored_input_items(store, "resp_1", [
+        {"type": "function_call_output", "call_id": "call_1", "output": "5"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "5"}]},
+        {"id": "msg_mine", "role": "developer", "content": "Be brief."},
+    ])
+    store.put("resp_2", [], {"output": []}, second)
+
+    page = input_items_page(store, "resp_2", QueryParams("order=asc"))
+    typed = SyncCursorPage[ResponseItem].model_validate(page)
+    assert page["object"] == "list" and not typed.has_more
+    assert [type(it).__name__ for it in typed.data] == [
+        "ResponseInputMessageItem", "ResponseFunctionToolCallItem", "ResponseFunctionToolCallOutputItem",
+        "ResponseOutputMessage", "ResponseInputMessageItem"]
+    TypeAdapter(list[ResponseItem]).validate_python(page["data"])  # strictly: every field the types require
+    assert typed.data[0].content[0].text == "What is 2 + 3?" and typed.data[1].id == "fc_1"
+    assert typed.data[2].output == "5" and typed.data[-1].id == "msg_mine"
+    ids = [it["id"] for it in page["data"]]
+    assert len(set(ids)) == len(ids) and (page["first_id"], page["last_id"]) == (ids[0], ids[-1])
+    # newest first, paged after an id
+    newest = input_items_page(store, "resp_2", QueryParams("limit=2"))
+    assert [it["id"] for it in newest["data"]] == ids[::-1][:2] and newest["has_more"]
+    rest = input_items_page(store, "resp_2", QueryParams(f"limit=2&after={newest['last_id']}&include=" + LOGPROBS[0]))
+    assert [it["id"] for it in rest["data"]] == ids[::-1][2:4] and rest["has_more"]
+    assert input_items_page(store, "resp_1", QueryParams(""))["data"] == first
+    for query, param in [("", "response_id"), ("limit=0", "limit"), ("limit=101", "limit"), ("order=up", "order"),
+                         ("after=nope", "after"), ("include=bogus", "include")]:
+        with pytest.raises(RequestError) as e:
+            input_items_page(store, "resp_9" if param == "response_id" else "resp_2", QueryParams(query))
+        assert e.value.param == param and e.value.status == (404 if param == "response_id" else 400)
+        assert ("resp_9" if param == "response_id" else query.split("=")[1]) in e.value.message

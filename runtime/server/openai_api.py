@@ -7,6 +7,7 @@ Formatting turns engine outputs into OpenAI's objects and stream chunks.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import time
@@ -25,6 +26,9 @@ from plait.tool_parsers import ToolParser, ToolStream, check_tools, detect_tool_
 
 MAX_TOP_LOGPROBS = 20
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+# OpenAI's reasoning efforts (the openai client's ReasoningEffort): chat's reasoning_effort, the
+# Responses API's reasoning.effort
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 # Fields accepted and ignored (they change nothing here), with the kind each must have
 # (a mistyped one is a 400, as on OpenAI's API: a client's bug is not silently dropped).
@@ -104,6 +108,14 @@ def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
         raise RequestError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
     for name, kind in _IGNORED.items():
         get_field(body, name, kind)
+
+
+def check_reasoning_effort(value: Any, param: str) -> None:
+    """A reasoning effort: null or one of :data:`REASONING_EFFORTS`. Only checked: it is a
+    hint, and the chat template decides how a model reasons."""
+    if value is not None and value not in REASONING_EFFORTS:
+        raise RequestError(f"{param}={_short(value)} is invalid; allowed: null or one of "
+                           f"{', '.join(repr(e) for e in REASONING_EFFORTS)}", param)
 
 
 def check_model(front: Front, body: dict[str, Any]) -> str:
@@ -613,7 +625,7 @@ def parse_chat(front: Front, body: dict[str, Any]) -> Job:
     if modalities is not None and any(m != "text" for m in modalities):
         raise RequestError(f"modalities={_short(modalities)} is invalid; allowed: [\"text\"] (this server writes "
                            f"text only)", "modalities")
-    get_field(body, "reasoning_effort", "str")  # a hint; the chat template decides how a model reasons
+    check_reasoning_effort(body.get("reasoning_effort"), "reasoning_effort")
     schema = response_format_schema(get_field(body, "response_format", "dict"))
     chat = chat_request(front, body, messages, schema, "response_format")
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -644,24 +656,45 @@ def _lp(v: float | None) -> float:
     return LOGPROB_FLOOR if v is None or not math.isfinite(v) else max(v, LOGPROB_FLOOR)
 
 
+# a lead byte that makes the next k continuation bytes one character (k = 1, 2, 3)
+_LEADS = {1: b"\xc2", 2: b"\xe1", 3: b"\xf1"}
+
+
 class LogprobFormatter:
     """Turns the engine's ``[logprob, token_id]`` lists into OpenAI's shapes."""
 
     def __init__(self, front: Front) -> None:
         self.front = front
 
+    def text_offsets(self, ids: list[int], offset: int) -> list[int]:
+        """Each token's ``text_offset``: the index, in characters of the text the tokens
+        wrote (``offset`` characters before the first), of the character its first byte is
+        part of, as decoding writes it (a token inside a multi-byte character points at
+        that character; invalid bytes are one U+FFFD each). Tokens that start inside a
+        character begun before them (a stream chunk after one that ended mid-character,
+        whose text held it back) point at ``offset``, that character's index."""
+        data = [self.front.token_bytes(t) for t in ids]
+        joined = b"".join(data)
+        carried = len(joined) - len(joined.lstrip(bytes(range(0x80, 0xC0))))
+        dec = codecs.getincrementaldecoder("utf-8")("replace")
+        dec.decode(_LEADS.get(min(carried, 3), b""))  # (nothing written: it waits for its continuation bytes)
+        out = []
+        for b in data:
+            out.append(offset)
+            offset += len(dec.decode(b))
+        return out
+
     def completion(self, pairs: list[list[Any]], tops: list[Any] | None, offset: int) -> dict[str, Any]:
-        tokens, lps, top_out, offsets = [], [], [], []
+        """Completions' ``logprobs``; ``offset``: characters of the choice's text before
+        the first token (the echo, or the text streamed so far)."""
+        tokens, lps, top_out = [], [], []
         for i, (lp, tid, *_) in enumerate(pairs):
-            tok = self.front.token_text(tid)
-            tokens.append(tok)
+            tokens.append(self.front.token_text(tid))
             lps.append(None if lp is None else _lp(lp))
-            offsets.append(offset)
-            offset += len(tok)
             row = tops[i] if tops is not None and i < len(tops) else None
             top_out.append(None if row is None else {self.front.token_text(t): _lp(v) for v, t, *_ in row})
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_out if tops is not None else None,
-                "text_offset": offsets}
+                "text_offset": self.text_offsets([p[1] for p in pairs], offset)}
 
     def chat(self, pairs: list[list[Any]], tops: list[Any] | None) -> list[dict[str, Any]]:
         out = []
@@ -676,6 +709,12 @@ class LogprobFormatter:
                 ],
             })
         return out
+
+    def output(self, meta: dict[str, Any], top: int) -> list[dict[str, Any]]:
+        """The output tokens of ``meta`` (a result's, or a stream chunk's: its new ones)
+        as chat's ``logprobs.content``, which is the Responses API's
+        ``output_text.logprobs`` too; ``top``: the alternatives asked for."""
+        return self.chat(meta.get("output_token_logprobs", []), meta.get("output_top_logprobs") if top else None)
 
 
 def usage(job: Job, completion_tokens: int, cached: int) -> dict[str, Any]:
@@ -700,14 +739,14 @@ def response(front: Front, job: Job, results: dict[tuple[int, int], P.GenerateRe
             cached += meta.get("cached_tokens", 0)
         choice: dict[str, Any] = {"index": choice_index(job, pi, idx), "finish_reason": finish_reason(meta),
                                   "matched_stop": (meta.get("finish_reason") or {}).get("matched")}
-        pairs = meta.get("output_token_logprobs", [])
-        tops = meta.get("output_top_logprobs") if job.logprobs else None
         if job.chat:
             message, has_calls = (job.output or ChatOutput()).message(r.text, output_cut(meta))
             choice["message"] = message
             choice["finish_reason"] = chat_finish_reason(meta, has_calls)
-            choice["logprobs"] = None if job.logprobs is None else {"content": fmt.chat(pairs, tops)}
+            choice["logprobs"] = None if job.logprobs is None else {"content": fmt.output(meta, job.logprobs)}
         else:
+            pairs = meta.get("output_token_logprobs", [])
+            tops = meta.get("output_top_logprobs") if job.logprobs else None
             text = r.text
             lp = None
             if job.logprobs is not None:

@@ -11,8 +11,17 @@ Continuation is stateless for the client and bounded here: the server keeps the
 conversations of its last :data:`STORE_SIZE` stored responses (``store`` true, the
 default) in memory, least recently used first out; an id it does not hold is a 404
 naming ``previous_response_id``. ``GET /v1/responses/{id}`` returns a stored response
-object and ``DELETE /v1/responses/{id}`` forgets it (the openai client's
-``responses.retrieve`` / ``responses.delete``). Nothing survives a restart.
+object, ``GET /v1/responses/{id}/input_items`` pages its input items
+(:func:`input_items_page`) and ``DELETE /v1/responses/{id}`` forgets it (the openai
+client's ``responses.retrieve`` / ``responses.input_items.list`` / ``responses.delete``).
+Nothing survives a restart.
+
+``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` alternatives) puts
+the output tokens' logprobs on the message's ``output_text``, as chat completions'
+``logprobs.content`` has them: every token of the output, in order (the parsers split
+text, not tokens, so a response with reasoning or tool calls has theirs counted in too).
+Streamed, each ``response.output_text.delta`` carries the tokens written since the last
+one.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from starlette.datastructures import QueryParams
 
 from plait import protocol as P
 from plait.errors import RequestError
@@ -35,22 +46,39 @@ FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_to
           "text", "max_output_tokens", "temperature", "top_p", "stream", "store", "metadata", "user", "seed",
           "reasoning", "truncation", "include", "service_tier", "top_k", "min_p", "repetition_penalty",
           "frequency_penalty", "presence_penalty", "stop", "cache_salt", "prompt_cache_key", "safety_identifier",
-          "max_reasoning_chars", "background", "max_tool_calls"}
+          "max_reasoning_chars", "background", "max_tool_calls", "top_logprobs"}
+
+LOGPROBS = "message.output_text.logprobs"
+# The openai client's ResponseIncludable. Only LOGPROBS changes a response here. The others are
+# accepted and ignored because ignoring them is harmless: each adds to an item this server never
+# writes (built-in tool calls, image inputs: refused in tools and input), except
+# reasoning.encrypted_content, which agent clients send with store=false to replay reasoning; here
+# reasoning items are in clear text, and replayed ones are skipped (input_messages).
+INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+              "web_search_call.action.sources", "message.input_image.image_url",
+              "computer_call_output.output.image_url", "code_interpreter_call.outputs")
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+@dataclass(frozen=True)
+class Stored:
+    """One stored response."""
+
+    messages: list[dict[str, Any]]  # its conversation, output included (previous_response_id)
+    response: dict[str, Any] | None  # its response object (GET /v1/responses/{id})
+    input_items: list[dict[str, Any]]  # its input as items, those of previous_response_id first (input_items)
+
+
 class ResponseStore:
-    """The last ``capacity`` stored responses, by id; LRU: each one's conversation (chat
-    messages, output included, for ``previous_response_id``) and its response object
-    (for ``GET /v1/responses/{id}``). One per server; written only by the routes, once a
-    response completes (and by ``DELETE``)."""
+    """The last ``capacity`` stored responses (:class:`Stored`), by id; LRU. One per
+    server; written only by the routes, once a response completes (and by ``DELETE``)."""
 
     def __init__(self, capacity: int = STORE_SIZE) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any] | None]] = OrderedDict()
+        self._items: OrderedDict[str, Stored] = OrderedDict()
 
     def get(self, rid: str) -> list[dict[str, Any]] | None:
         """The conversation of a stored response (None: not held)."""
@@ -58,15 +86,29 @@ class ResponseStore:
         if entry is None:
             return None
         self._items.move_to_end(rid)
-        return entry[0]
+        return entry.messages
 
     def response(self, rid: str) -> dict[str, Any] | None:
         """The response object of a stored response (None: not held)."""
         entry = self._items.get(rid)
-        return None if entry is None else entry[1]
+        return None if entry is None else entry.response
 
-    def put(self, rid: str, messages: list[dict[str, Any]], obj: dict[str, Any] | None = None) -> None:
-        self._items[rid] = (messages, obj)
+    def input_items(self, rid: str) -> list[dict[str, Any]] | None:
+        """The input items of a stored response (None: not held)."""
+        entry = self._items.get(rid)
+        return None if entry is None else entry.input_items
+
+    def context_items(self, rid: str) -> list[dict[str, Any]]:
+        """What a response continuing ``rid`` was given before its own input: ``rid``'s
+        input items and output items (none when not held)."""
+        entry = self._items.get(rid)
+        if entry is None:
+            return []
+        return entry.input_items + (entry.response or {}).get("output", [])
+
+    def put(self, rid: str, messages: list[dict[str, Any]], obj: dict[str, Any] | None = None,
+            input_items: list[dict[str, Any]] | None = None) -> None:
+        self._items[rid] = Stored(messages, obj, input_items or [])
         self._items.move_to_end(rid)
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
@@ -145,6 +187,76 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _text_parts(content: Any, kind: str) -> list[dict[str, Any]]:
+    """A (checked) message content as a list of ``kind`` parts."""
+    texts = [content] if isinstance(content, str) else [p["text"] for p in content]
+    return [{"type": kind, "text": t, **({"annotations": []} if kind == "output_text" else {})} for t in texts]
+
+
+def stored_input_items(store: ResponseStore, prev: str | None, items: Any) -> list[dict[str, Any]]:
+    """What ``GET /v1/responses/{id}/input_items`` lists for a response continuing
+    ``prev`` (None: none) with ``input`` ``items`` (checked by :func:`input_messages`):
+    ``prev``'s context (:meth:`ResponseStore.context_items`), then ``items`` in OpenAI's
+    shapes: each with an ``id`` (the client's, else a new one) and a ``status``; text
+    content as parts."""
+    out = store.context_items(prev) if prev is not None else []
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    for item in items:
+        kind = item.get("type", "message")
+        given = item.get("id") if isinstance(item.get("id"), str) else None
+        if kind == "message":
+            assistant = item["role"] == "assistant"
+            out.append({"type": "message", "id": given or _id("msg"), "role": item["role"], "status": "completed",
+                        "content": _text_parts(item["content"], "output_text" if assistant else "input_text")})
+        elif kind == "function_call":
+            out.append({**_call_item(item["call_id"], item["name"], item["arguments"]), "id": given or _id("fc")})
+        elif kind == "function_call_output":
+            out.append({"type": "function_call_output", "id": given or _id("fco"), "call_id": item["call_id"],
+                        "output": item["output"], "status": "completed"})
+        else:  # reasoning, as given
+            out.append({"summary": [], **item, "id": given or _id("rs")})
+    return out
+
+
+def input_items_page(store: ResponseStore, rid: str, query: QueryParams) -> dict[str, Any]:
+    """``GET /v1/responses/{id}/input_items``: a page of a stored response's input items
+    (those of the response it continued first, as the model was given them; the
+    instructions are not an item) as OpenAI's list object. ``query``: ``limit`` (1-100,
+    20), ``order`` (``desc``, the default, newest first, or ``asc``), ``after`` (the id
+    of the item before the page), ``include`` (checked; input items have nothing to add)."""
+    items = store.input_items(rid)
+    if items is None:
+        raise not_held(store, rid)
+    check_include(query.getlist("include") + query.getlist("include[]"))
+    raw = query.get("limit", "20")
+    if not (raw.isdigit() and 1 <= int(raw) <= 100):
+        raise RequestError(f"limit={raw!r} is invalid; allowed: an integer in [1, 100]", "limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise RequestError(f"order={order!r} is invalid; allowed: 'asc' or 'desc'", "order")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    start = 0
+    if after is not None:
+        ids = [it["id"] for it in ordered]
+        if after not in ids:
+            raise RequestError(f"after={after!r} is not an input item of response {rid!r}", "after")
+        start = ids.index(after) + 1
+    page = ordered[start: start + int(raw)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < len(ordered)}
+
+
+def check_include(include: list[Any]) -> bool:
+    """``include`` checked against :data:`INCLUDABLE`; whether it asks for logprobs."""
+    for k, v in enumerate(include):
+        if v not in INCLUDABLE:
+            raise RequestError(f"include[{k}]={oa._short(v)} is invalid; allowed: "
+                               f"{', '.join(repr(x) for x in INCLUDABLE)}", "include")
+    return LOGPROBS in include
+
+
 @dataclass
 class ResponseJob:
     """One Responses request: the chat job plus what the response object echoes."""
@@ -153,6 +265,8 @@ class ResponseJob:
     messages: list[dict[str, Any]]  # the conversation given to the model
     body: dict[str, Any]
     store: bool
+    input_items: list[dict[str, Any]]  # what GET .../input_items lists once stored
+    logprobs: oa.LogprobFormatter | None  # include asked for the output's logprobs
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -161,10 +275,15 @@ def parse_response_request(front: Front, store: ResponseStore, body: dict[str, A
     model = oa.check_model(front, body)
     if oa.get_field(body, "background", "bool", False):  # accepted at its default: clients send it
         raise RequestError("background=true is not supported by this server; allowed: false", "background")
-    # accepted and ignored (no built-in tools, no reasoning settings, nothing extra to include), but typed
-    oa.get_field(body, "include", "list")
-    oa.get_field(body, "reasoning", "dict")
-    oa.get_field(body, "max_tool_calls", "int", None, 1)
+    want_lp = check_include(oa.get_field(body, "include", "list", []))
+    top = oa.get_field(body, "top_logprobs", "int", None, 0, oa.MAX_TOP_LOGPROBS)
+    if top is not None and not want_lp:
+        raise RequestError(f"top_logprobs needs include to list {LOGPROBS!r} (the logprobs it adds alternatives to)",
+                           "top_logprobs")
+    reasoning = oa.get_field(body, "reasoning", "dict")  # a hint, as chat's reasoning_effort
+    if reasoning is not None:
+        oa.check_reasoning_effort(reasoning.get("effort"), "reasoning.effort")
+    oa.get_field(body, "max_tool_calls", "int", None, 1)  # accepted and ignored (no built-in tools), but typed
     truncation = oa.get_field(body, "truncation", "str")
     if truncation not in (None, "auto", "disabled"):
         raise RequestError(f"truncation={truncation!r} is invalid; allowed: 'auto' or 'disabled'", "truncation")
@@ -177,6 +296,7 @@ def parse_response_request(front: Front, store: ResponseStore, body: dict[str, A
                                f"{store.capacity} stored responses, in memory)", "previous_response_id", 404)
         history = [m for m in found if m["role"] != "system"]  # instructions are not carried over
     new = input_messages(body.get("input"))
+    items = stored_input_items(store, prev, body["input"])
     instructions = oa.get_field(body, "instructions", "str")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history + new
     text = oa.get_field(body, "text", "dict")
@@ -196,16 +316,19 @@ def parse_response_request(front: Front, store: ResponseStore, body: dict[str, A
     stream = oa.get_field(body, "stream", "bool", False)
     rid = _id("resp")
     req = P.GenerateRequest(rid=front.new_rid("resp"), input_ids=chat.ids, sampling_params=sp, stream=stream,
-                            cache_salt=oa.get_field(body, "cache_salt", "str"))
+                            cache_salt=oa.get_field(body, "cache_salt", "str"), return_logprob=want_lp,
+                            top_logprobs_num=top or 0)
     job = oa.Job(True, rid, model, int(time.time()), [req], 1, stream, prompt_tokens=[len(chat.ids)],
-                 constraint_field=chat.constraint_field, output=chat.output)
-    return ResponseJob(job, checked, body, oa.get_field(body, "store", "bool", True))
+                 constraint_field=chat.constraint_field, output=chat.output,
+                 logprobs=(top or 0) if want_lp else None)
+    return ResponseJob(job, checked, body, oa.get_field(body, "store", "bool", True), items,
+                       oa.LogprobFormatter(front) if want_lp else None)
 
 
 # -- response ---------------------------------------------------------------------------------
-def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
+def _message_item(text: str, status: str = "completed", logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": _id("msg"), "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
 def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
@@ -218,13 +341,14 @@ def _reasoning_item(text: str) -> dict[str, Any]:
             "status": "completed"}
 
 
-def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat message as Responses output items: reasoning, text, calls."""
+def output_items(message: dict[str, Any], logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """A chat message as Responses output items: reasoning, text (with ``logprobs``),
+    calls."""
     items = []
     if message.get("reasoning_content"):
         items.append(_reasoning_item(message["reasoning_content"]))
     if message.get("content"):
-        items.append(_message_item(message["content"]))
+        items.append(_message_item(message["content"], logprobs=logprobs))
     for c in message.get("tool_calls", []):
         items.append(_call_item(c["id"], c["function"]["name"], c["function"]["arguments"]))
     return items
@@ -274,7 +398,7 @@ def finish(store: ResponseStore, rj: ResponseJob, items: list[dict[str, Any]], m
     """The completed response; stored for continuation when ``store``."""
     obj = response_object(rj, items, meta, "completed")
     if rj.store:
-        store.put(rj.job.id, conversation(rj, items), obj)
+        store.put(rj.job.id, conversation(rj, items), obj, rj.input_items)
     return obj
 
 
@@ -289,7 +413,8 @@ def _mark_cut(items: list[dict[str, Any]], cut: bool) -> None:
 def response(store: ResponseStore, rj: ResponseJob, result: P.GenerateResult) -> dict[str, Any]:
     cut = oa.output_cut(result.meta_info)
     message, _ = (rj.job.output or oa.ChatOutput()).message(result.text, cut)
-    items = output_items(message)
+    lps = rj.logprobs.output(result.meta_info, rj.job.logprobs or 0) if rj.logprobs is not None else None
+    items = output_items(message, lps)
     _mark_cut(items, cut)
     return finish(store, rj, items, result.meta_info)
 
@@ -304,6 +429,7 @@ class _Events:
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being streamed
         self.calls: dict[int, int] = {}  # tool-call stream index -> output index
+        self.unsent: list[dict[str, Any]] = []  # logprobs of tokens written since the last text delta
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         e = {"type": kind, "sequence_number": self.seq, **fields}
@@ -337,8 +463,10 @@ class _Events:
         out = []
         if item["type"] == "message":
             part = item["content"][0]
+            part["logprobs"] += self.unsent
+            self.unsent = []
             out.append(self.event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
-                                  text=part["text"], logprobs=[]))
+                                  text=part["text"], logprobs=part["logprobs"]))
             out.append(self.event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
                                   part=part))
         elif item["type"] == "reasoning":
@@ -353,7 +481,10 @@ class _Events:
         out.append(self.event("response.output_item.done", output_index=i, item=item))
         return out
 
-    def deltas(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def deltas(self, deltas: list[dict[str, Any]], logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The events of one engine chunk's ``deltas``; ``logprobs``: its tokens' (the
+        first text delta since carries them)."""
+        self.unsent += logprobs
         out: list[dict[str, Any]] = []
         for d in deltas:
             if d.get("reasoning_content"):
@@ -367,10 +498,13 @@ class _Events:
                 if self.open is None or self.open["type"] != "message":
                     out += self._open(_message_item(""))
                 assert self.open is not None
-                self.open["content"][0]["text"] += d["content"]
+                part = self.open["content"][0]
+                part["text"] += d["content"]
+                part["logprobs"] += self.unsent
                 out.append(self.event("response.output_text.delta", item_id=self.open["id"],
                                       output_index=len(self.items) - 1, content_index=0, delta=d["content"],
-                                      logprobs=[]))
+                                      logprobs=self.unsent))
+                self.unsent = []
             for tc in d.get("tool_calls", []):
                 if "id" in tc:
                     out += self._open(_call_item(tc["id"], tc["function"]["name"], ""))
@@ -390,16 +524,21 @@ async def stream(store: ResponseStore, rj: ResponseJob, events: AsyncIterator[An
     cs = (rj.job.output or oa.ChatOutput()).stream()
     yield ev.event("response.created", response=response_object(rj, [], None, "in_progress"))
     yield ev.event("response.in_progress", response=response_object(rj, [], None, "in_progress"))
+    fmt, top = rj.logprobs, rj.job.logprobs or 0
     async for msg in events:
         if isinstance(msg, P.StreamChunk):
-            for e in ev.deltas(cs.feed(msg.text)):
+            for e in ev.deltas(cs.feed(msg.text), fmt.output(msg.meta, top) if fmt is not None else []):
                 yield e
         else:
             cut = oa.output_cut(msg.meta_info)
-            out = ev.deltas(cs.finish(cut))
+            out = ev.deltas(cs.finish(cut), [])
             _mark_cut(ev.items, cut)
             for e in out + ev.close():
                 yield e
+            parts = [it["content"][0] for it in ev.items if it["type"] == "message"]
+            if fmt is not None and parts:  # every token, as non-streamed: those after the last text delta too
+                placed = sum(len(p["logprobs"]) for p in parts)
+                parts[-1]["logprobs"] += fmt.output(msg.meta_info, top)[placed:]
             done = finish(store, rj, ev.items, msg.meta_info)
             kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
             yield ev.event(kind, response=done)
