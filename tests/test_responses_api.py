@@ -273,6 +273,26 @@ def test_completion_text_offsets_of_split_characters(server):
     assert streamed == offsets
 
 
+def test_streamed_text_offsets_count_the_text_a_stop_string_held_back(server):
+    """Streamed, a choice's offsets advanced by the text each chunk sent: a chunk whose
+    text a stop string held back ("\\n" may begin "\\n\\n") advanced them by nothing, so
+    every later token's offset was too small ("b" of "a\\nb" at 1, not 2). They are now
+    counted from the tokens, as the non-streamed ``text_offset`` is."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 0, "logprobs": 0, "regex": "a\nb",
+            "stop": ["\n\n"]}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
+    tokens, offsets = whole["logprobs"]["tokens"], whole["logprobs"]["text_offset"]
+    assert whole["text"] == "a\nb" and "".join(tokens) == "a\nb"
+    assert offsets == [whole["text"].index(t) for t in tokens]
+    sent = [c for c in chunks if c["logprobs"]]
+    assert any(c["text"] != "".join(c["logprobs"]["tokens"]) for c in sent)  # some text was held back
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert [o for c in sent for o in c["logprobs"]["text_offset"]] == offsets
+
+
 # -- input items --------------------------------------------------------------------------------
 def test_input_items_list_the_stored_input_in_openais_shapes():
     """``GET /v1/responses/{id}/input_items`` was missing: a stored response's input
@@ -322,3 +342,22 @@ def test_input_items_list_the_stored_input_in_openais_shapes():
             input_items_page(store, "resp_9" if param == "response_id" else "resp_2", QueryParams(query))
         assert e.value.param == param and e.value.status == (404 if param == "response_id" else 400)
         assert ("resp_9" if param == "response_id" else query.split("=")[1]) in e.value.message
+
+
+def test_input_items_are_served_to_the_client(oai):
+    """``responses.input_items.list`` had no route (a 404 for every id): a stored
+    response's input items, newest first unless asked otherwise; an id not held is a
+    404 naming it."""
+    asked = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"},
+             {"role": "user", "content": "And 3 + 4?"}]
+    r = oai.responses.create(model=MODEL, instructions="Be brief.", input=asked, max_output_tokens=1, temperature=0,
+                             store=True)
+    items = oai.responses.input_items.list(r.id, order="asc")
+    assert [(it.type, it.role, it.content[0].text) for it in items.data] == [
+        ("message", m["role"], m["content"]) for m in asked]  # (the instructions are not an item)
+    assert not items.has_more and items.first_id == items.data[0].id
+    newest = oai.responses.input_items.list(r.id, limit=2)
+    assert [it.id for it in newest.data] == [it.id for it in items.data][::-1][:2] and newest.has_more
+    with pytest.raises(openai.NotFoundError, match="resp_unknown") as e:
+        oai.responses.input_items.list("resp_unknown")
+    assert e.value.body["param"] == "response_id"  # (not the router's 404 for a path it lacks)

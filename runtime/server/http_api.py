@@ -8,6 +8,7 @@ aborts its requests, so their KV memory returns to the pool.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
 import json
 import logging
@@ -623,6 +624,9 @@ def build_app(front: Front) -> ASGIApp:
             raise ra.not_held(store, rid)
         return JSONResponse(obj)
 
+    async def input_items(request: Request) -> Response:
+        return JSONResponse(ra.input_items_page(store, request.path_params["response_id"], request.query_params))
+
     routes = [
         Route("/generate", generate, methods=["POST"]),
         Route("/model_info", model_info, methods=["GET"]),
@@ -643,6 +647,7 @@ def build_app(front: Front) -> ASGIApp:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"]),
     ]
 
     app: ASGIApp = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
@@ -772,9 +777,33 @@ def _native_out(r: P.GenerateResult) -> dict[str, Any]:
     return {"text": r.text, "output_ids": r.output_ids, "meta_info": pad_logprob_text(r.meta_info)}
 
 
+class _StreamOffsets:
+    """Streamed completions' ``logprobs``, each choice's ``text_offset`` continuing where
+    its tokens so far (its echoed prompt's, then its output's) left off: the characters
+    their bytes decode to, as the non-streamed response counts them in one
+    :meth:`~oa.LogprobFormatter.text_offsets` over all of them. Not the text sent so far:
+    a stop string holds text back (``"\\n"`` while it may begin ``"\\n\\n"``), and a
+    chunk's tokens still follow it."""
+
+    def __init__(self, fmt: oa.LogprobFormatter) -> None:
+        self.fmt = fmt
+        self.written: dict[int, int] = {}  # choice index -> characters its tokens have written
+        self.decoders: dict[int, codecs.IncrementalDecoder] = {}  # (holding a character's first bytes)
+
+    def completion(self, index: int, pairs: list[list[Any]], tops: list[Any] | None) -> dict[str, Any]:
+        """Choice ``index``'s ``logprobs`` for its next tokens ``pairs``."""
+        offset = self.written.get(index, 0)
+        lp = self.fmt.completion(pairs, tops, offset)
+        dec = self.decoders.get(index)
+        if dec is None:
+            dec = self.decoders[index] = codecs.getincrementaldecoder("utf-8")("replace")
+        self.written[index] = offset + sum(len(dec.decode(self.fmt.front.token_bytes(p[1]))) for p in pairs)
+        return lp
+
+
 async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIterator[bytes]:
     fmt = oa.LogprobFormatter(front)
-    offsets: dict[int, int] = {}
+    offsets = _StreamOffsets(fmt)
     completion = cached = 0
     started: set[int] = set()
     chats: dict[int, oa.ChatStream] = {}  # choice index -> its chat deltas (reasoning, tool calls)
@@ -785,7 +814,6 @@ async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIte
             for pi, text in enumerate(job.echo_texts):
                 for idx in range(job.n):
                     index = oa.choice_index(job, pi, idx)
-                    offsets[index] = len(text)  # the output's text_offset counts the echo
                     if job.logprobs is None:
                         yielded = True
                         yield sse(oa.stream_chunk(job, index, text, None))
@@ -797,8 +825,8 @@ async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIte
             if index in echoes:
                 meta = msg.meta if isinstance(msg, P.StreamChunk) else msg.meta_info
                 tops = meta.get("input_top_logprobs") if job.logprobs else None
-                yield sse(oa.stream_chunk(job, index, echoes.pop(index), None,
-                                          logprobs=fmt.completion(meta.get("input_token_logprobs", []), tops, 0)))
+                lp = offsets.completion(index, meta.get("input_token_logprobs", []), tops)
+                yield sse(oa.stream_chunk(job, index, echoes.pop(index), None, logprobs=lp))
             role = job.chat and index not in started
             started.add(index)
             if isinstance(msg, P.StreamChunk):
@@ -809,8 +837,7 @@ async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIte
                     if job.chat:
                         lp = {"content": fmt.chat(pairs, tops)}
                     else:
-                        lp = fmt.completion(pairs, tops, offsets.get(index, 0))
-                        offsets[index] = offsets.get(index, 0) + len(msg.text)
+                        lp = offsets.completion(index, pairs, tops)
                 if job.chat:
                     cs = chats.setdefault(index, (job.output or oa.ChatOutput()).stream())
                     for c in oa.chat_chunks(job, cs, index, msg.text, role=role, logprobs=lp):
