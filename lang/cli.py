@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--num-threads", type=int, default=None)
     serve = sub.add_parser(
         "serve",
+        usage="%(prog)s [MODEL] [options]  (--help lists them)",
         help="run the plait server (OpenAI-compatible and native HTTP API, ZMQ for language clients)",
         description="Run the plait server: a front process (HTTP + ZMQ) and an engine process. "
         "Stop it with Ctrl-C or SIGTERM.",
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             server_args = args_from_namespace(args)
         except ValueError as e:
-            parser.error(str(e))
+            serve.error(str(e))
         return run(server_args, announce=True)
 
     if args.command == "lint":

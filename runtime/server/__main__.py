@@ -11,7 +11,8 @@ from plait.runtime.server.args import ServerArgs, add_server_arguments, args_fro
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m plait.runtime.server", description="plait server (front process)")
+    parser = argparse.ArgumentParser(prog="python -m plait.runtime.server", usage="%(prog)s [MODEL] [options]",
+                                     description="plait server (front process)")
     add_server_arguments(parser)
     parser.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
@@ -20,8 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = ServerArgs.from_validated_json(ns.validated_args) if ns.validated_args else args_from_namespace(ns)
     except ValueError as e:
-        if ns.ready_fd is not None:
-            os.write(ns.ready_fd, (json.dumps({"error": str(e)}) + "\n").encode())
+        if ns.ready_fd is None:
+            parser.error(str(e))  # exits 2, as an argparse error does
+        os.write(ns.ready_fd, (json.dumps({"error": str(e)}) + "\n").encode())
         print(f"error: {e}", file=sys.stderr)
         return 2
     from plait.runtime.server.serve import run

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.runtime.config import EngineConfig, build_trusted
-from plait.runtime.server.sglang_options import FOREIGN, alias_flags, flag, translate
+from plait.runtime.server.sglang_options import FOREIGN, GPU_ONLY, NEGATED, alias_flags, flag, translate
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+HTTP_LOG_LEVELS = (*LOG_LEVELS, "trace")  # uvicorn's
 
 # Help for each EngineConfig field; a test checks every field has one.
 ENGINE_HELP: dict[str, str] = {
@@ -110,6 +111,7 @@ class ServerArgs:
     served_model_name: str | None = None
     zmq_address: str | None = None
     log_level: str = "warning"
+    log_level_http: str | None = None  # the HTTP server's (uvicorn's) logging level; None: log_level
     restart_engine: bool = True
     client_timeout_s: float = 10.0
     dp_size: int = 1  # engine replicas (data parallel) behind this front
@@ -125,6 +127,10 @@ class ServerArgs:
             raise ValueError(f"host={self.host!r} is invalid; allowed: a host name or IP address")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key is invalid; allowed: a non-empty string or None")
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
+                                                   or not self.served_model_name):
+            raise ValueError(f"served_model_name={self.served_model_name!r} is invalid; allowed: one non-empty name "
+                             f"or None (the model argument); plait serves a model under one name")
         if isinstance(self.client_timeout_s, bool) or not isinstance(self.client_timeout_s, (int, float)) \
                 or not 0 < self.client_timeout_s <= 3600:
             raise ValueError(f"client_timeout_s={self.client_timeout_s!r} is invalid; allowed: seconds in (0, 3600]")
@@ -154,6 +160,9 @@ class ServerArgs:
                              f"them), or None (no CORS)")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level={self.log_level!r} is invalid; allowed: {', '.join(LOG_LEVELS)}")
+        if self.log_level_http is not None and self.log_level_http not in HTTP_LOG_LEVELS:
+            raise ValueError(f"log_level_http={self.log_level_http!r} is invalid; allowed: "
+                             f"{', '.join(HTTP_LOG_LEVELS)} or None (log_level)")
         if self.zmq_address is not None and not (
             isinstance(self.zmq_address, str) and self.zmq_address.startswith(("tcp://", "ipc://"))
         ):
@@ -190,8 +199,9 @@ class ServerArgs:
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "ServerArgs":
-        """Split server options from engine options. SGLang's option names are accepted
-        too (:mod:`plait.runtime.server.sglang_options`); unknown names raise ``ValueError``."""
+        """Split server options from engine options. SGLang's and vLLM's option names are
+        accepted too (:mod:`plait.runtime.server.sglang_options`); unknown names raise
+        ``ValueError``."""
         kwargs = translate(kwargs, model)
         model = kwargs.pop("model", model)
         own = {f.name for f in dataclasses.fields(cls)} - {"engine", "model"}
@@ -216,10 +226,13 @@ _SERVER_HELP = {
     "host": "address the HTTP server binds (0.0.0.0 exposes it to the network)",
     "port": "HTTP port (0 picks a free one; the chosen URL is printed)",
     "api_key": "require 'Authorization: Bearer KEY' on every HTTP route",
-    "served_model_name": "the model name clients send in OpenAI requests (default: the --model argument)",
+    "served_model_name": "the model name clients send in OpenAI requests (default: the --model argument); one "
+    "name (vLLM's list of several is refused)",
     "zmq_address": "socket of language clients: tcp://HOST:PORT (PORT * or 0 for a free one) or ipc://PATH "
     "(default: ipc in a private temp folder)",
-    "log_level": "logging level of the server processes: " + ", ".join(LOG_LEVELS),
+    "log_level": "logging level of the server processes: " + ", ".join(LOG_LEVELS) + " (any case)",
+    "log_level_http": "logging level of the HTTP server (uvicorn): " + ", ".join(HTTP_LOG_LEVELS)
+    + " (default: --log-level)",
     "dp_size": "data parallel: engine processes (replicas, each with its own model copy and KV cache) behind one "
     "front; requests go to the replica with the fewest tokens in flight; --num-threads applies to each",
     "client_timeout_s": "abort the requests of a language client that pings and then goes silent this long",
@@ -259,21 +272,31 @@ def _annotation_type(annotation: str) -> Any:
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, *, default_port: int = 0) -> None:
-    """Add every :class:`ServerArgs` and :class:`EngineConfig` option as a flag."""
+    """Add every :class:`ServerArgs` and :class:`EngineConfig` option as a flag, with
+    SGLang's and vLLM's spellings (:mod:`plait.runtime.server.sglang_options`), and the
+    model as an optional positional argument (``vllm serve MODEL``). A flag given twice
+    takes its last value, as in SGLang and vLLM."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as vLLM takes it (vllm serve MODEL); the same as --model")
     srv = parser.add_argument_group("server")
     for f in dataclasses.fields(ServerArgs):
         if f.name == "engine":
             continue
         default = default_port if f.name == "port" else f.default
         kwargs: dict[str, Any] = {"default": default, "help": _SERVER_HELP[f.name] + _default_note(default)}
-        if f.name == "log_level":
-            kwargs["choices"] = LOG_LEVELS
+        if f.name in ("log_level", "log_level_http"):
+            kwargs["type"] = str.lower  # SGLang takes Python's level names in any case
+            kwargs["choices"] = LOG_LEVELS if f.name == "log_level" else HTTP_LOG_LEVELS
+            kwargs["metavar"] = "LEVEL"
         elif f.name in ("port", "dp_size"):
             kwargs["type"] = int
         elif f.name == "client_timeout_s":
             kwargs["type"] = float
         elif f.name == "restart_engine":
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif f.name == "served_model_name":
+            kwargs["nargs"] = "+"  # vLLM's list; more than one is refused by args_from_namespace
+            kwargs["metavar"] = "NAME"
         srv.add_argument(flag(f.name), *alias_flags(f.name), **kwargs)
     eng = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
@@ -284,13 +307,21 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, default_port: int =
             eng.add_argument(*opts, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         else:
             eng.add_argument(*opts, type=t, default=f.default, help=help_ + _default_note(f.default))
+    other = parser.add_argument_group(
+        "other names of plait options", "vLLM's switches and options whose meaning is a plait option's")
+    for name, target in NEGATED.items():
+        other.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=f"the negation of {flag(target)}")
+    for name, target in GPU_ONLY.items():
+        other.add_argument(flag(name), dest=name, type=float, default=argparse.SUPPRESS,
+                           help=f"CUDA: {flag(target)}; ignored on CPU (set {flag(target)} for the RAM share there)")
     sgl = parser.add_argument_group(
-        "SGLang options plait does not have", "accepted where they change nothing (--tp-size 1), refused otherwise "
-        "with what plait offers instead (docs/serving.md, 'SGLang option names')")
+        "SGLang and vLLM options plait does not have", "accepted where they change nothing (--tp-size 1), refused "
+        "otherwise with what plait offers instead (docs/serving.md, 'SGLang option names')")
     for name, foreign in FOREIGN.items():
         kwargs = {"dest": name, "default": argparse.SUPPRESS, "help": foreign.instead}
         if foreign.type is bool:
-            kwargs["action"] = "store_true"
+            kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = foreign.type
         sgl.add_argument(flag(name), *foreign.flags, **kwargs)
@@ -301,12 +332,27 @@ def _default_note(default: Any) -> str:
 
 
 def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
-    engine_fields = [f.name for f in dataclasses.fields(EngineConfig)]
-    server_fields = [f.name for f in dataclasses.fields(ServerArgs) if f.name != "engine"]
-    given = {name: getattr(ns, name) for name in [*FOREIGN, *engine_fields, *server_fields] if hasattr(ns, name)}
-    values = translate(given)  # SGLang's values (--dtype half); refuses what plait does not have
-    return ServerArgs(engine=EngineConfig(**{k: values[k] for k in engine_fields}),
-                      **{k: values[k] for k in server_fields})
+    """The settings of a parsed command line (:func:`add_server_arguments`): the options
+    given (those at their defaults are left out, so SGLang's and vLLM's names of an option
+    set on the command line are checked against each other) through
+    :meth:`ServerArgs.from_kwargs`. Raises ``ValueError``."""
+    defaults = {f.name: f.default for cls in (ServerArgs, EngineConfig) for f in dataclasses.fields(cls)
+                if f.name != "engine"}
+    names = [*defaults, *FOREIGN, *NEGATED, *GPU_ONLY]
+    given = {n: getattr(ns, n) for n in names if hasattr(ns, n) and (n not in defaults or getattr(ns, n) != defaults[n])}
+    served = given.pop("served_model_name", None)
+    if served is not None:  # a list on the command line (vLLM's nargs)
+        if len(served) > 1:
+            raise ValueError(f"served_model_name={served!r} is invalid; allowed: one name (plait serves a model "
+                             f"under one name; vLLM's list of several is not supported)")
+        given["served_model_name"] = served[0]
+    tag = getattr(ns, "model_tag", None)
+    if tag is not None:
+        if given.get("model", tag) != tag:
+            raise ValueError(f"the model was given twice, as MODEL {tag!r} and as --model/--model-path "
+                             f"{given['model']!r}; give one")
+        given["model"] = tag
+    return ServerArgs.from_kwargs(**given)
 
 
 def setup_logging(level: str) -> None:

@@ -190,8 +190,8 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
             front.client_loop(), front.watchdog(), front.client_watchdog())]
         if parent_pid is not None:
             tasks.append(asyncio.ensure_future(_watch_parent(parent_pid, stop)))
-        config = uvicorn.Config(build_app(front), log_level=args.log_level, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=3, timeout_keep_alive=30)
+        config = uvicorn.Config(build_app(front), log_level=args.log_level_http or args.log_level, access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=3, timeout_keep_alive=30)
         server = _Server(config)
         serve_task = asyncio.ensure_future(server.serve(sockets=[sock]))
         while not server.started:
