@@ -136,3 +136,45 @@ def test_keywords_take_the_same_names_as_the_flags():
         ServerArgs.from_kwargs(None, enable_prefix_caching="no")
     with pytest.raises(ValueError, match="served_model_name=.* is invalid; allowed: one non-empty name"):
         ServerArgs.from_kwargs(None, served_model_name=["a", "b"])
+
+
+def test_stopping_an_engine_that_is_not_connected_leaves_no_stray_error():
+    """Shutting down after a process-group SIGTERM (systemd, ``timeout``) killed the
+    engine: the shutdown message cannot be sent (no peer) and that is all; the failed
+    send used to be left in a future whose error asyncio logged with a traceback."""
+    import asyncio
+    import gc
+
+    import zmq
+    import zmq.asyncio
+
+    from plait.runtime.server.serve import _stop_engine
+
+    class GoneEngine:  # still running at the first look, gone at the next
+        def __init__(self) -> None:
+            self.looks = 0
+
+        def poll(self) -> int | None:
+            self.looks += 1
+            return None if self.looks == 1 else -15
+
+        def wait(self) -> int:
+            return -15
+
+    errors: list[dict] = []
+
+    async def stop() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        ctx = zmq.asyncio.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.setsockopt(zmq.LINGER, 0)
+        push.bind("inproc://engine-in")
+        await _stop_engine(push, GoneEngine())
+        push.close(linger=0)
+        ctx.term()
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(stop())
+    assert errors == []

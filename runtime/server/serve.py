@@ -182,12 +182,21 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
         replicas = [Replica(rank, proc, push, restarter(rank)) for rank, (proc, push) in enumerate(zip(procs, pushes))]
         front = Front(args, tokenizer, infos[0], replicas=replicas, router=router, zmq_address=zmq_address)
         stop = asyncio.Event()
+        watchdog = asyncio.ensure_future(front.watchdog())
+        tasks = [watchdog, *(asyncio.ensure_future(c) for c in (
+            *(front.engine_reader(r, pull) for r, pull in zip(replicas, pulls)),
+            front.client_loop(), front.client_watchdog()))]
+
+        def on_signal() -> None:
+            # NOTE: the watchdog stops first: a signal sent to the whole process group
+            # (systemd, timeout, kill -- -PGID) has killed the engines too, and they must
+            # not be restarted during shutdown
+            watchdog.cancel()
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        tasks = [asyncio.ensure_future(c) for c in (
-            *(front.engine_reader(r, pull) for r, pull in zip(replicas, pulls)),
-            front.client_loop(), front.watchdog(), front.client_watchdog())]
+            loop.add_signal_handler(sig, on_signal)
         if parent_pid is not None:
             tasks.append(asyncio.ensure_future(_watch_parent(parent_pid, stop)))
         config = uvicorn.Config(build_app(front), log_level=args.log_level_http or args.log_level, access_log=False,
@@ -206,7 +215,8 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
                     len(procs))
         stop_task = asyncio.ensure_future(stop.wait())
         await asyncio.wait({stop_task, serve_task}, return_when=asyncio.FIRST_COMPLETED)
-        # shut down: end in-flight requests, stop HTTP, then the engines
+        # shut down: no more restarts, end in-flight requests, stop HTTP, then the engines
+        watchdog.cancel()
         front.abort_all(everyone=True)
         await asyncio.sleep(0.05)
         server.should_exit = True
@@ -226,8 +236,8 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
 
 async def _stop_engine(push: zmq.asyncio.Socket, proc: Any) -> None:
     if proc.poll() is None:
-        with contextlib.suppress(zmq.ZMQError):
-            push.send(P.encode(P.EngineShutdown()), zmq.NOBLOCK)
+        with contextlib.suppress(zmq.ZMQError):  # Again: the engine is not connected (yet)
+            await push.send(P.encode(P.EngineShutdown()), zmq.NOBLOCK)
         for _ in range(int(ENGINE_STOP_TIMEOUT_S / 0.05)):
             if proc.poll() is not None:
                 break
