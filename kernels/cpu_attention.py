@@ -156,11 +156,12 @@ def load() -> ctypes.CDLL:
             if cc is None:
                 raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang)")
             lib = ctypes.CDLL(str(_build(cc)))
-            fn = lib.plait_paged_decode_f32
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+            for fn in (lib.plait_paged_decode_f32, lib.plait_paged_extend_f32):  # one signature
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                               ctypes.c_int]
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             _error = f"the native CPU decode kernel is unavailable: {e}"
             raise RuntimeError(_error) from e
@@ -186,12 +187,18 @@ def paged_decode(
     scale: float,
     out: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
+    tiled: bool = False,
 ) -> torch.Tensor:
     """Decode attention, the same contract as :func:`plait.kernels.decode_attention.decode_attention_ref`:
     q [B, H, D] (rows may be strided; heads and dims contiguous), k/v buffers
     [slots, KVH, D], req_to_token int32 [rows, context], req_rows / seq_lens int64 [B];
     ``starts`` int64 [B]: first position each request attends to (a sliding window),
-    None: 0. Returns [B, H, D]."""
+    None: 0. Returns [B, H, D].
+
+    ``tiled``: the rows are tokens of prompt chunks and decodes (a chunk's tokens
+    consecutive, each with its own ``seq_lens``: position + 1), run by
+    ``plait_paged_extend_f32``, which reads a chunk's context once per tile of its
+    tokens (the fused forward's attention); the same result."""
     B, H, D = q.shape
     kvh = k_buffer.shape[1]
     if not supports(H, kvh, D, q.dtype):
@@ -211,7 +218,8 @@ def paged_decode(
         out = torch.empty((B, H, D), dtype=q.dtype)
     if B == 0:
         return out
-    rc = load().plait_paged_decode_f32(
+    lib = load()
+    rc = (lib.plait_paged_extend_f32 if tiled else lib.plait_paged_decode_f32)(
         q.data_ptr(), q.stride(0), k_buffer.data_ptr(), v_buffer.data_ptr(), req_to_token.data_ptr(),
         req_to_token.stride(0), req_rows.data_ptr(), seq_lens.data_ptr(),
         starts.data_ptr() if starts is not None else None, out.data_ptr(),

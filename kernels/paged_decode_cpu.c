@@ -19,6 +19,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -167,10 +168,13 @@ static inline float softmax_block16(float *sg, int64_t n, float *m, float *l) {
 /* The same work with AVX-512 intrinsics, for `nh` consecutive KV heads at once (each
  * key's rows for all of them are read together); D a multiple of 16 (a constant where
  * inlined for the common head dims, so the loops over D unroll and the accumulators
- * stay in registers). q and out: [nh * group, D]; k, v offset to the first KV head. */
+ * stay in registers). q and out: [nh * group, D]; k, v offset to the first KV head.
+ * row_len: NULL (every row sees `len` keys) or each row's own count (<= len, >= 1): the
+ * query rows of consecutive tokens of one prompt chunk, each seeing the keys up to its
+ * own position (a masked key's weight is exp(-87 - max) ~ 1e-38 of the row's sum). */
 static inline __attribute__((always_inline)) void attend_avx512(
     const float *q, const float *k, const float *v, int64_t row_stride, const int32_t *slots, int64_t len,
-    int64_t nh, int64_t group, const int64_t D, float scale, float *out) {
+    int64_t nh, int64_t group, const int64_t D, float scale, float *out, const int64_t *row_len) {
     const int64_t nv = D / 16, nq = nh * group;
     __m512 qv[MAX_ITEM_HEADS * MAX_DIM / 16], acc[MAX_ITEM_HEADS * MAX_DIM / 16];
     float s[MAX_ITEM_HEADS * BLOCK] __attribute__((aligned(64)));
@@ -203,7 +207,8 @@ static inline __attribute__((always_inline)) void attend_avx512(
                     const __m512 *qr = qv + (h * group + g) * nv;
                     __m512 a = _mm512_mul_ps(qr[0], kv[0]);
                     for (int64_t i = 1; i < nv; ++i) a = _mm512_fmadd_ps(qr[i], kv[i], a);
-                    s[(h * group + g) * BLOCK + j] = _mm512_reduce_add_ps(a);
+                    const int64_t r = h * group + g;
+                    s[r * BLOCK + j] = row_len && j0 + j >= row_len[r] ? -INFINITY : _mm512_reduce_add_ps(a);
                 }
             }
         }
@@ -263,19 +268,111 @@ int plait_paged_decode_f32(
         float *oh = out + (b * H + h * group) * D;
 #if defined(__AVX512F__)
         if (D == 64) {
-            attend_avx512(qh, k, v, row_stride, slots, len, heads_per_item, group, 64, scale, oh);
+            attend_avx512(qh, k, v, row_stride, slots, len, heads_per_item, group, 64, scale, oh, NULL);
             continue;
         }
         if (D == 128) {
-            attend_avx512(qh, k, v, row_stride, slots, len, heads_per_item, group, 128, scale, oh);
+            attend_avx512(qh, k, v, row_stride, slots, len, heads_per_item, group, 128, scale, oh, NULL);
             continue;
         }
         if (D % 16 == 0) {
-            attend_avx512(qh, k, v, row_stride, slots, len, heads_per_item, group, D, scale, oh);
+            attend_avx512(qh, k, v, row_stride, slots, len, heads_per_item, group, D, scale, oh, NULL);
             continue;
         }
 #endif
         attend_generic(qh, k, v, row_stride, slots, len, group, D, scale, oh);
     }
     return 0;
+}
+
+/* Attention for a step's tokens of prompt chunks and decodes alike (the fused forward's
+ * attention, kernels/quant_linear_cpu.c), with plait_paged_decode_f32's arguments: one
+ * query row per token, `rows[b]` its request's page-table row, `seq_lens[b]` the keys it
+ * sees (its position + 1). Consecutive tokens of one request at consecutive positions
+ * (a chunk) are taken TILE at a time against one KV head (AVX-512, D a multiple of 16):
+ * each key of the request's context is then read once per tile instead of once per
+ * token, the tile's rows masked past their own positions. Elsewhere (decode tokens,
+ * other CPUs, other head dims) every token is an item of plait_paged_decode_f32. */
+#define TILE 16 /* chunk tokens per item (TILE * group <= MAX_ITEM_HEADS) */
+
+int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_buf, const float *v_buf,
+                           const int32_t *table, int64_t table_stride, const int64_t *rows, const int64_t *seq_lens,
+                           const int64_t *starts, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                           float scale, int num_threads) {
+    if (KVH <= 0 || H % KVH != 0 || H / KVH > MAX_GROUP || D > MAX_DIM) return 1;
+    const int64_t group = H / KVH;
+#if defined(__AVX512F__)
+    int64_t tile_max = MAX_ITEM_HEADS / group < TILE ? MAX_ITEM_HEADS / group : TILE;
+    if (starts != NULL || D % 16 != 0 || tile_max < 2)
+        return plait_paged_decode_f32(q, q_row_stride, k_buf, v_buf, table, table_stride, rows, seq_lens, starts, out,
+                                      B, H, KVH, D, scale, num_threads);
+    /* tiles: [first token, count); single tokens (decodes) gathered for one decode call */
+    int64_t *idx = malloc((size_t)(5 * B) * sizeof(int64_t));
+    float *qd = malloc((size_t)(2 * B * H * D) * sizeof(float));
+    if (!idx || !qd) {
+        free(idx);
+        free(qd);
+        return 2;
+    }
+    int64_t *tile_first = idx, *tile_n = idx + B, *singles = idx + 2 * B, *rd = idx + 3 * B, *ld = idx + 4 * B;
+    float *od = qd + B * H * D;
+    int64_t n_tiles = 0, n_singles = 0;
+    for (int64_t b = 0; b < B;) {
+        int64_t n = 1;
+        while (b + n < B && n < tile_max && rows[b + n] == rows[b] && seq_lens[b + n] == seq_lens[b] + n) n++;
+        if (n == 1) {
+            singles[n_singles++] = b;
+        } else {
+            tile_first[n_tiles] = b;
+            tile_n[n_tiles++] = n;
+        }
+        b += n;
+    }
+    const int64_t row_stride = KVH * D;
+    int rc = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t item = 0; item < n_tiles * KVH; ++item) {
+            const int64_t t = item / KVH, h = item % KVH, b0 = tile_first[t], n = tile_n[t];
+            float qt[MAX_ITEM_HEADS * MAX_DIM] __attribute__((aligned(64)));
+            float ot[MAX_ITEM_HEADS * MAX_DIM] __attribute__((aligned(64)));
+            int64_t row_len[MAX_ITEM_HEADS];
+            for (int64_t i = 0; i < n; ++i)
+                for (int64_t g = 0; g < group; ++g) {
+                    memcpy(qt + (i * group + g) * D, q + (b0 + i) * q_row_stride + (h * group + g) * D,
+                           (size_t)D * sizeof(float));
+                    row_len[i * group + g] = seq_lens[b0 + i];
+                }
+            const int32_t *slots = table + rows[b0] * table_stride;
+            const int64_t len = seq_lens[b0 + n - 1];
+            if (D == 64)
+                attend_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, len, 1, n * group, 64, scale, ot,
+                              row_len);
+            else
+                attend_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, len, 1, n * group, D, scale, ot,
+                              row_len);
+            for (int64_t i = 0; i < n; ++i)
+                memcpy(out + ((b0 + i) * H + h * group) * D, ot + i * group * D, (size_t)(group * D) * sizeof(float));
+        }
+    }
+    if (n_singles) {
+        /* the single tokens (decodes) in one call of the decode kernel (its items, its threads) */
+        for (int64_t i = 0; i < n_singles; ++i) {
+            memcpy(qd + i * H * D, q + singles[i] * q_row_stride, (size_t)(H * D) * sizeof(float));
+            rd[i] = rows[singles[i]];
+            ld[i] = seq_lens[singles[i]];
+        }
+        rc = plait_paged_decode_f32(qd, H * D, k_buf, v_buf, table, table_stride, rd, ld, NULL, od, n_singles, H, KVH,
+                                    D, scale, num_threads);
+        for (int64_t i = 0; i < n_singles; ++i)
+            memcpy(out + singles[i] * H * D, od + i * H * D, (size_t)(H * D) * sizeof(float));
+    }
+    free(idx);
+    free(qd);
+    return rc;
+#else
+    return plait_paged_decode_f32(q, q_row_stride, k_buf, v_buf, table, table_stride, rows, seq_lens, starts, out, B,
+                                  H, KVH, D, scale, num_threads);
+#endif
 }

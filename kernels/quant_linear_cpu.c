@@ -758,18 +758,30 @@ int plait_quant_dequant_f32(int kind, int isa, const void *qs_, const float *sca
 
 /* ---- a whole decode step of a quantized decoder (plait.runtime.models.fused_decode) ----
  *
- * One call runs every layer of a Llama-family decoder for B decode tokens: RMSNorm with
- * the residual add, the fused q/k/v projection (+ bias), rotary (HF's rotate_half
- * layout, cos | sin rows looked up by position), the K/V store into the pool's slots,
- * decode attention through the caller's function (plait_paged_decode_f32 of the native
- * attention library), the output projection, the MLP (fused gate/up, SiLU(gate) * up,
- * down) and the final norm. The projections run on the kernels above; the small
- * per-token work (norms, rotary, SiLU) on the calling thread, in threads for larger
- * batches. What it saves is the per-operation dispatch of ~25 torch and ctypes calls
- * per layer, most of a batch-1 step's time outside the GEMMs (README). */
+ * One call runs every layer of a Llama-family decoder for B tokens: decode tokens and
+ * the tokens of prefill chunks alike, each with its own position, pool slot, page-table
+ * row and context length (a chunk's token attends to its request's tokens up to its own
+ * position: its K/V and those of the chunk's earlier tokens are stored before any row
+ * attends). Per layer: RMSNorm with the residual add, the fused q/k/v projection (+
+ * bias), rotary (HF's rotate_half layout, cos | sin rows looked up by position), the K/V
+ * store into the pool's slots, attention through the caller's function
+ * (plait_paged_decode_f32 of the native attention library, one query row per token),
+ * the output projection, the MLP (fused gate/up, SiLU(gate) * up, down) and the final
+ * norm. The projections run on the quantized kernels above or, for float32 weights, on
+ * the native GEMM through the step's function pointer; the small per-token work
+ * (norms, rotary, SiLU) on the calling thread, in threads for larger batches. What it
+ * saves is the per-operation dispatch of ~25 torch and ctypes calls per layer, most of a
+ * batch-1 step's time outside the GEMMs (README). */
+
+/* a projection of the fused path that is not quantized: float32 packed for the native
+ * GEMM (plait.kernels.gemm_cpu.pack), multiplied by the step's gemm function */
+#define KIND_F32_PACKED 100
+
+typedef int (*plait_gemm_fn)(int, int64_t, int64_t, int64_t, const float *, int64_t, const float *, float *, int64_t,
+                             int, int);
 
 typedef struct {
-    int kind;            /* KIND_Q8 / KIND_Q4 */
+    int kind;            /* KIND_Q8 / KIND_Q4 / KIND_F32_PACKED (qs: the packed panels) */
     int64_t N, K;        /* out, in features */
     const void *qs;
     const float *scales, *mins, *bias; /* mins: Q4 only; bias may be NULL */
@@ -798,10 +810,23 @@ typedef struct {
     /* scratch, [B, n] each */
     float *x, *residual, *xn, *qkv, *attn, *gu, *act;
     float *out;                  /* [B, hidden]: final norm of the last residual */
+    /* KIND_F32_PACKED weights: plait_gemm_f32 of the native GEMM library, its ISA code,
+     * and the row count from which it prefetches (plait.kernels.gemm_cpu) */
+    plait_gemm_fn gemm;
+    int64_t gemm_isa, gemm_prefetch_rows;
 } plait_decode_step;
 
-static int qlinear(const plait_qweight *w, int isa, const float *x, int64_t M, float *out, int nthreads) {
-    return plait_quant_linear_f32(w->kind, isa, x, M, w->K, w->qs, w->scales, w->mins, w->N, w->bias, out, nthreads);
+static int qlinear(const plait_qweight *w, int isa, const plait_decode_step *s, const float *x, int64_t M, float *out,
+                   int nthreads) {
+    if (w->kind != KIND_F32_PACKED)
+        return plait_quant_linear_f32(w->kind, isa, x, M, w->K, w->qs, w->scales, w->mins, w->N, w->bias, out, nthreads);
+    if (!s->gemm) return -1;
+    const int rc = s->gemm((int)s->gemm_isa, M, w->N, w->K, x, w->K, (const float *)w->qs, out, w->N, nthreads,
+                           M >= s->gemm_prefetch_rows);
+    if (rc == 0 && w->bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < w->N; n++) out[m * w->N + n] += w->bias[n];
+    return rc;
 }
 
 /* residual = x + residual (add) or x (!add); out = rmsnorm(residual) * w, per row */
@@ -837,7 +862,7 @@ int plait_fused_decode_f32(int isa, const plait_qlayer *layers, int64_t n_layers
     for (int64_t l = 0; l < n_layers && rc == 0; l++) {
         const plait_qlayer *L = &layers[l];
         add_rmsnorm(s->x, s->residual, l > 0, L->input_norm, s->eps, B, hid, s->xn, nthreads);
-        if ((rc = qlinear(&L->qkv, isa, s->xn, B, s->qkv, nthreads))) break;
+        if ((rc = qlinear(&L->qkv, isa, s, s->xn, B, s->qkv, nthreads))) break;
         for (int64_t b = 0; b < B; b++) {
             float *row = s->qkv + b * nqkv;
             const float *cs = s->cos_sin + s->positions[b] * D;
@@ -855,16 +880,16 @@ int plait_fused_decode_f32(int isa, const plait_qlayer *layers, int64_t n_layers
         if ((rc = attend(s->qkv, nqkv, L->k_buf, L->v_buf, s->table, s->table_stride, s->req_rows, s->seq_lens, NULL,
                          s->attn, B, H, KVH, D, s->scale, nthreads)))
             break;
-        if ((rc = qlinear(&L->o, isa, s->attn, B, s->x, nthreads))) break;
+        if ((rc = qlinear(&L->o, isa, s, s->attn, B, s->x, nthreads))) break;
         add_rmsnorm(s->x, s->residual, 1, L->post_norm, s->eps, B, hid, s->xn, nthreads);
-        if ((rc = qlinear(&L->gate_up, isa, s->xn, B, s->gu, nthreads))) break;
+        if ((rc = qlinear(&L->gate_up, isa, s, s->xn, B, s->gu, nthreads))) break;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (B >= 4)
         for (int64_t b = 0; b < B; b++) {
             const float *g = s->gu + b * 2 * I, *u = g + I;
             float *a = s->act + b * I;
             for (int64_t i = 0; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
         }
-        if ((rc = qlinear(&L->down, isa, s->act, B, s->x, nthreads))) break;
+        if ((rc = qlinear(&L->down, isa, s, s->act, B, s->x, nthreads))) break;
     }
     if (rc == 0) add_rmsnorm(s->x, s->residual, n_layers > 0, s->final_norm, s->eps, B, hid, s->out, nthreads);
     return rc;

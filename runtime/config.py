@@ -97,9 +97,11 @@ class EngineConfig:
     # in int8 blocks of 32 (a GGUF's Q8_0 blocks as they are), "q4" the projections in
     # 4-bit blocks of 32 (Q4_0/Q4_1/Q4_K blocks as they are) and the LM head in int8.
     quantization: str = "none"
-    # With int8/q4 on CPU, decode-only steps of a Llama-family model run all layers in one
-    # native call (plait.runtime.models.fused_decode: the per-operation dispatch is most
-    # of a batch-1 step outside the GEMMs); True is a request, used where it applies.
+    # On CPU (int8/q4, or float32 on the native GEMM), decode steps of a Llama-family
+    # model, and steps with short prompt chunks beside them, run all layers in one native
+    # call (plait.runtime.models.fused_decode: the per-operation dispatch is most of a
+    # small step outside the GEMMs); True is a request, used where it applies; False keeps
+    # every step on the torch modules.
     fused_decode: bool = True
     seed: int = 0
     # Admission reserves ``new_token_ratio * remaining max_new_tokens`` slots for each

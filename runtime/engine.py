@@ -179,8 +179,9 @@ class Engine:
         return create_attention_backend(name, *args)
 
     def _fused_decoder(self, model: CausalLM, attn: AttentionBackend) -> FusedDecoder | None:
-        """The fused decode path (quantized models on CPU, where it applies), or None."""
-        if not self.config.fused_decode or self.config.quantization == "none" or self._tp is not None:
+        """The fused path (CPU models whose projections are quantized or float32 on the
+        native GEMM, where it applies), or None."""
+        if not self.config.fused_decode or self._tp is not None:
             return None
         reason = why_not(model, attn)
         if reason is not None:

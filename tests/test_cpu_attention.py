@@ -177,3 +177,30 @@ def test_unwritable_cache_dir_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_attention, "_error", None)
     cpu_attention.load()
     assert list(tmp_path.glob("plait-cache-*/paged_decode_cpu-*.so"))
+
+
+@pytest.mark.parametrize("gqa,kv_heads,head_dim", [(3, 3, 64), (1, 4, 128), (8, 1, 64), (16, 2, 32), (3, 3, 40)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tiled_kernel_matches_reference_for_chunks_and_decodes(page_size, gqa, kv_heads, head_dim, two_threads):
+    """The fused forward's attention: a step of prompt-chunk tokens (tiles of up to 16
+    consecutive tokens of one request, each seeing the keys up to its own position) and
+    decode tokens gives what one decode row per token gives. Chunks of 37 (tiles 16,
+    16, 5), 20 from position 0, 1 (a single token), decodes between them; group 16
+    (one token per tile) and head dim 40 take the per-token path."""
+    ctx = [137, 20, 90, 64, 300, 1]  # context lengths after this step
+    pool, table, rows = paged_contexts(ctx, page_size, kv_heads, head_dim, seed=gqa + head_dim)
+    chunks = [(0, 37), (1, 20), (2, 1)]  # (request, tokens ending at its context length)
+    tok_rows, tok_lens = [], []
+    for req, n in chunks[:2]:
+        tok_rows += [int(rows[req])] * n
+        tok_lens += list(range(ctx[req] - n + 1, ctx[req] + 1))
+    for req in (3, 2, 4, 5):  # decodes, one between chunks of another request
+        tok_rows.append(int(rows[req]))
+        tok_lens.append(ctx[req])
+    heads = gqa * kv_heads
+    q = torch.randn(len(tok_rows), heads + 2 * kv_heads, head_dim)[:, :heads]
+    r, lens = torch.tensor(tok_rows), torch.tensor(tok_lens)
+    scale = head_dim**-0.5
+    ref = decode_attention_ref(q, pool.k_buffers[0], pool.v_buffers[0], table, r, lens, scale)
+    out = cpu_attention.paged_decode(q, pool.k_buffers[0], pool.v_buffers[0], table, r, lens, scale, tiled=True)
+    torch.testing.assert_close(out, ref, **TOL)

@@ -1,5 +1,6 @@
-"""The fused decode path of quantized models (plait.runtime.models.fused_decode): the
-same tokens and logprobs as the module path, the K/V it writes reusable by later
+"""The fused path (plait.runtime.models.fused_decode) of quantized models and of float32
+models on the native GEMM: the same tokens and logprobs as the module path, for decode
+steps and for steps with prompt chunks beside them, the K/V it writes reusable by later
 prompts, and used only where it applies."""
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 
 
 def _run(folder, mode, fused, prompts, **kw):
+    if mode == "none":
+        kw.setdefault("cpu_gemm", "native")
     with Engine(str(folder) if folder else None, kv_cache_tokens=2048, quantization=mode, fused_decode=fused,
                 **kw) as engine:
-        calls = []
+        calls = []  # the steps the fused path ran: (prompt-chunk tokens, decodes)
         if engine.runner.fused is not None:
             forward = engine.runner.fused.forward
-            engine.runner.fused.forward = lambda fb: calls.append(fb.num_decodes) or forward(fb)
+            engine.runner.fused.forward = lambda fb: calls.append((sum(fb.extend_seq_lens), fb.num_decodes)) or forward(fb)
         outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
         return outs, calls, engine
 
@@ -27,13 +30,21 @@ def _logprobs(out):
     return [lp for lp, _tok, *_ in out["meta_info"]["output_token_logprobs"]]
 
 
-@pytest.mark.parametrize("arch, mode", [("llama", "q4"), ("qwen2", "q4"), ("llama3", "int8")])
-def test_fused_decode_gives_the_module_paths_tokens(tiny_model_factory, arch, mode):
+@pytest.mark.parametrize("arch, mode", [("llama", "q4"), ("qwen2", "q4"), ("llama3", "int8"), ("llama", "none"),
+                                        ("qwen2", "none")])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fused_decode_gives_the_module_paths_tokens(tiny_model_factory, arch, mode, page_size):
+    """Prompts of 3 to 70 tokens in chunks of at most 24 tokens a step: the longer ones'
+    chunks run beside the shorter ones' decodes (mixed steps, tiles of a chunk's tokens
+    in the attention), then decode-only steps."""
     folder = tiny_model_factory(arch)  # qwen2: q/k/v biases; llama3: its rope scaling, tied head
-    prompts = [[5 + i for i in range(n)] for n in (3, 17, 40)] + [[9, 4, 33, 7] * 5]
-    ref, ref_calls, _ = _run(folder, mode, False, prompts)
-    outs, calls, _ = _run(folder, mode, True, prompts)
-    assert ref_calls == [] and calls and max(calls) == len(prompts)  # batches of 4 decodes took the path
+    prompts = [[5 + i for i in range(n)] for n in (3, 17, 40)] + [[9, 4, 33, 7] * 5] + [[3 + i % 50 for i in range(70)]]
+    kw = {"chunked_prefill_size": 24, "page_size": page_size}
+    ref, ref_calls, _ = _run(folder, mode, False, prompts, **kw)
+    outs, calls, _ = _run(folder, mode, True, prompts, **kw)
+    assert ref_calls == [] and calls
+    assert max(d for _, d in calls) == len(prompts)  # batches of 5 decodes took the path
+    assert any(e >= 2 and d >= 1 for e, d in calls)  # and chunks beside decodes
     for a, b in zip(ref, outs):
         assert a["output_ids"] == b["output_ids"]
         for x, y in zip(_logprobs(a), _logprobs(b)):
@@ -65,8 +76,11 @@ def test_default_model_q4_fused_gives_the_same_greedy_tokens():
 
 def test_used_only_where_it_applies(tiny_model_factory):
     llama = tiny_model_factory("llama")
-    with Engine(str(llama), kv_cache_tokens=512, quantization="none") as engine:
-        assert engine.runner.fused is None  # float32 stays the exact module path
+    with Engine(str(llama), kv_cache_tokens=512, quantization="none", cpu_gemm="onednn") as engine:
+        assert engine.runner.fused is None  # float32 on oneDNN's GEMM: the module path
+        assert "native GEMM" in why_not(engine.model, engine.runner.attn)
+    with Engine(str(llama), kv_cache_tokens=512, quantization="none", cpu_gemm="native", fused_decode=False) as engine:
+        assert engine.runner.fused is None  # the option turns it off
     with Engine(str(llama), kv_cache_tokens=512, quantization="q4", attention_backend="torch") as engine:
         assert engine.runner.fused is None
         assert "attention backend" in why_not(engine.model, engine.runner.attn)

@@ -77,8 +77,9 @@ ENGINE_HELP: dict[str, str] = {
                     "weights, the exact path), int8 (projections and LM head in int8 blocks of 32; a GGUF's Q8_0 "
                     "blocks as they are) or q4 (projections in 4-bit blocks of 32, a GGUF's Q4_0/Q4_1/Q4_K blocks "
                     "as they are; LM head int8), on a native kernel",
-    "fused_decode": "with int8/q4 on CPU, run decode-only steps of a Llama-family model in one native call per step "
-                    "(all layers; where it applies); false: every layer through the torch modules",
+    "fused_decode": "on CPU (int8/q4, or float32 on the native GEMM), run decode steps of a Llama-family model, and "
+                    "steps with short prompt chunks beside them, in one native call per step (all layers; where it "
+                    "applies); false: every layer through the torch modules",
     "disable_cuda_graph": "CUDA: run decode steps eagerly instead of replaying recorded CUDA graphs",
     "cuda_graph_max_bs": "CUDA: largest decode batch that replays a recorded graph (bucketed sizes up to it)",
     "kv_events_endpoint": "publish KV-cache events (vLLM's format: BlockStored/BlockRemoved/AllBlocksCleared) on a "
