@@ -74,7 +74,12 @@ class Engine:
         self.model_config: ModelConfig = self.source.load_config()
         self.tokenizer = self.source.load_tokenizer()
         mc = self.model_config
-        self.context_len = min(cfg.context_length or mc.context_length, mc.context_length)
+        if cfg.context_length and cfg.context_length > mc.context_length:
+            # SGLang and vLLM refuse it too: positions past the model's own were never
+            # trained (and its rotary cache ends there); capping it silently hid the typo
+            raise ValueError(f"context_length={cfg.context_length} is longer than the model's context length "
+                             f"({mc.context_length}); allowed: at most {mc.context_length}, or unset for the model's")
+        self.context_len = cfg.context_length or mc.context_length
         # the triton backend brings the fused norm/rope/activation kernels with it
         self._triton_ops = cfg.resolved_attention_backend() == "triton"
         check_tp(mc, cfg.tp_size)

@@ -232,3 +232,13 @@ def test_server_info_has_sglangs_top_level_names(engine):
     assert info["max_req_input_len"] == min(engine.context_len - 1, info["max_total_num_tokens"] - 1)
     for name in ("chunked_prefill_size", "max_running_requests", "page_size", "schedule_policy", "tp_size"):
         assert info[name] == info["config"][name] == getattr(engine.config, name)
+
+
+def test_context_length_past_the_models_is_refused(tiny_model_factory, engine):
+    """A context_length longer than the model's own is refused by name (SGLang and vLLM
+    refuse it too); it was capped silently. Shorter ones are taken as given."""
+    own = engine.model_config.context_length
+    with pytest.raises(ValueError, match=rf"context_length={own + 1} .*at most {own}"):
+        Engine(str(tiny_model_factory("llama")), kv_cache_tokens=256, context_length=own + 1)
+    with Engine(str(tiny_model_factory("llama")), kv_cache_tokens=256, context_length=own // 2) as shorter:
+        assert shorter.context_len == own // 2

@@ -46,7 +46,7 @@ ENGINE_HELP: dict[str, str] = {
                                "waits, a bounded number of pages per step) or off (copy at admission only)",
     "eviction_policy": "prefix cache eviction: lru (least recently used), lfu (least reused) or cost "
                        "(lowest recency-decayed reuse x recompute cost)",
-    "context_length": "cap the context length below the model's own",
+    "context_length": "the context length, at most the model's own (longer is refused)",
     "num_threads": "CPU threads torch may use in the engine process (default: torch's, one per core; with "
                    "--tp-size > 1: in each rank, default there: the cores split evenly between the ranks). On a "
                    "machine other processes keep busy, fewer threads than cores (or OMP_WAIT_POLICY=PASSIVE) "
