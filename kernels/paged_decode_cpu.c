@@ -285,6 +285,87 @@ int plait_paged_decode_f32(
     return 0;
 }
 
+
+#if defined(__AVX512F__)
+/* attend_avx512 for the rows of one tile of a chunk against one KV head (nq <= 
+ * MAX_ITEM_HEADS rows, each seeing row_len[r] keys), with the scores of 16 keys at a
+ * time as one vector per row: the keys' rows transposed into kt [D][16] once per 16 keys
+ * and shared by every row, so a score costs D/16 FMAs and no horizontal sum (the
+ * decode path's horizontal sum per (row, key) would be most of a tile's work). */
+static inline __attribute__((always_inline)) void attend_tile_avx512(
+    const float *q, const float *k, const float *v, int64_t row_stride, const int32_t *slots, int64_t len,
+    int64_t nq, const int64_t D, float scale, float *out, const int64_t *row_len) {
+    const int64_t nv = D / 16;
+    __m512 acc[MAX_ITEM_HEADS * MAX_DIM / 16];
+    float qs[MAX_ITEM_HEADS * MAX_DIM] __attribute__((aligned(64)));
+    float kt[MAX_DIM * 16] __attribute__((aligned(64)));
+    float s[MAX_ITEM_HEADS * BLOCK] __attribute__((aligned(64)));
+    float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS], corr[MAX_ITEM_HEADS];
+    for (int64_t r = 0; r < nq; ++r) {
+        for (int64_t d = 0; d < D; ++d) qs[r * D + d] = q[r * D + d] * scale;
+        for (int64_t i = 0; i < nv; ++i) acc[r * nv + i] = _mm512_setzero_ps();
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {
+        const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;
+        for (int64_t jb = 0; jb < n; jb += 16) {
+            const int64_t nb = n - jb < 16 ? n - jb : 16;
+            for (int64_t jj = 0; jj < 16; ++jj) {
+                if (jj < nb) {
+                    const float *kr = k + (int64_t)slots[j0 + jb + jj] * row_stride;
+                    for (int64_t d = 0; d < D; ++d) kt[d * 16 + jj] = kr[d];
+                } else {
+                    for (int64_t d = 0; d < D; ++d) kt[d * 16 + jj] = 0.0f;
+                }
+            }
+            int64_t r = 0;
+            for (; r + 4 <= nq; r += 4) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                const float *q0 = qs + r * D;
+                for (int64_t d = 0; d < D; ++d) {
+                    const __m512 kd = _mm512_load_ps(kt + d * 16);
+                    a0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d]), kd, a0);
+                    a1 = _mm512_fmadd_ps(_mm512_set1_ps(q0[D + d]), kd, a1);
+                    a2 = _mm512_fmadd_ps(_mm512_set1_ps(q0[2 * D + d]), kd, a2);
+                    a3 = _mm512_fmadd_ps(_mm512_set1_ps(q0[3 * D + d]), kd, a3);
+                }
+                _mm512_storeu_ps(s + r * BLOCK + jb, a0);
+                _mm512_storeu_ps(s + (r + 1) * BLOCK + jb, a1);
+                _mm512_storeu_ps(s + (r + 2) * BLOCK + jb, a2);
+                _mm512_storeu_ps(s + (r + 3) * BLOCK + jb, a3);
+            }
+            for (; r < nq; ++r) {
+                __m512 a0 = _mm512_setzero_ps();
+                for (int64_t d = 0; d < D; ++d)
+                    a0 = _mm512_fmadd_ps(_mm512_set1_ps(qs[r * D + d]), _mm512_load_ps(kt + d * 16), a0);
+                _mm512_storeu_ps(s + r * BLOCK + jb, a0);
+            }
+        }
+        for (int64_t r = 0; r < nq; ++r) {
+            for (int64_t j = row_len[r] - j0 < 0 ? 0 : row_len[r] - j0; j < n; ++j) s[r * BLOCK + j] = -INFINITY;
+            corr[r] = softmax_block16(s + r * BLOCK, n, m + r, l + r);
+        }
+        for (int64_t r = 0; r < nq; ++r) {
+            __m512 a[MAX_DIM / 16];
+            const __m512 c = _mm512_set1_ps(corr[r]);
+            for (int64_t i = 0; i < nv; ++i) a[i] = _mm512_mul_ps(acc[r * nv + i], c);
+            const int64_t nr = row_len[r] - j0 < n ? row_len[r] - j0 : n; /* keys past the row's own weigh 0 */
+            for (int64_t j = 0; j < nr; ++j) {
+                const float *vr = v + (int64_t)slots[j0 + j] * row_stride;
+                const __m512 p = _mm512_set1_ps(s[r * BLOCK + j]);
+                for (int64_t i = 0; i < nv; ++i) a[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * i), a[i]);
+            }
+            for (int64_t i = 0; i < nv; ++i) acc[r * nv + i] = a[i];
+        }
+    }
+    for (int64_t r = 0; r < nq; ++r) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(out + r * D + 16 * i, _mm512_mul_ps(acc[r * nv + i], inv));
+    }
+}
+#endif
+
 /* Attention for a step's tokens of prompt chunks and decodes alike (the fused forward's
  * attention, kernels/quant_linear_cpu.c), with plait_paged_decode_f32's arguments: one
  * query row per token, `rows[b]` its request's page-table row, `seq_lens[b]` the keys it
@@ -347,11 +428,11 @@ int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_
             const int32_t *slots = table + rows[b0] * table_stride;
             const int64_t len = seq_lens[b0 + n - 1];
             if (D == 64)
-                attend_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, len, 1, n * group, 64, scale, ot,
-                              row_len);
+                attend_tile_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, len, n * group, 64, scale, ot,
+                                   row_len);
             else
-                attend_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, len, 1, n * group, D, scale, ot,
-                              row_len);
+                attend_tile_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, len, n * group, D, scale, ot,
+                                   row_len);
             for (int64_t i = 0; i < n; ++i)
                 memcpy(out + ((b0 + i) * H + h * group) * D, ot + i * group * D, (size_t)(group * D) * sizeof(float));
         }
