@@ -196,7 +196,7 @@ def test_a_stop_string_inside_a_call_in_the_responses_api_is_an_incomplete_item(
 
     text = CALL[:CALL.index("}")]
     meta = {"finish_reason": {"type": "stop", "matched": "}"}, "completion_tokens": 1}
-    out = ra.response(ra.ResponseStore(), ra.ResponseJob(_job(False), [], {}, False),
+    out = ra.response(ra.ResponseStore(), ra.ResponseJob(_job(False), [], {}, False, [], None),
                       P.GenerateResult(rid="x", text=text, meta_info=meta))
     assert out["status"] == "completed"
     [item] = out["output"]
@@ -209,7 +209,7 @@ def test_a_stop_string_inside_a_call_in_the_responses_api_is_an_incomplete_item(
         yield P.GenerateResult(rid="x", text=text, meta_info=meta)
 
     async def run():
-        return [e async for e in ra.stream(ra.ResponseStore(), ra.ResponseJob(_job(True), [], {}, False), events())]
+        return [e async for e in ra.stream(ra.ResponseStore(), ra.ResponseJob(_job(True), [], {}, False, [], None), events())]
 
     done = asyncio.run(run())[-1]
     assert done["type"] == "response.completed"
