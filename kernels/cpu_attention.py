@@ -31,10 +31,13 @@ SOURCE = Path(__file__).with_name("paged_decode_cpu.c")
 MAX_GROUP = 16  # query heads per KV head, as compiled into the kernel
 MAX_DIM = 256  # head dim
 # -march=native: AVX-512 where the CPU has it; the cache key includes the CPU's flags.
-# Without OpenMP (a compiler lacking it) the kernel still builds and runs on one thread.
+# $PLAIT_NATIVE_MARCH (e.g. haswell: AVX2 and FMA) builds it for another target: to
+# run this CPU as an AVX2-only one would (tests, benchmarks). Without OpenMP (a compiler
+# lacking it) the kernel still builds and runs on one thread.
+_MARCH = "-march=" + (os.environ.get("PLAIT_NATIVE_MARCH") or "native")
 _FLAG_SETS = (
-    ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"],
-    ["-O3", "-march=native", "-fPIC", "-shared"],
+    ["-O3", _MARCH, "-fopenmp", "-fPIC", "-shared"],
+    ["-O3", _MARCH, "-fPIC", "-shared"],
 )
 
 _lock = threading.Lock()

@@ -366,14 +366,157 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(
 }
 #endif
 
+
+/* attend_tile_avx512 in portable C (other CPUs, head dims not a multiple of 16): the
+ * same transposed keys, 16 scores of a row per inner loop, which compilers vectorize
+ * for the CPU they target (two 8-lane halves on AVX2). */
+static void attend_tile_generic(const float *q, const float *k, const float *v, int64_t row_stride,
+                                const int32_t *slots, int64_t len, int64_t nq, int64_t D, float scale, float *out,
+                                const int64_t *row_len) {
+    float qs[MAX_ITEM_HEADS * MAX_DIM], acc[MAX_ITEM_HEADS * MAX_DIM];
+    float kt[MAX_DIM * 16] __attribute__((aligned(64)));
+    float s[MAX_ITEM_HEADS * BLOCK] __attribute__((aligned(64)));
+    float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
+    for (int64_t r = 0; r < nq; ++r) {
+        for (int64_t d = 0; d < D; ++d) {
+            qs[r * D + d] = q[r * D + d] * scale;
+            acc[r * D + d] = 0.0f;
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {
+        const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;
+        for (int64_t jb = 0; jb < n; jb += 16) {
+            const int64_t nb = n - jb < 16 ? n - jb : 16;
+            for (int64_t jj = 0; jj < 16; ++jj) {
+                const float *kr = jj < nb ? k + (int64_t)slots[j0 + jb + jj] * row_stride : NULL;
+                for (int64_t d = 0; d < D; ++d) kt[d * 16 + jj] = kr ? kr[d] : 0.0f;
+            }
+            for (int64_t r = 0; r < nq; ++r) {
+                float a[16] __attribute__((aligned(64))) = {0};
+                for (int64_t d = 0; d < D; ++d) {
+                    const float qd = qs[r * D + d];
+                    const float *kd = kt + d * 16;
+#pragma omp simd aligned(kd, a : 64)
+                    for (int64_t jj = 0; jj < 16; ++jj) a[jj] += qd * kd[jj];
+                }
+                for (int64_t jj = 0; jj < nb; ++jj) s[r * BLOCK + jb + jj] = a[jj];
+            }
+        }
+        for (int64_t r = 0; r < nq; ++r) {
+            for (int64_t j = row_len[r] - j0 < 0 ? 0 : row_len[r] - j0; j < n; ++j) s[r * BLOCK + j] = -INFINITY;
+            const float correction = softmax_block(s + r * BLOCK, n, m + r, l + r);
+            float *ar = acc + r * D;
+            for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
+            const int64_t nr = row_len[r] - j0 < n ? row_len[r] - j0 : n; /* keys past the row's own weigh 0 */
+            for (int64_t j = 0; j < nr; ++j) {
+                const float *vr = v + (int64_t)slots[j0 + j] * row_stride;
+                const float p = s[r * BLOCK + j];
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
+            }
+        }
+    }
+    for (int64_t r = 0; r < nq; ++r) {
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] * inv;
+    }
+}
+
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* attend_tile_avx512 for AVX2 + FMA (8 lanes): the scores of 16 transposed keys as two
+ * vectors per row, four rows at a time; D a multiple of 8. */
+static void attend_tile_avx2(const float *q, const float *k, const float *v, int64_t row_stride, const int32_t *slots,
+                             int64_t len, int64_t nq, int64_t D, float scale, float *out, const int64_t *row_len) {
+    const int64_t nv = D / 8;
+    float qs[MAX_ITEM_HEADS * MAX_DIM] __attribute__((aligned(32)));
+    float acc[MAX_ITEM_HEADS * MAX_DIM] __attribute__((aligned(32)));
+    float kt[MAX_DIM * 16] __attribute__((aligned(32)));
+    float s[MAX_ITEM_HEADS * BLOCK] __attribute__((aligned(64)));
+    float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
+    for (int64_t r = 0; r < nq; ++r) {
+        for (int64_t d = 0; d < D; ++d) {
+            qs[r * D + d] = q[r * D + d] * scale;
+            acc[r * D + d] = 0.0f;
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {
+        const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;
+        for (int64_t jb = 0; jb < n; jb += 16) {
+            const int64_t nb = n - jb < 16 ? n - jb : 16;
+            for (int64_t jj = 0; jj < 16; ++jj) {
+                const float *kr = jj < nb ? k + (int64_t)slots[j0 + jb + jj] * row_stride : NULL;
+                for (int64_t d = 0; d < D; ++d) kt[d * 16 + jj] = kr ? kr[d] : 0.0f;
+            }
+            int64_t r = 0;
+            for (; r + 4 <= nq; r += 4) {
+                __m256 a[8];
+                for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+                const float *q0 = qs + r * D;
+                for (int64_t d = 0; d < D; ++d) {
+                    const __m256 lo = _mm256_load_ps(kt + d * 16), hi = _mm256_load_ps(kt + d * 16 + 8);
+                    for (int i = 0; i < 4; ++i) {
+                        const __m256 b = _mm256_broadcast_ss(q0 + i * D + d);
+                        a[2 * i] = _mm256_fmadd_ps(b, lo, a[2 * i]);
+                        a[2 * i + 1] = _mm256_fmadd_ps(b, hi, a[2 * i + 1]);
+                    }
+                }
+                for (int i = 0; i < 4; ++i) {
+                    _mm256_storeu_ps(s + (r + i) * BLOCK + jb, a[2 * i]);
+                    _mm256_storeu_ps(s + (r + i) * BLOCK + jb + 8, a[2 * i + 1]);
+                }
+            }
+            for (; r < nq; ++r) {
+                __m256 lo = _mm256_setzero_ps(), hi = lo;
+                for (int64_t d = 0; d < D; ++d) {
+                    const __m256 b = _mm256_broadcast_ss(qs + r * D + d);
+                    lo = _mm256_fmadd_ps(b, _mm256_load_ps(kt + d * 16), lo);
+                    hi = _mm256_fmadd_ps(b, _mm256_load_ps(kt + d * 16 + 8), hi);
+                }
+                _mm256_storeu_ps(s + r * BLOCK + jb, lo);
+                _mm256_storeu_ps(s + r * BLOCK + jb + 8, hi);
+            }
+        }
+        for (int64_t r = 0; r < nq; ++r) {
+            for (int64_t j = row_len[r] - j0 < 0 ? 0 : row_len[r] - j0; j < n; ++j) s[r * BLOCK + j] = -INFINITY;
+            const float correction = softmax_block(s + r * BLOCK, n, m + r, l + r);
+            float *ar = acc + r * D;
+            const int64_t nr = row_len[r] - j0 < n ? row_len[r] - j0 : n; /* keys past the row's own weigh 0 */
+            if (nv <= 32) {
+                __m256 a[32];
+                const __m256 c = _mm256_set1_ps(correction);
+                for (int64_t i = 0; i < nv; ++i) a[i] = _mm256_mul_ps(_mm256_load_ps(ar + 8 * i), c);
+                for (int64_t j = 0; j < nr; ++j) {
+                    const float *vr = v + (int64_t)slots[j0 + j] * row_stride;
+                    const __m256 p = _mm256_set1_ps(s[r * BLOCK + j]);
+                    for (int64_t i = 0; i < nv; ++i) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * i), a[i]);
+                }
+                for (int64_t i = 0; i < nv; ++i) _mm256_store_ps(ar + 8 * i, a[i]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < nq; ++r) {
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] * inv;
+    }
+}
+#define HAVE_TILE_AVX2 1
+#endif
+
 /* Attention for a step's tokens of prompt chunks and decodes alike (the fused forward's
  * attention, kernels/quant_linear_cpu.c), with plait_paged_decode_f32's arguments: one
  * query row per token, `rows[b]` its request's page-table row, `seq_lens[b]` the keys it
  * sees (its position + 1). Consecutive tokens of one request at consecutive positions
- * (a chunk) are taken TILE at a time against one KV head (AVX-512, D a multiple of 16):
+ * (a chunk) are taken TILE at a time against one KV head:
  * each key of the request's context is then read once per tile instead of once per
- * token, the tile's rows masked past their own positions. Elsewhere (decode tokens,
- * other CPUs, other head dims) every token is an item of plait_paged_decode_f32. */
+ * token, the tile's rows masked past their own positions (AVX-512 intrinsics where the
+ * compiler targets it and D is a multiple of 16, else the portable tile). Single tokens
+ * (decodes) go to one call of plait_paged_decode_f32. */
 #define TILE 16 /* chunk tokens per item (TILE * group <= MAX_ITEM_HEADS) */
 
 int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_buf, const float *v_buf,
@@ -382,9 +525,8 @@ int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_
                            float scale, int num_threads) {
     if (KVH <= 0 || H % KVH != 0 || H / KVH > MAX_GROUP || D > MAX_DIM) return 1;
     const int64_t group = H / KVH;
-#if defined(__AVX512F__)
     int64_t tile_max = MAX_ITEM_HEADS / group < TILE ? MAX_ITEM_HEADS / group : TILE;
-    if (starts != NULL || D % 16 != 0 || tile_max < 2)
+    if (starts != NULL || tile_max < 2)
         return plait_paged_decode_f32(q, q_row_stride, k_buf, v_buf, table, table_stride, rows, seq_lens, starts, out,
                                       B, H, KVH, D, scale, num_threads);
     /* tiles: [first token, count); single tokens (decodes) gathered for one decode call */
@@ -427,12 +569,23 @@ int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_
                 }
             const int32_t *slots = table + rows[b0] * table_stride;
             const int64_t len = seq_lens[b0 + n - 1];
+#if defined(__AVX512F__)
             if (D == 64)
                 attend_tile_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, len, n * group, 64, scale, ot,
                                    row_len);
-            else
+            else if (D % 16 == 0)
                 attend_tile_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, len, n * group, D, scale, ot,
                                    row_len);
+            else
+#endif
+#if defined(HAVE_TILE_AVX2)
+            if (D % 8 == 0)
+                attend_tile_avx2(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, len, n * group, D, scale, ot,
+                                 row_len);
+            else
+#endif
+                attend_tile_generic(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, len, n * group, D, scale, ot,
+                                    row_len);
             for (int64_t i = 0; i < n; ++i)
                 memcpy(out + ((b0 + i) * H + h * group) * D, ot + i * group * D, (size_t)(group * D) * sizeof(float));
         }
@@ -452,8 +605,16 @@ int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_
     free(idx);
     free(qd);
     return rc;
+}
+
+/* Whether plait_paged_extend_f32's tiles run on vector intrinsics in this build (AVX-512
+ * or AVX2 + FMA): 1, or 0 where they take the portable C tile, which compilers vectorize
+ * poorly (on the Xeon built for haswell without the AVX2 tile: 4x slower than one token
+ * at a time). The fused forward takes prompt chunks only where this is 1. */
+int plait_paged_extend_vectorized(void) {
+#if defined(__AVX512F__) || defined(HAVE_TILE_AVX2)
+    return 1;
 #else
-    return plait_paged_decode_f32(q, q_row_stride, k_buf, v_buf, table, table_stride, rows, seq_lens, starts, out, B,
-                                  H, KVH, D, scale, num_threads);
+    return 0;
 #endif
 }

@@ -7,6 +7,11 @@ its own exp, relative error < 1e-7)."""
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -204,3 +209,15 @@ def test_tiled_kernel_matches_reference_for_chunks_and_decodes(page_size, gqa, k
     ref = decode_attention_ref(q, pool.k_buffers[0], pool.v_buffers[0], table, r, lens, scale)
     out = cpu_attention.paged_decode(q, pool.k_buffers[0], pool.v_buffers[0], table, r, lens, scale, tiled=True)
     torch.testing.assert_close(out, ref, **TOL)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="haswell is an x86 target")
+def test_tiled_kernel_built_for_avx2_matches_reference(tmp_path):
+    """The kernel built as for an AVX2-only CPU (no AVX-512 intrinsics: the portable tile
+    and decode paths), in a fresh cache, gives the same results."""
+    env = {**os.environ, "PLAIT_NATIVE_MARCH": "haswell", "PLAIT_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "tiled_kernel_matches_reference"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "10 passed" in proc.stdout
+    assert any(p.name.startswith("paged_decode_cpu-") for p in tmp_path.rglob("*.so"))

@@ -41,10 +41,11 @@ def test_fused_decode_gives_the_module_paths_tokens(tiny_model_factory, arch, mo
     prompts = [[5 + i for i in range(n)] for n in (3, 17, 40)] + [[9, 4, 33, 7] * 5] + [[3 + i % 50 for i in range(70)]]
     kw = {"chunked_prefill_size": 24, "page_size": page_size}
     ref, ref_calls, _ = _run(folder, mode, False, prompts, **kw)
-    outs, calls, _ = _run(folder, mode, True, prompts, **kw)
+    outs, calls, engine = _run(folder, mode, True, prompts, **kw)
     assert ref_calls == [] and calls
     assert max(d for _, d in calls) == len(prompts)  # batches of 5 decodes took the path
-    assert any(e >= 2 and d >= 1 for e, d in calls)  # and chunks beside decodes
+    # and chunks beside decodes, where the attention's tiles are vectorized (x86: always)
+    assert any(e >= 2 and d >= 1 for e, d in calls) == (engine.runner.fused.max_extend > 0)
     for a, b in zip(ref, outs):
         assert a["output_ids"] == b["output_ids"]
         for x, y in zip(_logprobs(a), _logprobs(b)):

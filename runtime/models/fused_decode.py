@@ -133,7 +133,11 @@ class FusedDecoder:
         self.lib = quant_cpu.load()
         self.lib.plait_fused_decode_f32.restype = _int
         self.lib.plait_fused_decode_f32.argtypes = [_int, _p, _i64, _p, _p, _int]
-        self.attend = ctypes.cast(cpu_attention.load().plait_paged_extend_f32, _p)
+        attention = cpu_attention.load()
+        self.attend = ctypes.cast(attention.plait_paged_extend_f32, _p)
+        # prompt chunks only where their tiles run on vector intrinsics (AVX-512, AVX2):
+        # the portable tile is slower than the module path's SDPA
+        self.max_extend = MAX_EXTEND_TOKENS if attention.plait_paged_extend_vectorized() else 0
         self.model, self.attn = model, attn
         layers, pool = model.model.layers, attn.pool
         projections = [p for la in layers for p in (la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj,
@@ -158,11 +162,12 @@ class FusedDecoder:
 
     def applies(self, fb: ForwardBatch) -> bool:
         """Whether this step is one the fused path runs: decode rows and prefill chunks of
-        at most :data:`MAX_EXTEND_TOKENS` tokens in all (their attention is one query row
+        at most :data:`MAX_EXTEND_TOKENS` tokens in all (none where the attention's tiles
+        are not vectorized: ``plait_paged_extend_vectorized``; their attention is one query row
         per token, reading the request's context: a long prefill takes the module path's
         attention, which reads it once per chunk), as many rows as the kernels take."""
         rows = fb.num_decodes + sum(fb.extend_seq_lens)
-        return (rows >= 1 and rows - fb.num_decodes <= MAX_EXTEND_TOKENS and fb.windowed is None
+        return (rows >= 1 and rows - fb.num_decodes <= self.max_extend and fb.windowed is None
                 and (self.isa_name is None or kernel_takes(self.isa_name, rows)))
 
     @torch.inference_mode()
