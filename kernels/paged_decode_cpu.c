@@ -165,6 +165,31 @@ static inline float softmax_block16(float *sg, int64_t n, float *m, float *l) {
     return correction;
 }
 
+/* One query row's accumulators acc[0..nv) scaled by its softmax correction, then
+ * p_j * V_j added for the n keys at slots (probabilities p), and stored back. */
+static inline __attribute__((always_inline)) void pv_accumulate512(__m512 *acc, float correction, const float *p,
+                                                                   const float *v, const int32_t *slots, int64_t n,
+                                                                   int64_t row_stride, int64_t nv) {
+    __m512 a[MAX_DIM / 16];
+    const __m512 c = _mm512_set1_ps(correction);
+    for (int64_t i = 0; i < nv; ++i) a[i] = _mm512_mul_ps(acc[i], c);
+    for (int64_t j = 0; j < n; ++j) {
+        const float *vr = v + (int64_t)slots[j] * row_stride;
+        const __m512 pj = _mm512_set1_ps(p[j]);
+        for (int64_t i = 0; i < nv; ++i) a[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16 * i), a[i]);
+    }
+    for (int64_t i = 0; i < nv; ++i) acc[i] = a[i];
+}
+
+/* out [nq, D] = the accumulators over each row's softmax sum. */
+static inline __attribute__((always_inline)) void finish512(const __m512 *acc, const float *l, int64_t nq, int64_t nv,
+                                                            float *out) {
+    for (int64_t r = 0; r < nq; ++r) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(out + r * nv * 16 + 16 * i, _mm512_mul_ps(acc[r * nv + i], inv));
+    }
+}
+
 /* The same work with AVX-512 intrinsics, for `nh` consecutive KV heads at once (each
  * key's rows for all of them are read together); D a multiple of 16 (a constant where
  * inlined for the common head dims, so the loops over D unroll and the accumulators
@@ -213,23 +238,10 @@ static inline __attribute__((always_inline)) void attend_avx512(
             }
         }
         for (int64_t r = 0; r < nq; ++r) corr[r] = softmax_block16(s + r * BLOCK, n, m + r, l + r);
-        for (int64_t r = 0; r < nq; ++r) {
-            const float *vh = v + r / group * D;
-            __m512 a[MAX_DIM / 16];
-            const __m512 c = _mm512_set1_ps(corr[r]);
-            for (int64_t i = 0; i < nv; ++i) a[i] = _mm512_mul_ps(acc[r * nv + i], c);
-            for (int64_t j = 0; j < n; ++j) {
-                const float *vr = vh + (int64_t)slots[j0 + j] * row_stride;
-                const __m512 p = _mm512_set1_ps(s[r * BLOCK + j]);
-                for (int64_t i = 0; i < nv; ++i) a[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * i), a[i]);
-            }
-            for (int64_t i = 0; i < nv; ++i) acc[r * nv + i] = a[i];
-        }
+        for (int64_t r = 0; r < nq; ++r)
+            pv_accumulate512(acc + r * nv, corr[r], s + r * BLOCK, v + r / group * D, slots + j0, n, row_stride, nv);
     }
-    for (int64_t r = 0; r < nq; ++r) {
-        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-        for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(out + r * D + 16 * i, _mm512_mul_ps(acc[r * nv + i], inv));
-    }
+    finish512(acc, l, nq, nv, out);
 }
 #endif
 
@@ -286,6 +298,36 @@ int plait_paged_decode_f32(
 }
 
 
+/* Shared steps of the chunk tiles below. tile_start: the rows' queries scaled into qs,
+ * their accumulators (floats) zeroed, their online-softmax state reset. */
+static inline void tile_start(const float *q, int64_t nq, int64_t D, float scale, float *qs, float *acc, float *m,
+                              float *l) {
+    for (int64_t r = 0; r < nq; ++r) {
+        for (int64_t d = 0; d < D; ++d) {
+            qs[r * D + d] = q[r * D + d] * scale;
+            if (acc) acc[r * D + d] = 0.0f;
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+}
+
+/* kt [D][16]: the K rows of the keys at slots[0..nb) transposed, zeros past nb. */
+static inline void transpose_keys(const float *k, int64_t row_stride, const int32_t *slots, int64_t nb, int64_t D,
+                                  float *kt) {
+    for (int64_t jj = 0; jj < 16; ++jj) {
+        const float *kr = jj < nb ? k + (int64_t)slots[jj] * row_stride : NULL;
+        for (int64_t d = 0; d < D; ++d) kt[d * 16 + jj] = kr ? kr[d] : 0.0f;
+    }
+}
+
+/* A row's scores of keys j0.. past its own row_len: -inf; returns how many it sees. */
+static inline int64_t mask_row(float *sr, int64_t row_len, int64_t j0, int64_t n) {
+    const int64_t seen = row_len - j0 < 0 ? 0 : (row_len - j0 < n ? row_len - j0 : n);
+    for (int64_t j = seen; j < n; ++j) sr[j] = -INFINITY;
+    return seen;
+}
+
 #if defined(__AVX512F__)
 /* attend_avx512 for the rows of one tile of a chunk against one KV head (nq <= 
  * MAX_ITEM_HEADS rows, each seeing row_len[r] keys), with the scores of 16 keys at a
@@ -301,24 +343,13 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(
     float kt[MAX_DIM * 16] __attribute__((aligned(64)));
     float s[MAX_ITEM_HEADS * BLOCK] __attribute__((aligned(64)));
     float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS], corr[MAX_ITEM_HEADS];
-    for (int64_t r = 0; r < nq; ++r) {
-        for (int64_t d = 0; d < D; ++d) qs[r * D + d] = q[r * D + d] * scale;
-        for (int64_t i = 0; i < nv; ++i) acc[r * nv + i] = _mm512_setzero_ps();
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-    }
+    int64_t seen[MAX_ITEM_HEADS];
+    tile_start(q, nq, D, scale, qs, NULL, m, l);
+    for (int64_t i = 0; i < nq * nv; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {
         const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;
         for (int64_t jb = 0; jb < n; jb += 16) {
-            const int64_t nb = n - jb < 16 ? n - jb : 16;
-            for (int64_t jj = 0; jj < 16; ++jj) {
-                if (jj < nb) {
-                    const float *kr = k + (int64_t)slots[j0 + jb + jj] * row_stride;
-                    for (int64_t d = 0; d < D; ++d) kt[d * 16 + jj] = kr[d];
-                } else {
-                    for (int64_t d = 0; d < D; ++d) kt[d * 16 + jj] = 0.0f;
-                }
-            }
+            transpose_keys(k, row_stride, slots + j0 + jb, n - jb < 16 ? n - jb : 16, D, kt);
             int64_t r = 0;
             for (; r + 4 <= nq; r += 4) {
                 __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -343,26 +374,13 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(
             }
         }
         for (int64_t r = 0; r < nq; ++r) {
-            for (int64_t j = row_len[r] - j0 < 0 ? 0 : row_len[r] - j0; j < n; ++j) s[r * BLOCK + j] = -INFINITY;
+            seen[r] = mask_row(s + r * BLOCK, row_len[r], j0, n);
             corr[r] = softmax_block16(s + r * BLOCK, n, m + r, l + r);
         }
-        for (int64_t r = 0; r < nq; ++r) {
-            __m512 a[MAX_DIM / 16];
-            const __m512 c = _mm512_set1_ps(corr[r]);
-            for (int64_t i = 0; i < nv; ++i) a[i] = _mm512_mul_ps(acc[r * nv + i], c);
-            const int64_t nr = row_len[r] - j0 < n ? row_len[r] - j0 : n; /* keys past the row's own weigh 0 */
-            for (int64_t j = 0; j < nr; ++j) {
-                const float *vr = v + (int64_t)slots[j0 + j] * row_stride;
-                const __m512 p = _mm512_set1_ps(s[r * BLOCK + j]);
-                for (int64_t i = 0; i < nv; ++i) a[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * i), a[i]);
-            }
-            for (int64_t i = 0; i < nv; ++i) acc[r * nv + i] = a[i];
-        }
+        for (int64_t r = 0; r < nq; ++r) /* keys past the row's own weigh 0 */
+            pv_accumulate512(acc + r * nv, corr[r], s + r * BLOCK, v, slots + j0, seen[r], row_stride, nv);
     }
-    for (int64_t r = 0; r < nq; ++r) {
-        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-        for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(out + r * D + 16 * i, _mm512_mul_ps(acc[r * nv + i], inv));
-    }
+    finish512(acc, l, nq, nv, out);
 }
 #endif
 
@@ -377,22 +395,12 @@ static void attend_tile_generic(const float *q, const float *k, const float *v, 
     float kt[MAX_DIM * 16] __attribute__((aligned(64)));
     float s[MAX_ITEM_HEADS * BLOCK] __attribute__((aligned(64)));
     float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
-    for (int64_t r = 0; r < nq; ++r) {
-        for (int64_t d = 0; d < D; ++d) {
-            qs[r * D + d] = q[r * D + d] * scale;
-            acc[r * D + d] = 0.0f;
-        }
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-    }
+    tile_start(q, nq, D, scale, qs, acc, m, l);
     for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {
         const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;
         for (int64_t jb = 0; jb < n; jb += 16) {
             const int64_t nb = n - jb < 16 ? n - jb : 16;
-            for (int64_t jj = 0; jj < 16; ++jj) {
-                const float *kr = jj < nb ? k + (int64_t)slots[j0 + jb + jj] * row_stride : NULL;
-                for (int64_t d = 0; d < D; ++d) kt[d * 16 + jj] = kr ? kr[d] : 0.0f;
-            }
+            transpose_keys(k, row_stride, slots + j0 + jb, nb, D, kt);
             for (int64_t r = 0; r < nq; ++r) {
                 float a[16] __attribute__((aligned(64))) = {0};
                 for (int64_t d = 0; d < D; ++d) {
@@ -405,11 +413,10 @@ static void attend_tile_generic(const float *q, const float *k, const float *v, 
             }
         }
         for (int64_t r = 0; r < nq; ++r) {
-            for (int64_t j = row_len[r] - j0 < 0 ? 0 : row_len[r] - j0; j < n; ++j) s[r * BLOCK + j] = -INFINITY;
+            const int64_t nr = mask_row(s + r * BLOCK, row_len[r], j0, n); /* keys past the row's own weigh 0 */
             const float correction = softmax_block(s + r * BLOCK, n, m + r, l + r);
             float *ar = acc + r * D;
             for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
-            const int64_t nr = row_len[r] - j0 < n ? row_len[r] - j0 : n; /* keys past the row's own weigh 0 */
             for (int64_t j = 0; j < nr; ++j) {
                 const float *vr = v + (int64_t)slots[j0 + j] * row_stride;
                 const float p = s[r * BLOCK + j];
@@ -437,22 +444,11 @@ static void attend_tile_avx2(const float *q, const float *k, const float *v, int
     float kt[MAX_DIM * 16] __attribute__((aligned(32)));
     float s[MAX_ITEM_HEADS * BLOCK] __attribute__((aligned(64)));
     float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
-    for (int64_t r = 0; r < nq; ++r) {
-        for (int64_t d = 0; d < D; ++d) {
-            qs[r * D + d] = q[r * D + d] * scale;
-            acc[r * D + d] = 0.0f;
-        }
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-    }
+    tile_start(q, nq, D, scale, qs, acc, m, l);
     for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {
         const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;
         for (int64_t jb = 0; jb < n; jb += 16) {
-            const int64_t nb = n - jb < 16 ? n - jb : 16;
-            for (int64_t jj = 0; jj < 16; ++jj) {
-                const float *kr = jj < nb ? k + (int64_t)slots[j0 + jb + jj] * row_stride : NULL;
-                for (int64_t d = 0; d < D; ++d) kt[d * 16 + jj] = kr ? kr[d] : 0.0f;
-            }
+            transpose_keys(k, row_stride, slots + j0 + jb, n - jb < 16 ? n - jb : 16, D, kt);
             int64_t r = 0;
             for (; r + 4 <= nq; r += 4) {
                 __m256 a[8];
@@ -483,11 +479,10 @@ static void attend_tile_avx2(const float *q, const float *k, const float *v, int
             }
         }
         for (int64_t r = 0; r < nq; ++r) {
-            for (int64_t j = row_len[r] - j0 < 0 ? 0 : row_len[r] - j0; j < n; ++j) s[r * BLOCK + j] = -INFINITY;
+            const int64_t nr = mask_row(s + r * BLOCK, row_len[r], j0, n); /* keys past the row's own weigh 0 */
             const float correction = softmax_block(s + r * BLOCK, n, m + r, l + r);
             float *ar = acc + r * D;
-            const int64_t nr = row_len[r] - j0 < n ? row_len[r] - j0 : n; /* keys past the row's own weigh 0 */
-            if (nv <= 32) {
+            {
                 __m256 a[32];
                 const __m256 c = _mm256_set1_ps(correction);
                 for (int64_t i = 0; i < nv; ++i) a[i] = _mm256_mul_ps(_mm256_load_ps(ar + 8 * i), c);
