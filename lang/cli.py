@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
                           description="Trace a plait function and report values that differ between calls (arguments, "
                           "model outputs) placed before long constant text, with the tokens of reuse lost. Exit "
                           "status 1 when there is something to report.")
-    lint.add_argument("target", help="module:function, e.g. myapp.prompts:answer")
+    lint.add_argument("target", help="module:function or path/to/file.py:function, e.g. myapp.prompts:answer")
     lint.add_argument("--min-tokens", type=int, default=32, help="report constant text of at least this many tokens")
     from plait.runtime.server.args import add_server_arguments  # torch-free
 
@@ -62,15 +63,26 @@ def main(argv: list[str] | None = None) -> int:
 
 def _lint(parser: argparse.ArgumentParser, target: str, min_tokens: int) -> int:
     import importlib
+    import importlib.util
 
     from plait.api import Function
 
-    module_name, _, attr = target.partition(":")
+    module_name, _, attr = target.rpartition(":")
     if not module_name or not attr:
-        parser.error(f"lint target {target!r} must be module:function")
+        parser.error(f"lint target {target!r} must be module:function or path/to/file.py:function")
     sys.path.insert(0, "")  # modules of the current directory, as python -m does
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
+        if module_name.endswith(".py"):  # a file, run as a module of its own name (its folder importable)
+            path = os.path.abspath(module_name)
+            if not os.path.isfile(path):
+                parser.error(f"cannot load {target}: no file {module_name!r}")
+            sys.path.insert(0, os.path.dirname(path))
+            spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        fn = getattr(module, attr)
     except (ImportError, AttributeError) as e:
         parser.error(f"cannot load {target}: {e}")
     if not isinstance(fn, Function):

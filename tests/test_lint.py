@@ -135,6 +135,13 @@ def test_cli_lint(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["lint", "myprompts:LONG"])
     sys.modules.pop("myprompts", None)
+    # a file path, as pytest and uvicorn take them (from another directory)
+    monkeypatch.chdir(tmp_path.parent)
+    assert main(["lint", f"{tmp_path.name}/myprompts.py:ask"]) == 1
+    assert "argument 'user_id'" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["lint", "nowhere/missing.py:ask"])
+    assert "no file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("ps", [1, 4])
