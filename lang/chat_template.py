@@ -11,6 +11,10 @@ that is shorter than how it writes a finished message (Qwen3 writes a last assis
 message after an empty think block, which switches reasoning off, but opens a reply
 without one). A longer opening (DeepSeek-R1's ``<think>\n``) is not taken: the
 reasoning ``separate_reasoning`` removes would leave it unclosed in the text.
+
+A template given with ``chat_template`` (``--chat-template``: a file, the Jinja text or
+the built-in ``chatml``; :func:`load_chat_template`) takes the model's place, for the
+server's chat APIs and for roles alike.
 """
 
 from __future__ import annotations
@@ -199,12 +203,22 @@ def jinja_render(source: str, special_tokens: dict[str, Any] | None = None,
                  add_generation_prompt: bool = False) -> Render:
     """A renderer for a Hugging Face chat template given as Jinja source, set up as
     ``transformers`` does (sandbox, trim_blocks, lstrip_blocks, loop controls,
-    ``raise_exception``, ``strftime_now``, ``tojson``)."""
+    ``raise_exception``, ``strftime_now``, ``tojson``, the ``{% generation %}`` block).
+    An invalid template raises jinja2's ``TemplateSyntaxError`` here."""
     try:
-        from jinja2.ext import loopcontrols
+        from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as e:  # pragma: no cover - jinja2 is a dependency
         raise ChatTemplateError("rendering the runtime's chat template needs jinja2 (pip install jinja2)") from e
+
+    class GenerationBlock(Extension):
+        # transformers' {% generation %}...{% endgeneration %} marks the assistant's text
+        # (for training masks); rendering a prompt writes its body as it is
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
     def raise_exception(message: str) -> None:
         raise ChatTemplateError(message)
@@ -213,13 +227,84 @@ def jinja_render(source: str, special_tokens: dict[str, Any] | None = None,
                sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, GenerationBlock])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     tpl = env.from_string(source)
     extra = dict(special_tokens or {})
     return lambda messages: tpl.render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+
+
+# -- a template given to the server (chat_template, --chat-template) ------------------------------
+# ChatML (<|im_start|>role ... <|im_end|>), for a model without a template of its own
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+BUILT_IN_TEMPLATES: dict[str, str] = {"chatml": CHATML}
+MAX_TEMPLATE_FILE_BYTES = 1 << 20  # chat templates are kilobytes; more is the wrong file (weights)
+_ALLOWED = ("the path of a file holding a Jinja chat template (such as a model's chat_template.jinja), the "
+            "template text itself (containing '{%' or '{{'), or the name of a built-in template: "
+            + ", ".join(BUILT_IN_TEMPLATES))
+
+
+def load_chat_template(value: str) -> str:
+    """The Jinja source that ``chat_template`` (``--chat-template``) gives: a built-in
+    name (:data:`BUILT_IN_TEMPLATES`), the template text itself (it contains ``{%`` or
+    ``{{``), or the path of a text file holding one. The source must compile in the
+    sandboxed environment chat templates render in (:func:`jinja_render`, as
+    transformers sets it up). Raises ``ValueError`` naming the option, the value and
+    what is allowed."""
+    if not isinstance(value, str) or not value.strip():
+        raise _invalid(value, "not a template, file or name")
+    if value in BUILT_IN_TEMPLATES:
+        source = BUILT_IN_TEMPLATES[value]
+    elif "{%" in value or "{{" in value:
+        source = value
+    else:
+        source = _template_file(value)
+    from jinja2 import TemplateError, TemplateSyntaxError
+
+    try:
+        jinja_render(source)
+    except TemplateSyntaxError as e:
+        raise _invalid(value, f"the template does not compile (line {e.lineno}: {e.message})") from None
+    except TemplateError as e:
+        raise _invalid(value, f"the template does not compile ({e})") from None
+    return source
+
+
+def _template_file(path: str) -> str:
+    import os
+
+    if not os.path.exists(path):
+        raise _invalid(path, "no such file, and neither template text (no '{%' or '{{') nor a built-in name "
+                             "(SGLang's other named templates are not built in: give the template as a file)")
+    if not os.path.isfile(path):
+        raise _invalid(path, "not a file")
+    if path.lower().endswith(".json"):
+        raise _invalid(path, "JSON files (SGLang's conversation format) are not supported")
+    if os.path.getsize(path) > MAX_TEMPLATE_FILE_BYTES:
+        raise _invalid(path, f"the file is over {MAX_TEMPLATE_FILE_BYTES >> 20} MiB, too large for a chat template")
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise _invalid(path, f"the file cannot be read as UTF-8 text ({e})") from None
+    if "{%" not in source and "{{" not in source:
+        raise _invalid(path, "the file holds no Jinja template (no '{%' or '{{')")
+    return source
+
+
+def _invalid(value: Any, why: str) -> ValueError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:76] + "...'"
+    return ValueError(f"chat_template={shown} (--chat-template) is invalid: {why}; allowed: {_ALLOWED}")
 
 
 # -- tools in chat prompts -------------------------------------------------------------------------

@@ -91,12 +91,15 @@ class EngineBackend(BaseBackend):
         with self._lock:
             if self._template is _UNSET:
                 tok = self.engine.tokenizer
-                if getattr(tok, "chat_template", None):
+                template = self.engine.config.resolved_chat_template()  # replaces the model's, as on the server
+                given = {"chat_template": template} if template is not None else {}
+                if given or getattr(tok, "chat_template", None):
                     self._template = ChatTemplate(
-                        lambda msgs: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False),
+                        lambda msgs: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False,
+                                                             **given),
                         name=str(self.engine.source.path),
                         render_generation=lambda msgs: tok.apply_chat_template(msgs, tokenize=False,
-                                                                               add_generation_prompt=True),
+                                                                               add_generation_prompt=True, **given),
                     )
                 else:
                     self._template = None

@@ -236,16 +236,16 @@ class RuntimeEndpoint(BaseBackend):
     if nothing answers within ``connect_timeout_s``. ``verify`` is SGLang's (as in
     ``requests``): for an ``https://`` URL, False skips certificate checks and a path
     names a CA bundle (file) or folder of certificates. SGLang's ``chat_template_name``
-    (a frontend template by name) is refused: roles render with the served model's
-    own chat template."""
+    (a frontend template by name) is refused: roles render with the runtime's chat
+    template (the served model's own, or the server's ``--chat-template``)."""
 
     def __init__(self, base_url: str, api_key: str | None = None, verify: bool | str | None = None,
                  chat_template_name: str | None = None, *, connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  liveness_timeout_s: float = LIVENESS_TIMEOUT_S, alive: Callable[[], bool] | None = None) -> None:
         if chat_template_name is not None:
             raise ValueError(f"chat_template_name={chat_template_name!r} is not supported by plait: roles render "
-                             "with the chat template of the model the runtime serves (from tokenizer_config.json, "
-                             "chat_template.jinja or the GGUF file)")
+                             "with the runtime's chat template (the served model's own, from tokenizer_config.json, "
+                             "chat_template.jinja or the GGUF file, or the server's --chat-template)")
         if not isinstance(base_url, str) or not base_url:
             raise ValueError(f"base_url={base_url!r} is invalid; allowed: http(s)://host:port, tcp://host:port or ipc://path")
         self.base_url = base_url

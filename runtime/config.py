@@ -137,6 +137,11 @@ class EngineConfig:
     speculative_num_draft_tokens: int = 4
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 5
+    # The chat template rendering chat prompts instead of the model's own (the server's
+    # OpenAI chat and Responses APIs, the language's roles; SGLang's and vLLM's
+    # --chat-template): a built-in name (chatml), the path of a Jinja template file, or the
+    # template text itself (plait.chat_template.load_chat_template); None: the model's.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.device in DEVICES, "device", self.device, ", ".join(DEVICES))
@@ -250,6 +255,7 @@ class EngineConfig:
                  "None, tcp://HOST:PORT (host * binds, another host is connected to), ipc://PATH or inproc://NAME")
         _require(_is_num(self.pin_budget_fraction) and 0 <= self.pin_budget_fraction <= 0.9,
                  "pin_budget_fraction", self.pin_budget_fraction, "a number in [0, 0.9] (0 disables pinning)")
+        self.resolved_chat_template()  # a missing file or a template that does not compile: ValueError
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -258,6 +264,15 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(names))}")
         return cls(**kwargs)
+
+    def resolved_chat_template(self) -> str | None:
+        """The Jinja source of ``chat_template`` (read from its file, or the built-in
+        one), checked to compile; None: the model's own template renders chats."""
+        if self.chat_template is None:
+            return None
+        from plait.chat_template import load_chat_template
+
+        return load_chat_template(self.chat_template)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

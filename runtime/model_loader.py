@@ -143,14 +143,20 @@ class ModelSource:
             return _iter_gguf_weights(self._gguf(), gguf_blocks)
         return _iter_hf_weights(self.path)
 
-    def load_tokenizer(self) -> Any:
-        """The model's ``transformers`` tokenizer (a ``PreTrainedTokenizerBase``)."""
+    def load_tokenizer(self, chat_template: str | None = None) -> Any:
+        """The model's ``transformers`` tokenizer (a ``PreTrainedTokenizerBase``);
+        ``chat_template``: Jinja source replacing the model's own chat template."""
         from transformers import AutoTokenizer
 
         if self.kind == "gguf":
             folder, name = os.path.split(os.path.abspath(self.path))
-            return AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        return AutoTokenizer.from_pretrained(self.path)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(self.path)
+        if chat_template is not None:
+            # NOTE: set here, not passed to from_pretrained: a GGUF file's template wins over that keyword
+            tokenizer.chat_template = chat_template
+        return tokenizer
 
 
 def resolve_model(model: str | None) -> ModelSource:

@@ -93,6 +93,9 @@ ENGINE_HELP: dict[str, str] = {
     "speculative_ngram_min": "speculative decoding: shortest n-gram ending the context that is looked up",
     "speculative_ngram_max": "speculative decoding: longest n-gram ending the context that is looked up (the "
                              "longest one found earlier wins)",
+    "chat_template": "the chat template of chat prompts instead of the model's own (OpenAI chat and Responses APIs, "
+                     "program roles): a Jinja template file's path, the Jinja text itself or chatml (built in); "
+                     "needed for chat with a model that has none",
 }
 
 

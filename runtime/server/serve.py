@@ -164,7 +164,8 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
         zmq_address = bind_zmq(router, args.zmq_address, tmpdir)
         sock = bind_http(args.host, args.port)
         procs = [start_engine(args, source.path, a_in, a_out, rank) for rank, (a_in, a_out) in enumerate(addrs)]
-        tokenizer_task = asyncio.ensure_future(asyncio.to_thread(source.load_tokenizer))
+        tokenizer_task = asyncio.ensure_future(asyncio.to_thread(
+            lambda: source.load_tokenizer(args.engine.resolved_chat_template())))
         try:
             infos = await asyncio.gather(*(_wait_engine(pull, proc) for pull, proc in zip(pulls, procs)))
         except BaseException:

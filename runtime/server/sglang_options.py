@@ -125,8 +125,6 @@ FOREIGN: dict[str, Foreign] = {
     "load_format": Foreign(_only("auto"), "the format follows the files: a folder with config.json and "
                                           "*.safetensors / pytorch_model*.bin, or a .gguf file"),
     "kv_cache_dtype": Foreign(_only("auto"), "the KV cache has the model's dtype (set with dtype)"),
-    "chat_template": Foreign(_only(None), "plait renders the model's own chat template (from tokenizer_config.json, "
-                                          "chat_template.jinja or the GGUF file)"),
     "revision": Foreign(_only(None), "download that revision and pass its folder as the model"),
     "download_dir": Foreign(_only(None), "set HF_HOME to choose where hub models are cached"),
     "is_embedding": Foreign(_only(False), "plait serves generation models only", bool),
