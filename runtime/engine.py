@@ -72,7 +72,7 @@ class Engine:
 
         self.source: ModelSource = resolve_model(model)
         self.model_config: ModelConfig = self.source.load_config()
-        self.tokenizer = self.source.load_tokenizer()
+        self.tokenizer = self.source.load_tokenizer(cfg.resolved_chat_template())  # --chat-template, if given
         mc = self.model_config
         if cfg.context_length and cfg.context_length > mc.context_length:
             # SGLang and vLLM refuse it too: positions past the model's own were never

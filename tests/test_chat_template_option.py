@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from plait.chat_template import CHATML, jinja_render, load_chat_template
+from plait.runtime import Engine
 from plait.runtime.config import EngineConfig
 from plait.runtime.server import launch
 from plait.runtime.server.args import ServerArgs, add_server_arguments, args_from_namespace
@@ -156,3 +157,13 @@ def test_chat_on_a_base_model_renders_with_the_given_file(server, base_model):
     from plait.runtime_endpoint import _template_from_info
 
     assert _template_from_info(info).markers("user", ("system",)) == ("[[USER]] ", "\n")
+
+
+def test_in_process_engine_takes_the_template(base_model):
+    """plait.Engine(chat_template=...): its tokenizer carries the given template (it
+    carried the model's own, here none)."""
+    with Engine(str(base_model), chat_template="chatml", kv_cache_tokens=256) as engine:
+        assert "<|im_start|>" in engine.tokenizer.chat_template
+        assert engine.server_info()["chat_template"] is True  # the model itself has none
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        assert text.startswith("<|im_start|>user\nhi")
