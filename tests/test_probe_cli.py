@@ -90,7 +90,6 @@ def test_a_flag_given_twice_or_with_equals_takes_the_last_value():
     (("--guided-decoding-backend", "xgrammar"), "grammar_backend='xgrammar' is not available in plait"),
     (("--grammar-backend", "none"), "grammar_backend='none' is not available in plait"),
     (("--tool-call-parser", "deepseekv3"), "tool_call_parser='deepseekv3'"),
-    (("--served-model-name", "a", "b"), "served_model_name=['a', 'b']"),
     (("/models/a", "--model", "/models/b"), "the model was given twice"),
     (("--enable-prefix-caching", "--disable-radix-cache"), "disable_radix_cache and enable_prefix_caching"),
     (("--device", "cuda", "--gpu-memory-utilization", "0.5", "--mem-fraction-static", "0.5"),
@@ -134,8 +133,29 @@ def test_keywords_take_the_same_names_as_the_flags():
     assert (a.tool_call_parser, a.log_level_http) == ("hermes", "trace")
     with pytest.raises(ValueError, match="enable_prefix_caching='no' is invalid; allowed: True or False"):
         ServerArgs.from_kwargs(None, enable_prefix_caching="no")
-    with pytest.raises(ValueError, match="served_model_name=.* is invalid; allowed: one non-empty name"):
-        ServerArgs.from_kwargs(None, served_model_name=["a", "b"])
+    with pytest.raises(ValueError, match="served_model_name=.* is invalid; allowed: a non-empty name"):
+        ServerArgs.from_kwargs(None, served_model_name=["a", "a"])
+    with pytest.raises(ValueError, match="served_model_name=.* is invalid"):
+        ServerArgs.from_kwargs(None, served_model_name=[])
+
+
+def test_several_served_names_are_aliases():
+    """vLLM's --served-model-name a b: a request may send either name, responses and the
+    first card carry the first, /v1/models lists both."""
+    from types import SimpleNamespace
+
+    from plait.errors import RequestError
+    from plait.runtime.server import openai_api as oa
+
+    a = parse("--served-model-name", "first", "second")
+    assert (a.model_name, a.model_names) == ("first", ["first", "second"])
+    assert ServerArgs.from_kwargs(None, served_model_name=("x", "y")).model_names == ["x", "y"]
+    assert ServerArgs.from_kwargs(None, served_model_name=["only"]).served_model_name == "only"
+    front = SimpleNamespace(args=a)
+    assert [oa.check_model(front, {"model": m}) for m in ("first", "second", "default")] == ["first"] * 3
+    with pytest.raises(RequestError, match="'first', 'second'") as e:
+        oa.check_model(front, {"model": "third"})
+    assert e.value.status == 404
 
 
 def test_stopping_an_engine_that_is_not_connected_leaves_no_stray_error():

@@ -32,7 +32,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 @pytest.fixture(scope="module")
 def server(tiny_model_factory):
     with launch(str(tiny_model_factory("llama")), num_threads=1, kv_cache_tokens=8192, max_running_requests=16,
-                echo_logs=False) as rt:
+                echo_logs=False, served_model_name=["tiny", "tiny-alias"]) as rt:
         yield rt
 
 
@@ -292,10 +292,14 @@ def test_the_openai_client_retrieves_the_model(server, http):
     import openai
 
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    name = oai.models.list().data[0].id
+    # vLLM's --served-model-name tiny tiny-alias: both listed, either taken, the first reported
+    assert [m.id for m in oai.models.list().data] == ["tiny", "tiny-alias"]
+    name = "tiny"
     for asked in (name, "default"):
         got = oai.models.retrieve(asked)
         assert got.id == name and got.object == "model"
+    assert oai.models.retrieve("tiny-alias").id == "tiny-alias"
+    assert oai.completions.create(model="tiny-alias", prompt="hi", max_tokens=2).model == "tiny"
     with pytest.raises(openai.NotFoundError) as info:
         oai.models.retrieve("org/other-model")
     assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"

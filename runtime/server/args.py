@@ -112,7 +112,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 0
     api_key: str | None = None
-    served_model_name: str | None = None
+    served_model_name: str | tuple[str, ...] | None = None
     zmq_address: str | None = None
     log_level: str = "warning"
     log_level_http: str | None = None  # the HTTP server's (uvicorn's) logging level; None: log_level
@@ -131,10 +131,19 @@ class ServerArgs:
             raise ValueError(f"host={self.host!r} is invalid; allowed: a host name or IP address")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key is invalid; allowed: a non-empty string or None")
-        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
-                                                   or not self.served_model_name):
-            raise ValueError(f"served_model_name={self.served_model_name!r} is invalid; allowed: one non-empty name "
-                             f"or None (the model argument); plait serves a model under one name")
+        names = self.served_model_name
+        if isinstance(names, (list, tuple)) and len(names) == 1:
+            names = names[0]
+            object.__setattr__(self, "served_model_name", names)  # (frozen: normalised once, here)
+        if names is not None and not (
+                (isinstance(names, str) and names)
+                or (isinstance(names, (list, tuple)) and names and all(isinstance(n, str) and n for n in names)
+                    and len(set(names)) == len(names))):
+            raise ValueError(f"served_model_name={names!r} is invalid; allowed: a non-empty name, a list of "
+                             f"distinct non-empty names (any of them may be sent; the first is reported, as in "
+                             f"vLLM) or None (the model argument)")
+        if isinstance(names, list):  # a tuple: the frozen settings stay hashable
+            object.__setattr__(self, "served_model_name", tuple(names))
         if isinstance(self.client_timeout_s, bool) or not isinstance(self.client_timeout_s, (int, float)) \
                 or not 0 < self.client_timeout_s <= 3600:
             raise ValueError(f"client_timeout_s={self.client_timeout_s!r} is invalid; allowed: seconds in (0, 3600]")
@@ -196,10 +205,18 @@ class ServerArgs:
 
     @property
     def model_name(self) -> str:
-        """The name clients pass as ``model`` in OpenAI requests."""
+        """The name clients pass as ``model`` in OpenAI requests (the first of several),
+        and responses carry."""
+        return self.model_names[0]
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every name a request may send as ``model`` (``--served-model-name a b``: both)."""
+        if isinstance(self.served_model_name, (tuple, list)):  # (a list after a trip to the server process)
+            return list(self.served_model_name)
         if self.served_model_name:
-            return self.served_model_name
-        return self.model if self.model is not None else "SmolLM2-135M-Instruct"
+            return [self.served_model_name]
+        return [self.model if self.model is not None else "SmolLM2-135M-Instruct"]
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "ServerArgs":
@@ -230,8 +247,8 @@ _SERVER_HELP = {
     "host": "address the HTTP server binds (0.0.0.0 exposes it to the network)",
     "port": "HTTP port (0 picks a free one; the chosen URL is printed)",
     "api_key": "require 'Authorization: Bearer KEY' on every HTTP route",
-    "served_model_name": "the model name clients send in OpenAI requests (default: the --model argument); one "
-    "name (vLLM's list of several is refused)",
+    "served_model_name": "the model name clients send in OpenAI requests (default: the --model argument); with "
+    "several, any of them is taken and the first is reported (as in vLLM)",
     "zmq_address": "socket of language clients: tcp://HOST:PORT (PORT * or 0 for a free one) or ipc://PATH "
     "(default: ipc in a private temp folder)",
     "log_level": "logging level of the server processes: " + ", ".join(LOG_LEVELS) + " (any case)",
@@ -345,11 +362,8 @@ def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     names = [*defaults, *FOREIGN, *NEGATED, *GPU_ONLY]
     given = {n: getattr(ns, n) for n in names if hasattr(ns, n) and (n not in defaults or getattr(ns, n) != defaults[n])}
     served = given.pop("served_model_name", None)
-    if served is not None:  # a list on the command line (vLLM's nargs)
-        if len(served) > 1:
-            raise ValueError(f"served_model_name={served!r} is invalid; allowed: one name (plait serves a model "
-                             f"under one name; vLLM's list of several is not supported)")
-        given["served_model_name"] = served[0]
+    if served is not None:  # a list on the command line (vLLM's nargs): several names are aliases
+        given["served_model_name"] = served[0] if len(served) == 1 else list(served)
     tag = getattr(ns, "model_tag", None)
     if tag is not None:
         if given.get("model", tag) != tag:

@@ -546,19 +546,21 @@ def build_app(front: Front) -> ASGIApp:
         return Response(front.metrics.render(), media_type=CONTENT_TYPE)
 
     # -- OpenAI -------------------------------------------------------------------------------
-    def model_card() -> dict[str, Any]:
+    def model_card(name: str) -> dict[str, Any]:
         # "sglang": routers (SMG) read it to pick the worker protocol, and plait speaks SGLang's
-        return {"id": front.args.model_name, "object": "model", "created": 0, "owned_by": "sglang",
+        return {"id": name, "object": "model", "created": 0, "owned_by": "sglang",
                 "root": front.model_info.get("model_path"), "max_model_len": front.context_len}
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        """Every served name (several with ``--served-model-name a b``, as vLLM lists them)."""
+        return JSONResponse({"object": "list", "data": [model_card(n) for n in front.args.model_names]})
 
     async def model(request: Request) -> Response:
         """OpenAI's retrieve (``client.models.retrieve``): the served model, by any name a
         request may use for it; another name is a 404 ``model_not_found``."""
-        oa.check_model(front, {"model": request.path_params["model"]})
-        return JSONResponse(model_card())
+        name = request.path_params["model"]
+        oa.check_model(front, {"model": name})
+        return JSONResponse(model_card(name if name in front.args.model_names else front.args.model_name))
 
     async def completions(request: Request) -> Response:
         return await _openai(request, oa.parse_completion)

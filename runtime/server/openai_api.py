@@ -119,16 +119,19 @@ def check_reasoning_effort(value: Any, param: str) -> None:
 
 
 def check_model(front: Front, body: dict[str, Any]) -> str:
-    """The served name; ``model`` may be absent, empty, ``"default"`` or a served name
-    (as in SGLang). Another name is OpenAI's 404 ``model_not_found``."""
+    """The served name (the first of several); ``model`` may be absent, empty,
+    ``"default"`` or any served name (as in SGLang and vLLM). Another name is OpenAI's 404
+    ``model_not_found``."""
     model = get_field(body, "model", "str")
-    names = {front.args.model_name, "", "default"}
+    served = front.args.model_names
+    names = {*served, "", "default"}
     if front.args.model is not None:
         names.add(front.args.model)
     if model is not None and model not in names:
         raise RequestError(
-            f"The model {_short(model)} does not exist on this server; allowed: {front.args.model_name!r}, "
-            f"'default' or no name (see GET /v1/models)", "model", 404, "invalid_request_error", "model_not_found",
+            f"The model {_short(model)} does not exist on this server; allowed: "
+            f"{', '.join(repr(n) for n in served)}, 'default' or no name (see GET /v1/models)", "model", 404,
+            "invalid_request_error", "model_not_found",
         )
     return front.args.model_name
 
