@@ -276,6 +276,10 @@ def test_exponential_pattern_automata_are_cut_off_by_place(monkeypatch):
                                                r"the patterns are too complex to check|patternProperties at "
                                                r"#/patternProperties: the patterns are too complex to check"):
             constraint(schema, backend)
+    # many small patterns: the pairwise check is what runs out of time, and the message says how many
+    many = {"type": "object", "patternProperties": {f"^k{i}_[a-z]+$": {"type": "integer"} for i in range(120)}}
+    with pytest.raises(RequestError, match=r"too complex to check that they are exclusive \(120 patterns, 7140 pairs"):
+        constraint(many, "llguidance")
     with pytest.raises(RequestError, match=r"whitespace_pattern=.* is too complex to check"):
         SamplingParams.from_dict({"json_schema": {"type": "object"}, "whitespace_pattern": "( |\t)*\t( |\t){12}",
                                   "grammar_backend": "outlines"}).constraint()

@@ -163,7 +163,8 @@ def _check_patterns_exclusive(patterns: list[str], where: str) -> None:
                                          f"{patterns[j]!r}, which the llguidance backend does not combine")
     except FsmTooLarge as e:
         raise ValueError(f"patternProperties at {where}: the patterns are too complex to check that they are "
-                         f"exclusive ({e}); allowed: patterns whose automata build within the limit") from None
+                         f"exclusive ({len(patterns)} patterns, {len(patterns) * (len(patterns) - 1) // 2} pairs; {e}); "
+                         f"allowed: fewer or simpler patterns, whose pairwise check ends within the limit") from None
     except ValueError:
         raise
     except Exception as e:
