@@ -526,14 +526,8 @@ int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_
                                       B, H, KVH, D, scale, num_threads);
     /* tiles: [first token, count); single tokens (decodes) gathered for one decode call */
     int64_t *idx = malloc((size_t)(5 * B) * sizeof(int64_t));
-    float *qd = malloc((size_t)(2 * B * H * D) * sizeof(float));
-    if (!idx || !qd) {
-        free(idx);
-        free(qd);
-        return 2;
-    }
+    if (!idx) return 2;
     int64_t *tile_first = idx, *tile_n = idx + B, *singles = idx + 2 * B, *rd = idx + 3 * B, *ld = idx + 4 * B;
-    float *od = qd + B * H * D;
     int64_t n_tiles = 0, n_singles = 0;
     for (int64_t b = 0; b < B;) {
         int64_t n = 1;
@@ -546,6 +540,18 @@ int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_
         }
         b += n;
     }
+    if (n_tiles == 0) { /* a decode-only step: the decode kernel on the rows as they are, no copies */
+        free(idx);
+        return plait_paged_decode_f32(q, q_row_stride, k_buf, v_buf, table, table_stride, rows, seq_lens, NULL, out,
+                                      B, H, KVH, D, scale, num_threads);
+    }
+    /* the single tokens' queries and outputs, gathered (n_singles rows, not B) */
+    float *qd = malloc((size_t)(2 * (n_singles ? n_singles : 1) * H * D) * sizeof(float));
+    if (!qd) {
+        free(idx);
+        return 2;
+    }
+    float *od = qd + n_singles * H * D;
     const int64_t row_stride = KVH * D;
     int rc = 0;
 #pragma omp parallel num_threads(num_threads)

@@ -90,16 +90,13 @@ class EngineBackend(BaseBackend):
     def get_chat_template(self) -> ChatTemplate | None:
         with self._lock:
             if self._template is _UNSET:
-                tok = self.engine.tokenizer
-                template = self.engine.config.resolved_chat_template()  # replaces the model's, as on the server
-                given = {"chat_template": template} if template is not None else {}
-                if given or getattr(tok, "chat_template", None):
+                tok = self.engine.tokenizer  # its template is the engine's chat_template when one was given
+                if getattr(tok, "chat_template", None):
                     self._template = ChatTemplate(
-                        lambda msgs: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False,
-                                                             **given),
+                        lambda msgs: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False),
                         name=str(self.engine.source.path),
                         render_generation=lambda msgs: tok.apply_chat_template(msgs, tokenize=False,
-                                                                               add_generation_prompt=True, **given),
+                                                                               add_generation_prompt=True),
                     )
                 else:
                     self._template = None
