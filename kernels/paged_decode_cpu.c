@@ -329,62 +329,168 @@ static inline int64_t mask_row(float *sr, int64_t row_len, int64_t j0, int64_t n
 }
 
 #if defined(__AVX512F__)
-/* attend_avx512 for the rows of one tile of a chunk against one KV head (nq <= 
- * MAX_ITEM_HEADS rows, each seeing row_len[r] keys), with the scores of 16 keys at a
- * time as one vector per row: the keys' rows transposed into kt [D][16] once per 16 keys
- * and shared by every row, so a score costs D/16 FMAs and no horizontal sum (the
- * decode path's horizontal sum per (row, key) would be most of a tile's work). */
-static inline __attribute__((always_inline)) void attend_tile_avx512(
-    const float *q, const float *k, const float *v, int64_t row_stride, const int32_t *slots, int64_t len,
-    int64_t nq, const int64_t D, float scale, float *out, const int64_t *row_len) {
+/* The rows of one tile of a chunk against one KV head (nq <= MAX_ITEM_HEADS rows, each
+ * seeing row_len[r] keys) with the rows in the vector lanes: the queries are transposed
+ * once per tile into qt [D][W] (W = 16 * RV, RV <= 4 row vectors), and the score of a key
+ * for 16 rows is one vector, sum over d of broadcast(k[d]) * qt[d]. Four keys at a time
+ * make 4 * RV independent accumulators (enough in flight for the FMA units' latency), the
+ * keys are read in place (no transposed copy per 16 keys), and the online softmax runs
+ * down the lanes (a row's max and sum are vertical: no horizontal reductions). P V then
+ * takes R rows at a time, each V row loaded once for the R of them (R * D / 16
+ * accumulators). On the 2-core Xeon: 16 tokens x 3 query heads at context 1800, one
+ * thread, 978 -> see README us per layer against the transposed-keys tile this replaced. */
+static inline __attribute__((always_inline)) void tile_pv512(float *acc, const float *corr, const float *s, int64_t W,
+                                                             const float *v, const int32_t *slots, int64_t n,
+                                                             int64_t row_stride, int64_t nq, const int64_t D) {
     const int64_t nv = D / 16;
-    __m512 acc[MAX_ITEM_HEADS * MAX_DIM / 16];
-    float qs[MAX_ITEM_HEADS * MAX_DIM] __attribute__((aligned(64)));
-    float kt[MAX_DIM * 16] __attribute__((aligned(64)));
-    float s[MAX_ITEM_HEADS * BLOCK] __attribute__((aligned(64)));
-    float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS], corr[MAX_ITEM_HEADS];
-    int64_t seen[MAX_ITEM_HEADS];
-    tile_start(q, nq, D, scale, qs, NULL, m, l);
-    for (int64_t i = 0; i < nq * nv; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {
-        const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;
-        for (int64_t jb = 0; jb < n; jb += 16) {
-            transpose_keys(k, row_stride, slots + j0 + jb, n - jb < 16 ? n - jb : 16, D, kt);
-            int64_t r = 0;
-            for (; r + 4 <= nq; r += 4) {
-                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                const float *q0 = qs + r * D;
-                for (int64_t d = 0; d < D; ++d) {
-                    const __m512 kd = _mm512_load_ps(kt + d * 16);
-                    a0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d]), kd, a0);
-                    a1 = _mm512_fmadd_ps(_mm512_set1_ps(q0[D + d]), kd, a1);
-                    a2 = _mm512_fmadd_ps(_mm512_set1_ps(q0[2 * D + d]), kd, a2);
-                    a3 = _mm512_fmadd_ps(_mm512_set1_ps(q0[3 * D + d]), kd, a3);
+    enum { R = 3 };
+    int64_t r0 = 0;
+    if (nv <= 4)
+        for (; r0 + R <= nq; r0 += R) {
+            __m512 a[R][4];
+            for (int t = 0; t < R; ++t) {
+                const __m512 c = _mm512_set1_ps(corr[r0 + t]);
+                for (int64_t i = 0; i < nv; ++i) a[t][i] = _mm512_mul_ps(_mm512_load_ps(acc + (r0 + t) * D + 16 * i), c);
+            }
+            for (int64_t j = 0; j < n; ++j) {
+                const float *vr = v + (int64_t)slots[j] * row_stride;
+                const float *pj = s + j * W + r0;
+                const __m512 p0 = _mm512_set1_ps(pj[0]), p1 = _mm512_set1_ps(pj[1]), p2 = _mm512_set1_ps(pj[2]);
+                for (int64_t i = 0; i < nv; ++i) {
+                    const __m512 vv = _mm512_loadu_ps(vr + 16 * i);
+                    a[0][i] = _mm512_fmadd_ps(p0, vv, a[0][i]);
+                    a[1][i] = _mm512_fmadd_ps(p1, vv, a[1][i]);
+                    a[2][i] = _mm512_fmadd_ps(p2, vv, a[2][i]);
                 }
-                _mm512_storeu_ps(s + r * BLOCK + jb, a0);
-                _mm512_storeu_ps(s + (r + 1) * BLOCK + jb, a1);
-                _mm512_storeu_ps(s + (r + 2) * BLOCK + jb, a2);
-                _mm512_storeu_ps(s + (r + 3) * BLOCK + jb, a3);
             }
-            for (; r < nq; ++r) {
-                __m512 a0 = _mm512_setzero_ps();
-                for (int64_t d = 0; d < D; ++d)
-                    a0 = _mm512_fmadd_ps(_mm512_set1_ps(qs[r * D + d]), _mm512_load_ps(kt + d * 16), a0);
-                _mm512_storeu_ps(s + r * BLOCK + jb, a0);
-            }
+            for (int t = 0; t < R; ++t)
+                for (int64_t i = 0; i < nv; ++i) _mm512_store_ps(acc + (r0 + t) * D + 16 * i, a[t][i]);
         }
-        for (int64_t r = 0; r < nq; ++r) {
-            seen[r] = mask_row(s + r * BLOCK, row_len[r], j0, n);
-            corr[r] = softmax_block16(s + r * BLOCK, n, m + r, l + r);
+    for (; r0 < nq; ++r0) { /* one row at a time: the rest, or wide heads */
+        __m512 a[MAX_DIM / 16];
+        const __m512 c = _mm512_set1_ps(corr[r0]);
+        for (int64_t i = 0; i < nv; ++i) a[i] = _mm512_mul_ps(_mm512_load_ps(acc + r0 * D + 16 * i), c);
+        for (int64_t j = 0; j < n; ++j) {
+            const float *vr = v + (int64_t)slots[j] * row_stride;
+            const __m512 pj = _mm512_set1_ps(s[j * W + r0]);
+            for (int64_t i = 0; i < nv; ++i) a[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16 * i), a[i]);
         }
-        for (int64_t r = 0; r < nq; ++r) /* keys past the row's own weigh 0 */
-            pv_accumulate512(acc + r * nv, corr[r], s + r * BLOCK, v, slots + j0, seen[r], row_stride, nv);
+        for (int64_t i = 0; i < nv; ++i) _mm512_store_ps(acc + r0 * D + 16 * i, a[i]);
     }
-    finish512(acc, l, nq, nv, out);
+}
+
+/* s [key][16 * RV]: the scores of the n keys at slots for the RV row vectors of qt. */
+static inline __attribute__((always_inline)) void tile_scores512(const float *qt, const float *k, int64_t row_stride,
+                                                                 const int32_t *sl, int64_t n, const int64_t D,
+                                                                 const int64_t RV, float *s) {
+    const int64_t W = 16 * RV;
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *k0 = k + (int64_t)sl[j] * row_stride, *k1 = k + (int64_t)sl[j + 1] * row_stride;
+        const float *k2 = k + (int64_t)sl[j + 2] * row_stride, *k3 = k + (int64_t)sl[j + 3] * row_stride;
+        __m512 a0[4], a1[4], a2[4], a3[4];
+        for (int64_t u = 0; u < RV; ++u) a0[u] = a1[u] = a2[u] = a3[u] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; ++d) {
+            const __m512 b0 = _mm512_set1_ps(k0[d]), b1 = _mm512_set1_ps(k1[d]);
+            const __m512 b2 = _mm512_set1_ps(k2[d]), b3 = _mm512_set1_ps(k3[d]);
+            for (int64_t u = 0; u < RV; ++u) {
+                const __m512 qv = _mm512_load_ps(qt + d * W + 16 * u);
+                a0[u] = _mm512_fmadd_ps(b0, qv, a0[u]);
+                a1[u] = _mm512_fmadd_ps(b1, qv, a1[u]);
+                a2[u] = _mm512_fmadd_ps(b2, qv, a2[u]);
+                a3[u] = _mm512_fmadd_ps(b3, qv, a3[u]);
+            }
+        }
+        for (int64_t u = 0; u < RV; ++u) {
+            _mm512_store_ps(s + j * W + 16 * u, a0[u]);
+            _mm512_store_ps(s + (j + 1) * W + 16 * u, a1[u]);
+            _mm512_store_ps(s + (j + 2) * W + 16 * u, a2[u]);
+            _mm512_store_ps(s + (j + 3) * W + 16 * u, a3[u]);
+        }
+    }
+    for (; j < n; ++j) {
+        const float *k0 = k + (int64_t)sl[j] * row_stride;
+        __m512 a0[4];
+        for (int64_t u = 0; u < RV; ++u) a0[u] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; ++d) {
+            const __m512 b0 = _mm512_set1_ps(k0[d]);
+            for (int64_t u = 0; u < RV; ++u) a0[u] = _mm512_fmadd_ps(b0, _mm512_load_ps(qt + d * W + 16 * u), a0[u]);
+        }
+        for (int64_t u = 0; u < RV; ++u) _mm512_store_ps(s + j * W + 16 * u, a0[u]);
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_tile_avx512(
+    const float *q, const float *k, const float *v, int64_t row_stride, const int32_t *slots, int64_t j_begin,
+    int64_t len, int64_t nq, const int64_t D, float scale, float *out, const int64_t *row_len, float *m_out,
+    float *l_out) {
+    const int64_t RV = (nq + 15) / 16, W = 16 * RV;
+    float qt[MAX_DIM * MAX_ITEM_HEADS] __attribute__((aligned(64)));  /* [D][W] */
+    float s[BLOCK * MAX_ITEM_HEADS] __attribute__((aligned(64)));     /* [key][W]: scores, then weights */
+    float acc[MAX_ITEM_HEADS * MAX_DIM] __attribute__((aligned(64))); /* [nq][D] */
+    float corr[MAX_ITEM_HEADS] __attribute__((aligned(64)));
+    __m512 m[4], l[4];
+    __m512i rl[4];
+    for (int64_t d = 0; d < D; ++d)
+        for (int64_t r = 0; r < W; ++r) qt[d * W + r] = r < nq ? q[r * D + d] * scale : 0.0f;
+    for (int64_t r = 0; r < nq * D; ++r) acc[r] = 0.0f;
+    for (int64_t u = 0; u < RV; ++u) {
+        int32_t lens[16];
+        for (int64_t t = 0; t < 16; ++t) lens[t] = (int32_t)(16 * u + t < nq ? row_len[16 * u + t] : len);
+        rl[u] = _mm512_loadu_si512(lens); /* padding lanes see every key: finite, unused */
+        m[u] = _mm512_set1_ps(-INFINITY);
+        l[u] = _mm512_setzero_ps();
+    }
+    for (int64_t j0 = j_begin; j0 < len; j0 += BLOCK) {
+        const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;
+        const int32_t *sl = slots + j0;
+        switch (RV) { /* a constant row-vector count: the accumulators stay in registers */
+        case 1: tile_scores512(qt, k, row_stride, sl, n, D, 1, s); break;
+        case 2: tile_scores512(qt, k, row_stride, sl, n, D, 2, s); break;
+        case 3: tile_scores512(qt, k, row_stride, sl, n, D, 3, s); break;
+        default: tile_scores512(qt, k, row_stride, sl, n, D, 4, s); break;
+        }
+        int64_t j;
+        /* online softmax down the lanes; a key past a row's own position weighs exactly 0 */
+        for (int64_t u = 0; u < RV; ++u) {
+            __m512 bm = _mm512_set1_ps(-INFINITY);
+            for (j = 0; j < n; ++j) {
+                const __mmask16 seen = _mm512_cmpgt_epi32_mask(rl[u], _mm512_set1_epi32((int32_t)(j0 + j)));
+                bm = _mm512_mask_max_ps(bm, seen, bm, _mm512_load_ps(s + j * W + 16 * u));
+            }
+            const __m512 new_m = _mm512_max_ps(m[u], bm); /* finite: every row sees key 0 */
+            const __m512 c = exp_nonpositive16(_mm512_sub_ps(m[u], new_m)); /* first block: ~0 times zeros */
+            __m512 sum = _mm512_setzero_ps();
+            for (j = 0; j < n; ++j) {
+                const __mmask16 seen = _mm512_cmpgt_epi32_mask(rl[u], _mm512_set1_epi32((int32_t)(j0 + j)));
+                const __m512 p = _mm512_maskz_mov_ps(
+                    seen, exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(s + j * W + 16 * u), new_m)));
+                _mm512_store_ps(s + j * W + 16 * u, p);
+                sum = _mm512_add_ps(sum, p);
+            }
+            l[u] = _mm512_fmadd_ps(l[u], c, sum);
+            m[u] = new_m;
+            _mm512_store_ps(corr + 16 * u, c);
+        }
+        tile_pv512(acc, corr, s, W, v, sl, n, row_stride, nq, D);
+    }
+    if (m_out) { /* a part of the keys: its unnormalized sums and softmax state, merged by the caller */
+        float mm[MAX_ITEM_HEADS] __attribute__((aligned(64))), ll[MAX_ITEM_HEADS] __attribute__((aligned(64)));
+        for (int64_t u = 0; u < RV; ++u) {
+            _mm512_store_ps(mm + 16 * u, m[u]);
+            _mm512_store_ps(ll + 16 * u, l[u]);
+        }
+        memcpy(m_out, mm, (size_t)nq * sizeof(float));
+        memcpy(l_out, ll, (size_t)nq * sizeof(float));
+        memcpy(out, acc, (size_t)(nq * D) * sizeof(float));
+        return;
+    }
+    float inv[MAX_ITEM_HEADS] __attribute__((aligned(64)));
+    for (int64_t u = 0; u < RV; ++u) _mm512_store_ps(inv + 16 * u, _mm512_div_ps(_mm512_set1_ps(1.0f), l[u]));
+    for (int64_t r = 0; r < nq; ++r)
+        for (int64_t d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] * inv[r];
 }
 #endif
-
-
 /* attend_tile_avx512 in portable C (other CPUs, head dims not a multiple of 16): the
  * same transposed keys, 16 scores of a row per inner loop, which compilers vectorize
  * for the CPU they target (two 8-lane halves on AVX2). */
@@ -513,6 +619,8 @@ static void attend_tile_avx2(const float *q, const float *k, const float *v, int
  * compiler targets it and D is a multiple of 16, else the portable tile). Single tokens
  * (decodes) go to one call of plait_paged_decode_f32. */
 #define TILE 16 /* chunk tokens per item (TILE * group <= MAX_ITEM_HEADS) */
+#define MAX_PARTS 4 /* key ranges an item is split into to balance threads */
+#define MIN_PART_KEYS 256
 
 int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_buf, const float *v_buf,
                            const int32_t *table, int64_t table_stride, const int64_t *rows, const int64_t *seq_lens,
@@ -554,10 +662,43 @@ int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_
     float *od = qd + n_singles * H * D;
     const int64_t row_stride = KVH * D;
     int rc = 0;
+    /* Parts: with fewer items than keep the threads equally busy (a 16-token chunk of a
+     * model with 3 KV heads is 3 items for 2 threads: one thread idle half the time), each
+     * item's keys are split into `parts` ranges of whole blocks, computed as separate
+     * units and merged (AVX-512 tile only). On the 2-core Xeon, 16 tokens at context 1800:
+     * see README. A range costs its keys plus a fixed start (the tile's query transpose)
+     * and the merge, so ranges stay >= MIN_PART_KEYS keys. */
+    const int64_t units1 = n_tiles * KVH;
+    int64_t parts = 1;
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && num_threads > 1) {
+        int64_t shortest = seq_lens[tile_first[0] + tile_n[0] - 1];
+        for (int64_t t = 1; t < n_tiles; ++t) {
+            const int64_t len_t = seq_lens[tile_first[t] + tile_n[t] - 1];
+            if (len_t < shortest) shortest = len_t;
+        }
+        double best = (double)((units1 + num_threads - 1) / num_threads); /* makespan in items */
+        for (int64_t pp = 2; pp <= MAX_PARTS && shortest / pp >= MIN_PART_KEYS; ++pp) {
+            const double span = (double)((units1 * pp + num_threads - 1) / num_threads) / (double)pp;
+            if (span < best - 1e-9) {
+                best = span;
+                parts = pp;
+            }
+        }
+    }
+#endif
+    float *partial = NULL; /* [unit][rows][D] sums, then [unit][rows] maxima and [unit][rows] sums */
+    const int64_t prow = MAX_ITEM_HEADS;
+    if (parts > 1) {
+        partial = malloc((size_t)(units1 * parts * prow * (D + 2)) * sizeof(float));
+        if (!partial) parts = 1;
+    }
+    const int64_t units = units1 * parts;
 #pragma omp parallel num_threads(num_threads)
     {
-#pragma omp for schedule(dynamic, 1) nowait
-        for (int64_t item = 0; item < n_tiles * KVH; ++item) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t unit = 0; unit < units; ++unit) {
+            const int64_t item = unit / parts, part = unit % parts;
             const int64_t t = item / KVH, h = item % KVH, b0 = tile_first[t], n = tile_n[t];
             float qt[MAX_ITEM_HEADS * MAX_DIM] __attribute__((aligned(64)));
             float ot[MAX_ITEM_HEADS * MAX_DIM] __attribute__((aligned(64)));
@@ -571,12 +712,27 @@ int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_
             const int32_t *slots = table + rows[b0] * table_stride;
             const int64_t len = seq_lens[b0 + n - 1];
 #if defined(__AVX512F__)
+            if (D % 16 == 0 && parts > 1) {
+                /* keys [lo, hi) in whole blocks; the last range ends at len */
+                const int64_t blocks = (len + BLOCK - 1) / BLOCK;
+                const int64_t lo = blocks * part / parts * BLOCK;
+                const int64_t hi = part == parts - 1 ? len : blocks * (part + 1) / parts * BLOCK;
+                float *pa = partial + unit * prow * D, *pm = partial + units * prow * D + unit * prow;
+                float *pl = partial + units * prow * (D + 1) + unit * prow;
+                if (D == 64)
+                    attend_tile_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, lo, hi, n * group, 64,
+                                       scale, pa, row_len, pm, pl);
+                else
+                    attend_tile_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, lo, hi, n * group, D,
+                                       scale, pa, row_len, pm, pl);
+                continue;
+            }
             if (D == 64)
-                attend_tile_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, len, n * group, 64, scale, ot,
-                                   row_len);
+                attend_tile_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, 0, len, n * group, 64, scale,
+                                   ot, row_len, NULL, NULL);
             else if (D % 16 == 0)
-                attend_tile_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, len, n * group, D, scale, ot,
-                                   row_len);
+                attend_tile_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, 0, len, n * group, D, scale,
+                                   ot, row_len, NULL, NULL);
             else
 #endif
 #if defined(HAVE_TILE_AVX2)
@@ -590,7 +746,35 @@ int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_
             for (int64_t i = 0; i < n; ++i)
                 memcpy(out + ((b0 + i) * H + h * group) * D, ot + i * group * D, (size_t)(group * D) * sizeof(float));
         }
+        if (parts > 1) {
+            /* merge each item's ranges: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p */
+#pragma omp for schedule(static) nowait
+            for (int64_t item = 0; item < units1; ++item) {
+                const int64_t t = item / KVH, h = item % KVH, b0 = tile_first[t], nq = tile_n[t] * group;
+                const float *pm = partial + units * prow * D, *pl = partial + units * prow * (D + 1);
+                for (int64_t r = 0; r < nq; ++r) {
+                    float big = -INFINITY, sum = 0.0f, w[MAX_PARTS];
+                    for (int64_t p = 0; p < parts; ++p) {
+                        const float mp = pm[(item * parts + p) * prow + r];
+                        if (mp > big) big = mp;
+                    }
+                    for (int64_t p = 0; p < parts; ++p) {
+                        const float mp = pm[(item * parts + p) * prow + r];
+                        w[p] = mp == -INFINITY ? 0.0f : expf(mp - big);
+                        sum += w[p] * pl[(item * parts + p) * prow + r];
+                    }
+                    const int64_t i = r / group, g = r % group;
+                    float *o = out + ((b0 + i) * H + h * group + g) * D;
+                    for (int64_t d = 0; d < D; ++d) {
+                        float x = 0.0f;
+                        for (int64_t p = 0; p < parts; ++p) x += w[p] * partial[((item * parts + p) * prow + r) * D + d];
+                        o[d] = x / sum;
+                    }
+                }
+            }
+        }
     }
+    free(partial);
     if (n_singles) {
         /* the single tokens (decodes) in one call of the decode kernel (its items, its threads) */
         for (int64_t i = 0; i < n_singles; ++i) {
