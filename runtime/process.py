@@ -35,3 +35,18 @@ def exit_when_parent_is_gone(parent_pid: int, interval_s: float = 0.5) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="plait-parent-watch", daemon=True).start()
+
+
+def freeze_startup_objects() -> int:
+    """Move every object alive now (a loaded model's modules and tensors' wrappers, the
+    tokenizer's tables, imported modules: ~850k objects in the engine process with the
+    default model) out of the garbage collector's generations, as vLLM and SGLang do once
+    a server has started. Otherwise the collector's full (generation 2) passes, which
+    the objects made while serving still trigger, walk all of them: 110-280 ms pauses
+    measured in the engine process on the 2-core Xeon, each a stall of every stream.
+    Returns how many objects were frozen."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

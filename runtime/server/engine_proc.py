@@ -27,7 +27,7 @@ from plait.errors import RequestError
 from plait.runtime.config import EngineConfig, build_trusted
 from plait.runtime.engine import Engine
 from plait.runtime.output_processor import RequestOutput
-from plait.runtime.process import set_parent_death_signal
+from plait.runtime.process import freeze_startup_objects, set_parent_death_signal
 from plait.runtime.validation import GenerateInput
 
 logger = logging.getLogger("plait.engine")
@@ -206,6 +206,7 @@ def main(spec_json: str) -> int:
         ctx.term()
         return 1
     loop = EngineLoop(engine, pull, push, parent_pid)
+    freeze_startup_objects()
     push.send(P.encode(P.EngineReady(engine.server_info())))
     code = 0
     try:

@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from plait import protocol as P
+from plait.runtime.process import freeze_startup_objects
 from plait.runtime.server.args import ServerArgs, setup_logging
 from plait.runtime.server.front import Front, Replica, start_engine
 from plait.runtime.server.http_api import build_app
@@ -210,6 +211,7 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
                 raise StartupError("the HTTP server stopped while starting")
             await asyncio.sleep(0.01)
         url = http_url(sock)
+        freeze_startup_objects()  # before the first request: the startup objects leave the collector's passes
         report({"url": url, "zmq_address": zmq_address, "pid": os.getpid(), "engine_pid": procs[0].pid,
                 "engine_pids": [p.pid for p in procs]})
         logger.info("plait server ready: %s (language clients: %s, %d engine replicas)", url, zmq_address,
