@@ -52,6 +52,28 @@ def test_fused_decode_gives_the_module_paths_tokens(tiny_model_factory, arch, mo
             assert abs(x - y) < 1e-3
 
 
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_float32_fused_per_token_work_on_each_isa(tiny_model_factory, monkeypatch, isa):
+    """A float32 model's per-token work in C (the SiLU's vector exp) on the AVX2 and the
+    portable paths, as on CPUs without AVX-512: the module path's tokens and logprobs.
+    (The AVX-512 path: the test above.)"""
+    from plait.kernels import quant_cpu
+
+    if isa == "avx2" and "avx2" not in quant_cpu.cpu_flags().split():
+        pytest.skip("needs an AVX2 CPU")
+    folder = tiny_model_factory("llama")
+    prompts = [[5 + i for i in range(n)] for n in (3, 17, 40)]
+    kw = {"chunked_prefill_size": 24}
+    ref, _, _ = _run(folder, "none", False, prompts, **kw)
+    monkeypatch.setattr(quant_cpu, "choose_isa", lambda flags_line=None: isa)
+    outs, calls, engine = _run(folder, "none", True, prompts, **kw)
+    assert calls and engine.runner.fused.isa == quant_cpu.ISAS.index(isa)
+    for a, b in zip(ref, outs):
+        assert a["output_ids"] == b["output_ids"]
+        for x, y in zip(_logprobs(a), _logprobs(b)):
+            assert abs(x - y) < 1e-3
+
+
 def test_kv_written_by_the_fused_path_is_reused(tiny_model_factory):
     """A prompt made of an earlier prompt and its output reuses the KV the fused decode
     steps wrote (prefix cache) and continues as the first request did."""

@@ -145,7 +145,8 @@ class FusedDecoder:
         quantized = [p for p in projections if _kind(p) == "quant"]
         # the quantized kernels' ISA (None: every projection is float32), and the native GEMM's
         self.isa_name = quantized[0].isa if quantized else None
-        self.isa = quant_cpu.ISAS.index(self.isa_name) if quantized else 0
+        # (float32 models: the CPU's, for the vector paths of the per-token work such as the SiLU)
+        self.isa = quant_cpu.ISAS.index(self.isa_name if quantized else quant_cpu.choose_isa())
         self.gemm, self.gemm_isa, self.gemm_prefetch_rows = None, 0, 0
         if len(quantized) < len(projections):
             gemm_isa = gemm_cpu.choose_isa()
