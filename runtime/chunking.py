@@ -93,17 +93,42 @@ class ChunkSizer:
     def _refit(self) -> None:
         self._since_fit = 0
         rows = np.array(self._steps, dtype=np.float64)
+        # only steps with decodes: the budget matters only beside them, and a step without
+        # any (the streams' own prompts, a server's first step) costs otherwise (the module
+        # path, one-time set-up: a 0.5 s first step made the intercept 95 ms, the decode
+        # step's prediction 3x its time and the next chunks 100-token, 150 ms steps)
+        rows = rows[rows[:, 0] > 0]
         if len(rows) < 8 or (rows[:, 1] > 0).sum() < 3 or np.ptp(rows[:, 1]) == 0:
             return  # not enough prefill steps of different sizes to tell p
+        fit = self._lstsq(rows)
+        if fit is not None:  # once more without the steps far off the first fit (a stall, a swap)
+            a, d, p, q = fit
+            err = rows[:, 3] / np.maximum(a + d * rows[:, 0] + p * rows[:, 1] + q * rows[:, 2], 1e-9)
+            kept = rows[(err < 2.0) & (err > 0.5)]
+            if len(kept) < len(rows) and len(kept) >= 8 and (kept[:, 1] > 0).sum() >= 3 and np.ptp(kept[:, 1]) > 0:
+                fit = self._lstsq(kept) or fit
+        if fit is not None:
+            self._fit = fit
+            self._margin = self._high_error(rows, fit)
+
+    @staticmethod
+    def _lstsq(rows: np.ndarray) -> tuple[float, float, float, float] | None:
+        """(a, d, p, q) fitted to ``rows`` (least squares), or None without a positive
+        per-token cost. The intercept and per-decode cost are one number where every step
+        had as many decodes: their sum at that count is what the budget uses."""
         ones = np.ones(len(rows))
         coef, *_ = np.linalg.lstsq(np.column_stack([ones, rows[:, 0], rows[:, 1], rows[:, 2]]), rows[:, 3], rcond=None)
         a, d, p, q = (float(c) for c in coef)
         if q < 0 or np.ptp(rows[:, 2]) == 0:  # no attention term to tell (or noise): fit without it
             coef, *_ = np.linalg.lstsq(np.column_stack([ones, rows[:, 0], rows[:, 1]]), rows[:, 3], rcond=None)
             (a, d, p), q = (float(c) for c in coef), 0.0
-        if p > 0:
-            self._fit = fit = (max(a, 0.0), max(d, 0.0), p, q)
-            self._margin = self._high_error(rows, fit)
+        if p <= 0:
+            return None
+        if d < 0:  # more decodes cannot cost less: the intercept keeps the step's time at the mean count
+            a, d = a + d * float(rows[:, 0].mean()), 0.0
+        elif a < 0:
+            d, a = d + a / float(rows[:, 0].mean()), 0.0
+        return (a, max(d, 0.0), p, q)
 
     @staticmethod
     def _high_error(rows: np.ndarray, fit: tuple[float, float, float, float]) -> float:

@@ -78,6 +78,38 @@ def test_steps_that_run_over_the_fit_shrink_the_chunk():
     assert noisy.budget(8) < exact.budget(8)
 
 
+def test_steps_without_decodes_and_stalls_do_not_move_the_fit():
+    """The fit is of steps with decodes beside them (the budget matters only there): a
+    server's first step (the streams' own prompts, 0.5 s of one-time set-up) made the
+    intercept 95 ms, the predicted decode step 3x its time and the next chunks 150 ms
+    steps. A stall of one step (5x its time) is left out of a second fit."""
+    a, d, p = 0.010, 0.001, 0.0001
+    exact = ChunkSizer()
+    _feed(exact, a, d, p)
+    sizer = ChunkSizer()
+    sizer.observe(0, 256, 0.5)  # the first step: prompts only, set-up
+    for tokens, t in ((100, 0.03), (200, 0.05), (50, 0.02)):  # prompts alone: the module path, other costs
+        sizer.observe(0, tokens, t)
+    for i in range(40):
+        decodes, tokens = 4 + i % 5, (i * 37) % 300
+        stall = 5.0 if i == 17 else 1.0
+        sizer.observe(decodes, tokens, (a + d * decodes + p * tokens) * stall)
+    assert sizer.fit == pytest.approx(exact.fit, rel=1e-6, abs=1e-12)
+    assert sizer.budget(8) == exact.budget(8)
+
+
+def test_every_step_with_as_many_decodes_predicts_the_decode_step():
+    """8 streams throughout (the benchmark's scenario): the intercept and the per-decode
+    cost are one number, their sum at 8 decodes, which the budget uses."""
+    sizer = ChunkSizer()
+    for i in range(40):
+        tokens = (i * 37) % 120
+        sizer.observe(8, tokens, 0.028 + 0.0007 * tokens)
+    a, d, p, _ = sizer.fit
+    assert a >= 0 and d >= 0 and a + 8 * d == pytest.approx(0.028) and p == pytest.approx(0.0007)
+    assert sizer.budget(8) == int(0.028 / 0.0007 + 1e-6)  # 40 tokens: the step at 2x 28 ms
+
+
 def test_an_explicit_target_and_the_bounds():
     sizer = ChunkSizer(itl_target_ms=30.0, min_chunk=32, max_chunk=1000)
     _feed(sizer, a=0.010, d=0.001, p=0.0001)
