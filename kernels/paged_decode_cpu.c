@@ -337,8 +337,10 @@ static inline int64_t mask_row(float *sr, int64_t row_len, int64_t j0, int64_t n
  * keys are read in place (no transposed copy per 16 keys), and the online softmax runs
  * down the lanes (a row's max and sum are vertical: no horizontal reductions). P V then
  * takes R rows at a time, each V row loaded once for the R of them (R * D / 16
- * accumulators). On the 2-core Xeon: 16 tokens x 3 query heads at context 1800, one
- * thread, 978 -> see README us per layer against the transposed-keys tile this replaced. */
+ * accumulators). On the 2-core Xeon, 16 tokens x 3 query heads at context 1800, one
+ * thread: 978 -> 650 us per layer against the transposed-keys tile this replaced (whose
+ * four chained accumulators ran at the FMA latency, and whose key transposition per 16
+ * keys was ~20 % of its time). */
 static inline __attribute__((always_inline)) void tile_pv512(float *acc, const float *corr, const float *s, int64_t W,
                                                              const float *v, const int32_t *slots, int64_t n,
                                                              int64_t row_stride, int64_t nq, const int64_t D) {
@@ -540,66 +542,152 @@ static void attend_tile_generic(const float *q, const float *k, const float *v, 
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-/* attend_tile_avx512 for AVX2 + FMA (8 lanes): the scores of 16 transposed keys as two
- * vectors per row, four rows at a time; D a multiple of 8. */
+/* exp_nonpositive on 8 lanes (AVX2 + FMA). */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* s [key][W]: two keys' scores for UC row vectors (of 8 rows) from qt [D][W], starting
+ * at row vector u0; 2 * UC <= 12 accumulators of AVX2's 16 registers. */
+static inline __attribute__((always_inline)) void tile_scores256(const float *qt, int64_t W, int64_t u0,
+                                                                 const int UC, const float *k0, const float *k1,
+                                                                 int64_t D, float *s0, float *s1) {
+    __m256 a0[6], a1[6];
+    for (int u = 0; u < UC; ++u) a0[u] = a1[u] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+        const __m256 b0 = _mm256_broadcast_ss(k0 + d), b1 = _mm256_broadcast_ss(k1 + d);
+        for (int u = 0; u < UC; ++u) {
+            const __m256 qv = _mm256_load_ps(qt + d * W + 8 * (u0 + u));
+            a0[u] = _mm256_fmadd_ps(b0, qv, a0[u]);
+            a1[u] = _mm256_fmadd_ps(b1, qv, a1[u]);
+        }
+    }
+    for (int u = 0; u < UC; ++u) {
+        _mm256_store_ps(s0 + 8 * (u0 + u), a0[u]);
+        _mm256_store_ps(s1 + 8 * (u0 + u), a1[u]);
+    }
+}
+
+/* The AVX-512 tile's design on AVX2 + FMA (8 lanes, 16 registers): the rows in the
+ * lanes (queries transposed once per tile), two keys' scores per pass over d for up to
+ * 48 rows, the online softmax down the lanes, and P V three rows at a time over 32-wide
+ * slices of the head dim (12 accumulators). D a multiple of 8. */
 static void attend_tile_avx2(const float *q, const float *k, const float *v, int64_t row_stride, const int32_t *slots,
-                             int64_t len, int64_t nq, int64_t D, float scale, float *out, const int64_t *row_len) {
-    const int64_t nv = D / 8;
-    float qs[MAX_ITEM_HEADS * MAX_DIM] __attribute__((aligned(32)));
-    float acc[MAX_ITEM_HEADS * MAX_DIM] __attribute__((aligned(32)));
-    float kt[MAX_DIM * 16] __attribute__((aligned(32)));
-    float s[MAX_ITEM_HEADS * BLOCK] __attribute__((aligned(64)));
-    float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
-    tile_start(q, nq, D, scale, qs, acc, m, l);
-    for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {
+                             int64_t j_begin, int64_t len, int64_t nq, int64_t D, float scale, float *out,
+                             const int64_t *row_len, float *m_out, float *l_out) {
+    const int64_t RV = (nq + 7) / 8, W = 8 * RV;
+    float qt[MAX_DIM * MAX_ITEM_HEADS] __attribute__((aligned(32)));  /* [D][W] */
+    float s[BLOCK * MAX_ITEM_HEADS] __attribute__((aligned(32)));     /* [key][W] */
+    float acc[MAX_ITEM_HEADS * MAX_DIM] __attribute__((aligned(32))); /* [nq][D] */
+    float m[MAX_ITEM_HEADS] __attribute__((aligned(32))), l[MAX_ITEM_HEADS] __attribute__((aligned(32)));
+    float corr[MAX_ITEM_HEADS] __attribute__((aligned(32)));
+    int32_t rl[MAX_ITEM_HEADS] __attribute__((aligned(32)));
+    for (int64_t d = 0; d < D; ++d)
+        for (int64_t r = 0; r < W; ++r) qt[d * W + r] = r < nq ? q[r * D + d] * scale : 0.0f;
+    for (int64_t r = 0; r < nq * D; ++r) acc[r] = 0.0f;
+    for (int64_t r = 0; r < W; ++r) {
+        rl[r] = (int32_t)(r < nq ? row_len[r] : len); /* padding lanes see every key: finite, unused */
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    for (int64_t j0 = j_begin; j0 < len; j0 += BLOCK) {
         const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;
-        for (int64_t jb = 0; jb < n; jb += 16) {
-            transpose_keys(k, row_stride, slots + j0 + jb, n - jb < 16 ? n - jb : 16, D, kt);
-            int64_t r = 0;
-            for (; r + 4 <= nq; r += 4) {
-                __m256 a[8];
-                for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-                const float *q0 = qs + r * D;
-                for (int64_t d = 0; d < D; ++d) {
-                    const __m256 lo = _mm256_load_ps(kt + d * 16), hi = _mm256_load_ps(kt + d * 16 + 8);
-                    for (int i = 0; i < 4; ++i) {
-                        const __m256 b = _mm256_broadcast_ss(q0 + i * D + d);
-                        a[2 * i] = _mm256_fmadd_ps(b, lo, a[2 * i]);
-                        a[2 * i + 1] = _mm256_fmadd_ps(b, hi, a[2 * i + 1]);
+        const int32_t *sl = slots + j0;
+        for (int64_t j = 0; j < n; j += 2) {
+            const float *k0 = k + (int64_t)sl[j] * row_stride;
+            const float *k1 = j + 1 < n ? k + (int64_t)sl[j + 1] * row_stride : k0; /* a last odd key: twice */
+            float *s0 = s + j * W, *s1 = j + 1 < n ? s + (j + 1) * W : s + BLOCK * W - W;
+            for (int64_t u0 = 0; u0 < RV; u0 += 6) {
+                switch (RV - u0 < 6 ? RV - u0 : 6) { /* a constant count: the accumulators stay in registers */
+                case 1: tile_scores256(qt, W, u0, 1, k0, k1, D, s0, s1); break;
+                case 2: tile_scores256(qt, W, u0, 2, k0, k1, D, s0, s1); break;
+                case 3: tile_scores256(qt, W, u0, 3, k0, k1, D, s0, s1); break;
+                case 4: tile_scores256(qt, W, u0, 4, k0, k1, D, s0, s1); break;
+                case 5: tile_scores256(qt, W, u0, 5, k0, k1, D, s0, s1); break;
+                default: tile_scores256(qt, W, u0, 6, k0, k1, D, s0, s1); break;
+                }
+            }
+        }
+        /* online softmax down the lanes; a key past a row's own position weighs exactly 0 */
+        for (int64_t u = 0; u < RV; ++u) {
+            const __m256i rlu = _mm256_load_si256((const __m256i *)(rl + 8 * u));
+            const __m256 ninf = _mm256_set1_ps(-INFINITY);
+            __m256 bm = ninf;
+            for (int64_t j = 0; j < n; ++j) {
+                const __m256 seen = _mm256_castsi256_ps(_mm256_cmpgt_epi32(rlu, _mm256_set1_epi32((int32_t)(j0 + j))));
+                bm = _mm256_max_ps(bm, _mm256_blendv_ps(ninf, _mm256_load_ps(s + j * W + 8 * u), seen));
+            }
+            const __m256 mu = _mm256_load_ps(m + 8 * u);
+            const __m256 new_m = _mm256_max_ps(mu, bm); /* finite: every row sees key 0 */
+            const __m256 c = exp_nonpositive8(_mm256_sub_ps(mu, new_m));
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t j = 0; j < n; ++j) {
+                const __m256 seen = _mm256_castsi256_ps(_mm256_cmpgt_epi32(rlu, _mm256_set1_epi32((int32_t)(j0 + j))));
+                const __m256 p = _mm256_and_ps(
+                    seen, exp_nonpositive8(_mm256_sub_ps(_mm256_load_ps(s + j * W + 8 * u), new_m)));
+                _mm256_store_ps(s + j * W + 8 * u, p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            _mm256_store_ps(l + 8 * u, _mm256_fmadd_ps(_mm256_load_ps(l + 8 * u), c, sum));
+            _mm256_store_ps(m + 8 * u, new_m);
+            _mm256_store_ps(corr + 8 * u, c);
+        }
+        /* P V: three rows per V load, 32 floats of the head dim at a time */
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+            const int64_t nvc = D - d0 >= 32 ? 4 : (D - d0) / 8;
+            int64_t r0 = 0;
+            if (nvc == 4)
+                for (; r0 + 3 <= nq; r0 += 3) {
+                    __m256 a[3][4];
+                    for (int t = 0; t < 3; ++t) {
+                        const __m256 cv = _mm256_set1_ps(corr[r0 + t]);
+                        for (int i = 0; i < 4; ++i)
+                            a[t][i] = _mm256_mul_ps(_mm256_load_ps(acc + (r0 + t) * D + d0 + 8 * i), cv);
                     }
+                    for (int64_t j = 0; j < n; ++j) {
+                        const float *vr = v + (int64_t)sl[j] * row_stride + d0;
+                        const float *pj = s + j * W + r0;
+                        const __m256 p0 = _mm256_broadcast_ss(pj), p1 = _mm256_broadcast_ss(pj + 1);
+                        const __m256 p2 = _mm256_broadcast_ss(pj + 2);
+                        for (int i = 0; i < 4; ++i) {
+                            const __m256 vv = _mm256_loadu_ps(vr + 8 * i);
+                            a[0][i] = _mm256_fmadd_ps(p0, vv, a[0][i]);
+                            a[1][i] = _mm256_fmadd_ps(p1, vv, a[1][i]);
+                            a[2][i] = _mm256_fmadd_ps(p2, vv, a[2][i]);
+                        }
+                    }
+                    for (int t = 0; t < 3; ++t)
+                        for (int i = 0; i < 4; ++i) _mm256_store_ps(acc + (r0 + t) * D + d0 + 8 * i, a[t][i]);
                 }
-                for (int i = 0; i < 4; ++i) {
-                    _mm256_storeu_ps(s + (r + i) * BLOCK + jb, a[2 * i]);
-                    _mm256_storeu_ps(s + (r + i) * BLOCK + jb + 8, a[2 * i + 1]);
+            for (; r0 < nq; ++r0) /* the rest of the rows, or a slice narrower than 32 */
+                for (int64_t i = 0; i < nvc; ++i) {
+                    __m256 a0 = _mm256_mul_ps(_mm256_load_ps(acc + r0 * D + d0 + 8 * i), _mm256_set1_ps(corr[r0]));
+                    for (int64_t j = 0; j < n; ++j)
+                        a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j * W + r0),
+                                             _mm256_loadu_ps(v + (int64_t)sl[j] * row_stride + d0 + 8 * i), a0);
+                    _mm256_store_ps(acc + r0 * D + d0 + 8 * i, a0);
                 }
-            }
-            for (; r < nq; ++r) {
-                __m256 lo = _mm256_setzero_ps(), hi = lo;
-                for (int64_t d = 0; d < D; ++d) {
-                    const __m256 b = _mm256_broadcast_ss(qs + r * D + d);
-                    lo = _mm256_fmadd_ps(b, _mm256_load_ps(kt + d * 16), lo);
-                    hi = _mm256_fmadd_ps(b, _mm256_load_ps(kt + d * 16 + 8), hi);
-                }
-                _mm256_storeu_ps(s + r * BLOCK + jb, lo);
-                _mm256_storeu_ps(s + r * BLOCK + jb + 8, hi);
-            }
         }
-        for (int64_t r = 0; r < nq; ++r) {
-            const int64_t nr = mask_row(s + r * BLOCK, row_len[r], j0, n); /* keys past the row's own weigh 0 */
-            const float correction = softmax_block(s + r * BLOCK, n, m + r, l + r);
-            float *ar = acc + r * D;
-            {
-                __m256 a[32];
-                const __m256 c = _mm256_set1_ps(correction);
-                for (int64_t i = 0; i < nv; ++i) a[i] = _mm256_mul_ps(_mm256_load_ps(ar + 8 * i), c);
-                for (int64_t j = 0; j < nr; ++j) {
-                    const float *vr = v + (int64_t)slots[j0 + j] * row_stride;
-                    const __m256 p = _mm256_set1_ps(s[r * BLOCK + j]);
-                    for (int64_t i = 0; i < nv; ++i) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * i), a[i]);
-                }
-                for (int64_t i = 0; i < nv; ++i) _mm256_store_ps(ar + 8 * i, a[i]);
-            }
-        }
+    }
+    if (m_out) { /* a part of the keys: its unnormalized sums and softmax state, merged by the caller */
+        memcpy(m_out, m, (size_t)nq * sizeof(float));
+        memcpy(l_out, l, (size_t)nq * sizeof(float));
+        memcpy(out, acc, (size_t)(nq * D) * sizeof(float));
+        return;
     }
     for (int64_t r = 0; r < nq; ++r) {
         const float inv = 1.0f / l[r];
@@ -621,6 +709,14 @@ static void attend_tile_avx2(const float *q, const float *k, const float *v, int
 #define TILE 16 /* chunk tokens per item (TILE * group <= MAX_ITEM_HEADS) */
 #define MAX_PARTS 4 /* key ranges an item is split into to balance threads */
 #define MIN_PART_KEYS 256
+/* whether a tile of head dim D can be split into key ranges (the AVX-512 and AVX2 tiles) */
+#if defined(__AVX512F__)
+#define SPLITS(D) ((D) % 16 == 0)
+#elif defined(HAVE_TILE_AVX2)
+#define SPLITS(D) ((D) % 8 == 0)
+#else
+#define SPLITS(D) 0
+#endif
 
 int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_buf, const float *v_buf,
                            const int32_t *table, int64_t table_stride, const int64_t *rows, const int64_t *seq_lens,
@@ -665,13 +761,12 @@ int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_
     /* Parts: with fewer items than keep the threads equally busy (a 16-token chunk of a
      * model with 3 KV heads is 3 items for 2 threads: one thread idle half the time), each
      * item's keys are split into `parts` ranges of whole blocks, computed as separate
-     * units and merged (AVX-512 tile only). On the 2-core Xeon, 16 tokens at context 1800:
-     * see README. A range costs its keys plus a fixed start (the tile's query transpose)
+     * units and merged (the AVX-512 and AVX2 tiles). On the 2-core Xeon, 16 tokens at
+     * context 1800, 2 threads: 494 -> 348 us per layer (AVX-512). A range costs its keys plus a fixed start (the tile's query transpose)
      * and the merge, so ranges stay >= MIN_PART_KEYS keys. */
     const int64_t units1 = n_tiles * KVH;
     int64_t parts = 1;
-#if defined(__AVX512F__)
-    if (D % 16 == 0 && num_threads > 1) {
+    if (SPLITS(D) && num_threads > 1) {
         int64_t shortest = seq_lens[tile_first[0] + tile_n[0] - 1];
         for (int64_t t = 1; t < n_tiles; ++t) {
             const int64_t len_t = seq_lens[tile_first[t] + tile_n[t] - 1];
@@ -686,7 +781,6 @@ int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_
             }
         }
     }
-#endif
     float *partial = NULL; /* [unit][rows][D] sums, then [unit][rows] maxima and [unit][rows] sums */
     const int64_t prow = MAX_ITEM_HEADS;
     if (parts > 1) {
@@ -711,22 +805,27 @@ int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_
                 }
             const int32_t *slots = table + rows[b0] * table_stride;
             const int64_t len = seq_lens[b0 + n - 1];
-#if defined(__AVX512F__)
-            if (D % 16 == 0 && parts > 1) {
+            if (SPLITS(D) && parts > 1) {
                 /* keys [lo, hi) in whole blocks; the last range ends at len */
                 const int64_t blocks = (len + BLOCK - 1) / BLOCK;
                 const int64_t lo = blocks * part / parts * BLOCK;
                 const int64_t hi = part == parts - 1 ? len : blocks * (part + 1) / parts * BLOCK;
                 float *pa = partial + unit * prow * D, *pm = partial + units * prow * D + unit * prow;
                 float *pl = partial + units * prow * (D + 1) + unit * prow;
+#if defined(__AVX512F__)
                 if (D == 64)
                     attend_tile_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, lo, hi, n * group, 64,
                                        scale, pa, row_len, pm, pl);
                 else
                     attend_tile_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, lo, hi, n * group, D,
                                        scale, pa, row_len, pm, pl);
+#elif defined(HAVE_TILE_AVX2)
+                attend_tile_avx2(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, lo, hi, n * group, D, scale,
+                                 pa, row_len, pm, pl);
+#endif
                 continue;
             }
+#if defined(__AVX512F__)
             if (D == 64)
                 attend_tile_avx512(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, 0, len, n * group, 64, scale,
                                    ot, row_len, NULL, NULL);
@@ -737,8 +836,8 @@ int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_
 #endif
 #if defined(HAVE_TILE_AVX2)
             if (D % 8 == 0)
-                attend_tile_avx2(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, len, n * group, D, scale, ot,
-                                 row_len);
+                attend_tile_avx2(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, 0, len, n * group, D, scale, ot,
+                                 row_len, NULL, NULL);
             else
 #endif
                 attend_tile_generic(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, len, n * group, D, scale, ot,
