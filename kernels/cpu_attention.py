@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -80,6 +81,14 @@ def _writable_cache_dir() -> Path:
     raise RuntimeError(f"no writable folder for the compiled kernel (tried {cache_dir()} and the temp dir)")
 
 
+def _local_headers(path: Path) -> bytes:
+    """The text of the headers beside ``path`` that it includes (``#include "name.h"``):
+    part of the cache key, so a changed header rebuilds every library that uses it."""
+    names = re.findall(rb'^\s*#\s*include\s+"([^"]+)"', path.read_bytes(), flags=re.MULTILINE)
+    return b"".join(b"\0" + name + b"\0" + (path.parent / name.decode()).read_bytes()
+                    for name in sorted(set(names)) if (path.parent / name.decode()).is_file())
+
+
 def _build(
     cc: str, path: Path | None = None, flag_sets: tuple[list[str], ...] = _FLAG_SETS, what: str = "the CPU decode kernel"
 ) -> Path:
@@ -87,7 +96,7 @@ def _build(
     the first of ``flag_sets`` that compiles, or found in the cache."""
     path = path or SOURCE
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    source = path.read_bytes()
+    source = path.read_bytes() + _local_headers(path)
     folder = _writable_cache_dir()
     errors = []
     for flags in flag_sets:

@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "vexp.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -123,25 +125,6 @@ static void attend_generic(const float *q, const float *k, const float *v, int64
 }
 
 #if defined(__AVX512F__)
-/* exp_nonpositive on 16 lanes. */
-static inline __m512 exp_nonpositive16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
 /* softmax_block on 16 lanes at a time; lanes past n are masked off. */
 static inline float softmax_block16(float *sg, int64_t n, float *m, float *l) {
     __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -156,7 +139,7 @@ static inline float softmax_block16(float *sg, int64_t n, float *m, float *l) {
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 k = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-        const __m512 p = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + j), vm));
+        const __m512 p = vexp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + j), vm));
         _mm512_mask_storeu_ps(sg + j, k, p);
         vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(k, p));
     }
@@ -461,12 +444,12 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(
                 bm = _mm512_mask_max_ps(bm, seen, bm, _mm512_load_ps(s + j * W + 16 * u));
             }
             const __m512 new_m = _mm512_max_ps(m[u], bm); /* finite: every row sees key 0 */
-            const __m512 c = exp_nonpositive16(_mm512_sub_ps(m[u], new_m)); /* first block: ~0 times zeros */
+            const __m512 c = vexp16(_mm512_sub_ps(m[u], new_m)); /* first block: ~0 times zeros */
             __m512 sum = _mm512_setzero_ps();
             for (j = 0; j < n; ++j) {
                 const __mmask16 seen = _mm512_cmpgt_epi32_mask(rl[u], _mm512_set1_epi32((int32_t)(j0 + j)));
                 const __m512 p = _mm512_maskz_mov_ps(
-                    seen, exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(s + j * W + 16 * u), new_m)));
+                    seen, vexp16(_mm512_sub_ps(_mm512_load_ps(s + j * W + 16 * u), new_m)));
                 _mm512_store_ps(s + j * W + 16 * u, p);
                 sum = _mm512_add_ps(sum, p);
             }
@@ -542,25 +525,6 @@ static void attend_tile_generic(const float *q, const float *k, const float *v, 
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-/* exp_nonpositive on 8 lanes (AVX2 + FMA). */
-static inline __m256 exp_nonpositive8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
 /* s [key][W]: two keys' scores for UC row vectors (of 8 rows) from qt [D][W], starting
  * at row vector u0; 2 * UC <= 12 accumulators of AVX2's 16 registers. */
 static inline __attribute__((always_inline)) void tile_scores256(const float *qt, int64_t W, int64_t u0,
@@ -633,12 +597,12 @@ static void attend_tile_avx2(const float *q, const float *k, const float *v, int
             }
             const __m256 mu = _mm256_load_ps(m + 8 * u);
             const __m256 new_m = _mm256_max_ps(mu, bm); /* finite: every row sees key 0 */
-            const __m256 c = exp_nonpositive8(_mm256_sub_ps(mu, new_m));
+            const __m256 c = vexp8(_mm256_sub_ps(mu, new_m));
             __m256 sum = _mm256_setzero_ps();
             for (int64_t j = 0; j < n; ++j) {
                 const __m256 seen = _mm256_castsi256_ps(_mm256_cmpgt_epi32(rlu, _mm256_set1_epi32((int32_t)(j0 + j))));
                 const __m256 p = _mm256_and_ps(
-                    seen, exp_nonpositive8(_mm256_sub_ps(_mm256_load_ps(s + j * W + 8 * u), new_m)));
+                    seen, vexp8(_mm256_sub_ps(_mm256_load_ps(s + j * W + 8 * u), new_m)));
                 _mm256_store_ps(s + j * W + 8 * u, p);
                 sum = _mm256_add_ps(sum, p);
             }

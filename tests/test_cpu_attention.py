@@ -173,6 +173,25 @@ def test_build_is_cached_and_failures_are_reported(tmp_path, monkeypatch):
         cpu_attention.load()
 
 
+def test_a_changed_header_rebuilds_the_library(tmp_path, monkeypatch):
+    """The cache key covers the headers a kernel includes (kernels/vexp.h): a library
+    built before a header changed is not reused after."""
+    import ctypes
+
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))
+    cc = cpu_attention._compiler()
+    src = tmp_path / "k.c"
+    src.write_text('#include "k.h"\nint k_value(void) { return K_VALUE; }\n')
+    built = []
+    for value in (1, 2, 2):
+        (tmp_path / "k.h").write_text(f"#define K_VALUE {value}\n")
+        lib = cpu_attention._build(cc, src, (["-O1", "-fPIC", "-shared"],), "a test kernel")
+        built.append(lib)
+        assert ctypes.CDLL(str(lib)).k_value() == value
+    assert built[0] != built[1] and built[1] == built[2]
+    assert cpu_attention._local_headers(cpu_attention.SOURCE)  # the decode kernel includes vexp.h
+
+
 def test_unwritable_cache_dir_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
