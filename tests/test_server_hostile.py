@@ -285,3 +285,16 @@ def test_non_stream_disconnect_is_not_an_internal_error(long_model, capfd):
         assert metric(http, "plait_requests_total", 'finish_reason="abort"') == aborts + 1
     err = capfd.readouterr().err
     assert "InvalidStateError" not in err and "internal error" not in err, err[-2000:]
+
+
+@pytest.mark.parametrize("messages,says", [(None, "messages is required"), ("hi", "got a string"),
+                                           ([], "got an empty array"), ({"role": "user"}, "got an object")])
+def test_messages_of_the_wrong_shape_say_what_was_sent(messages, says):
+    """`"messages": "hi"` was answered "messages is required", though the client sent it."""
+    from plait.errors import RequestError
+    from plait.runtime.server.openai_api import _messages
+
+    body = {} if messages is None else {"messages": messages}
+    with pytest.raises(RequestError, match=says) as e:
+        _messages(body)
+    assert e.value.param == "messages"

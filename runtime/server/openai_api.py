@@ -309,8 +309,12 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
+    if messages is None:
         raise RequestError("messages is required: a non-empty array of {role, content} objects", "messages")
+    if not isinstance(messages, list) or not messages:
+        kinds = {str: "a string", dict: "an object", bool: "a boolean", int: "a number", float: "a number"}
+        got = "an empty array" if isinstance(messages, list) else kinds.get(type(messages), type(messages).__name__)
+        raise RequestError(f"messages must be a non-empty array of {{role, content}} objects, got {got}", "messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
