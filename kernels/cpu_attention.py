@@ -31,14 +31,23 @@ import torch
 SOURCE = Path(__file__).with_name("paged_decode_cpu.c")
 MAX_GROUP = 16  # query heads per KV head, as compiled into the kernel
 MAX_DIM = 256  # head dim
+# $PLAIT_MAX_ISA=avx2 runs this CPU as an AVX2-only one would (tests, benchmarks: the
+# "machines differ" stand-in): every native kernel chooses its path from the CPU's flags
+# without AVX-512 and AMX (:func:`_cpu_flags`), and this kernel is built without AVX-512.
+# With torch held alike: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+# MKL_ENABLE_INSTRUCTIONS=AVX2.
+MAX_ISA = (os.environ.get("PLAIT_MAX_ISA") or "").strip().lower()
+if MAX_ISA not in ("", "avx2", "avx512"):
+    raise ValueError(f"PLAIT_MAX_ISA={MAX_ISA!r}: expected avx2 or avx512 (or unset)")
 # -march=native: AVX-512 where the CPU has it; the cache key includes the CPU's flags.
-# $PLAIT_NATIVE_MARCH (e.g. haswell: AVX2 and FMA) builds it for another target: to
-# run this CPU as an AVX2-only one would (tests, benchmarks). Without OpenMP (a compiler
-# lacking it) the kernel still builds and runs on one thread.
-_MARCH = "-march=" + (os.environ.get("PLAIT_NATIVE_MARCH") or "native")
+# $PLAIT_NATIVE_MARCH (e.g. haswell: AVX2 and FMA) builds it for another target. Without
+# OpenMP (a compiler lacking it) the kernel still builds and runs on one thread.
+_MARCH = ["-march=" + (os.environ.get("PLAIT_NATIVE_MARCH") or "native")]
+if MAX_ISA == "avx2":
+    _MARCH.append("-mno-avx512f")  # and every AVX-512 extension with it
 _FLAG_SETS = (
-    ["-O3", _MARCH, "-fopenmp", "-fPIC", "-shared"],
-    ["-O3", _MARCH, "-fPIC", "-shared"],
+    ["-O3", *_MARCH, "-fopenmp", "-fPIC", "-shared"],
+    ["-O3", *_MARCH, "-fPIC", "-shared"],
 )
 
 _lock = threading.Lock()
@@ -61,11 +70,16 @@ def _compiler() -> str | None:
 
 
 def _cpu_flags() -> str:
+    """The CPU's flags line from /proc/cpuinfo ("" where there is none), without the
+    AVX-512 and AMX flags under ``PLAIT_MAX_ISA=avx2``."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         return ""
+    if MAX_ISA == "avx2":
+        line = " ".join(f for f in line.split() if not f.startswith(("avx512", "amx")))
+    return line
 
 
 def _writable_cache_dir() -> Path:

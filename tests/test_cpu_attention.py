@@ -192,6 +192,26 @@ def test_a_changed_header_rebuilds_the_library(tmp_path, monkeypatch):
     assert cpu_attention._local_headers(cpu_attention.SOURCE)  # the decode kernel includes vexp.h
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISAs")
+def test_max_isa_avx2_makes_every_native_kernel_choose_avx2(tmp_path):
+    """PLAIT_MAX_ISA=avx2: the CPU's flags as the kernels see them lose AVX-512 and AMX, so
+    the GEMMs choose their AVX2 paths and the attention kernel is built without AVX-512;
+    another value is refused by name."""
+    code = ("from plait.kernels import cpu_attention, gemm_cpu, quant_cpu\n"
+            "f = cpu_attention._cpu_flags().split()\n"
+            "assert not any(x.startswith(('avx512', 'amx')) for x in f), f\n"
+            "print(gemm_cpu.choose_isa(), quant_cpu.choose_isa(), '-mno-avx512f' in cpu_attention._FLAG_SETS[0])")
+    env = {**os.environ, "PLAIT_MAX_ISA": "avx2", "PLAIT_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    if "avx2" in cpu_attention._cpu_flags().split():
+        assert proc.stdout.split() == ["avx2", "avx2", "True"]
+    env["PLAIT_MAX_ISA"] = "sse"
+    proc = subprocess.run([sys.executable, "-c", "import plait.kernels.cpu_attention"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "PLAIT_MAX_ISA='sse'" in proc.stderr
+
+
 def test_unwritable_cache_dir_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -260,9 +280,10 @@ def test_tiled_kernel_split_key_ranges_match_reference(page_size, threads, chunk
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="haswell is an x86 target")
 def test_tiled_kernel_built_for_avx2_matches_reference(tmp_path):
-    """The kernel built as for an AVX2-only CPU (no AVX-512 intrinsics: the AVX2 tile with
-    its key ranges, the portable decode path), in a fresh cache, gives the same results."""
-    env = {**os.environ, "PLAIT_NATIVE_MARCH": "haswell", "PLAIT_CACHE_DIR": str(tmp_path)}
+    """The kernel built as for an AVX2-only CPU (PLAIT_MAX_ISA=avx2: no AVX-512 intrinsics;
+    the AVX2 tile with its key ranges, the portable decode path), in a fresh cache, gives
+    the same results."""
+    env = {**os.environ, "PLAIT_MAX_ISA": "avx2", "PLAIT_CACHE_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                            "tiled_kernel_matches_reference or split_key_ranges"],
                           env=env, capture_output=True, text=True, timeout=600)
