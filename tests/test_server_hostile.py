@@ -62,6 +62,9 @@ CLIENT_ERRORS = [  # raw body or JSON, the param the 4xx names (None: the body)
      "json_schema"),
     ({"text": "hi", "sampling_params": {"min_new_tokens": 2, "stop_token_ids": [1000000]}}, "stop_token_ids"),
     ({"text": "x" * 20_000_000, "sampling_params": {"max_new_tokens": 1}}, "text"),
+    # a chat asks for at least one token, as OpenAI and vLLM (it was answered 200 with nothing)
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
 ]
 
 

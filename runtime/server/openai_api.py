@@ -137,11 +137,13 @@ def check_model(front: Front, body: dict[str, Any]) -> str:
 
 
 def sampling_params(front: Front, body: dict[str, Any], prompt_len: int, default_max: int | None,
-                    max_name: str = "max_tokens") -> dict[str, Any]:
+                    max_name: str = "max_tokens", least: int = 0) -> dict[str, Any]:
     """The engine's sampling params from OpenAI's fields (shape-checked here; the
-    values are validated by :meth:`Front.submit`, errors renamed by :func:`openai_error`)."""
+    values are validated by :meth:`Front.submit`, errors renamed by :func:`openai_error`).
+    ``least``: the smallest output length allowed (chat: 1, as OpenAI and vLLM; a
+    completion may ask for 0 tokens to score its echoed prompt)."""
     sp: dict[str, Any] = {}
-    max_tokens = get_field(body, max_name, "int", None, 0)
+    max_tokens = get_field(body, max_name, "int", None, least)
     if max_tokens is None:
         max_tokens = default_max if default_max is not None else front.context_len - prompt_len
     elif prompt_len + max_tokens > front.context_len and prompt_len < front.context_len:
@@ -636,8 +638,8 @@ def parse_chat(front: Front, body: dict[str, Any]) -> Job:
     schema = response_format_schema(get_field(body, "response_format", "dict"))
     chat = chat_request(front, body, messages, schema, "response_format")
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    get_field(body, "max_tokens", "int", None, 0)  # checked when max_completion_tokens, which wins, is given too
-    sp = chat.sampling(sampling_params(front, body, len(chat.ids), None, max_name))
+    get_field(body, "max_tokens", "int", None, 1)  # checked when max_completion_tokens, which wins, is given too
+    sp = chat.sampling(sampling_params(front, body, len(chat.ids), None, max_name, least=1))
     want_lp = get_field(body, "logprobs", "bool", False)
     top = get_field(body, "top_logprobs", "int", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want_lp:
