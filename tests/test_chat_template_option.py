@@ -167,3 +167,59 @@ def test_in_process_engine_takes_the_template(base_model):
         assert engine.server_info()["chat_template"] is True  # the model itself has none
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
         assert text.startswith("<|im_start|>user\nhi")
+
+
+# -- the given template's end-of-turn text ends chat replies ------------------------------------------
+class _Tok:
+    def __init__(self, eos: str) -> None:
+        self.eos_token, self.bos_token = eos, ""
+
+
+@pytest.mark.parametrize("source,eos,end", [
+    ("chatml", "<|endoftext|>", "<|im_end|>"),  # ChatML on a base model: its EOS is another token
+    ("chatml", "<|im_end|>", None),  # the model's EOS ends the turn already
+    (MARKED, "<|endoftext|>", None),  # a turn that ends with a newline only
+    (None, "<|endoftext|>", None),  # no template given
+    ("{{ raise_exception('no chat here') }}", "</s>", None),  # cannot write a turn
+])
+def test_a_given_templates_turn_end_is_a_stop_string(source, eos, end):
+    from plait.chat_template import load_chat_template
+    from plait.runtime.server.front import given_turn_end
+
+    text = load_chat_template(source) if source else None
+    assert given_turn_end(text, _Tok(eos)) == end
+
+
+def test_the_turn_end_joins_the_clients_stop_strings():
+    """Beside the client's stop (a string or a list), once, within the limit of stop
+    strings; not for a forced tool call (its constraint ends the output)."""
+    from plait.runtime.sampling_params import MAX_STOP_STRINGS
+    from plait.runtime.server.openai_api import ChatRequest
+
+    def sampling(sp, forced=False):
+        return ChatRequest([1], {}, None, None, {}, forced, "<|im_end|>").sampling(sp)
+
+    assert sampling({})["stop"] == ["<|im_end|>"]
+    assert sampling({"stop": "\n\n"})["stop"] == ["\n\n", "<|im_end|>"]
+    assert sampling({"stop": ["a", "<|im_end|>"]})["stop"] == ["a", "<|im_end|>"]
+    full = [str(i) for i in range(MAX_STOP_STRINGS)]
+    assert sampling({"stop": full})["stop"] == full
+    assert "stop" not in sampling({"stop": "x"}, forced=True)
+    assert "stop" not in ChatRequest([1], {}, None, None, {}, False).sampling({})
+
+
+def test_chatml_given_to_a_base_model_stops_at_its_turn_end(base_model):
+    """The server given ChatML for a base model (whose EOS is <|endoftext|>) ends a chat
+    reply at <|im_end|>: forced by a regex to write past it, the reply is cut there
+    (finish_reason stop), where it ran into the next turn before; a completion (no chat
+    template) is not cut."""
+    regex = r"hello<\|im_end\|>\n<\|im_start\|>user"
+    with launch(str(base_model), chat_template="chatml", num_threads=1, kv_cache_tokens=1024) as rt, \
+            httpx.Client(base_url=rt.url, timeout=60) as http:
+        chat = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 40, "temperature": 0,
+                                                      "regex": regex}).json()
+        assert chat["choices"][0]["message"]["content"] == "hello", chat
+        assert chat["choices"][0]["finish_reason"] == "stop"
+        done = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 40, "temperature": 0,
+                                                  "regex": regex}).json()
+        assert done["choices"][0]["text"] == "hello<|im_end|>\n<|im_start|>user", done

@@ -116,6 +116,8 @@ class Front:
         # no token is longer than this many characters: a longer text cannot fit
         self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer else 1
         self.max_prompt_chars = self.context_len * max(self.max_token_chars, 1)
+        # a chat template given to the server: its end-of-turn text ends chat replies
+        self.turn_end = given_turn_end(args.engine.resolved_chat_template(), tokenizer)
         self.table: dict[str, ReqState] = {}
         # control id -> (future, client rid, replica rank)
         self.pending: dict[str, tuple[asyncio.Future, str, int]] = {}
@@ -672,6 +674,29 @@ def start_engine(args: ServerArgs, model_path: str | None, in_addr: str, out_add
         "log_level": args.log_level,
     }
     return subprocess.Popen([sys.executable, "-m", "plait.runtime.server.engine_proc", json.dumps(spec)])
+
+
+def given_turn_end(source: str | None, tokenizer: Any) -> str | None:
+    """The end-of-turn text of a chat template given to the server (``--chat-template``),
+    a stop string of its chat replies, or None: no template given, or its assistant turn
+    ends with the model's EOS token (which ends generation already) or with nothing but
+    whitespace. SGLang's built-in templates carry such a stop string (ChatML:
+    ``<|im_end|>``); a model whose own EOS is another token (ChatML given to a base
+    model) would otherwise write past its turn, into the next one."""
+    if not source:
+        return None
+    from plait.chat_template import jinja_template
+
+    eos = getattr(tokenizer, "eos_token", None) or ""
+    special = {"bos_token": getattr(tokenizer, "bos_token", None) or "", "eos_token": eos}
+    try:
+        _, suffix = jinja_template(source, special).markers("assistant", ("user",))
+    except Exception:  # noqa: BLE001 - a template that cannot write the turn: no stop string from it
+        return None
+    end = suffix.strip()
+    if not end or (eos and end == eos) or len(end) > 256:
+        return None
+    return end
 
 
 def chat_template_info(tokenizer: Any) -> dict[str, Any]:

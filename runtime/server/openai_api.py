@@ -20,6 +20,7 @@ from plait.chat_template import (
 )
 from plait.errors import RequestError, is_int
 from plait.reasoning import MAX_REASONING_CHARS, ReasoningParser, ReasoningStream, get_reasoning_parser
+from plait.runtime.sampling_params import MAX_STOP_STRINGS
 from plait.runtime.server.front import Front
 from plait.runtime.validation import check_text
 from plait.tool_parsers import ToolParser, ToolStream, check_tools, detect_tool_parser, get_tool_parser
@@ -553,17 +554,24 @@ class ChatRequest:
     output: ChatOutput
     extra_sp: dict[str, Any]
     forced: bool  # tool_choice "required" or a named function: the output is the calls
+    turn_end: str | None = None  # a given chat template's end-of-turn text (Front.turn_end)
 
     def sampling(self, sp: dict[str, Any]) -> dict[str, Any]:
         """The engine's sampling params: the request's ``sp`` with this turn's constraint.
         A forced call ignores ``stop`` and ``stop_token_ids``: the constraint ends the
         output after the calls, and a stop string or token inside a call's arguments
         would cut the call (agent frameworks such as smolagents send stop sequences with
-        ``tool_choice="required"``)."""
+        ``tool_choice="required"``). A chat template given to the server adds its
+        end-of-turn text to the stop strings (beside the client's, within their limit)."""
         out = {**sp, **self.extra_sp, **self.constraint}
         if self.forced:
             out.pop("stop", None)
             out.pop("stop_token_ids", None)
+        elif self.turn_end is not None:
+            stop = out.get("stop")
+            stops = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, list) else []
+            if self.turn_end not in stops and len(stops) < MAX_STOP_STRINGS:
+                out["stop"] = stops + [self.turn_end]
         return out
 
 
@@ -620,7 +628,8 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     if parser_name == "mistral" and choice != "none" and body.get("skip_special_tokens") is None:
         extra_sp["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token
     output = ChatOutput(reasoning, parser if choice != "none" else None, tools or [], None if parallel else 1)
-    return ChatRequest(ids, constraint, field_name, output, extra_sp, choice not in ("auto", "none"))
+    return ChatRequest(ids, constraint, field_name, output, extra_sp, choice not in ("auto", "none"),
+                       getattr(front, "turn_end", None))
 
 
 def parse_chat(front: Front, body: dict[str, Any]) -> Job:
