@@ -65,12 +65,14 @@ CLIENT_ERRORS = [  # raw body or JSON, the param the 4xx names (None: the body)
     # a chat asks for at least one token, as OpenAI and vLLM (it was answered 200 with nothing)
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
 ]
 
 
 @pytest.mark.parametrize("body,param", CLIENT_ERRORS, ids=lambda v: str(v)[:30])
 def test_client_errors_are_4xx_naming_the_field(http, body, param):
-    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/generate"
+    path = ("/v1/chat/completions" if isinstance(body, dict) and "messages" in body
+            else "/v1/responses" if isinstance(body, dict) and "input" in body else "/generate")
     if isinstance(body, bytes):
         r = http.post(path, content=body, headers={"Content-Type": "application/json"})
     else:

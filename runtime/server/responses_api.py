@@ -310,7 +310,7 @@ def parse_response_request(front: Front, store: ResponseStore, body: dict[str, A
             raise
         bare = e.message.startswith("messages ")  # (an indexed one counts the instructions and history too)
         raise e.with_param("input", "input" + e.message[len("messages"):] if bare else e.message) from None
-    sp = oa.sampling_params(front, body, len(chat.ids), None, "max_output_tokens")
+    sp = oa.sampling_params(front, body, len(chat.ids), None, "max_output_tokens", least=1)
     sp = chat.sampling(sp)
     sp.pop("n", None)
     stream = oa.get_field(body, "stream", "bool", False)
