@@ -786,6 +786,8 @@ int plait_paged_extend_f32(const float *q, int64_t q_row_stride, const float *k_
 #elif defined(HAVE_TILE_AVX2)
                 attend_tile_avx2(qt, k_buf + h * D, v_buf + h * D, row_stride, slots, lo, hi, n * group, D, scale,
                                  pa, row_len, pm, pl);
+#else
+                (void)pa, (void)pm, (void)pl, (void)lo, (void)hi; /* no tile that splits: never reached */
 #endif
                 continue;
             }
