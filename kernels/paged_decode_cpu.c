@@ -281,14 +281,14 @@ int plait_paged_decode_f32(
 }
 
 
-/* Shared steps of the chunk tiles below. tile_start: the rows' queries scaled into qs,
- * their accumulators (floats) zeroed, their online-softmax state reset. */
+/* Steps of the portable chunk tile (attend_tile_generic). tile_start: the rows' queries
+ * scaled into qs, their accumulators zeroed, their online-softmax state reset. */
 static inline void tile_start(const float *q, int64_t nq, int64_t D, float scale, float *qs, float *acc, float *m,
                               float *l) {
     for (int64_t r = 0; r < nq; ++r) {
         for (int64_t d = 0; d < D; ++d) {
             qs[r * D + d] = q[r * D + d] * scale;
-            if (acc) acc[r * D + d] = 0.0f;
+            acc[r * D + d] = 0.0f;
         }
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -476,9 +476,9 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(
         for (int64_t d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] * inv[r];
 }
 #endif
-/* attend_tile_avx512 in portable C (other CPUs, head dims not a multiple of 16): the
- * same transposed keys, 16 scores of a row per inner loop, which compilers vectorize
- * for the CPU they target (two 8-lane halves on AVX2). */
+/* A chunk tile in portable C (other CPUs, head dims the intrinsic tiles do not take):
+ * the keys transposed 16 at a time, 16 scores of a row per inner loop, which compilers
+ * vectorize for the CPU they target. */
 static void attend_tile_generic(const float *q, const float *k, const float *v, int64_t row_stride,
                                 const int32_t *slots, int64_t len, int64_t nq, int64_t D, float scale, float *out,
                                 const int64_t *row_len) {
@@ -667,8 +667,9 @@ static void attend_tile_avx2(const float *q, const float *k, const float *v, int
  * sees (its position + 1). Consecutive tokens of one request at consecutive positions
  * (a chunk) are taken TILE at a time against one KV head:
  * each key of the request's context is then read once per tile instead of once per
- * token, the tile's rows masked past their own positions (AVX-512 intrinsics where the
- * compiler targets it and D is a multiple of 16, else the portable tile). Single tokens
+ * token, the tile's rows masked past their own positions (the AVX-512 tile where the
+ * compiler targets it and D is a multiple of 16, the AVX2 one where it targets AVX2 + FMA
+ * and D is a multiple of 8, else the portable tile). Single tokens
  * (decodes) go to one call of plait_paged_decode_f32. */
 #define TILE 16 /* chunk tokens per item (TILE * group <= MAX_ITEM_HEADS) */
 #define MAX_PARTS 4 /* key ranges an item is split into to balance threads */

@@ -117,7 +117,9 @@ class Front:
         self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer else 1
         self.max_prompt_chars = self.context_len * max(self.max_token_chars, 1)
         # a chat template given to the server: its end-of-turn text ends chat replies
-        self.turn_end = given_turn_end(args.engine.resolved_chat_template(), tokenizer)
+        # (the tokenizer carries it: serve loaded it with the resolved template)
+        self.turn_end = given_turn_end(getattr(tokenizer, "chat_template", None), tokenizer) \
+            if args.engine.chat_template is not None else None
         self.table: dict[str, ReqState] = {}
         # control id -> (future, client rid, replica rank)
         self.pending: dict[str, tuple[asyncio.Future, str, int]] = {}

@@ -629,7 +629,7 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
         extra_sp["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token
     output = ChatOutput(reasoning, parser if choice != "none" else None, tools or [], None if parallel else 1)
     return ChatRequest(ids, constraint, field_name, output, extra_sp, choice not in ("auto", "none"),
-                       getattr(front, "turn_end", None))
+                       front.turn_end)
 
 
 def parse_chat(front: Front, body: dict[str, Any]) -> Job:
