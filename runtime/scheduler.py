@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from plait.errors import RequestError
 from plait.runtime.chunking import AUTO, ChunkSizer
 from plait.runtime.config import EngineConfig
 from plait.runtime.hicache import HostLoader, HostTier
@@ -379,7 +380,7 @@ class Scheduler:
             return FinishReason.stop(last)
         if r.grammar is not None:
             if r.grammar.rejected is not None:
-                return FinishReason.abort(f"token {r.grammar.rejected} is not allowed by the constraint")
+                return constraint_dead_end(r)
             if r.grammar.terminated:
                 return FinishReason.stop(None)  # the constrained output is complete
         if r.output_len >= p.max_new_tokens or r.seq_len >= self.context_len:
@@ -682,3 +683,24 @@ class Scheduler:
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
     return len(os.path.commonprefix([a, b]))
 
+
+def constraint_dead_end(r: Req) -> FinishReason:
+    """The end of a request whose constraint allowed no token of the vocabulary (the
+    sampler then takes a masked-out one, which the matcher refuses): a client error
+    naming the constraint's field, as a constraint that fails to compile is, not a
+    result that reads as a success. It happens when no sequence of this tokenizer's
+    ordinary tokens writes what the constraint requires next, or when llguidance took
+    past its time limit to compute the next mask."""
+    g = r.grammar
+    kind = getattr(g, "kind", None) or "constraint"
+    error = getattr(g, "error", None)
+    if error:
+        why = f"llguidance stopped: {error}"
+    elif getattr(g, "stuck", False):
+        why = "computing its next allowed tokens took longer than the engine waits (an ebnf grammar too costly to follow)"
+    else:
+        why = ("no token of this model's vocabulary continues it (the text it requires next cannot be written with the "
+               "tokenizer's ordinary tokens)")
+    n = max(r.output_len - 1, 0)  # the refused token is the last one
+    message = f"{kind} cannot be followed after {n} output token{'' if n == 1 else 's'}: {why}"
+    return FinishReason.abort(message, RequestError(message, kind))

@@ -440,6 +440,57 @@ def test_a_constraint_without_any_output_is_a_400_not_an_aborted_result(engine, 
     assert engine.generate("Still?", {"regex": "(yes|no)", "temperature": 0.0})["text"] in ("yes", "no")
 
 
+@pytest.mark.parametrize("backend", ["llguidance", "outlines"])
+def test_special_token_text_in_a_constraint_is_written_as_plain_text(engine, backend):
+    # the forced text "<|im_end|>" was re-tokenized as the special token, which no
+    # constraint allows: llguidance's mask came back empty and the request an empty abort
+    schema = {"const": "a<|im_end|>b"}
+    o = engine.generate("Output:", {"json_schema": schema, "max_new_tokens": 24, "temperature": 0.0,
+                                    "grammar_backend": backend})
+    assert json.loads(o["text"]) == "a<|im_end|>b", o
+    assert o["meta_info"]["finish_reason"]["type"] == "stop"
+    o = engine.generate("Output:", {"regex": "x<\\|endoftext\\|>y", "max_new_tokens": 24, "temperature": 0.0,
+                                    "grammar_backend": backend})
+    assert o["text"] == "x<|endoftext|>y", o
+
+
+def test_a_constraint_that_allows_no_next_token_fails_as_a_400_naming_it(engine, monkeypatch):
+    # a dead end after admission (no ordinary token writes what the constraint needs next):
+    # a client error naming the field, not an empty 200-style "abort" result
+    from plait.runtime.constrained.llguidance_backend import LLGuidanceMatcher
+
+    real = LLGuidanceMatcher.advance
+
+    def refuse_the_second(self, token):
+        if self.num_advanced >= 1:
+            self.rejected = token
+            return False
+        return real(self, token)
+
+    monkeypatch.setattr(LLGuidanceMatcher, "advance", refuse_the_second)
+    with pytest.raises(RequestError) as info:
+        engine.generate("x", {"regex": "[a-z]{64}", "max_new_tokens": 64, "grammar_backend": "llguidance",
+                              "temperature": 0.0})
+    assert info.value.status == 400 and info.value.param == "regex", info.value
+    assert "cannot be followed after 1 output token:" in info.value.message, info.value.message
+    monkeypatch.undo()
+    assert engine.generate("Still?", {"regex": "(yes|no)", "temperature": 0.0})["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize("params, param", [
+    ({"regex": "a{1000000}", "grammar_backend": "llguidance"}, "regex"),
+    ({"json_schema": {"type": "string", "pattern": "^a{1000000}$"}}, "json_schema"),
+])
+def test_a_grammar_past_llguidance_limits_after_admission_is_a_400_saying_why(engine, params, param):
+    # it passes validation and the first mask, then the lexer gives up ("too many
+    # expressions"): that was an empty 200-style "abort" result with nothing in the log
+    with pytest.raises(RequestError) as info:
+        engine.generate("x", {**params, "max_new_tokens": 4, "temperature": 0.0})
+    assert info.value.status == 400 and info.value.param == param, info.value
+    assert "llguidance stopped: lexer error" in info.value.message, info.value.message
+    assert engine.generate("Still?", {"regex": "(yes|no)", "temperature": 0.0})["text"] in ("yes", "no")
+
+
 def test_a_compile_over_its_limit_fails_while_another_request_streams(tiny_model_factory, monkeypatch):
     from plait.runtime import Engine
 

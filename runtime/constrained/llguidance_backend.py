@@ -974,6 +974,16 @@ class LLGuidanceMatcher:
             self.m.rollback(taken)
         return masks
 
+    @property
+    def error(self) -> str | None:
+        """llguidance's own account of why the matcher cannot go on (a lexer limit reached
+        while computing a mask: ``a{1000000}`` passes validation and the first mask, then
+        fails), or None."""
+        m = self.m
+        if m is None or not m.is_error():
+            return None
+        return (m.get_error().strip().splitlines() or ["unknown error"])[0]
+
     # -- advancing ----------------------------------------------------------------------------
     def advance(self, token: int) -> bool:
         """Take ``token``; False (and ``rejected`` set) if the grammar does not allow it."""

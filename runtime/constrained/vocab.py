@@ -152,7 +152,12 @@ class TokenVocab:
                 token_bytes[i] = b
 
         def encode(text: str) -> list[int]:
-            return list(tokenizer.encode(text, add_special_tokens=False))
+            # forced text is literal: "<|im_end|>" inside a schema's const is written with
+            # ordinary tokens, never as the special token (which no constraint allows)
+            try:
+                return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+            except TypeError:  # a tokenizer without the option
+                return list(tokenizer.encode(text, add_special_tokens=False))
 
         return cls(token_bytes, tuple(sorted(set(eos_ids))), vocab_size or n, encode=encode, kind=kind)
 
