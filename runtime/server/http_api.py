@@ -19,7 +19,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -407,13 +407,20 @@ async def on_http_exception(request: Request, exc: Exception) -> Response:
 async def on_timeout(request: Request, exc: Exception) -> Response:
     return error_response("the engine did not answer in time", 504, None, "server_error")
 
+async def on_disconnect(request: Request, exc: Exception) -> Response:
+    # the client went away while sending its body: nothing to answer, nothing went wrong
+    # here (it was logged as an internal error with a traceback: any client could flood
+    # the log); 499 is what nginx records for it, and nobody reads the response
+    logger.info("client disconnected while sending its request to %s", request.url.path)
+    return Response(status_code=499)
+
 async def on_error(request: Request, exc: Exception) -> Response:
     logger.exception("internal error on %s", request.url.path)
     return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500, None, "server_error")
 
 EXCEPTION_HANDLERS: dict[Any, Any] = {
     RequestError: on_bad_request, HTTPException: on_http_exception, asyncio.TimeoutError: on_timeout,
-    Exception: on_error,
+    ClientDisconnect: on_disconnect, Exception: on_error,
 }
 
 

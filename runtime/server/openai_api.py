@@ -109,6 +109,53 @@ def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
         raise RequestError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
     for name, kind in _IGNORED.items():
         get_field(body, name, kind)
+    check_metadata(body.get("metadata"))
+
+
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
+
+
+def check_metadata(metadata: Any, param: str = "metadata") -> None:
+    """``metadata`` as OpenAI defines it: at most 16 pairs of strings, keys of at most 64
+    characters, values of at most 512 (null: none). The Responses API echoes it back, so a
+    value JSON cannot write (``1e400`` read as inf, a lone surrogate) must stop here."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise RequestError(f"{param}={_short(metadata)} is invalid; allowed: an object of string values", param)
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise RequestError(f"{param} has {len(metadata)} pairs; allowed: at most {MAX_METADATA_PAIRS}", param)
+    for k, v in metadata.items():
+        check_text(k, param)
+        if len(k) > MAX_METADATA_KEY:
+            raise RequestError(f"{param} key {_short(k)} is longer than {MAX_METADATA_KEY} characters", param)
+        if not isinstance(v, str):
+            raise RequestError(f"{param}[{k!r}]={_short(v)} is invalid; allowed: a string (of at most "
+                               f"{MAX_METADATA_VALUE} characters)", param)
+        check_text(v, param)
+        if len(v) > MAX_METADATA_VALUE:
+            raise RequestError(f"{param}[{k!r}] is longer than {MAX_METADATA_VALUE} characters", param)
+
+
+def check_echoable(value: Any, param: str) -> None:
+    """A request value a response repeats back (the Responses API's ``tools`` and
+    ``text.format``): every number finite and every string valid Unicode, or encoding
+    the response would fail after the generation (a 500, and a stored response that
+    could never be read again)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            raise RequestError(f"{param} holds the number {v!r}, which JSON cannot carry (a literal past a 64-bit "
+                               "float, NaN or Infinity)", param)
+        if isinstance(v, str):
+            check_text(v, param)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                check_text(k, param)
+                stack.append(x)
+        elif isinstance(v, list):
+            stack.extend(v)
 
 
 def check_reasoning_effort(value: Any, param: str) -> None:

@@ -301,6 +301,9 @@ def parse_response_request(front: Front, store: ResponseStore, body: dict[str, A
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history + new
     text = oa.get_field(body, "text", "dict")
     fmt = oa.get_field(text, "format", "dict") if text is not None else None
+    for name in ("tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p"):  # repeated in the response
+        oa.check_echoable(body.get(name), name)
+    oa.check_echoable(fmt, "text.format")
     schema = oa.response_format_schema(fmt, "text.format")
     try:  # the chat path's checks, on the merged conversation, whose errors name the chat's field
         checked = oa._messages({"messages": messages})
@@ -372,6 +375,8 @@ def response_object(rj: ResponseJob, items: list[dict[str, Any]], meta: dict[str
     fr = oa.finish_reason(meta or {})
     if status == "completed" and fr == "length":
         status = "incomplete"
+    elif status == "completed" and fr == "abort":  # /abort_request, a shutdown: not a finished turn
+        status = "cancelled"
     text = body.get("text") if isinstance(body.get("text"), dict) else {}
     completion = (meta or {}).get("completion_tokens", 0)
     prompt = sum(rj.job.prompt_tokens)
@@ -540,5 +545,6 @@ async def stream(store: ResponseStore, rj: ResponseJob, events: AsyncIterator[An
                 placed = sum(len(p["logprobs"]) for p in parts)
                 parts[-1]["logprobs"] += fmt.output(msg.meta_info, top)[placed:]
             done = finish(store, rj, ev.items, msg.meta_info)
+            # (the API has no event for a cancelled response: it ends as one that did not finish)
             kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
             yield ev.event(kind, response=done)

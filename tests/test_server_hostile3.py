@@ -1,0 +1,129 @@
+"""Careless and hostile clients, third round (a new user's probe of 2026-12-04): values
+the Responses API echoes back that JSON cannot carry, constraints that fail after
+admission, a Responses request aborted while it runs, a client that hangs up while
+sending its body. Each is served, or refused with a 4xx naming the problem; none is a
+500 or a 200 that reads as a success."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+import pytest
+
+from plait.runtime.server import launch
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_factory):
+    with launch(str(tiny_model_factory("llama")), num_threads=1, kv_cache_tokens=8192, max_running_requests=16,
+                echo_logs=False) as rt:
+        yield rt
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+# JSON reads 1e400 as inf; a raw body can hold a lone surrogate escape and NaN
+ECHOED = [
+    ('{"input": "hi", "max_output_tokens": 2, "metadata": {"a": 1e400}}', "metadata"),
+    ('{"input": "hi", "max_output_tokens": 2, "metadata": {"a": 1}}', "metadata"),
+    ('{"input": "hi", "max_output_tokens": 2, "metadata": {"a": "\\ud800"}}', "metadata"),
+    ('{"input": "hi", "max_output_tokens": 2, "metadata": {"\\ud800": "x"}}', "metadata"),
+    ('{"input": "hi", "max_output_tokens": 2, "text": {"format": {"type": "json_schema", "name": "x", '
+     '"schema": {"type": "object"}, "strict": NaN}}}', "text.format"),
+    ('{"input": "hi", "max_output_tokens": 2, "text": {"format": {"type": "json_schema", "name": "\\ud800", '
+     '"schema": {"type": "object"}}}}', "text.format"),
+    ('{"input": "hi", "max_output_tokens": 2, "tools": [{"type": "function", "name": "f", "strict": 1e400, '
+     '"parameters": {"type": "object"}}]}', "tools"),
+]
+
+
+@pytest.mark.parametrize("raw,param", ECHOED, ids=[p + str(i) for i, (_, p) in enumerate(ECHOED)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_echoed_values_json_cannot_carry_are_400s_naming_the_field(http, raw, param, stream):
+    # they were 500s after the whole generation (and, streamed, a stored response whose
+    # GET was a 500 ever after)
+    body = raw[:-1] + ', "stream": true}' if stream else raw
+    r = http.post("/v1/responses", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    assert r.json()["error"]["param"] == param, r.text
+    ok = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "metadata": {"user": "u1"}})
+    assert ok.status_code == 200 and ok.json()["metadata"] == {"user": "u1"}
+    assert http.get(f"/v1/responses/{ok.json()['id']}").status_code == 200
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"messages": CHAT, "regex": "a{1000000}"}, "regex"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "^a{1000000}$"}}}}, "response_format"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {
+        "type": "string", "pattern": "^a{1000000}$"}}}}, "text.format"),
+])
+def test_a_constraint_that_fails_after_admission_is_a_400_not_an_empty_success(http, path, body, param):
+    # it was a 200 with empty content and finish_reason "abort" (Responses: "completed",
+    # no output), and nothing in the log
+    key = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+    r = http.post(path, json={**body, key: 8})
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["param"] == param and "cannot be followed" in err["message"] and "llguidance" in err["message"], err
+    assert http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2}).status_code == 200
+
+
+def test_an_aborted_response_is_cancelled_not_completed(server, http):
+    # it was "completed" (stored so, and continued by previous_response_id as a whole turn)
+    import json
+
+    events = []
+    with httpx.Client(base_url=server.url, timeout=120) as c, \
+            c.stream("POST", "/v1/responses", json={"input": "count", "max_output_tokens": 960, "temperature": 0,
+                                                    "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(json.loads(line[6:]))
+            if events[-1]["type"] == "response.output_text.delta" and len(events) == 5:
+                assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
+    last = events[-1]
+    assert last["type"] == "response.incomplete" and last["response"]["status"] == "cancelled", last
+    assert last["response"]["usage"]["output_tokens"] < 960
+    assert http.get(f"/v1/responses/{last['response']['id']}").json()["status"] == "cancelled"
+
+
+def test_a_client_gone_while_sending_its_body_is_not_an_internal_error(caplog):
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from plait.runtime.server.http_api import EXCEPTION_HANDLERS
+
+    async def route(request: Request) -> Response:
+        await request.body()
+        return Response("unreachable")
+
+    app = Starlette(routes=[Route("/x", route, methods=["POST"])], exception_handlers=EXCEPTION_HANDLERS)
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/x", "raw_path": b"/x", "root_path": "", "scheme": "http",
+             "query_string": b"", "headers": [(b"content-length", b"100")], "client": ("t", 1), "server": ("s", 80),
+             "http_version": "1.1", "asgi": {"version": "3.0"}}
+    with caplog.at_level(logging.INFO):
+        asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 499
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert "client disconnected" in caplog.text
