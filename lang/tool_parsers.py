@@ -317,6 +317,16 @@ class ToolParser:
 
     name: str = ""
     hint: str = ""  # how a call looks, for the generic tool prompt
+    markers: tuple[str, ...] = ()  # what only a call starts with (never content)
+
+    def cut_markup(self, tail: str) -> bool:
+        """``tail`` (text after the content, where a call may begin) is the start of a
+        call cut off before its name: a prefix of one of :attr:`markers`, or one of them
+        followed by an unfinished call. Cut off there, it is markup, not content (a
+        forced call cut by ``max_tokens`` after ``<tool_`` used to come back as content
+        ``"<tool_"``)."""
+        t = tail.strip()
+        return bool(t) and any(m.startswith(t) or t.startswith(m) for m in self.markers)
 
     def format_calls(self, calls: list[ToolCall]) -> str:
         """Calls as this format writes them (an assistant's calls in a prompt)."""
@@ -336,9 +346,14 @@ class ToolParser:
         except Exception:  # noqa: BLE001 - a parser bug must not fail a request; the text stays content
             return text, []
         calls = [ToolCall(new_call_id(), c.name, c.args, not c.complete) for c in s.calls if c.complete or cut]
+        rest = list(s.rest)
+        if cut and rest and self.cut_markup(rest[-1]):
+            rest.pop()  # a further call cut off before its name
         if not calls:
+            if cut and self.cut_markup(text[s.content_end:]):
+                return text[:s.content_end].strip(), []
             return text, []
-        content = (text[:s.content_end] + "".join(s.rest)).strip()
+        content = (text[:s.content_end] + "".join(rest)).strip()
         return content, calls
 
     def stream(self, tools: list[dict[str, Any]]) -> ToolStream:
@@ -390,6 +405,7 @@ def _args_value(arguments: str) -> Any:
 
 class HermesParser(ToolParser):
     name = "hermes"
+    markers = ("<tool_call>",)
     START, END = "<tool_call>", "</tool_call>"
     hint = ('one block per call:\n<tool_call>\n{"name": "<function name>", "arguments": <arguments as a JSON object>}'
             '\n</tool_call>')
@@ -462,6 +478,7 @@ class HermesParser(ToolParser):
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+    markers = ("<|python_tag|>",)
     TAG = "<|python_tag|>"
     hint = 'a JSON object per call, separated by "; ":\n{"name": "<function name>", "parameters": <arguments as a JSON object>}'
 
@@ -505,6 +522,7 @@ class Llama3JsonParser(ToolParser):
 
 class MistralParser(ToolParser):
     name = "mistral"
+    markers = ("[TOOL_CALLS]",)
     START = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
     hint = '[TOOL_CALLS] and a JSON array of calls:\n[TOOL_CALLS][{"name": "<function name>", "arguments": <arguments as a JSON object>}]'
@@ -597,6 +615,7 @@ class PythonicParser(ToolParser):
     content too."""
 
     name = "pythonic"
+    markers = ("<|python_start|>",)
     OPEN, CLOSE = "<|python_start|>", "<|python_end|>"
     hint = "a Python list of calls with keyword arguments, and nothing else:\n[func_name1(param1=value1, param2=value2), func_name2(param=value)]"
 
@@ -782,6 +801,8 @@ class ToolStream:
         out: list[dict[str, Any]] = []
         has_calls = bool(self.index) or any(c.complete or not closed for c in s.calls)
         content_end = s.content_end if has_calls else (len(self.text) if final else s.content_end)
+        if final and cut and not has_calls and self.parser.cut_markup(self.text[s.content_end:]):
+            content_end = s.content_end  # a call cut off before its name: markup (as parse reads it)
         if content_end > self.sent_content:
             out.append({"content": self.text[self.sent_content:content_end]})
             self.sent_content = content_end
@@ -801,7 +822,10 @@ class ToolStream:
                 self.calls[k].arguments = c.args
                 out.append({"tool_calls": [{"index": k, "function": {"arguments": frag}}]})
         if final and has_calls and s.rest:
-            tail = "".join(s.rest).strip()
+            rest = list(s.rest)
+            if cut and self.parser.cut_markup(rest[-1]):
+                rest.pop()
+            tail = "".join(rest).strip()
             if tail:
                 out.append({"content": ("\n" if self.sent_content else "") + tail})
         return out

@@ -154,6 +154,33 @@ def test_stream_holds_back_a_partial_marker_then_releases_plain_text():
     assert s.finish() == []
 
 
+CUT_MARKUP = {
+    "hermes": ("<tool_", '<tool_call>\n{"name": "', '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_c'),
+    "mistral": ("[TOOL_", '[TOOL_CALLS][{"na', '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}]'),
+    "pythonic": ("<|python_st", "<|python_start|>[ad", "<|python_start|>[add(a=1, b=2)]<|python_end|>"),
+    "llama3_json": ("<|python_t", '<|python_tag|>{"na', '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}'),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUT_MARKUP))
+def test_a_call_cut_off_before_its_name_is_not_content(name):
+    # a forced call cut by max_tokens after "<tool_" came back as content "<tool_"
+    p = get_tool_parser(name)
+    for text in CUT_MARKUP[name][:2]:
+        for prefix in ("",) if name == "pythonic" else ("", "Sure. "):  # (pythonic: the whole output is the calls)
+            content, calls = p.parse(prefix + text, TOOLS, cut=True)
+            assert (content, calls) == (prefix.strip(), []), (text, content, calls)
+            s = p.stream(TOOLS)
+            deltas = [d for ch in prefix + text for d in s.feed(ch)] + s.finish(cut=True)
+            assert "".join(d.get("content", "") for d in deltas).strip() == prefix.strip(), deltas
+            assert not any("tool_calls" in d for d in deltas), deltas
+        # not cut: the model ended there, so it is what it wrote
+        assert p.parse(text, TOOLS, cut=False) == (text, [])
+    if name == "hermes":  # a complete call, then the next one cut before its name
+        content, calls = p.parse(CUT_MARKUP[name][2], TOOLS, cut=True)
+        assert content == "" and [c.name for c in calls] == ["add"] and not calls[0].cut
+
+
 def test_stream_arguments_grow_before_the_call_is_closed():
     s = get_tool_parser("hermes").stream(TOOLS)
     out = s.feed('<tool_call>\n{"name": "add", "arguments": {"a": 1')
