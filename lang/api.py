@@ -418,14 +418,34 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
     return Gen(name, {k: v for k, v in params.items() if v is not None}, tool_spec)
 
 
-def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Any:
-    """An integer (``dtype=int``)."""
-    return gen(name, max_tokens, dtype=int, **kwargs)
+def gen_int(name: str | None = None, max_tokens: int | None = None, n: int | None = None, stop: Any = None,
+            stop_token_ids: list[int] | None = None, stop_regex: Any = None, temperature: float | None = None,
+            top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+            frequency_penalty: float | None = None, presence_penalty: float | None = None,
+            ignore_eos: bool | None = None, return_logprob: bool | None = None, logprob_start_len: int | None = None,
+            top_logprobs_num: int | None = None, return_text_in_logprobs: bool | None = None,
+            **kwargs: Any) -> Any:
+    """An integer (``dtype=int``). The parameters, in order, are SGLang's; ``kwargs``
+    are :func:`gen`'s other keywords (``seed``, ``min_tokens`` ...)."""
+    return _gen_dtype(int, locals())
 
 
-def gen_string(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Any:
-    """A double-quoted string (``dtype=str``)."""
-    return gen(name, max_tokens, dtype=str, **kwargs)
+def gen_string(name: str | None = None, max_tokens: int | None = None, n: int | None = None, stop: Any = None,
+               stop_token_ids: list[int] | None = None, stop_regex: Any = None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+               frequency_penalty: float | None = None, presence_penalty: float | None = None,
+               ignore_eos: bool | None = None, return_logprob: bool | None = None,
+               logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+               return_text_in_logprobs: bool | None = None, **kwargs: Any) -> Any:
+    """A double-quoted string (``dtype=str``); parameters as :func:`gen_int`'s."""
+    return _gen_dtype(str, locals())
+
+
+def _gen_dtype(dtype: type, args: dict[str, Any]) -> Any:
+    """``gen(..., dtype=dtype)`` with the arguments of gen_int / gen_string."""
+    args = dict(args)
+    extra = args.pop("kwargs")
+    return gen(**args, **extra, dtype=dtype)
 
 
 def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,

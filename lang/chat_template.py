@@ -5,7 +5,8 @@ instead. For a role after a given history of roles, it renders the history plus 
 message whose content is a marker, and reads the text before the marker (the role's
 prefix, including anything the template adds first, such as BOS or a default system
 prompt) and after it (the suffix, the end-of-turn text). Any Hugging Face chat model
-works this way; the assistant's end-of-turn text becomes a stop string. An assistant
+works this way; the assistant's end-of-turn text becomes a stop string (of the gens
+without a constraint: a constraint decides where its output ends). An assistant
 turn after a history opens as the template's generation prompt opens a reply where
 that is shorter than how it writes a finished message (Qwen3 writes a last assistant
 message after an empty think block, which switches reasoning off, but opens a reply

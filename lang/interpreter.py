@@ -3,7 +3,10 @@
 Each state has an executor with a worker thread that executes what the program
 appends, in order, while the program body runs ahead; reading a variable
 (``s["x"]``) waits for it. Forks get their own executors, so their model calls run
-in parallel. A program that raises, or is aborted, aborts its in-flight requests.
+in parallel. A program that is aborted, or whose body raises, aborts its in-flight
+requests; except a streamed one (``run(stream=True)``) whose body raises: what it
+appended before raising still runs and streams, as in SGLang, and the exception is
+raised to the consumer once the stream ends (see :class:`ProgramState`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from plait.chat_template import ChatTemplate, ChatTemplateError, Transcript
 from plait.errors import ProgramCancelled, ProgramError, UnknownVariableError
 from plait.global_config import global_config
 from plait.ir import (
-    Expr, Gen, RoleBegin, RoleEnd, RoleScopes, Select, Text, VarScopeBegin, VarScopeEnd,
+    CONSTRAINT_PARAMS, Expr, Gen, RoleBegin, RoleEnd, RoleScopes, Select, Text, VarScopeBegin, VarScopeEnd,
     as_expr, defined_names, dtype_regex, dtype_stop, flatten, reasoning_var, resolve_params,
 )
 
@@ -78,8 +81,9 @@ class Executor:
         return self._template
 
     def _chat_stop(self) -> tuple[str, ...]:
-        """The template's end-of-turn text; a gen runs without it if the template is
-        unavailable (only roles need the template)."""
+        """The template's end-of-turn text, an implicit stop string of unconstrained gens;
+        a gen runs without it if the template is unavailable (only roles need the
+        template)."""
         try:
             template = self.template
         except ChatTemplateError:
@@ -220,10 +224,15 @@ class Executor:
     def _gen(self, e: Gen) -> None:
         own = dict(e.params)
         dtype = own.pop("dtype", None)
-        extra_stop = self._chat_stop()
+        extra_stop: tuple[str, ...] = ()
         if dtype is not None:
             own["regex"] = dtype_regex(dtype)
-            extra_stop = dtype_stop(dtype) + extra_stop
+            extra_stop = dtype_stop(dtype)
+        # the end-of-turn stop ends free text; a constraint decides where its own output
+        # ends, and that output may contain the end-of-turn text (a stop string would cut it
+        # and break the constraint). The user's stop strings still apply.
+        if not any(k in own for k in CONSTRAINT_PARAMS):
+            extra_stop += self._chat_stop()
         params = resolve_params(self.defaults, own, extra_stop)
         # separate_reasoning: the answer is streamed and filled, the reasoning kept aside
         rname = reasoning_var(e.name) if e.reasoning is not None and e.name is not None else None
@@ -303,12 +312,24 @@ class ProgramState(RoleScopes):
     """The state ``s`` of a running program: ``s += ...`` appends, ``s["name"]`` reads
     a variable (waiting for it), ``s.fork(n)`` branches. ``program``: the thread a
     streamed program's body runs on (``run(stream=True)``); reading the state from
-    elsewhere waits for the body where what it reads may not be appended yet."""
+    elsewhere waits for the body where what it reads may not be appended yet.
+
+    A streamed body that raises (``body_error``, written by the body's thread only)
+    does not take back what it appended: that still runs, and ``text()`` and the
+    streams have it. The exception is logged when it happens (SGLang's body thread
+    prints its traceback) and raised again where the caller would otherwise never
+    see it: by ``text_iter()`` / ``text_async_iter()`` once the stream has ended
+    (a variable's stream: only if the variable never came), by ``sync()``, and as
+    the ``__cause__`` of the ``ProgramError`` that reading a variable the body never
+    appended raises. SGLang only prints it, and its streams end as if nothing had
+    happened; plait raises it, as ``run()`` without ``stream`` does. ``error()``
+    returns it (or the executor's own error, which comes first)."""
 
     def __init__(self, executor: Executor, program: threading.Thread | None = None) -> None:
         self.executor = executor
         self.program = program
         self.ret_value: Any = None
+        self.body_error: BaseException | None = None
 
     # -- building ------------------------------------------------------------------------------
     def __iadd__(self, other: Any) -> ProgramState:
@@ -346,14 +367,16 @@ class ProgramState(RoleScopes):
         return self.executor.has_var(name)
 
     def get_var(self, name: str) -> Any:
+        if self._body_running_elsewhere() and not self.executor.has_var(name):
+            assert self.program is not None
+            self.program.join()  # a streamed body may not have reached the gen yet
         try:
             return self.executor.get_var(name)
         except UnknownVariableError:
-            if not self._body_running_elsewhere():
+            if self.body_error is None:
                 raise
-        assert self.program is not None
-        self.program.join()  # a streamed body may not have reached the gen yet
-        return self.executor.get_var(name)
+            raise ProgramError(f"variable {name!r} is unavailable: the program raised before appending it: "
+                               f"{self.body_error!r}") from self.body_error
 
     def set_var(self, name: str, value: Any) -> None:
         self.executor.set_var(name, value)
@@ -363,24 +386,30 @@ class ProgramState(RoleScopes):
         return self.executor.get_meta_info(name)
 
     def text(self) -> str:
-        self.sync()
+        self._wait()
         return self.executor.ts.text
 
     def messages(self) -> list[dict[str, str]]:
-        self.sync()
+        self._wait()
         return [dict(m) for m in self.executor.ts.messages]
 
     def sync(self) -> None:
         """Wait until everything appended so far is done (for a streamed program read
-        from outside its body: until the body has returned, and then its work)."""
+        from outside its body: until the body has returned, and then its work). A
+        streamed body that raised raises here."""
+        self._wait()
+        if self.body_error is not None:
+            raise self.body_error
+
+    def _wait(self) -> None:
         if self._body_running_elsewhere():
             assert self.program is not None
             self.program.join()
         self.executor.sync()
 
     def error(self) -> BaseException | None:
-        self.sync()
-        return self.executor.error
+        self._wait()
+        return self.executor.error if self.executor.error is not None else self.body_error
 
     def abort(self, reason: str = "aborted by the caller") -> None:
         """Cancel the program: in-flight requests are aborted, nothing more runs."""
@@ -389,7 +418,8 @@ class ProgramState(RoleScopes):
     # -- streaming --------------------------------------------------------------------------------
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         """New text as it is produced: of the whole program, or of one variable. On a
-        state that was not run with ``stream=True``, yields the final text once."""
+        state that was not run with ``stream=True``, yields the final text once. A
+        streamed body that raised raises here once the stream is over."""
         ex = self.executor
         if not ex.stream:
             yield self.text() if var_name is None else self.get_var(var_name)
@@ -401,6 +431,9 @@ class ProgramState(RoleScopes):
             if piece:
                 yield piece
             if done:
+                error = self._stream_error(var_name)
+                if error is not None:
+                    raise error
                 return
 
     async def text_async_iter(self, var_name: str | None = None, return_meta_data: bool = False) -> AsyncIterator[Any]:
@@ -433,10 +466,26 @@ class ProgramState(RoleScopes):
                 if done:
                     if held is not None:
                         yield held[0], _unsent(meta if isinstance(meta, dict) else held[1], sent)
+                    error = await loop.run_in_executor(None, self._stream_error, var_name)
+                    if error is not None:
+                        raise error
                     return
         except asyncio.CancelledError:
             self.abort("the streaming consumer was cancelled")
             raise
+
+    def _stream_error(self, var_name: str | None) -> BaseException | None:
+        """At the end of a stream: what the body raised (waiting for the body, where
+        the executor's own error ended the stream first), or None. A variable's stream
+        that delivered the variable ends without it."""
+        if var_name is not None:
+            with self.executor.cond:
+                if var_name in self.executor.variables:
+                    return None
+        if self._body_running_elsewhere():
+            assert self.program is not None
+            self.program.join()
+        return self.body_error
 
     def _next_piece(self, var_name: str | None, pos: int, timeout: float | None) -> tuple[str, bool, Any]:
         """Wait until there is text beyond ``pos`` (or the end); return it, whether
@@ -460,7 +509,8 @@ class ProgramState(RoleScopes):
                     return "", False, None
 
     def __repr__(self) -> str:
-        return f"ProgramState({self.text()!r})"
+        # SGLang's form, unquoted: programs slice it (its cot_decoding example)
+        return f"ProgramState({self.text()})"
 
 
 class ProgramStateGroup:
@@ -572,9 +622,15 @@ def run_program(fn: Callable[..., Any], backend: BaseBackend, args: tuple[Any, .
         try:
             state.ret_value = fn(state, *args, **kwargs)
         except BaseException as e:
-            ex.cancel(e)
             if not stream:
+                ex.cancel(e)
                 raise
+            # streamed: what the body appended still runs; the consumer gets the error
+            # at the end of the stream (ProgramState); after an abort it is expected
+            state.body_error = e
+            aborted = isinstance(ex.error, ProgramCancelled)
+            logger.log(logging.DEBUG if aborted else logging.ERROR, "the streamed program %s raised",
+                       getattr(fn, "__name__", fn), exc_info=e)
         finally:
             ex.end()
 

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 # Per-request options that are not sampling parameters.
 REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+# A gen's params that constrain its output (a dtype becomes a regex): such a gen ends
+# where its constraint does, without the template's end-of-turn stop string.
+CONSTRAINT_PARAMS = ("regex", "json_schema", "ebnf")
 
 # Regexes for ``dtype`` (and gen_int / gen_string); enforced by the runtime's
 # constrained decoding. Numbers are written as JSON writes them (no "+", no leading
@@ -336,7 +339,8 @@ class ResolvedParams:
 
 def resolve_params(defaults: dict[str, Any], own: dict[str, Any], extra_stop: tuple[str, ...] = ()) -> ResolvedParams:
     """Merge ``run()``'s defaults with one gen's settings (the gen wins), and add the
-    chat template's end-of-turn text to the stop strings."""
+    implicit stop strings ``extra_stop`` (a dtype's, the chat template's end-of-turn
+    text) to the stop strings."""
     merged = {**defaults, **{k: v for k, v in own.items() if v is not None}}
     out = ResolvedParams()
     for k, v in merged.items():
