@@ -206,6 +206,10 @@ def test_the_turn_end_joins_the_clients_stop_strings():
     assert sampling({"stop": full})["stop"] == full
     assert "stop" not in sampling({"stop": "x"}, forced=True)
     assert "stop" not in ChatRequest([1], {}, None, None, {}, False).sampling({})
+    # nor for a constrained turn: its output may hold the text ({"const": "a<|im_end|>b"})
+    for constraint in ({"json_schema": '{"const": "a<|im_end|>b"}'}, {"regex": "x"}):
+        assert ChatRequest([1], constraint, None, None, {}, False, "<|im_end|>").sampling({"stop": "z"})["stop"] == "z"
+        assert "stop" not in ChatRequest([1], constraint, None, None, {}, False, "<|im_end|>").sampling({})
 
 
 def test_chatml_given_to_a_base_model_stops_at_its_turn_end(base_model):

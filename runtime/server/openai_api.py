@@ -609,12 +609,14 @@ class ChatRequest:
         output after the calls, and a stop string or token inside a call's arguments
         would cut the call (agent frameworks such as smolagents send stop sequences with
         ``tool_choice="required"``). A chat template given to the server adds its
-        end-of-turn text to the stop strings (beside the client's, within their limit)."""
+        end-of-turn text to the stop strings (beside the client's, within their limit)
+        of unconstrained turns only: a constraint ends its own output, which may hold
+        that text (a schema's ``const``), and a stop string there would cut it."""
         out = {**sp, **self.extra_sp, **self.constraint}
         if self.forced:
             out.pop("stop", None)
             out.pop("stop_token_ids", None)
-        elif self.turn_end is not None:
+        elif self.turn_end is not None and not any(k in out for k in ("regex", "json_schema", "ebnf")):
             stop = out.get("stop")
             stops = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, list) else []
             if self.turn_end not in stops and len(stops) < MAX_STOP_STRINGS:
