@@ -127,3 +127,26 @@ def test_a_client_gone_while_sending_its_body_is_not_an_internal_error(caplog):
     assert sent[0]["status"] == 499
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert "client disconnected" in caplog.text
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": ["x"] * 2049}, "prompt"),
+    ("/v1/completions", {"prompt": [[1]] * 2049}, "prompt"),
+    ("/generate", {"text": ["x"] * 2049}, "text"),
+    ("/generate", {"input_ids": [[1]] * 2049}, "input_ids"),
+])
+def test_a_batch_past_the_prompt_limit_is_a_400_before_any_work(http, path, body, param):
+    # 20,000 one-token prompts in one body were accepted and held a later client's chat
+    # for 54 s (requests are admitted in order)
+    key = "sampling_params" if path == "/generate" else None
+    extra = {key: {"max_new_tokens": 1}} if key else {"max_tokens": 1}
+    r = http.post(path, json={**body, **extra})
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["param"] == param and "2049 prompts" in err["message"] and "2048" in err["message"], err
+    if body != {"prompt": ["x"] * 2049}:
+        return
+    ok = {k: v[:2048] for k, v in body.items()}  # the limit itself is served
+    r = http.post(path, json={**ok, **extra})
+    assert r.status_code == 200, r.text[:300]
+    assert len(r.json() if path == "/generate" else r.json()["choices"]) == 2048

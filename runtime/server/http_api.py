@@ -719,6 +719,7 @@ def parse_native(front: Front, body: dict[str, Any]) -> tuple[list[P.GenerateReq
             raise RequestError("input_ids is invalid; allowed: an array of token ids or an array of such arrays",
                              "input_ids")
     count = len(prompts)
+    oa.check_batch_size(count, "text" if text is not None else "input_ids")
     sps = _per_item(body, "sampling_params", count, "dict", {})
     lp = _per_item(body, "return_logprob", count, "bool", False)
     start = _per_item(body, "logprob_start_len", count, "int", -1)

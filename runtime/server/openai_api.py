@@ -253,6 +253,20 @@ def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+MAX_BATCH_PROMPTS = 2048  # prompts in one request (a batch); n multiplies them within the engine's own limits
+
+
+def check_batch_size(count: int, param: str) -> None:
+    """A batch of at most :data:`MAX_BATCH_PROMPTS` prompts, checked before any is
+    tokenized: the engine admits requests in order, so 20,000 one-token prompts in one
+    body (accepted before) held every later client's request for ~a minute here; the
+    limit bounds what one request can put ahead of others (OpenAI's own embeddings limit
+    of 2048 inputs per request)."""
+    if count > MAX_BATCH_PROMPTS:
+        raise RequestError(f"{param} holds {count} prompts; allowed: at most {MAX_BATCH_PROMPTS} in one request "
+                           "(send larger batches as several requests)", param)
+
+
 def _rid_base(front: Front, body: dict[str, Any], prefix: str) -> str:
     rid = get_field(body, "rid", "str")
     return rid if rid is not None else front.new_rid(prefix)
@@ -280,6 +294,7 @@ def parse_completion(front: Front, body: dict[str, Any]) -> Job:
             "prompt is invalid; allowed: a string, an array of strings, an array of token ids, "
             "or an array of arrays of token ids (non-empty)", "prompt",
         )
+    check_batch_size(len(prompts), "prompt")
     suffix = get_field(body, "suffix", "str")
     if suffix:
         raise RequestError(f"suffix={_short(suffix)} is not supported by this server (no fill-in-the-middle); "
