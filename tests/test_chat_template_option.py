@@ -212,17 +212,18 @@ def test_the_turn_end_joins_the_clients_stop_strings():
         assert "stop" not in ChatRequest([1], constraint, None, None, {}, False, "<|im_end|>").sampling({})
 
 
-def test_chatml_given_to_a_base_model_stops_at_its_turn_end(base_model):
-    """The server given ChatML for a base model (whose EOS is <|endoftext|>) ends a chat
-    reply at <|im_end|>: forced by a regex to write past it, the reply is cut there
-    (finish_reason stop), where it ran into the next turn before; a completion (no chat
-    template) is not cut."""
+def test_chatml_given_to_a_base_model_leaves_a_constrained_reply_whole(base_model):
+    """The server given ChatML for a base model (whose EOS is <|endoftext|>) adds
+    <|im_end|> as a stop string to chat replies (``ChatRequest.sampling``, above) but not
+    to a constrained one: forced by a regex to write past <|im_end|>, the reply is what
+    the regex asks for (the stop string cut it to "hello", breaking the constraint); a
+    completion (no chat template) is not cut either."""
     regex = r"hello<\|im_end\|>\n<\|im_start\|>user"
     with launch(str(base_model), chat_template="chatml", num_threads=1, kv_cache_tokens=1024) as rt, \
             httpx.Client(base_url=rt.url, timeout=60) as http:
         chat = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 40, "temperature": 0,
                                                       "regex": regex}).json()
-        assert chat["choices"][0]["message"]["content"] == "hello", chat
+        assert chat["choices"][0]["message"]["content"] == "hello<|im_end|>\n<|im_start|>user", chat
         assert chat["choices"][0]["finish_reason"] == "stop"
         done = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 40, "temperature": 0,
                                                   "regex": regex}).json()
