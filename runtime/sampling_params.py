@@ -137,7 +137,7 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name}={getattr(self, name)!r} is invalid; allowed: true or false", name)
         if self.seed is not None:
-            _int(self.seed, "seed", 0, 2**63 - 1)
+            _int(self.seed, "seed", -(2**63), 2**63 - 1)  # a signed 64-bit integer, as vLLM and OpenAI take it
         _int(self.n, "n", 1, MAX_N)
         given = [k for k in CONSTRAINT_FIELDS if getattr(self, k) is not None]
         if len(given) > 1:

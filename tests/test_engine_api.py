@@ -89,6 +89,9 @@ def test_seeded_sampling_is_reproducible_and_n_copies_differ(engine):
     assert len({tuple(o["output_ids"]) for o in many}) == 3
     assert many[0]["output_ids"] == a["output_ids"]  # copy i uses seed + i
     assert many[1]["output_ids"] == c["output_ids"]
+    # negative seeds are seeds (vLLM and OpenAI take a signed 64-bit integer), each its own
+    neg = [engine.generate("Tell me a story", {**p, "seed": s})["output_ids"] for s in (-1, -1, -2, -(2**63))]
+    assert neg[0] == neg[1] and len({tuple(o) for o in neg[1:] + [a["output_ids"]]}) == 4
 
 
 def test_top_k_one_is_greedy_and_filters_restrict(engine, baseline):

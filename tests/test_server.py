@@ -307,7 +307,7 @@ BAD = [
     ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": 5}, "frequency_penalty"),
-    ("/v1/completions", {"prompt": "hi", "seed": -1}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1}, "seed"),  # past a signed 64-bit integer
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "hi", "n": 10**6}, "n"),
     ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 1000}, "stop"),

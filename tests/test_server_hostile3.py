@@ -150,3 +150,42 @@ def test_a_batch_past_the_prompt_limit_is_a_400_before_any_work(http, path, body
     r = http.post(path, json={**ok, **extra})
     assert r.status_code == 200, r.text[:300]
     assert len(r.json() if path == "/generate" else r.json()["choices"]) == 2048
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer_dir):
+    # vLLM's and SGLang's extra ({"enable_thinking": false} for Qwen3) was an
+    # "unrecognized request argument"
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from plait.errors import RequestError
+    from plait.runtime.server.openai_api import chat_turn, render_chat
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}[no think]{% endif %}"
+                         "{% if add_generation_prompt %}>{% endif %}")
+    front = SimpleNamespace(tokenizer=tok)
+    render = lambda body: render_chat(front, CHAT, None, "hermes", chat_turn(body))  # noqa: E731
+    assert render({}) == "hi>"
+    assert render({"chat_template_kwargs": {"enable_thinking": False}}) == "hi[no think]>"
+    assert render({"chat_template_kwargs": {"enable_thinking": True}}) == "hi>"
+    for bad in ({"add_generation_prompt": False}, {"tokenize": True}, {"not a name": 1}, {"x": float("nan")}, []):
+        with pytest.raises(RequestError) as e:
+            chat_turn({"chat_template_kwargs": bad})
+        assert e.value.param == "chat_template_kwargs"
+
+
+@pytest.mark.parametrize("extra,status,param", [
+    ({"audio": None, "prediction": None, "web_search_options": None, "verbosity": "low"}, 200, None),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),
+    ({"prediction": {"type": "content", "content": "x"}}, 400, "prediction"),
+    ({"verbosity": "loud"}, 400, "verbosity"),
+    ({"seed": -7}, 200, None),
+])
+def test_openai_chat_fields_at_their_null_are_accepted(http, extra, status, param):
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, **extra})
+    assert r.status_code == status, r.text[:300]
+    if param:
+        assert r.json()["error"]["param"] == param

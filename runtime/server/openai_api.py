@@ -43,7 +43,11 @@ _COMMON = {"model", "n", "stop", "stream", "temperature", "top_p", "seed", "freq
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                          "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "reasoning_effort",
-                         "modalities", "max_reasoning_chars", "add_generation_prompt", "continue_final_message"}
+                         "modalities", "max_reasoning_chars", "add_generation_prompt", "continue_final_message",
+                         "chat_template_kwargs", "verbosity", "audio", "prediction", "web_search_options"}
+# chat fields the official client sends that name features this server lacks: accepted as null
+_NULL_ONLY = {"audio": "it writes text only", "prediction": "no predicted outputs",
+              "web_search_options": "no web search"}
 # engine name -> OpenAI name, for messages from SamplingParams' validation
 _RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
@@ -554,7 +558,7 @@ def server_tool_parser(front: Front) -> str:
 
 
 def render_chat(front: Front, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                parser: str, turn: dict[str, bool] | None = None) -> str:
+                parser: str, turn: dict[str, Any] | None = None) -> str:
     """The prompt text of a chat: the model's template with ``tools=`` when it reads
     them; else plait's generic tool prompt and tool history as text. ``turn``: how the
     prompt ends (:func:`chat_turn`; default: a new assistant turn)."""
@@ -575,17 +579,33 @@ def render_chat(front: Front, messages: list[dict[str, Any]], tools: list[dict[s
         raise RequestError(f"the chat template rejected the messages: {e}", "messages") from None
 
 
-def chat_turn(body: dict[str, Any]) -> dict[str, bool]:
+# apply_chat_template's own parameters and what plait passes itself: not template variables
+_TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens",
+                                "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                                "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def chat_turn(body: dict[str, Any]) -> dict[str, Any]:
     """How the rendered chat ends (vLLM's extras): a new assistant turn
     (``add_generation_prompt``, the default), or the last message left open for the
-    model to continue (``continue_final_message``: an assistant prefill)."""
+    model to continue (``continue_final_message``: an assistant prefill); plus the
+    template variables of ``chat_template_kwargs`` (vLLM's and SGLang's extra, e.g.
+    ``{"enable_thinking": false}`` for Qwen3), which may not name the renderer's own
+    parameters."""
     cont = get_field(body, "continue_final_message", "bool", False)
     add = get_field(body, "add_generation_prompt", "bool", not cont)
     if cont and add:
         raise RequestError("continue_final_message=true continues the last message, so it cannot be combined with "
                            "add_generation_prompt=true (a new assistant turn); allowed: one of them",
                            "continue_final_message")
-    return {"add_generation_prompt": add, "continue_final_message": cont}
+    extra = get_field(body, "chat_template_kwargs", "dict", {})
+    for k in extra:
+        if not k.isidentifier() or k in _TEMPLATE_RESERVED:
+            raise RequestError(f"chat_template_kwargs key {_short(k)} is invalid; allowed: template variable names "
+                               f"other than {', '.join(sorted(_TEMPLATE_RESERVED))}", "chat_template_kwargs")
+    check_echoable(extra, "chat_template_kwargs")
+    return {**extra, "add_generation_prompt": add, "continue_final_message": cont}
 
 
 def response_format_schema(fmt: dict[str, Any] | None, param: str = "response_format") -> Any:
@@ -708,6 +728,13 @@ def parse_chat(front: Front, body: dict[str, Any]) -> Job:
         raise RequestError(f"modalities={_short(modalities)} is invalid; allowed: [\"text\"] (this server writes "
                            f"text only)", "modalities")
     check_reasoning_effort(body.get("reasoning_effort"), "reasoning_effort")
+    verbosity = get_field(body, "verbosity", "str")  # a hint to OpenAI's models: checked, not used
+    if verbosity not in (None, "low", "medium", "high"):
+        raise RequestError(f"verbosity={_short(verbosity)} is invalid; allowed: null, 'low', 'medium' or 'high'",
+                           "verbosity")
+    for name, what in _NULL_ONLY.items():  # OpenAI features this server does not have: null is their absence
+        if body.get(name) is not None:
+            raise RequestError(f"{name} is not supported by this server ({what}); allowed: null", name)
     schema = response_format_schema(get_field(body, "response_format", "dict"))
     chat = chat_request(front, body, messages, schema, "response_format")
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
