@@ -94,6 +94,26 @@ class PenaltyCounts:
         logits[idx] = sub - counts * freq - (counts > 0).to(sub.dtype) * pres
 
 
+def apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Req], ints: Staging, floats: Staging) -> None:
+    """In place: add each request's ``logit_bias`` to its row (one index_put for the
+    batch; rows of one request, speculative verification's, all get it). After the
+    penalties, before temperature, as OpenAI and vLLM apply it; a token a grammar
+    masked stays masked (-inf plus a bias)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for i, r in enumerate(reqs):
+        bias = r.params.logit_bias
+        if bias:
+            rows += [i] * len(bias)
+            cols += bias.keys()
+            vals += bias.values()
+    if rows:
+        row_t, col_t = ints.to_device(rows, cols)
+        (val_t,) = floats.to_device(vals)
+        logits.index_put_((row_t, col_t), val_t, accumulate=True)
+
+
 def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence[int], staging: Staging,
                     ahead: Sequence[int] | None = None) -> None:
     """In place: forbid EOS and stop ids until ``min_new_tokens`` are generated (one
@@ -239,6 +259,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
         """logits: [B, V] raw float32 (modified in place). One token id per request."""
         self.penalties.apply(logits, reqs)
+        apply_logit_bias(logits, reqs, self._ints, self._floats)
         mask_min_tokens(logits, reqs, self.eos_ids, self._ints)
         _finite(logits)
         out = logits.argmax(-1)  # greedy for everyone; sampled rows overwritten below
@@ -261,6 +282,7 @@ class Sampler:
         ahead = [j for n in sizes for j in range(n)]
         # the draft each row verifies; -1 in a request's last row (nothing to verify)
         proposed = [t for d in drafts for t in [*d, -1]]
+        apply_logit_bias(logits, rows, self._ints, self._floats)
         mask_min_tokens(logits, rows, self.eos_ids, self._ints, ahead)
         _finite(logits)
         final = logits.argmax(-1)  # greedy for every row; sampled rows overwritten below

@@ -46,6 +46,10 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
+    # token id (an int, or its decimal text as JSON keys write it) -> a number in
+    # [-100, 100] added to that token's logit before sampling (OpenAI's logit_bias; -100
+    # bans a token, 100 all but forces it); logprobs stay the model's own
+    logit_bias: dict[Any, float] | None = None
     # Constraints (at most one): the output fully matches ``regex``, or is JSON that
     # validates against ``json_schema`` (a dict, a bool or JSON text), written compactly unless
     # ``whitespace_pattern`` (a regex over spaces/tabs/newlines, e.g. "[ ]?") is given.
@@ -139,6 +143,8 @@ class SamplingParams:
         if self.seed is not None:
             _int(self.seed, "seed", -(2**63), 2**63 - 1)  # a signed 64-bit integer, as vLLM and OpenAI take it
         _int(self.n, "n", 1, MAX_N)
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias) or None
         given = [k for k in CONSTRAINT_FIELDS if getattr(self, k) is not None]
         if len(given) > 1:
             raise RequestError(
@@ -287,6 +293,30 @@ def _translate(backend: str, kind: str, value: Any, whitespace: str | None) -> s
     if kind == "ebnf":
         return llg.ebnf_grammar(value)
     return llg.schema_grammar(value, whitespace)
+
+
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    """``logit_bias`` with int keys, checked: token ids (ints or decimal strings, the
+    vocabulary bound is the engine's check) to finite numbers in [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise RequestError(f"logit_bias={bias!r:.80} is invalid; allowed: an object of token id -> number in "
+                           "[-100, 100]", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias has {len(bias)} tokens; allowed: at most {MAX_LOGIT_BIAS}", "logit_bias")
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        tid = k if is_int(k) else int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 12 else None
+        if tid is None or tid < 0:
+            raise RequestError(f"logit_bias key {k!r:.40} is invalid; allowed: a token id (a non-negative integer, "
+                               "or its decimal text)", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
+            raise RequestError(f"logit_bias[{k!r:.40}]={v!r:.40} is invalid; allowed: a number in [-100, 100]",
+                               "logit_bias")
+        out[tid] = out.get(tid, 0.0) + float(v)
+    return out
 
 
 def _int(v: Any, name: str, lo: int, hi: int | None) -> None:

@@ -138,6 +138,10 @@ def validate_generate(
         raise RequestError(
             f"stop_token_ids contains token id {bad}, outside the vocabulary [0, {limits.vocab_size})", "stop_token_ids"
         )
+    bad = next((t for t in params.logit_bias or () if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"logit_bias holds token id {bad}, outside the vocabulary [0, {limits.vocab_size})",
+                           "logit_bias")
     if not isinstance(return_logprob, bool):
         raise RequestError(f"return_logprob={return_logprob!r} is invalid; allowed: true or false", "return_logprob")
     if not is_int(logprob_start_len) or not -1 <= logprob_start_len < len(ids):

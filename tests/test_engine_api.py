@@ -3,9 +3,12 @@ logprobs, bad input (a clear ValueError, and the engine serves correctly afterwa
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+from plait.errors import RequestError
 from plait.runtime import Engine, EngineConfig
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 12}
@@ -245,3 +248,29 @@ def test_context_length_past_the_models_is_refused(tiny_model_factory, engine):
         Engine(str(tiny_model_factory("llama")), kv_cache_tokens=256, context_length=own + 1)
     with Engine(str(tiny_model_factory("llama")), kv_cache_tokens=256, context_length=own // 2) as shorter:
         assert shorter.context_len == own // 2
+
+
+def test_logit_bias_bans_and_forces_tokens_and_keeps_logprobs(engine, baseline):
+    ids = baseline["output_ids"]
+    # -100 on the greedy first token: another first token; +100 on a token: it is chosen
+    banned = engine.generate("The weather today is", {**GREEDY, "logit_bias": {str(ids[0]): -100}})
+    assert banned["output_ids"][0] != ids[0]
+    forced = engine.generate("The weather today is", {**GREEDY, "max_new_tokens": 4, "logit_bias": {"1234": 100}})
+    assert forced["output_ids"] == [1234] * 4
+    # under sampling, in a batch beside an unbiased request, with logprobs of the model's own
+    # distribution (the bias is a sampling choice, as penalties are)
+    both = engine.generate(["The weather today is"] * 2, [
+        {**GREEDY, "temperature": 0.9, "seed": 5, "logit_bias": {1234: 100, 99: -100}},
+        GREEDY,
+    ], return_logprob=True)
+    assert set(both[0]["output_ids"]) == {1234} and both[1]["output_ids"] == ids
+    lp = both[0]["meta_info"]["output_token_logprobs"][0][0]
+    assert lp < -1.0, lp  # the model's own logprob of token 1234, not ~0 after the bias
+    # a grammar's mask wins over a bias
+    out = engine.generate("Pick:", {**GREEDY, "regex": "(yes|no)", "logit_bias": {1234: 100}})
+    assert out["text"] in ("yes", "no")
+    for bad, says in (({"1234": 101}, "[-100, 100]"), ({"-1": 1}, "token id"), ({"x": 1}, "token id"),
+                      ({"49152": 1}, "outside the vocabulary"), ({"1": float("nan")}, "[-100, 100]"), ([1], "object")):
+        with pytest.raises(RequestError, match=re.escape(says)) as e:
+            engine.generate("x", {**GREEDY, "logit_bias": bad})
+        assert e.value.param == "logit_bias"

@@ -305,12 +305,26 @@ def test_the_openai_client_retrieves_the_model(server, http):
     assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
 
 
-@pytest.mark.parametrize("field,value", [("logit_bias", {"50256": -100}), ("suffix", " end.")])
+@pytest.mark.parametrize("field,value", [("suffix", " end.")])
 def test_unsupported_features_name_the_value_and_what_is_allowed(http, field, value):
     r = http.post("/v1/completions", json={"prompt": "hi", field: value})
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     message = r.json()["error"]["message"]
     assert repr(value) in message and "allowed: null" in message, message
+
+
+def test_logit_bias_over_http_as_the_openai_client_sends_it(server, http):
+    # it was a 400 ("not supported"); OpenAI's shape: token ids as decimal text
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="x")
+    out = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, temperature=0,
+                                         logit_bias={"1234": 100})
+    assert out.choices[0].message.content == client.completions.create(
+        model="tiny", prompt=[1234, 1234, 1234], max_tokens=0, echo=True).choices[0].text
+    r = http.post("/v1/completions", json={"prompt": "hi", "logit_bias": {"50256": -100}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    assert "outside the vocabulary" in r.json()["error"]["message"]
 
 
 PREFILL = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My answer is"}]

@@ -222,9 +222,8 @@ def sampling_params(front: Front, body: dict[str, Any], prompt_len: int, default
             check_text(s, "stop")
         sp["stop"] = stop
     bias = get_field(body, "logit_bias", "dict")
-    if bias:
-        raise RequestError(f"logit_bias={_short(bias)} is not supported by this server; allowed: null or {{}}",
-                           "logit_bias")
+    if bias:  # OpenAI's token id (decimal text) -> bias in [-100, 100]; checked with the sampling params
+        sp["logit_bias"] = bias
     for name in ("regex", "json_schema", "ebnf", "grammar_backend"):  # constrained decoding (SGLang's extra fields)
         if body.get(name) is not None:
             sp[name] = body[name]
