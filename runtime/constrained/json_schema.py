@@ -35,6 +35,8 @@ import json
 import re
 import math
 import time
+from decimal import Decimal
+from fractions import Fraction
 from collections.abc import Callable
 from typing import Any
 
@@ -73,7 +75,8 @@ _OTHER_VALIDATION = frozenset({"not", "multipleOf", "patternProperties", "proper
 WHY_NOT = {
     "uniqueItems": "a regex cannot keep array items distinct (allowed when the items are an enum or const of "
                    "scalars, booleans or null, or with maxItems <= 1)",
-    "multipleOf": "divisibility cannot be enforced by the regex",
+    "multipleOf": "it is enforced as a positive number beside 'type' 'integer' or 'number' (a schema without a "
+                  "type admits numbers of every kind)",
     "not": "negated schemas cannot be enforced",
     "if": "conditional schemas cannot be enforced (supported: 'if' on one property with a 'const', an 'enum' or a "
           "condition of this form, or with other values when the schema beside it lists the property's values)",
@@ -163,6 +166,7 @@ MAX_REGEX_CHARS = 1 << 20  # the translated regex
 MAX_TRANSLATE_S = 5.0  # wall time of one translation (checked at every subschema)
 OPEN_BOUND_LIMIT = 10**9  # exclusive number bounds: |bound| below this ...
 OPEN_BOUND_FRACTION = 6  # ... and at most this many fraction digits (float-safe near the bound)
+MAX_MULTIPLE_FORMS = 1000  # multipleOf: multiples listed between bounds, or endings of the last digits
 MAX_COUNTED_OPTIONAL = 8  # optional properties under minProperties/maxProperties (2**8 branches)
 MAX_UNIQUE_VALUES = 64  # uniqueItems: values of the items' enum
 JSON_WHITESPACE = r"[ \t\n\r]*"
@@ -1288,9 +1292,8 @@ class _Translator:
         return '"' + _repeat(JSON_CHAR, lo, hi) + '"'
 
     def integer(self, s: dict[str, Any], path: str) -> str:
-        k = s.get("multipleOf", 1)
-        if k != 1:  # _multiple_of_supported: 2, 5 or a power of ten, without bounds
-            return _multiples_regex(int(k))
+        if s.get("multipleOf", 1) != 1:  # _multiple_of_supported: a positive number
+            return self.multiples(s, True, path)
         lo, hi = self.bounds(s, path)
         if lo is None and hi is None:
             return INTEGER
@@ -1301,6 +1304,9 @@ class _Translator:
         return int_range_regex(lo, hi)
 
     def number(self, s: dict[str, Any], path: str) -> str:
+        """Bounds compare the value as a decimal with each bound as written (see
+        :func:`schema_decimal`); :func:`number_range_regex` says why a float parse of an
+        admitted text satisfies them too."""
         if s.get(_FRACTIONAL):  # `not: {type: integer}`: a non-zero fractional digit
             if set(s) & TYPE_KEYWORDS["number"] or "multipleOf" in s:
                 raise SchemaError(f"json_schema 'not' at {path}: bounds on non-integral numbers are not supported")
@@ -1308,27 +1314,74 @@ class _Translator:
             return r"-?(?:0|[1-9][0-9]{0,8})\.[0-9]{0,5}[1-9]"
         if s.get("multipleOf") == 1:  # whole numbers, written as integers
             return self.integer(s, path)
+        if "multipleOf" in s:
+            return self.multiples(s, False, path)
         lo, hi = self.bounds(s, path)
         if lo is None and hi is None:
             return NUMBER
         for b, key in ((lo, "minimum"), (hi, "maximum")):
-            if b is not None and b[0] != int(b[0]):
-                kw = ("exclusiveMinimum" if key == "minimum" else "exclusiveMaximum") if b[1] else key
-                raise SchemaError(
-                    f"json_schema {kw!r} at {path} is not supported for 'number' ({b[0]!r}); allowed: "
-                    f"integral bounds, inclusive or exclusive (or type 'integer')"
-                )
-        a = None if lo is None else int(lo[0])
-        b = None if hi is None else int(hi[0])
-        for v, key in ((a, "minimum"), (b, "maximum")):
-            if v is not None and _float_inexact(v):
+            if b is not None and b[0] == int(b[0]) and _float_inexact(int(b[0])):
                 # a decimal written next to it (9223372036854775807.0) parses to the float past it
-                raise SchemaError(f"json_schema {key!r} at {path} is not supported for 'number' ({v}): a 64-bit float "
-                                  "does not hold it, so a value with a fraction next to it parses past it; allowed: "
-                                  "bounds a 64-bit float holds (within +-2**53), or type 'integer'")
-        if a is not None and b is not None and (a > b or (a == b and (lo[1] or hi[1]))):
+                raise SchemaError(f"json_schema {key!r} at {path} is not supported for 'number' ({b[0]}): a 64-bit "
+                                  "float does not hold it, so a value with a fraction next to it parses past it; "
+                                  "allowed: bounds a 64-bit float holds (within +-2**53), or type 'integer'")
+        a = None if lo is None else schema_decimal(lo[0])
+        b = None if hi is None else schema_decimal(hi[0])
+        lo_open, hi_open = lo is not None and lo[1], hi is not None and hi[1]
+        if a is not None and b is not None and (a > b or (a == b and (lo_open or hi_open))):
             raise SchemaError(f"json_schema 'minimum'/'maximum' at {path} admit no number")
-        return number_range_regex(a, b, lo is not None and lo[1], hi is not None and hi[1])
+        try:
+            return number_range_regex(a, b, lo_open, hi_open)
+        except SchemaError as e:
+            named = "/".join(repr(k) for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in s)
+            raise SchemaError(f"json_schema {named} at {path}: {e}") from None
+
+    def multiples(self, s: dict[str, Any], integer: bool, path: str) -> str:
+        """``multipleOf`` (not 1) with the bounds beside it, exactly, or ``SchemaError``
+        naming it. The step is the decimal written (:func:`schema_decimal`); a value is
+        a multiple when value / step is an integer in exact arithmetic. ``jsonschema``
+        divides floats instead (``0.07 / 0.01`` is ``7.000000000000001``: not a
+        multiple), so only steps whose multiples a float holds exactly are accepted:
+        integers and binary fractions (0.5, 0.25, 2.5, 0.125). For them the two readings
+        agree on every text written here. Multiples are written as integers when the step
+        is one (``6``, not ``6.0``), else with at most the step's fraction digits."""
+        k = s["multipleOf"]
+        step = schema_decimal(k)
+        if step.denominator & (step.denominator - 1):  # not a power of two
+            raise SchemaError(f"json_schema 'multipleOf' {k!r} at {path} is not supported: {k!r} is not a binary "
+                              f"fraction, and validators that divide floats (jsonschema among them) reject exact "
+                              f"multiples of it{_float_quotient_example(k, step)}; allowed: integers and fractions a "
+                              f"float holds exactly (0.5, 0.25, 0.125, 2.5, 0.75)")
+        if integer:  # integers that are multiples of p/2**e: the multiples of p
+            step = Fraction(step.numerator)
+            if step == 1:
+                return self.integer({key: v for key, v in s.items() if key != "multipleOf"}, path)
+        # the integer digits written: floats hold every multiple exactly below 2**53
+        int_digits = MAX_DIGITS if is_int(k) else MAX_DIGITS - 1
+        while step.denominator > 1 and 10**int_digits * step.denominator > 2**53:
+            int_digits -= 1
+        lo, hi = self.bounds(s, path)
+        j_lo = j_hi = None  # the multiples written: step * j, j_lo <= j <= j_hi
+        if lo is not None and lo[0] > -(10**int_digits):
+            q = schema_decimal(lo[0]) / step
+            j_lo = math.floor(q) + 1 if lo[1] else math.ceil(q)
+        if hi is not None and hi[0] < 10**int_digits:
+            q = schema_decimal(hi[0]) / step
+            j_hi = math.ceil(q) - 1 if hi[1] else math.floor(q)
+        if j_lo is not None and j_hi is not None:
+            if j_lo > j_hi:
+                raise SchemaError(f"json_schema 'minimum'/'maximum' at {path} admit no multiple of {k!r}")
+            if j_hi - j_lo < MAX_MULTIPLE_FORMS:
+                return multiples_regex(step, int_digits, j_lo, j_hi)
+        if j_lo in (None, 0, 1) and j_hi in (None, 0, -1):  # bounds that only cut at zero
+            try:
+                return multiples_regex(step, int_digits, j_lo, j_hi)
+            except SchemaError as e:
+                raise SchemaError(f"json_schema 'multipleOf' {k!r} at {path} is not supported: {e}") from None
+        raise SchemaError(f"json_schema 'multipleOf' {k!r} at {path} is not supported with these bounds "
+                          f"(multiples {_bound_text(j_lo, step)} to {_bound_text(j_hi, step)}); allowed: bounds at "
+                          f"zero (minimum 0, exclusiveMaximum 0...) or bounds enclosing at most "
+                          f"{MAX_MULTIPLE_FORMS} multiples")
 
     def bounds(self, s: dict[str, Any], path: str) -> tuple[tuple[float, bool] | None, tuple[float, bool] | None]:
         """(value, exclusive) lower and upper bounds, the tighter of inclusive and
@@ -1889,26 +1942,29 @@ def _required_deps(s: dict[str, Any]) -> dict[str, list[str]] | None:
 
 
 def _multiple_of_supported(s: dict[str, Any]) -> bool:
-    """``multipleOf`` forms a regex enforces exactly: 1 (whole numbers, any bounds), and
-    2, 5 or a power of ten for ``type: integer`` without bounds (the last digits)."""
+    """``multipleOf`` is a positive number and the schema names a numeric type (the
+    regex then comes from :meth:`_Translator.multiples`, which refuses by name the forms
+    it cannot write). Without a type, any number would be written."""
     k = s.get("multipleOf")
-    if not _is_num(k) or isinstance(k, bool) or k <= 0:
+    if not _is_num(k) or k <= 0:
         return False
-    if k == 1:
-        return True
-    bounded = any(b in s for b in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"))
-    power_of_ten = is_int(k) and str(k).rstrip("0") == "1" and len(str(k)) < MAX_DIGITS
-    return s.get("type") == "integer" and not bounded and is_int(k) and (k in (2, 5) or power_of_ten)
+    t = s.get("type")
+    ts = t if isinstance(t, list) else [t]
+    return "integer" in ts or "number" in ts
 
 
-def _multiples_regex(k: int) -> str:
-    """JSON integers divisible by ``k`` (2, 5 or 10**d), at most MAX_DIGITS digits."""
-    if k in (2, 5):
-        last = "[02468]" if k == 2 else "[05]"
-        single = "[2468]" if k == 2 else "5"
-        return r"(?:0|-?" + single + "|-?[1-9][0-9]{0,%d}" % (MAX_DIGITS - 2) + last + ")"
-    zeros = len(str(k)) - 1
-    return r"(?:0|-?[1-9][0-9]{0,%d}" % (MAX_DIGITS - zeros - 1) + "0" * zeros + ")"
+def _float_quotient_example(k: float, step: Fraction) -> str:
+    """`` (0.07 / 0.01 is 7.000000000000001)``: the first multiple of ``step`` whose float
+    quotient by ``k`` is not an integer, or ""."""
+    for j in range(1, 1000):
+        v = float(step * j)
+        if v / k != int(v / k):
+            return f" ({_decimal_text(step * j)} / {k!r} is {v / k!r})"
+    return ""
+
+
+def _bound_text(j: int | None, step: Fraction) -> str:
+    return "unbounded" if j is None else _decimal_text(step * j)
 
 
 _FORBID = "\x00forbid"  # name sets the object must not have all of (exclusive oneOf branches)
@@ -2168,53 +2224,223 @@ def int_range_regex(lo: int | None, hi: int | None) -> str:
     return _alt(parts)
 
 
-def number_range_regex(lo: int | None, hi: int | None, lo_open: bool = False, hi_open: bool = False) -> str:
-    """Numbers (no exponent) between integral bounds (None: unbounded), each bound
-    inclusive or open (``lo_open``: ``v > lo``).
+def schema_decimal(v: int | float) -> Fraction:
+    """A number from a schema as the decimal it was written as: an integer exactly, a
+    float as its shortest decimal that parses back to it (``repr``: 0.1 is 1/10, not the
+    binary 0.1000000000000000055...). That is the literal whenever the literal has at
+    most 15 significant digits (a float tells those apart); a longer literal was already
+    rounded by the JSON parse, and the float's shortest decimal stands for it."""
+    return Fraction(v) if isinstance(v, int) else Fraction(Decimal(repr(float(v))))
 
-    NOTE: with an open bound, fractions have at most OPEN_BOUND_FRACTION digits and the
-    bounds are below OPEN_BOUND_LIMIT in magnitude, so that a value parsed as a float
-    (as validators do) cannot round onto the bound it must not reach."""
+
+def _decimal_text(v: Fraction) -> str:
+    """A decimal fraction written out plainly (no exponent): 7/100 is '0.07'."""
+    d = Decimal(v.numerator) / Decimal(v.denominator)
+    return format(d.normalize(), "f")
+
+
+def number_range_regex(lo: int | Fraction | None, hi: int | Fraction | None, lo_open: bool = False,
+                       hi_open: bool = False) -> str:
+    """Numbers (no exponent, at most MAX_DIGITS integer digits) between decimal bounds
+    (None: unbounded), each inclusive or open (``lo_open``: ``v > lo``), compared
+    exactly. Fractions have 1 to MAX_DIGITS digits (trailing zeros included); negative
+    zero is not written.
+
+    NOTE: a validator reads the text as the float nearest to it. Beside a closed bound
+    that is sound whatever the digits: rounding keeps order, so ``v >= lo`` gives
+    ``float(v) >= float(lo)`` (it may reach the bound, which is allowed). Beside an open
+    bound it could land on it (0.99999999999999999 parses to 1.0), so there fractions
+    have at most OPEN_BOUND_FRACTION digits and the bounds are below OPEN_BOUND_LIMIT in
+    magnitude: a text near the bound has at most 15 significant digits, and two such
+    decimals parse to different floats, as does such a decimal and a bound whose
+    shortest decimal is longer. A text beyond MAX_DIGITS' precision that parses onto a
+    closed bound from outside (jsonschema accepts it) is not admitted."""
     if lo_open or hi_open:
         if any(b is not None and abs(b) >= OPEN_BOUND_LIMIT for b in (lo, hi)):
             raise SchemaError(f"exclusive bounds on numbers are supported up to {OPEN_BOUND_LIMIT:.0e} in magnitude")
-        frac = r"(?:\.[0-9]{1,%d})?" % OPEN_BOUND_FRACTION
-        nonzero_frac = r"\.[0-9]{0,%d}[1-9]" % (OPEN_BOUND_FRACTION - 1)  # a fraction that is not zero
+        digits = OPEN_BOUND_FRACTION
     else:
-        frac, nonzero_frac = r"(?:\.[0-9]{1,16})?", ""
-    zeros = r"(?:\.0{1,16})?"
-
-    def magnitude(a: int, b: int | None, a_open: bool, b_open: bool) -> str | None:
-        # |v| between a and b: integer part a (with a non-zero fraction when a is open),
-        # integer parts strictly between with any fraction, b with a zero fraction
-        if b is not None and (b < a or (b == a and (a_open or b_open))):
-            return None
-        if b == a:
-            return str(a) + zeros
-        parts = [str(a) + (nonzero_frac if a_open else frac)]
-        if b is None or b - 1 >= a + 1:
-            parts.append(_nonneg_range(a + 1, None if b is None else b - 1) + frac)
-        if b is not None and not b_open:
-            parts.append(str(b) + zeros)
-        return _alt(parts)
-
+        digits = MAX_DIGITS
+    scale = 10**digits
+    top = 10**MAX_DIGITS * scale - 1  # the largest magnitude written, in units of 10**-digits
+    # the bounds on the grid of written values, inclusive
+    a = None if lo is None else (math.floor(lo * scale) + 1 if lo_open else math.ceil(lo * scale))
+    b = None if hi is None else (math.ceil(hi * scale) - 1 if hi_open else math.floor(hi * scale))
+    a = None if a is not None and a < -top else a
+    b = None if b is not None and b > top else b
+    if (a is not None and b is not None and a > b) or (a is not None and a > top) or (b is not None and b < -top):
+        raise SchemaError(f"no number of at most {MAX_DIGITS} integer digits lies between "
+                          f"{'unbounded' if lo is None else _decimal_text(Fraction(lo))} and "
+                          f"{'unbounded' if hi is None else _decimal_text(Fraction(hi))}")
     parts = []
-    if lo is None or lo < 0:  # negative numbers: magnitudes from max(-hi, 0) up to -lo
-        if hi is None or hi > 0:
-            low, low_open = 0, False
-        else:
-            low, low_open = -hi, hi_open
-        neg = magnitude(low, None if lo is None else -lo, low_open, lo_open)
-        if neg is not None:
-            parts.append("-" + neg)
-    if hi is None or hi > 0 or (hi == 0 and not hi_open):  # zero and positive numbers
-        low, low_open = (0, False) if lo is None or lo < 0 else (lo, lo_open)
-        pos = magnitude(low, hi, low_open, hi_open)
-        if pos is not None:
-            parts.append(pos)
-    if not parts:
-        raise SchemaError(f"no number lies between {lo} and {hi} with these bounds")
+    if a is None or a < 0:  # negative numbers: magnitudes from max(1, -b) up to -a
+        parts.append("-" + _grid_range(1 if b is None else max(1, -b), None if a is None else -a, digits))
+    if b is None or b >= 0:
+        parts.append(_grid_range(0 if a is None else max(a, 0), b, digits))
     return _alt(parts)
+
+
+def _grid_range(a: int, b: int | None, digits: int) -> str:
+    """Texts of the non-negative numbers ``n / 10**digits``, ``a <= n <= b`` (None: up
+    to MAX_DIGITS integer digits): a canonical integer part and an optional fraction of
+    1 to ``digits`` digits."""
+    scale = 10**digits
+    ai, af = divmod(a, scale)
+    lo_frac = str(af).zfill(digits)
+    if b is not None:
+        bi, bf = divmod(b, scale)
+        hi_frac = str(bf).zfill(digits)
+        if ai == bi:
+            return str(ai) + _fraction(lo_frac, hi_frac)
+    parts = [str(ai) + _fraction(lo_frac, "9" * digits)]
+    if b is None or bi - 1 >= ai + 1:  # integer parts strictly between: any fraction
+        if len(str(ai + 1)) <= MAX_DIGITS:
+            parts.append(_nonneg_range(ai + 1, None if b is None else bi - 1) + _fraction("0" * digits, "9" * digits))
+    if b is not None:
+        parts.append(str(bi) + _fraction("0" * digits, hi_frac))
+    return _alt(parts)
+
+
+def _fraction(lo: str, hi: str) -> str:
+    """An optional ``.digits`` part (1 to ``len(lo)`` digits) whose digits, padded with
+    zeros to ``len(lo)``, lie between ``lo`` and ``hi``; no fraction when ``lo`` is 0."""
+    body = r"\." + _padded_between(lo, hi)
+    return "(?:" + body + ")?" if lo.strip("0") == "" else body
+
+
+def _padded_between(lo: str, hi: str) -> str:
+    """Digit strings of 1 to ``n = len(lo)`` digits that, padded with zeros to ``n``,
+    lie between ``lo`` and ``hi`` (n digits each, ``lo <= hi``)."""
+    n = len(lo)
+    if lo.strip("0") == "" and hi.strip("9") == "":
+        return "[0-9]" if n == 1 else "[0-9]{1,%d}" % n
+    if lo.strip("0") == "" and hi.strip("0") == "":
+        return "0" if n == 1 else "0{1,%d}" % n
+
+    def rest(lo_rest: str, hi_rest: str) -> str:  # what follows the first digit: 0 to n - 1 digits
+        if not lo_rest:
+            return ""
+        body = _padded_between(lo_rest, hi_rest)
+        return "(?:" + body + ")?" if lo_rest.strip("0") == "" else body
+
+    if lo[0] == hi[0]:
+        return lo[0] + rest(lo[1:], hi[1:])
+    parts = [lo[0] + rest(lo[1:], "9" * (n - 1))]
+    first, last = int(lo[0]) + 1, int(hi[0]) - 1
+    if first <= last:
+        cls = str(first) if first == last else f"[{first}-{last}]"
+        parts.append(cls + ("" if n == 1 else "[0-9]{0,%d}" % (n - 1)))
+    parts.append(hi[0] + rest("0" * (n - 1), hi[1:]))
+    return _alt(parts)
+
+
+def multiples_regex(step: Fraction, int_digits: int, j_lo: int | None, j_hi: int | None) -> str:
+    """Texts of ``step * j`` for the integers ``j_lo <= j <= j_hi`` (None: unbounded),
+    at most ``int_digits`` integer digits. ``step`` is an integer or a fraction over
+    ``2**e``; a multiple is written with 0 to ``e`` fraction digits (``e`` digits write
+    any of them exactly: 0.25 -> '0.25'; '1.5', '1.50'), an integral one also without
+    a fraction; negative zero is not written. Both bounds given: the multiples are
+    listed (at most MAX_MULTIPLE_FORMS). Else ``j_lo`` is None, 0 or 1 and ``j_hi``
+    None, 0 or -1 (bounds at zero), and the step's digit pattern repeats: whether a
+    value is a multiple is read off its last digits."""
+    frac_digits = (step.denominator.bit_length() - 1)  # 1 / 2**e has e fraction digits
+    limit = 10**int_digits
+
+    def forms(v: Fraction) -> list[str]:  # v >= 0, a multiple of step
+        whole, frac = divmod(v.numerator * 10**frac_digits // v.denominator, 10**frac_digits)
+        if frac_digits == 0:
+            return [str(whole)]
+        f = str(frac).zfill(frac_digits).rstrip("0")
+        if not f:
+            return [str(whole)] + [f"{whole}." + "0" * z for z in range(1, frac_digits + 1)]
+        return [f"{whole}.{f}" + "0" * z for z in range(frac_digits - len(f) + 1)]
+
+    if j_lo is not None and j_hi is not None and j_hi - j_lo < MAX_MULTIPLE_FORMS:
+        words = []
+        for j in range(j_lo, j_hi + 1):
+            v = step * j
+            if abs(v) < limit:
+                words += [("-" if v < 0 else "") + w for w in forms(abs(v))]
+        if not words:
+            raise SchemaError(f"no multiple of {_decimal_text(step)} between the bounds has at most {int_digits} "
+                              "integer digits")
+        return _trie_regex(words)
+    # the last `tail` digits of value * 10**frac_digits decide: n = value * 10**frac_digits
+    # is a multiple of a = step * 10**frac_digits, and a divides 10**m when its only prime
+    # factors are 2 and 5
+    a = int(step * 10**frac_digits)
+    m, rest = 0, a
+    while rest % 10 == 0:
+        rest, m = rest // 10, m + 1
+    twos = fives = 0
+    while rest % 2 == 0:
+        rest, twos = rest // 2, twos + 1
+    while rest % 5 == 0:
+        rest, fives = rest // 5, fives + 1
+    if rest != 1:
+        raise SchemaError(f"without both 'minimum' and 'maximum' a multiple is recognised by its last digits, "
+                          f"which needs a step n or n / 2**e where n has no prime factor but 2 and 5 (2, 4, 25, 100, "
+                          f"0.5, 0.25, 2.5); {_decimal_text(step)} has the factor {rest}; with both bounds, at most "
+                          f"{MAX_MULTIPLE_FORMS} multiples are listed")
+    tail = max(m + max(twos, fives), frac_digits)
+    if 10**tail // a > MAX_MULTIPLE_FORMS:
+        raise SchemaError(f"the multiples of {_decimal_text(step)} are read off their last {tail} digits: "
+                          f"{10**tail // a} endings, more than the {MAX_MULTIPLE_FORMS} allowed")
+    int_tail = tail - frac_digits  # integer digits within the tail
+    long_tails, short = [], []  # endings after a non-zero prefix; numbers that are only a tail
+    for n in range(0, 10**tail, a):
+        v = Fraction(n, 10**frac_digits)
+        for w in forms(v):
+            whole, dot, frac = w.partition(".")
+            long_tails.append((whole.zfill(int_tail) if int_tail else "") + dot + frac)
+            if v:
+                short.append(w)
+    zero = _trie_regex(forms(Fraction(0)))
+    positive = [_trie_regex(short)] if short else []
+    if int_digits > int_tail:
+        positive.append("[1-9]" + ("[0-9]{0,%d}" % (int_digits - int_tail - 1) if int_digits - int_tail > 1 else "")
+                        + _trie_regex(long_tails))
+    pos = _alt(positive)
+    parts = []
+    if j_lo is None:
+        parts.append("-" + pos)
+    if (j_lo is None or j_lo <= 0) and (j_hi is None or j_hi >= 0):
+        parts.append(zero)
+    if j_hi is None:
+        parts.append(pos)
+    return _alt(parts)
+
+
+def _trie_regex(words: list[str]) -> str:
+    """A regex matching exactly ``words`` (literal texts), sharing their prefixes;
+    characters leading to the same rest are one class."""
+    trie: dict[str, Any] = {}
+    for w in words:
+        node = trie
+        for ch in w:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def emit(node: dict[str, Any]) -> str:
+        by_rest: dict[str, list[str]] = {}
+        for ch, child in node.items():
+            if ch:
+                by_rest.setdefault(emit(child), []).append(ch)
+        branches = []
+        for rest, chars in by_rest.items():
+            if len(chars) == 1:
+                head = escape(chars[0])
+            else:
+                head = "[" + "".join("\\" + c if c in "\\]^-" else c for c in sorted(chars)) + "]"
+            branches.append(head + rest)
+        if not branches:
+            return ""
+        body = _alt(branches)
+        if "" not in node:
+            return body
+        return "(?:" + body + ")?" if len(branches) > 1 or len(body) > 1 else body + "?"
+
+    return emit(trie)
 
 
 _UNSAFE = frozenset('"\\') | frozenset(chr(c) for c in range(0x20))
