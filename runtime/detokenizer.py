@@ -80,9 +80,9 @@ def _skip(st: TextState, piece: str) -> str:
     return piece
 
 
-def match_stop(st: TextState, stops: list[str], piece: str) -> str | None:
+def match_stop(st: TextState, stops: list[str], piece: str, keep: bool = False) -> str | None:
     """If a stop string completed within the newest ``piece``, trim ``st.text`` to
-    before it and return the string."""
+    before it (``keep``: to after it, SGLang's ``no_stop_trim``) and return the string."""
     if not stops or not piece:
         return None
     longest = max(len(s) for s in stops)
@@ -94,7 +94,7 @@ def match_stop(st: TextState, stops: list[str], piece: str) -> str | None:
             best = (i, s)
     if best is None:
         return None
-    st.text = st.text[: best[0]]
+    st.text = st.text[: best[0] + (len(best[1]) if keep else 0)]
     return best[1]
 
 

@@ -113,7 +113,7 @@ class OutputProcessor:
             # several (verified drafts, jump-forward), and the output ends at the one
             # that completes a stop string (before an ending EOS / stop id)
             for end in range(st.read + 1, r.seq_len if ended_by_token else r.seq_len + 1):
-                matched = match_stop(st, stops, self.detokenizer.step(r, st, end))
+                matched = match_stop(st, stops, self.detokenizer.step(r, st, end), r.params.no_stop_trim)
                 if matched is not None:
                     self.scheduler.finish(r, FinishReason.stop(matched), keep=end)
                     reason = r.finish_reason

@@ -46,6 +46,7 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # SGLang's: the stop string that ended the output stays in its text
     # token id (an int, or its decimal text as JSON keys write it) -> a number in
     # [-100, 100] added to that token's logit before sampling (OpenAI's logit_bias; -100
     # bans a token, 100 all but forces it); logprobs stay the model's own
@@ -137,7 +138,7 @@ class SamplingParams:
                 f"stop_token_ids={self.stop_token_ids!r} is invalid; allowed: a list of non-negative token ids",
                 "stop_token_ids",
             )
-        for name in ("ignore_eos", "skip_special_tokens", "speculative"):
+        for name in ("ignore_eos", "skip_special_tokens", "speculative", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name}={getattr(self, name)!r} is invalid; allowed: true or false", name)
         if self.seed is not None:

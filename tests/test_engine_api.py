@@ -50,6 +50,16 @@ def test_stop_string_is_trimmed(engine, baseline):
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert out["text"] == text[: text.index(stop)]
     assert stop not in out["text"]
+    # SGLang's no_stop_trim (vLLM's include_stop_str_in_output): the stop string stays, streamed too
+    kept = engine.generate("The weather today is", {**GREEDY, "stop": [stop], "no_stop_trim": True})
+    assert kept["text"] == text[: text.index(stop) + len(stop)], kept
+    assert kept["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    (r,) = engine.add_request(engine.tokenizer.encode("The weather today is", add_special_tokens=False),
+                              {**GREEDY, "stop": [stop], "no_stop_trim": True})
+    pieces = []
+    while engine.has_work():
+        pieces += [o.text for o in engine.step() if o.rid == r.rid]
+    assert "".join(pieces) == kept["text"]  # the deltas: the held-back stop string is sent at the end
 
 
 def test_stop_token_ids_and_min_new_tokens(engine, baseline):

@@ -189,3 +189,15 @@ def test_openai_chat_fields_at_their_null_are_accepted(http, extra, status, para
     assert r.status_code == status, r.text[:300]
     if param:
         assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("field", ["include_stop_str_in_output", "no_stop_trim"])
+def test_the_stop_string_can_stay_in_the_output(http, field):
+    # vLLM's include_stop_str_in_output and SGLang's no_stop_trim were unrecognized
+    body = {"prompt": "The weather today is", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut = http.post("/v1/completions", json={**body, "stop": stop}).json()["choices"][0]
+    kept = http.post("/v1/completions", json={**body, "stop": stop, field: True}).json()["choices"][0]
+    assert cut["text"] == text[: text.index(stop)] and kept["text"] == text[: text.index(stop) + len(stop)]
+    assert kept["finish_reason"] == "stop"

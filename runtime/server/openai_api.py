@@ -36,10 +36,11 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _IGNORED = {"user": "str", "store": "bool", "metadata": "dict", "service_tier": "str", "stream_options": "dict",
             "prompt_cache_key": "str", "safety_identifier": "str"}
 # Extensions passed to the sampler under the same name (vLLM / SGLang extras).
-_SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens")
+_SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+                    "no_stop_trim")
 _COMMON = {"model", "n", "stop", "stream", "temperature", "top_p", "seed", "frequency_penalty", "presence_penalty",
            "max_tokens", "min_tokens", "logit_bias", "cache_salt", "rid", "regex", "json_schema", "ebnf",
-           "grammar_backend", *_SAMPLING_EXTRAS}
+           "grammar_backend", "include_stop_str_in_output", *_SAMPLING_EXTRAS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                          "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "reasoning_effort",
@@ -212,6 +213,8 @@ def sampling_params(front: Front, body: dict[str, Any], prompt_len: int, default
     for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty", "seed", "n", *_SAMPLING_EXTRAS):
         if body.get(name) is not None:
             sp[name] = body[name]
+    if get_field(body, "include_stop_str_in_output", "bool", False):  # vLLM's name for no_stop_trim
+        sp["no_stop_trim"] = True
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
