@@ -201,3 +201,15 @@ def test_the_stop_string_can_stay_in_the_output(http, field):
     kept = http.post("/v1/completions", json={**body, "stop": stop, field: True}).json()["choices"][0]
     assert cut["text"] == text[: text.index(stop)] and kept["text"] == text[: text.index(stop) + len(stop)]
     assert kept["finish_reason"] == "stop"
+
+
+def test_error_messages_name_what_the_client_sent(http):
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "min_tokens": 5})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "min_tokens", err
+    assert "max_tokens (2)" in err["message"] and "new_tokens" not in err["message"], err
+    msgs = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": 7, "content": "x"}]
+    err = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}).json()["error"]
+    assert "tool_call_id=7 is invalid" in err["message"], err

@@ -242,6 +242,8 @@ def openai_error(e: RequestError, job: Job | None = None) -> RequestError:
     if new is None:
         return e
     message = new + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
+    for engine_name, name in _RENAMES.items():  # "at most max_new_tokens (16)" names the client's field too
+        message = message.replace(engine_name, name)
     return e.with_param(new, message)
 
 
@@ -410,8 +412,9 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
         if role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
-                raise RequestError(f"{where}.tool_call_id is required for a tool message: the id of the call it "
-                                   f"answers", "messages")
+                what = " is required" if m.get("tool_call_id") is None else f"={_short(m['tool_call_id'])} is invalid"
+                raise RequestError(f"{where}.tool_call_id{what} for a tool message: the id (a string) of the call "
+                                   f"it answers", "messages")
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     return out
