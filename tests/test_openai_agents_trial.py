@@ -162,8 +162,8 @@ def test_a_forced_call_cut_by_the_length_limit_is_the_call_so_far(oai):
         if calls:  # the call began: its arguments as far as written, no raw text as content
             seen_calls += 1
             assert content is None and len(calls) == 1 and calls[0][0] == "add" and args.startswith(calls[0][1])
-        else:
-            assert raw.startswith(content)
+        else:  # cut before the name was written: markup, not content (it came back as "<tool_")
+            assert content is None, content
     assert seen_calls >= 2
 
 

@@ -441,7 +441,10 @@ class ChatOutput:
         if self.tool_parser is not None:
             content, calls = self.tool_parser.parse(content, self.tools, cut)
             calls = calls[: self.max_calls]
-        msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        # null, not "", when calls (or a call cut off before its name: markup) took all the text
+        markup_only = not content and bool(text.strip()) and self.tool_parser is not None
+        msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) and not markup_only
+                               else None}
         if self.reasoning is not None:
             msg["reasoning_content"] = reasoning
         if calls:
