@@ -312,3 +312,60 @@ def test_malformed_tools_are_400s_and_the_server_stays_healthy(http):
     r = http.post("/v1/responses", json={"input": "hi", "tools": flat, "max_output_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].parameters", r.text
     assert http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2}).status_code == 200
+
+
+def test_a_named_tool_choice_makes_one_call(oai):
+    # with parallel_tool_calls left on (the client's default), the grammar allowed up to 8
+    # calls and SmolLM2 repeated the same one until max_tokens; OpenAI and vLLM make one
+    out = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=300, temperature=1.0,
+                                      seed=3, n=4, tool_choice={"type": "function", "function": {"name": "add"}})
+    for choice in out.choices:
+        assert [c.function.name for c in choice.message.tool_calls] == ["add"], choice.message
+        assert choice.finish_reason == "tool_calls"
+    r = oai.responses.create(model=MODEL, input="2 + 3?", tools=[{"type": "function", **TOOLS[0]["function"]}],
+                             tool_choice={"type": "function", "name": "add"}, max_output_tokens=300, temperature=0)
+    assert [it.type for it in r.output] == ["function_call"] and r.status == "completed"
+
+
+def test_tools_beside_a_json_format_under_auto_can_still_be_called(oai, tokenizer_dir):
+    # the schema's constraint covered the whole reply, so a call could never be written
+    # (the OpenAI Agents SDK sends tools and an output type together)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS[:1], response_format=fmt, max_tokens=120, temperature=0)
+    lt, brace = tok.convert_tokens_to_ids("<"), tok.convert_tokens_to_ids("{")
+    # "<": the call's start (one call: the bias would have it start a second, parallel one)
+    call = oai.chat.completions.create(logit_bias={str(lt): 100}, parallel_tool_calls=False, **kw).choices[0]
+    assert call.finish_reason == "tool_calls" and call.message.content is None, call
+    [c] = call.message.tool_calls
+    jsonschema.validate(json.loads(c.function.arguments), ADD)
+    answer = oai.chat.completions.create(logit_bias={str(brace): 100}, **kw).choices[0]  # "{": the JSON
+    assert not answer.message.tool_calls, answer
+    jsonschema.validate(json.loads(answer.message.content), schema)
+
+
+def test_a_whole_call_before_a_cut_stays_complete_in_the_responses_api(oai, tokenizer_dir):
+    # the length limit fell in a second call dropped before its name; the first, whole
+    # call was marked incomplete (an agent skipping incomplete calls lost it)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    # a second call's start ("\n<") over the end of the output: the random model ends after one
+    bias = {str(tok.convert_tokens_to_ids(t)): 100 for t in ("<", "\u010a")}
+    kw = dict(model=MODEL, input="2 + 3?", tools=[{"type": "function", **TOOLS[0]["function"]}],
+              tool_choice="required", temperature=0, extra_body={"logit_bias": bias})
+    one = oai.responses.create(parallel_tool_calls=False, max_output_tokens=200, **kw)
+    n = one.usage.output_tokens
+    checked = 0
+    for extra in range(1, 6):  # a few tokens past the first call: the next one's start, cut
+        r = oai.responses.create(max_output_tokens=n + extra, **kw)
+        calls = [it for it in r.output if it.type == "function_call"]
+        assert calls and calls[0].arguments == one.output[0].arguments
+        if r.status == "incomplete" and len(calls) == 1:
+            assert calls[0].status == "completed", r.output
+            checked += 1
+    assert checked, "the model never started a second call"

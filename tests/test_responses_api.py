@@ -98,6 +98,12 @@ def test_stream_events_build_the_same_response(oai):
     assert types.index("response.output_item.added") < types.index("response.function_call_arguments.delta") \
         < types.index("response.function_call_arguments.done") < types.index("response.output_item.done")
     done = events[-1].response
+    # the client's own types, strictly (ResponseUsage requires cache_write_tokens)
+    from openai.types.responses import Response
+
+    Response.model_validate(done.model_dump(exclude_unset=True), strict=True)
+    assert done.usage.input_tokens_details.cache_write_tokens == \
+        done.usage.input_tokens - done.usage.input_tokens_details.cached_tokens
     call = [it for it in done.output if it.type == "function_call"][0]
     streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert streamed == call.arguments == [it for it in want.output if it.type == "function_call"][0].arguments

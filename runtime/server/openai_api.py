@@ -693,12 +693,18 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
                 raise RequestError(f"tool_choice={choice!r} forces a tool call, which {other} cannot constrain too; "
                                    f"give one of them", "tool_choice")
         assert tools is not None
+        # a named function is called once (as OpenAI and vLLM do; with parallel calls a
+        # small model repeated the same call until max_tokens); "required" may make several
+        parallel = parallel and choice == "required"
         regex = parser.constraint_regex(body["tools"], None if choice == "required" else choice, parallel)
         field_name = "tool_choice"
     constraint: dict[str, Any] = {}
     if regex is None and schema is not None:
         field_name = schema_field
-        if reasoning is None:
+        # tools under "auto" beside a JSON format (the OpenAI Agents SDK's tools + output
+        # type): the reply is the JSON or calls; the schema alone left calls impossible
+        calls = bool(tools) and choice == "auto"
+        if reasoning is None and not calls:
             constraint["json_schema"] = json.dumps(schema)
         else:
             from plait.runtime.constrained.json_schema import schema_to_regex
@@ -706,7 +712,13 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
             try:
                 regex = schema_to_regex(schema)
             except ValueError as e:
-                raise RequestError(str(e), schema_field) from None
+                if reasoning is not None:
+                    raise RequestError(str(e), schema_field) from None
+                # a schema only llguidance's JSON grammar follows: the reply is the JSON alone
+                constraint["json_schema"] = json.dumps(schema)
+            else:
+                if calls:
+                    regex = f"(?:{regex})|(?:{parser.constraint_regex(body['tools'], None, parallel)})"
     if reasoning is not None and (regex is not None or max_reasoning is not None):
         # the constraint starts after the reasoning section (plait.reasoning)
         regex = reasoning.constraint_prefix(max_reasoning) + (regex if regex is not None else "(?s:.*)")

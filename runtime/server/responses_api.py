@@ -46,7 +46,7 @@ FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_to
           "text", "max_output_tokens", "temperature", "top_p", "stream", "store", "metadata", "user", "seed",
           "reasoning", "truncation", "include", "service_tier", "top_k", "min_p", "repetition_penalty",
           "frequency_penalty", "presence_penalty", "stop", "cache_salt", "prompt_cache_key", "safety_identifier",
-          "max_reasoning_chars", "background", "max_tool_calls", "top_logprobs"}
+          "max_reasoning_chars", "background", "max_tool_calls", "top_logprobs", "logit_bias"}
 
 LOGPROBS = "message.output_text.logprobs"
 # The openai client's ResponseIncludable. Only LOGPROBS changes a response here. The others are
@@ -393,7 +393,10 @@ def response_object(rj: ResponseJob, items: list[dict[str, Any]], meta: dict[str
         "metadata": body.get("metadata") or {}, "truncation": "disabled", "reasoning": None,
         "usage": None if meta is None else {
             "input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
-            "input_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0)},
+            # (cache_write_tokens: the openai client's ResponseUsage requires it; here the prompt
+            # tokens computed, which the prefix cache then holds)
+            "input_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0),
+                                     "cache_write_tokens": max(prompt - meta.get("cached_tokens", 0), 0)},
             "output_tokens_details": {"reasoning_tokens": 0},
         },
     }
@@ -410,17 +413,19 @@ def finish(store: ResponseStore, rj: ResponseJob, items: list[dict[str, Any]], m
 def _mark_cut(items: list[dict[str, Any]], cut: bool) -> None:
     """The length limit or a stop string cut the output: its last item (a message, or a
     call whose arguments stop where the cut fell) is ``incomplete``, as OpenAI marks
-    it (the response itself is ``incomplete`` only for the length limit)."""
+    it (the response itself is ``incomplete`` only for the length limit). Callers pass
+    ``cut`` false when the output's calls are all whole: the cut then fell in a call
+    dropped before its name, and the last call is complete."""
     if cut and items:
         items[-1]["status"] = "incomplete"
 
 
 def response(store: ResponseStore, rj: ResponseJob, result: P.GenerateResult) -> dict[str, Any]:
     cut = oa.output_cut(result.meta_info)
-    message, _ = (rj.job.output or oa.ChatOutput()).message(result.text, cut)
+    message, whole_calls = (rj.job.output or oa.ChatOutput()).message(result.text, cut)
     lps = rj.logprobs.output(result.meta_info, rj.job.logprobs or 0) if rj.logprobs is not None else None
     items = output_items(message, lps)
-    _mark_cut(items, cut)
+    _mark_cut(items, cut and not whole_calls)
     return finish(store, rj, items, result.meta_info)
 
 
@@ -537,7 +542,7 @@ async def stream(store: ResponseStore, rj: ResponseJob, events: AsyncIterator[An
         else:
             cut = oa.output_cut(msg.meta_info)
             out = ev.deltas(cs.finish(cut), [])
-            _mark_cut(ev.items, cut)
+            _mark_cut(ev.items, cut and not cs.has_calls)
             for e in out + ev.close():
                 yield e
             parts = [it["content"][0] for it in ev.items if it["type"] == "message"]
