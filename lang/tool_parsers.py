@@ -83,6 +83,10 @@ def check_tools(tools: Any, param: str = "tools", nested: bool = True) -> list[d
         if nested:
             where += ".function"
         name = fn.get("name")
+        if not nested and name is None and isinstance(t.get("function"), dict):
+            raise RequestError(f"{where} is in chat completions' shape ({{\"type\": \"function\", \"function\": "
+                               f"{{...}}}}); the Responses API's tools are flat: {{\"type\": \"function\", \"name\": "
+                               f"..., \"parameters\": ...}}", f"{where}.name")
         if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
             raise RequestError(f"{where}.name={name!r} is invalid; allowed: 1 to 64 of a-z, A-Z, 0-9, _ and -",
                                f"{where}.name")

@@ -150,10 +150,15 @@ def test_errors_name_the_field(oai, server):
             ({"input": "hi", "bogus": 1}, "bogus"),
             ({"input": "hi", "background": True}, "background"),  # was run in the foreground, as if false
             ({"input": "hi", "background": "yes"}, "background"),
+            # chat completions' nested shape: said "tools[0].name=None is invalid"
+            ({"input": "hi", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+             "tools[0].name"),
         ]:
             r = http.post("/v1/responses", json={"model": MODEL, **body})
             assert r.status_code == 400, (body, r.text)
             assert r.json()["error"]["param"] == param, (body, r.text)
+            if "'function': {" in str(body.get("tools")):
+                assert "the Responses API's tools are flat" in r.json()["error"]["message"], r.text
         r = http.post("/v1/responses", json={"model": "gpt-4o", "input": "hi"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
