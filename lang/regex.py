@@ -11,7 +11,8 @@ or the compile limits (time, memory). Accepted:
 
 - literals; ``.``; ``\\d \\D \\s \\S \\w \\W``; ``\\pL`` and ``\\p{Name}`` (``\\P`` negated);
   ``\\t \\n \\r \\f \\v \\a``; ``\\xHH \\uHHHH \\UHHHHHHHH`` and ``\\x{H..}`` (also
-  ``\\u{..}``, ``\\U{..}``); a backslash before ASCII punctuation or a space;
+  ``\\u{..}``, ``\\U{..}``); a backslash before ASCII punctuation or whitespace (as
+  ``re.escape`` writes them);
 - classes ``[...]``, ``[^...]`` of those and of ranges ``a-z`` (a ``]`` first is
   literal; ``[``, ``&&``, ``--`` and ``~~`` inside a class must be escaped);
 - groups ``(...)``, ``(?:...)``, ``(?P<name>...)``, ``(?<name>...)``; flags
@@ -46,7 +47,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _PERL_CLASSES = set("dDsSwW")
 _CONTROL = {"t": "\t", "n": "\n", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
-_ESCAPABLE = set("!\"#$%&'()*+,-./:;=?@[\\]^_`{|}~ ")  # ASCII punctuation and space, not < >
+_ESCAPABLE = set("!\"#$%&'()*+,-./:;=?@[\\]^_`{|}~ \t\n\r\v\f")  # ASCII punctuation and whitespace (re.escape writes \<newline>), not < >
 _FLAGS = set("imsU")
 _CATEGORIES = set("CLMNPSZ")  # one-letter general categories (\pL)
 
