@@ -263,6 +263,11 @@ class Engine:
             total = free + weights  # what the process had before it loaded the weights
         frac = cfg.resolved_mem_fraction_static()
         budget = kv_pool_budget(frac, free=free, total=total)
+        if self.device.type == "cpu" and cfg.tp_size > 1:
+            # the ranks on this machine share its memory, each holding its share of the heads
+            # for every token: the machine's budget is split between them (each rank took it
+            # whole: tp_size 3 filled ~0.9 of RAM)
+            budget //= max(cfg.tp_size // cfg.nnodes, 1)
         if budget < per_token * cfg.page_size:
             raise ValueError(
                 f"mem_fraction_static={frac} leaves no memory for the KV pool: {total / 2**30:.2f} GiB total, "

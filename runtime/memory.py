@@ -15,7 +15,21 @@ still needs its windowed KV, and detached (the window page freed) once none does
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
+
+
+def _zeroed_cpu(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero CPU tensor from calloc'ed memory (numpy's zeros): large blocks are fresh
+    mappings the kernel zero-fills page by page on first touch, so nothing is written
+    or committed up front (``torch.zeros`` writes every byte)."""
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(nbytes + 64, dtype=np.uint8))
+    start = -raw.data_ptr() % 64  # 64-byte aligned, as torch's own allocations are
+    return raw[start:start + nbytes].view(dtype).view(shape)
 
 
 class KVPool:
@@ -53,10 +67,17 @@ class KVPool:
         def rows(layer: int) -> int:
             return window.num_slots if layer in self.windowed_layers else num_slots  # type: ignore[union-attr]
 
-        self.k_buffers = [torch.empty((rows(i), kv_heads, head_dim), dtype=dtype, device=device) for i in range(num_layers)]
-        self.v_buffers = [torch.empty((rows(i), kv_heads, head_dim), dtype=dtype, device=device) for i in range(num_layers)]
-        self._zeroed = bytearray(num_slots // page_size)  # pages zeroed since allocation
-        self._zeroed_window = bytearray(window.num_pages if window is not None else 0)
+        # On CPU the buffers come zeroed from the OS (calloc: pages mapped on first touch,
+        # never memset), so no page needs a zeroing pass and untouched memory is still never
+        # committed; a tensor-parallel worker rank, which does not see which pages rank 0
+        # hands out, zeroed its whole pool at start-up (each rank then held the whole
+        # machine's KV budget at once).
+        new = _zeroed_cpu if self.device.type == "cpu" else torch.empty
+        self.k_buffers = [new((rows(i), kv_heads, head_dim), dtype=dtype, device=device) for i in range(num_layers)]
+        self.v_buffers = [new((rows(i), kv_heads, head_dim), dtype=dtype, device=device) for i in range(num_layers)]
+        done = 1 if self.device.type == "cpu" else 0
+        self._zeroed = bytearray([done]) * (num_slots // page_size)  # pages zeroed since allocation
+        self._zeroed_window = bytearray([done]) * (window.num_pages if window is not None else 0)
         self._full_layers = [i for i in range(num_layers) if i not in self.windowed_layers]
         self._window_layers = sorted(self.windowed_layers)
         self._zero([0], self._zeroed, self._full_layers)

@@ -327,7 +327,9 @@ def worker_main(spec: dict[str, Any]) -> int:
     shard = model.config
     ps = cfg.page_size
     pool = KVPool(num_slots, shard.num_layers, shard.num_kv_heads, shard.head_dim, dtype, device, page_size=ps)
-    pool.zero_pages(list(range(num_slots // ps)))  # rank 0's allocator decides which pages are used
+    # rank 0's allocator decides which pages are used: all zeroed (a no-op on CPU, where
+    # the pool comes zeroed from the OS and untouched pages stay uncommitted)
+    pool.zero_pages(list(range(num_slots // ps)))
     req_to_token = ReqToToken(cfg.max_running_requests, context_len, device)
     attn = create_attention_backend(ATTENTION_BACKENDS[backend], pool, shard.num_heads, shard.attention_scale,
                                     tuple(w for w in shard.layer_windows if w))

@@ -186,3 +186,32 @@ def test_options_and_refusals():
         check_tp(ModelConfig("qwen2", num_heads=6, num_kv_heads=3, **dense), 2)
     with pytest.raises(ValueError, match="gemma3 family"):
         check_tp(ModelConfig("gemma3", num_heads=4, num_kv_heads=2, **dense), 2)
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_cpu_ranks_share_the_machines_kv_budget_and_commit_pages_lazily(tiny_model_factory, monkeypatch):
+    # every rank sized its pool from the whole machine's budget, and the worker ranks zeroed
+    # theirs at start-up: tp_size 3 took ~0.9 of RAM (probe of 2026-12-04)
+    import plait.runtime.engine as engine_mod
+
+    folder = str(tiny_model_factory("llama"))
+    monkeypatch.setattr(engine_mod, "_available_system_memory", lambda: 2 << 30)
+    sized = {}
+    for tp in (1, 2):
+        with Engine(folder, tp_size=tp, num_threads=1, mem_fraction_static=0.03, max_running_requests=512) as e:
+            sized[tp] = e.server_info()["max_total_num_tokens"]
+    # a rank holds half of each token's KV heads, and half of the budget: about as many
+    # tokens (rank 0's weights, half of them, count in its budget; before: twice as many)
+    assert 0.75 * sized[1] <= sized[2] <= 1.25 * sized[1], sized
+    # a 512 MB pool per rank (2M tokens x 256 bytes), none of it touched yet: the worker
+    # takes about what it takes with a 1 MB pool
+    rss = {}
+    for tokens in (4096, 2_000_000):
+        with Engine(folder, tp_size=2, num_threads=1, kv_cache_tokens=tokens) as e:
+            e.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY)
+            rss[tokens] = _rss_mb(e._tp.procs[0].pid)
+    assert rss[2_000_000] < rss[4096] + 100, rss

@@ -202,6 +202,7 @@ def main(spec_json: str) -> int:
     except Exception as e:  # noqa: BLE001  (any load failure is reported to the front)
         logger.error("engine failed to start:\n%s", traceback.format_exc())
         push.send(P.encode(P.EngineStartupError(f"{type(e).__name__}: {e}")))
+        pull.close(linger=0)  # (left open, ctx.term() blocked until the front killed the process 5 s later)
         push.close(linger=5000)
         ctx.term()
         return 1
