@@ -693,7 +693,7 @@ def constraint_dead_end(r: Req) -> FinishReason:
     past its time limit to compute the next mask."""
     g = r.grammar
     kind = getattr(g, "kind", None) or "constraint"
-    error = getattr(g, "error", None)
+    error = getattr(g, "parser_error", None)  # (``error`` is the build's, which never reaches here)
     if error:
         why = f"llguidance stopped: {error}"
     elif getattr(g, "stuck", False):

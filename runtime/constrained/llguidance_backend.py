@@ -975,7 +975,7 @@ class LLGuidanceMatcher:
         return masks
 
     @property
-    def error(self) -> str | None:
+    def parser_error(self) -> str | None:
         """llguidance's own account of why the matcher cannot go on (a lexer limit reached
         while computing a mask: ``a{1000000}`` passes validation and the first mask, then
         fails), or None."""
