@@ -104,18 +104,32 @@ def _local_headers(path: Path) -> bytes:
 
 
 def _build(
-    cc: str, path: Path | None = None, flag_sets: tuple[list[str], ...] = _FLAG_SETS, what: str = "the CPU decode kernel"
+    cc: str | None, path: Path | None = None, flag_sets: tuple[list[str], ...] = _FLAG_SETS,
+    what: str = "the CPU decode kernel"
 ) -> Path:
     """The shared library of the C file ``path`` (None: this module's kernel), built with
-    the first of ``flag_sets`` that compiles, or found in the cache."""
+    the first of ``flag_sets`` that compiles, or found in the cache. Its name keys the
+    source (with its headers), flags and CPU flags, then the compiler: with ``cc`` None
+    (no compiler on PATH, as in an image that built its kernels and then dropped the
+    compiler) a library any compiler built from the same source for the same flags is
+    taken (the newest); before, none was, and the engine fell back to torch's paths."""
     path = path or SOURCE
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     source = path.read_bytes() + _local_headers(path)
     folder = _writable_cache_dir()
+    if cc is None:
+        for flags in flag_sets:
+            stem = f"{path.stem}-{_source_key(source, flags)}-"
+            built = sorted((p for p in folder.glob(f"{stem}*.so") if p.name.startswith(stem)),
+                           key=lambda p: p.stat().st_mtime)
+            if built:
+                return built[-1]
+        raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang), and no library built earlier for "
+                           f"this source, these flags and this CPU in {folder}")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     errors = []
     for flags in flag_sets:
-        key = hashlib.sha256(source + "\0".join([version, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
-        target = folder / f"{path.stem}-{key}.so"
+        ckey = hashlib.sha256(version.encode()).hexdigest()[:8]
+        target = folder / f"{path.stem}-{_source_key(source, flags)}-{ckey}.so"
         if target.exists():
             return target
         # build beside the target and rename: concurrent builders never see half a file
@@ -131,6 +145,11 @@ def _build(
             if os.path.exists(tmp):
                 os.unlink(tmp)
     raise RuntimeError(f"compiling {what} failed: " + " | ".join(errors))
+
+
+def _source_key(source: bytes, flags: list[str]) -> str:
+    """A library's key before its compiler: the source, the flags, the CPU's flags."""
+    return hashlib.sha256(source + "\0".join([*flags, _cpu_flags()]).encode()).hexdigest()[:16]
 
 
 class NativeLibrary:
@@ -154,10 +173,7 @@ class NativeLibrary:
             if self.error is not None:
                 raise RuntimeError(self.error)
             try:
-                cc = _compiler()
-                if cc is None:
-                    raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang)")
-                lib = ctypes.CDLL(str(_build(cc, self.source, self.flag_sets, self.what)))
+                lib = ctypes.CDLL(str(_build(_compiler(), self.source, self.flag_sets, self.what)))
                 self.setup(lib)
             except (RuntimeError, OSError, subprocess.SubprocessError) as e:
                 self.error = f"{self.what} is unavailable: {e}"
@@ -178,10 +194,7 @@ def load() -> ctypes.CDLL:
         if _error is not None:
             raise RuntimeError(_error)
         try:
-            cc = _compiler()
-            if cc is None:
-                raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang)")
-            lib = ctypes.CDLL(str(_build(cc)))
+            lib = ctypes.CDLL(str(_build(_compiler())))
             for fn in (lib.plait_paged_decode_f32, lib.plait_paged_extend_f32):  # one signature
                 fn.restype = ctypes.c_int
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

@@ -128,7 +128,7 @@ def test_backend_matches_torch_backend(extends, decode_lens):
         torch.testing.assert_close(backend.forward(q, kv[:, :kv_heads], kv[:, kv_heads:], layer, fb), expected, **TOL)
 
 
-def test_engine_picks_cpu_backend_and_falls_back_without_compiler(tiny_model_factory, monkeypatch):
+def test_engine_picks_cpu_backend_and_falls_back_without_compiler(tiny_model_factory, monkeypatch, tmp_path):
     folder = str(tiny_model_factory("llama"))
     greedy = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     prompts = ["The quick brown fox", "Once upon a time in a land far away there lived"]
@@ -140,8 +140,9 @@ def test_engine_picks_cpu_backend_and_falls_back_without_compiler(tiny_model_fac
         reference = e.generate(prompts, greedy)
     assert [o["output_ids"] for o in native] == [o["output_ids"] for o in reference]
 
-    # a machine where the kernel cannot be built: auto keeps the torch backend, an
-    # explicit request says why it cannot be met
+    # a machine where the kernel cannot be built (no compiler, nothing built before): auto
+    # keeps the torch backend, an explicit request says why it cannot be met
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "empty-cache"))
     monkeypatch.setattr(cpu_attention, "_lib", None)
     monkeypatch.setattr(cpu_attention, "_error", None)
     monkeypatch.setattr(cpu_attention, "_compiler", lambda: None)
@@ -190,6 +191,28 @@ def test_a_changed_header_rebuilds_the_library(tmp_path, monkeypatch):
         assert ctypes.CDLL(str(lib)).k_value() == value
     assert built[0] != built[1] and built[1] == built[2]
     assert cpu_attention._local_headers(cpu_attention.SOURCE)  # the decode kernel includes vexp.h
+
+
+def test_a_library_built_earlier_is_taken_without_a_compiler(tmp_path, monkeypatch):
+    """An image that built its kernels and then dropped the compiler: the cache key held
+    `cc --version`, so without a compiler nothing was found and the engine took torch's
+    paths. Now a library built from the same source, flags and CPU is taken; another
+    source is not, and the error says both what is missing and where it looked."""
+    import ctypes
+
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))
+    cc = cpu_attention._compiler()
+    src = tmp_path / "k.c"
+    src.write_text("int k_value(void) { return 7; }\n")
+    flags = (["-O1", "-fPIC", "-shared"],)
+    built = cpu_attention._build(cc, src, flags, "a test kernel")
+    found = cpu_attention._build(None, src, flags, "a test kernel")
+    assert found == built and ctypes.CDLL(str(found)).k_value() == 7
+    src.write_text("int k_value(void) { return 8; }\n")
+    with pytest.raises(RuntimeError, match="no C compiler found.*no library built earlier"):
+        cpu_attention._build(None, src, flags, "a test kernel")
+    with pytest.raises(RuntimeError, match="no library built earlier"):
+        cpu_attention._build(None, src, (["-O2", "-fPIC", "-shared"],), "a test kernel")
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISAs")
