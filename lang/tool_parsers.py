@@ -93,6 +93,9 @@ def check_tools(tools: Any, param: str = "tools", nested: bool = True) -> list[d
         if name in seen:
             raise RequestError(f"{where}.name={name!r} is given twice; names must be distinct", f"{where}.name")
         seen.add(name)
+        strict = (t if not nested else fn).get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise RequestError(f"{where}.strict={strict!r:.40} is invalid; allowed: true, false or null", f"{where}.strict")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise RequestError(f"{where}.parameters must be a JSON Schema object", f"{where}.parameters")

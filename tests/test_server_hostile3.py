@@ -213,3 +213,16 @@ def test_error_messages_name_what_the_client_sent(http):
         {"role": "tool", "tool_call_id": 7, "content": "x"}]
     err = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}).json()["error"]
     assert "tool_call_id=7 is invalid" in err["message"], err
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"service_tier": "bogus"}, "service_tier"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes", "parameters": {"type": "object"}}}]},
+     "tools[0].function.strict"),
+])
+def test_values_openai_refuses_are_refused_by_name(http, body, param):
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = {"service_tier": "auto"} if "service_tier" in body else {"tools": [{"type": "function", "function": {
+        "name": "f", "strict": True, "parameters": {"type": "object"}}}]}
+    assert http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, **ok}).status_code == 200

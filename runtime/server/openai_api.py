@@ -115,6 +115,13 @@ def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
     for name, kind in _IGNORED.items():
         get_field(body, name, kind)
     check_metadata(body.get("metadata"))
+    tier = body.get("service_tier")  # OpenAI's processing tiers: checked, not used (one tier here)
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise RequestError(f"service_tier={_short(tier)} is invalid; allowed: null or one of "
+                           f"{', '.join(repr(t) for t in SERVICE_TIERS)}", "service_tier")
+
+
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 
 
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
