@@ -126,9 +126,9 @@ def _build(
         raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang), and no library built earlier for "
                            f"this source, these flags and this CPU in {folder}")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    ckey = hashlib.sha256(version.encode()).hexdigest()[:8]
     errors = []
     for flags in flag_sets:
-        ckey = hashlib.sha256(version.encode()).hexdigest()[:8]
         target = folder / f"{path.stem}-{_source_key(source, flags)}-{ckey}.so"
         if target.exists():
             return target

@@ -47,7 +47,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _PERL_CLASSES = set("dDsSwW")
 _CONTROL = {"t": "\t", "n": "\n", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
-_ESCAPABLE = set("!\"#$%&'()*+,-./:;=?@[\\]^_`{|}~ \t\n\r\v\f")  # ASCII punctuation and whitespace (re.escape writes \<newline>), not < >
+# ASCII punctuation and whitespace (re.escape writes a backslash before a newline), not < >
+_ESCAPABLE = set("!\"#$%&'()*+,-./:;=?@[\\]^_`{|}~ \t\n\r\v\f")
 _FLAGS = set("imsU")
 _CATEGORIES = set("CLMNPSZ")  # one-letter general categories (\pL)
 

@@ -95,7 +95,8 @@ def check_tools(tools: Any, param: str = "tools", nested: bool = True) -> list[d
         seen.add(name)
         strict = (t if not nested else fn).get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise RequestError(f"{where}.strict={strict!r:.40} is invalid; allowed: true, false or null", f"{where}.strict")
+            raise RequestError(f"{where}.strict={strict!r:.40} is invalid; allowed: true, false or null",
+                               f"{where}.strict")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise RequestError(f"{where}.parameters must be a JSON Schema object", f"{where}.parameters")
@@ -335,6 +336,10 @@ class ToolParser:
         t = tail.strip()
         return bool(t) and any(m.startswith(t) or t.startswith(m) for m in self.markers)
 
+    def rest_kept(self, rest: list[str], cut: bool) -> list[str]:
+        """A scan's ``rest`` without a last call cut off before its name (:meth:`cut_markup`)."""
+        return rest[:-1] if cut and rest and self.cut_markup(rest[-1]) else rest
+
     def format_calls(self, calls: list[ToolCall]) -> str:
         """Calls as this format writes them (an assistant's calls in a prompt)."""
         raise NotImplementedError
@@ -353,9 +358,7 @@ class ToolParser:
         except Exception:  # noqa: BLE001 - a parser bug must not fail a request; the text stays content
             return text, []
         calls = [ToolCall(new_call_id(), c.name, c.args, not c.complete) for c in s.calls if c.complete or cut]
-        rest = list(s.rest)
-        if cut and rest and self.cut_markup(rest[-1]):
-            rest.pop()  # a further call cut off before its name
+        rest = self.rest_kept(s.rest, cut)
         if not calls:
             if cut and self.cut_markup(text[s.content_end:]):
                 return text[:s.content_end].strip(), []
@@ -412,8 +415,8 @@ def _args_value(arguments: str) -> Any:
 
 class HermesParser(ToolParser):
     name = "hermes"
-    markers = ("<tool_call>",)
     START, END = "<tool_call>", "</tool_call>"
+    markers = (START,)
     hint = ('one block per call:\n<tool_call>\n{"name": "<function name>", "arguments": <arguments as a JSON object>}'
             '\n</tool_call>')
 
@@ -485,8 +488,8 @@ class HermesParser(ToolParser):
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
-    markers = ("<|python_tag|>",)
     TAG = "<|python_tag|>"
+    markers = (TAG,)
     hint = 'a JSON object per call, separated by "; ":\n{"name": "<function name>", "parameters": <arguments as a JSON object>}'
 
     def format_calls(self, calls: list[ToolCall]) -> str:
@@ -529,8 +532,8 @@ class Llama3JsonParser(ToolParser):
 
 class MistralParser(ToolParser):
     name = "mistral"
-    markers = ("[TOOL_CALLS]",)
     START = "[TOOL_CALLS]"
+    markers = (START,)
     ARGS = "[ARGS]"
     hint = '[TOOL_CALLS] and a JSON array of calls:\n[TOOL_CALLS][{"name": "<function name>", "arguments": <arguments as a JSON object>}]'
 
@@ -622,8 +625,8 @@ class PythonicParser(ToolParser):
     content too."""
 
     name = "pythonic"
-    markers = ("<|python_start|>",)
     OPEN, CLOSE = "<|python_start|>", "<|python_end|>"
+    markers = (OPEN,)
     hint = "a Python list of calls with keyword arguments, and nothing else:\n[func_name1(param1=value1, param2=value2), func_name2(param=value)]"
 
     def format_calls(self, calls: list[ToolCall]) -> str:
@@ -829,10 +832,7 @@ class ToolStream:
                 self.calls[k].arguments = c.args
                 out.append({"tool_calls": [{"index": k, "function": {"arguments": frag}}]})
         if final and has_calls and s.rest:
-            rest = list(s.rest)
-            if cut and self.parser.cut_markup(rest[-1]):
-                rest.pop()
-            tail = "".join(rest).strip()
+            tail = "".join(self.parser.rest_kept(s.rest, cut)).strip()
             if tail:
                 out.append({"content": ("\n" if self.sent_content else "") + tail})
         return out

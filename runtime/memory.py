@@ -21,12 +21,11 @@ import numpy as np
 import torch
 
 
-def _zeroed_cpu(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def _zeroed_cpu(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor from calloc'ed memory (numpy's zeros): large blocks are fresh
     mappings the kernel zero-fills page by page on first touch, so nothing is written
     or committed up front (``torch.zeros`` writes every byte)."""
-    count = math.prod(shape)
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = torch.from_numpy(np.zeros(nbytes + 64, dtype=np.uint8))
     start = -raw.data_ptr() % 64  # 64-byte aligned, as torch's own allocations are
     return raw[start:start + nbytes].view(dtype).view(shape)
@@ -72,10 +71,15 @@ class KVPool:
         # committed; a tensor-parallel worker rank, which does not see which pages rank 0
         # hands out, zeroed its whole pool at start-up (each rank then held the whole
         # machine's KV budget at once).
-        new = _zeroed_cpu if self.device.type == "cpu" else torch.empty
-        self.k_buffers = [new((rows(i), kv_heads, head_dim), dtype=dtype, device=device) for i in range(num_layers)]
-        self.v_buffers = [new((rows(i), kv_heads, head_dim), dtype=dtype, device=device) for i in range(num_layers)]
-        done = 1 if self.device.type == "cpu" else 0
+        cpu = self.device.type == "cpu"
+
+        def new(layer: int) -> torch.Tensor:
+            shape = (rows(layer), kv_heads, head_dim)
+            return _zeroed_cpu(shape, dtype) if cpu else torch.empty(shape, dtype=dtype, device=device)
+
+        self.k_buffers = [new(i) for i in range(num_layers)]
+        self.v_buffers = [new(i) for i in range(num_layers)]
+        done = 1 if cpu else 0
         self._zeroed = bytearray([done]) * (num_slots // page_size)  # pages zeroed since allocation
         self._zeroed_window = bytearray([done]) * (window.num_pages if window is not None else 0)
         self._full_layers = [i for i in range(num_layers) if i not in self.windowed_layers]

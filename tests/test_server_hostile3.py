@@ -13,22 +13,9 @@ import time
 import httpx
 import pytest
 
-from plait.runtime.server import launch
+from test_server_hostile import http, server  # noqa: F401  (the same server, one per module)
 
 CHAT = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_factory):
-    with launch(str(tiny_model_factory("llama")), num_threads=1, kv_cache_tokens=8192, max_running_requests=16,
-                echo_logs=False) as rt:
-        yield rt
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 # JSON reads 1e400 as inf; a raw body can hold a lone surrogate escape and NaN

@@ -20,7 +20,7 @@ from plait.chat_template import (
 )
 from plait.errors import RequestError, is_int
 from plait.reasoning import MAX_REASONING_CHARS, ReasoningParser, ReasoningStream, get_reasoning_parser
-from plait.runtime.sampling_params import MAX_STOP_STRINGS
+from plait.runtime.sampling_params import CONSTRAINT_FIELDS, MAX_STOP_STRINGS
 from plait.runtime.server.front import Front
 from plait.runtime.validation import check_text
 from plait.tool_parsers import ToolParser, ToolStream, check_tools, detect_tool_parser, get_tool_parser
@@ -122,8 +122,6 @@ def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
 
 
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
-
-
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 
 
@@ -449,9 +447,8 @@ class ChatOutput:
             content, calls = self.tool_parser.parse(content, self.tools, cut)
             calls = calls[: self.max_calls]
         # null, not "", when calls (or a call cut off before its name: markup) took all the text
-        markup_only = not content and bool(text.strip()) and self.tool_parser is not None
-        msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) and not markup_only
-                               else None}
+        markup_only = self.tool_parser is not None and bool(text.strip())
+        msg: dict[str, Any] = {"role": "assistant", "content": content or (None if calls or markup_only else "")}
         if self.reasoning is not None:
             msg["reasoning_content"] = reasoning
         if calls:
@@ -666,7 +663,7 @@ class ChatRequest:
         if self.forced:
             out.pop("stop", None)
             out.pop("stop_token_ids", None)
-        elif self.turn_end is not None and not any(k in out for k in ("regex", "json_schema", "ebnf")):
+        elif self.turn_end is not None and not any(k in out for k in CONSTRAINT_FIELDS):
             stop = out.get("stop")
             stops = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, list) else []
             if self.turn_end not in stops and len(stops) < MAX_STOP_STRINGS:
