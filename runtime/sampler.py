@@ -135,6 +135,9 @@ def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Req], eos_ids: Sequence
 # top-k instead of a sort of the whole vocabulary: ~0.3 ms against ~12 ms for 8 rows of
 # 49152 on the 2-core machine); a row whose nucleus is wider sorts everything.
 NUCLEUS_CANDIDATES = 256
+# the devices that take that partial top-k first (it ends in a host check of whether
+# every nucleus fits; benchmarks/bench_sampler.py times both ways on a device)
+PARTIAL_TOP_P_DEVICES = {"cpu"}
 
 
 def _filter(rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -163,7 +166,7 @@ def _top_k_top_p(rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k
     every row's nucleus ends inside it; otherwise one sort of all rows."""
     vocab = rows.shape[1]
     width = max(k_max, NUCLEUS_CANDIDATES)
-    if rows.device.type == "cpu" and width < vocab:
+    if rows.device.type in PARTIAL_TOP_P_DEVICES and width < vocab:
         vals, order = rows.topk(width, dim=-1)  # sorted, descending
         limited_k = (top_k < vocab).unsqueeze(1)
         kth = vals.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1))  # ties with the k-th are kept

@@ -25,8 +25,13 @@ def smollm2_gguf_path() -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's tokenizer saved as a folder. ``PLAIT_TEST_TOKENIZER_DIR`` names one saved
+    earlier: the GPU check's machine gets the tokenizer without the 98 MB GGUF."""
     from transformers import AutoTokenizer
 
+    saved = os.environ.get("PLAIT_TEST_TOKENIZER_DIR")
+    if saved:
+        return Path(saved)
     path = smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     out = tmp_path_factory.mktemp("tokenizer")

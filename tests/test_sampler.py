@@ -175,3 +175,23 @@ def test_inverse_cdf_draws_only_tokens_with_mass():
         assert probs[0, got[0]] > 0 and got[1] == 4 and probs[2, got[2]] > 0, (u, got)
     assert inverse_cdf(probs, torch.tensor([0.1, 0.5, 0.49])).tolist() == [1, 4, 0]
     assert inverse_cdf(probs, torch.tensor([0.3, 0.5, 0.51])).tolist() == [3, 4, 4]
+
+
+def test_bench_sampler_runs_on_cpu(capsys):
+    """benchmarks/bench_sampler.py stays runnable: every setting's parts are timed (the
+    penalties only cost where a penalty is set) and the profiler table prints."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_sampler.py"
+    spec = importlib.util.spec_from_file_location("bench_sampler", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    for name in bench.SETTINGS:
+        row = bench.bench(CPU, 2, name, iters=1)
+        assert row["sample"] > 0 and row["penalties"] >= 0
+        assert ("filters" in row) == (name != "greedy")
+    bench.profile(CPU, 2, "top-k+top-p+penalty")
+    assert "aten::" in capsys.readouterr().out
