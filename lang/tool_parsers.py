@@ -32,7 +32,8 @@ import re
 import uuid
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
 from plait.errors import RequestError
@@ -220,28 +221,71 @@ def _repeat_calls(call: str, sep: str, parallel: bool) -> str:
 
 
 # -- scanning JSON in text --------------------------------------------------------------------------
-def json_end(text: str, start: int) -> int | None:
+_OUTSIDE = re.compile(r'["{}\[\]]')  # the characters that change the scan's state outside a string
+_INSIDE = re.compile(r'["\\]')  # ... and inside one
+
+
+@dataclass
+class _Memo:
+    """What a stream's scans keep for the next one (:class:`ToolStream` sets it while it
+    scans; its text only grows). A stream rescans its whole text at every delta, so a
+    call's arguments were scanned from their start at each token, and every earlier call
+    again: quadratic in the output, on the front's event loop (a 4,000-token argument
+    took ~5 s of it, 300 calls of a looping model 17 s, every other client waiting).
+
+    ``ends``: :func:`json_end`'s state per start: (the text scanned from start, depth,
+    in_str, esc, end), resumed where the last scan stopped. ``settled``: a parser's own
+    (the text up to where nothing later can change its scan, what it found there)."""
+
+    ends: dict[int, tuple[str, int, bool, bool, int | None]] = field(default_factory=dict)
+    settled: tuple[str, Any] | None = None
+
+
+_MEMO: ContextVar[_Memo | None] = ContextVar("_MEMO", default=None)
+
+
+def json_end(text: str, start: int, stop: int | None = None) -> int | None:
     """The index just past the JSON object or array that opens at ``text[start]``, or
-    None when it is not closed yet (strings and escapes are respected)."""
-    depth, in_str, esc = 0, False, False
-    for i in range(start, len(text)):
+    None when it is not closed yet (strings and escapes are respected); ``stop``: read
+    ``text[:stop]`` only (without copying it)."""
+    n = len(text) if stop is None else min(stop, len(text))
+    depth, in_str, esc, i = 0, False, False, start
+    memo = _MEMO.get()
+    hit = memo.ends.get(start) if memo is not None else None
+    if hit is not None and start + len(hit[0]) <= n and text.startswith(hit[0], start):  # (the same text: resume)
+        if hit[4] is not None:
+            return hit[4]
+        depth, in_str, esc, i = hit[1], hit[2], hit[3], start + len(hit[0])
+    end = None
+    while i < n:
+        if esc:
+            esc = False
+            i += 1
+            continue
+        m = (_INSIDE if in_str else _OUTSIDE).search(text, i, n)
+        if m is None:
+            i = n
+            break
+        i = m.start()
         c = text[i]
+        i += 1
         if in_str:
-            if esc:
-                esc = False
-            elif c == "\\":
+            if c == "\\":
                 esc = True
-            elif c == '"':
+            else:
                 in_str = False
         elif c == '"':
             in_str = True
         elif c in "{[":
             depth += 1
-        elif c in "}]":
+        else:
             depth -= 1
             if depth == 0:
-                return i + 1
-    return None
+                end = i
+                break
+    if memo is not None and i - start > 256:  # (a short scan is cheaper than its memo)
+        memo.ends[start] = (text[start:i], depth, in_str, esc, end)
+    return end
 
 
 _HEADER = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
@@ -271,7 +315,7 @@ def _object_call(text: str, start: int, stop: int, names: set[str]) -> tuple[_Se
     ``stop``: (the call or None, the index past the object or None if unclosed). A
     partial object is a call once its name (first key) is a known function and its
     arguments object has begun."""
-    end = json_end(text[:stop], start)
+    end = json_end(text, start, stop)
     head = _HEADER.match(text, start, stop)
     if end is not None:
         try:
@@ -291,7 +335,7 @@ def _object_call(text: str, start: int, stop: int, names: set[str]) -> tuple[_Se
         elif isinstance(args, dict):
             raw = json.dumps(args, ensure_ascii=False)
             if head is not None and text[head.end():head.end() + 1] == "{":
-                a_end = json_end(text[:end], head.end())
+                a_end = json_end(text, head.end(), end)
                 if a_end is not None:
                     raw = text[head.end():a_end]
         else:
@@ -300,7 +344,7 @@ def _object_call(text: str, start: int, stop: int, names: set[str]) -> tuple[_Se
     if head is not None and _json_string(head.group(1)) in names and text[head.end():head.end() + 1] == "{":
         name = _json_string(head.group(1))
         assert name is not None
-        a_end = json_end(text[:stop], head.end())
+        a_end = json_end(text, head.end(), stop)
         return _Seen(start, name, text[head.end():a_end if a_end is not None else stop], False), None
     return None, None
 
@@ -425,12 +469,15 @@ class HermesParser(ToolParser):
                                                        ensure_ascii=False) + f"\n{self.END}" for c in calls)
 
     def scan(self, text: str, names: set[str], final: bool) -> _Scan:
-        m = text.find(self.START)
-        if m < 0:
-            return _Scan(len(text) if final else _hold_back(text, 0, (self.START,)), [], [])
-        calls: list[_Seen] = []
-        rest: list[str] = []
-        i = m
+        memo = _MEMO.get()
+        if memo is not None and memo.settled is not None and text.startswith(memo.settled[0]):
+            m, i, calls, rest = memo.settled[1]  # (blocks before i are settled: resume after them)
+            calls, rest = list(calls), list(rest)
+        else:
+            m = text.find(self.START)
+            if m < 0:
+                return _Scan(len(text) if final else _hold_back(text, 0, (self.START,)), [], [])
+            calls, rest, i = [], [], m
         while i < len(text):
             j = text.find(self.START, i)
             if j < 0:
@@ -461,6 +508,10 @@ class HermesParser(ToolParser):
             if close < 0:
                 break
             i = close + len(self.END)
+            if memo is not None and not (k < close and text[k] == "{" and json_end(text, k, close) is None):
+                # a block whose call object (or other text) ends before its end tag: no later
+                # text changes how it or any block before it reads
+                memo.settled = (text[:i], (m, i, tuple(calls), tuple(rest)))
         return _Scan(_content_before(text, m), calls, rest)
 
     def _close(self, text: str, body: int, k: int) -> int:
@@ -469,7 +520,7 @@ class HermesParser(ToolParser):
         ``</tool_call>``) does not end it: when the first tag falls inside the call
         object, the tag right after a valid object (or the end of the text) is the end."""
         close = text.find(self.END, body)
-        if close < 0 or k >= close or text[k] != "{" or json_end(text[:close], k) is not None:
+        if close < 0 or k >= close or text[k] != "{" or json_end(text, k, close) is not None:
             return close
         end = json_end(text, k)
         tail = text[end:].lstrip() if end is not None else ""
@@ -498,13 +549,17 @@ class Llama3JsonParser(ToolParser):
     _START = re.compile(r'<\|python_tag\|>|\{\s*"name"\s*:')
 
     def scan(self, text: str, names: set[str], final: bool) -> _Scan:
-        found = self._START.search(text)
-        if found is None:
-            return _Scan(len(text) if final else _hold_back(text, 0, (self.TAG, '{"name":')), [], [])
-        m = found.start()
-        i = found.end() if found.group(0) == self.TAG else m
-        calls: list[_Seen] = []
-        rest: list[str] = []
+        memo = _MEMO.get()
+        if memo is not None and memo.settled is not None and text.startswith(memo.settled[0]):
+            m, i, calls, rest = memo.settled[1]  # (calls before i are settled: resume after them)
+            calls, rest = list(calls), list(rest)
+        else:
+            found = self._START.search(text)
+            if found is None:
+                return _Scan(len(text) if final else _hold_back(text, 0, (self.TAG, '{"name":')), [], [])
+            m = found.start()
+            i = found.end() if found.group(0) == self.TAG else m
+            calls, rest = [], []
         while True:
             while i < len(text) and (text[i].isspace() or text[i] == ";"):
                 i += 1
@@ -524,6 +579,8 @@ class Llama3JsonParser(ToolParser):
             if end is None:
                 break
             i = end
+            if memo is not None:  # a closed object reads the same whatever follows
+                memo.settled = (text[:i], (m, i, tuple(calls), tuple(rest)))
         return _Scan(_content_before(text, m), calls, rest)
 
     def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
@@ -591,7 +648,7 @@ class MistralParser(ToolParser):
                 j = a + len(self.ARGS)
                 while j < stop and text[j].isspace():
                     j += 1
-                end = json_end(text[:stop], j) if j < stop and text[j] == "{" else None
+                end = json_end(text, j, stop) if j < stop and text[j] == "{" else None
                 if end is not None:
                     try:
                         ok = isinstance(json.loads(text[j:end]), dict)
@@ -794,6 +851,7 @@ class ToolStream:
         self.index: dict[int, int] = {}  # call key -> stream index
         self.sent_args: dict[int, int] = {}  # call key -> chars of arguments sent
         self.calls: list[ToolCall] = []  # calls in stream order, as sent so far
+        self.memo = _Memo()  # what scans of this text keep for the next one
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
         self.text += delta
@@ -804,10 +862,13 @@ class ToolStream:
 
     def _advance(self, final: bool, cut: bool = False) -> list[dict[str, Any]]:
         closed = final and not cut  # no call can still be in progress
+        token = _MEMO.set(self.memo)  # (the text only grows: scans of it resume, json_end)
         try:
             s = self.parser.scan(self.text, self.names, closed)
         except Exception:  # noqa: BLE001 - a parser bug must not fail the stream
             s = _Scan(len(self.text) if final else self.sent_content, [], [])
+        finally:
+            _MEMO.reset(token)
         out: list[dict[str, Any]] = []
         has_calls = bool(self.index) or any(c.complete or not closed for c in s.calls)
         content_end = s.content_end if has_calls else (len(self.text) if final else s.content_end)

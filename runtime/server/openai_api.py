@@ -626,6 +626,12 @@ def response_format_schema(fmt: dict[str, Any] | None, param: str = "response_fo
         return None
     spec = fmt.get("json_schema") if fmt.get("type") == "json_schema" else None
     schema = spec.get("schema") if isinstance(spec, dict) else None
+    where = f"{param}.json_schema" if isinstance(spec, dict) else param  # (the Responses API's text.format is flat)
+    for key, kind, what in (("name", str, "a string"), ("description", str, "a string"),
+                            ("strict", bool, "true, false or null")):
+        v = (spec if isinstance(spec, dict) else fmt if fmt.get("type") == "json_schema" else {}).get(key)
+        if v is not None and not isinstance(v, kind):  # (OpenAI refuses these too: a client's typo is not dropped)
+            raise RequestError(f"{where}.{key}={_short(v)} is invalid; allowed: {what}", param)
     if fmt.get("type") == "json_schema" and schema is None and isinstance(fmt.get("schema"), (dict, bool)):
         schema = fmt["schema"]  # the Responses API's text.format
     if fmt.get("type") == "json_object":
