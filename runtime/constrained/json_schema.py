@@ -87,8 +87,11 @@ WHY_NOT = {
                 "'maxItems', 'uniqueItems' or 'maxContains', 'minContains' 1)",
     "minContains": "'minContains' other than 1 cannot be enforced",
     "maxContains": "'maxContains' cannot be enforced",
-    "unevaluatedProperties": "unevaluated* keywords cannot be enforced",
-    "unevaluatedItems": "unevaluated* keywords cannot be enforced",
+    "unevaluatedProperties": "which properties are evaluated here depends on which branch validates (beside "
+                             "'if', 'dependentSchemas' or dynamic references); allowed beside 'properties', "
+                             "'allOf', local '$ref's and one 'anyOf'/'oneOf'",
+    "unevaluatedItems": "which items are evaluated here depends on its applicators; allowed beside "
+                        "'prefixItems' or 'items' alone (draft 2020-12)",
     "$dynamicRef": "dynamic references are not supported",
     "$recursiveRef": "recursive references are not supported",
     # draft 3's validation keywords (no later draft has them, so they are not unknown)
@@ -226,6 +229,7 @@ def schema_to_regex(schema: Any, whitespace: str | None = None) -> str:
     naming what is unsupported."""
     schema = load_schema(schema)
     check_schema_size(schema)
+    schema = fold_unevaluated(schema)
     nested = nested_resource_ref(schema)
     if nested is not None:
         raise SchemaError(f"json_schema '$ref' at {nested[0]} is not supported: it is inside a subschema with its own "
@@ -389,6 +393,149 @@ def nested_resource_ref(root: Any) -> tuple[str, str] | None:
         stack.extend((v, f"{where}/{k}", base, nested) for k, v in node.items()
                      if k not in _DATA_KEYWORDS and isinstance(v, (dict, list)))
     return None
+
+
+# keywords whose annotations depend on which branch validates (or on the instance):
+# beside them, which properties/items are "evaluated" is not fixed, so unevaluated* stays
+_UNEVALUATED_BLOCKERS = ("anyOf", "oneOf", "if", "then", "else", "dependentSchemas", "dependencies", "$dynamicRef",
+                         "$recursiveRef", "$dynamicAnchor", "$recursiveAnchor")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONES = ("additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if", "then", "else",
+                "unevaluatedProperties", "unevaluatedItems", "items")
+
+
+def fold_unevaluated(root: Any) -> Any:
+    """A copy of ``root`` (a parsed document, size already checked) in which each
+    ``unevaluatedProperties`` / ``unevaluatedItems`` whose reach is fixed is written with
+    the keywords every backend reads; others are left (and refused by name).
+
+    - ``unevaluatedProperties: U`` where the properties evaluated do not depend on which
+      branch validates (no ``anyOf``/``oneOf``/``if``/``dependentSchemas``/dynamic refs
+      beside it, nor in the ``allOf`` branches and local ``$ref`` targets it reaches):
+      every one of those must validate for the object to, so the evaluated names are the
+      union of their ``properties``/``patternProperties``. Written as those names (``true``
+      where only a branch lists them) and ``additionalProperties: U``; dropped when one of
+      them has ``additionalProperties`` or ``unevaluatedProperties`` (all evaluated).
+      Exact in 2019-09/2020-12; earlier drafts ignore the keyword, and this admits less.
+      Beside one ``anyOf``/``oneOf`` of such branches: some branch validates and the
+      names it and the rest list are the evaluated ones (:func:`fold_branches`; a subset).
+    - ``unevaluatedItems: V`` (2020-12 only) with no applicator or ``contains`` beside it:
+      ``items: V`` after ``prefixItems``; dropped beside ``items`` (all evaluated)."""
+    import jsonschema
+
+    if not isinstance(root, dict):
+        return root
+    draft2020 = jsonschema.validators.validator_for(
+        root, default=jsonschema.Draft202012Validator) is jsonschema.Draft202012Validator
+
+    budget = [MAX_SCHEMA_EXPANSION]  # subschemas visited, over every fold: $refs reached twice count twice
+
+    def evaluated(s: Any, seen: tuple[int, ...]) -> tuple[set[str], set[str], bool] | None:
+        """(names, patterns, all) the subschema ``s`` evaluates when it validates; None
+        if that depends on more than the instance's names (or the budget is spent)."""
+        budget[0] -= 1
+        if budget[0] < 0:
+            return None
+        if isinstance(s, bool):
+            return set(), set(), s is False  # false: nothing validates, so any rewrite is exact
+        if not isinstance(s, dict) or any(k in s for k in _UNEVALUATED_BLOCKERS):
+            return None
+        names = set(s["properties"]) if isinstance(s.get("properties"), dict) else set()
+        pats = set(s["patternProperties"]) if isinstance(s.get("patternProperties"), dict) else set()
+        every = "additionalProperties" in s or "unevaluatedProperties" in s
+        parts = list(s["allOf"]) if isinstance(s.get("allOf"), list) else [] if "allOf" not in s else None
+        if parts is None:
+            return None
+        if "$ref" in s:
+            parts_ref = local_pointer(root, s["$ref"])
+            target = NOWHERE if parts_ref is None else pointer_target(root, parts_ref)
+            if target is NOWHERE or id(target) in seen:
+                return None
+            parts.append(target)
+            seen = (*seen, id(target))
+        for p in parts:
+            r = evaluated(p, seen)
+            if r is None:
+                return None
+            names |= r[0]
+            pats |= r[1]
+            every = every or r[2]
+        return names, pats, every
+
+    def closed(rest: dict[str, Any], names: set[str], pats: set[str], extra: Any) -> dict[str, Any]:
+        """``rest`` listing ``names`` and ``pats`` too (as ``true``), others ``extra``."""
+        own = rest.get("properties") if isinstance(rest.get("properties"), dict) else {}
+        own_pats = rest.get("patternProperties") if isinstance(rest.get("patternProperties"), dict) else {}
+        out = dict(rest)
+        if names - set(own):
+            out["properties"] = {**own, **{n: True for n in sorted(names - set(own))}}
+        if pats - set(own_pats):
+            out["patternProperties"] = {**own_pats, **{p: True for p in sorted(pats - set(own_pats))}}
+        out["additionalProperties"] = extra
+        return out
+
+    def fold_branches(rest: dict[str, Any], extra: Any) -> dict[str, Any] | None:
+        """``unevaluatedProperties`` beside one ``anyOf`` or ``oneOf`` (a tagged union):
+        some branch that validates, with the names the rest evaluates and its own, and
+        ``extra`` for the others. A subset (an object two ``anyOf`` branches cover
+        between them is left out); None if the rest or a branch is not fixed."""
+        keys = [k for k in ("anyOf", "oneOf") if k in rest]
+        if len(keys) != 1 or not isinstance(rest[keys[0]], list) or not rest[keys[0]]:
+            return None
+        key, branches = keys[0], rest[keys[0]]
+        core = evaluated({k: v for k, v in rest.items() if k != key}, ())
+        if core is None:
+            return None
+        cases = []
+        for b in branches:
+            r = evaluated(b, ())
+            if r is None:
+                return None
+            if core[2] or r[2]:  # this branch (or the rest) evaluates every name
+                cases.append(b)
+                continue
+            cases.append(closed({"allOf": [b]}, core[0] | r[0], core[1] | r[1], extra))
+        if key == "anyOf":  # each case implies its branch: the anyOf of the cases
+            return {**rest, "anyOf": cases}
+        # oneOf: exactly one branch as before, and one of the cases (the branch that validates)
+        return {**rest, "allOf": [*rest.get("allOf", []), {"anyOf": cases}]} if isinstance(
+            rest.get("allOf", []), list) else None
+
+    def fold(s: dict[str, Any]) -> dict[str, Any]:
+        if "unevaluatedProperties" in s:
+            rest = {k: v for k, v in s.items() if k != "unevaluatedProperties"}
+            r = evaluated(rest, (id(s),))
+            if r is not None:
+                names, pats, every = r
+                s = rest if every else closed(rest, names, pats, s["unevaluatedProperties"])
+            else:
+                s = fold_branches(rest, s["unevaluatedProperties"]) or s
+        if "unevaluatedItems" in s and draft2020 and not any(
+                k in s for k in (*_UNEVALUATED_BLOCKERS, "allOf", "$ref", "contains")):
+            rest = {k: v for k, v in s.items() if k != "unevaluatedItems"}
+            if "items" not in rest:
+                rest["items"] = s["unevaluatedItems"]
+            if not isinstance(rest["items"], list):  # (a list is draft-2019 'items': left as it was)
+                s = rest
+        return s
+
+    def walk(s: Any, depth: int) -> Any:
+        if not isinstance(s, dict) or depth > MAX_SCHEMA_DEPTH:
+            return s
+        out = dict(s)
+        for k, v in s.items():
+            if k in _SCHEMA_MAPS and isinstance(v, dict):
+                out[k] = {n: walk(x, depth + 1) for n, x in v.items()}
+            elif k in _SCHEMA_LISTS and isinstance(v, list) or k == "items" and isinstance(v, list):
+                out[k] = [walk(x, depth + 1) for x in v]
+            elif k in _SCHEMA_ONES and isinstance(v, dict):
+                out[k] = walk(v, depth + 1)
+        return fold(out) if "unevaluatedProperties" in out or "unevaluatedItems" in out else out
+
+    if "unevaluated" not in json.dumps(root):
+        return root
+    return walk(root, 0)
 
 
 def plain_schema(schema: Any) -> Any:
@@ -809,6 +956,10 @@ class _Translator:
                               else out[k] if v is True else {"allOf": [out[k], v]})
                 elif k == "not" and _type_negation(v) and _type_negation(out[k]):
                     out[k] = {"type": sorted(_type_negation(v) | _type_negation(out[k]))}
+                elif k == "not" and _not_values(v) is not None and _not_values(out[k]) is not None:
+                    # none of these values and none of those: none of either (an 'allOf' of
+                    # if/then on one property's values gives a 'not' per condition)
+                    out[k] = {"enum": _json_unique([*_not_values(out[k]), *_not_values(v)])}
                 elif k == "anyOf" and isinstance(v, list) and isinstance(out[k], list):
                     out[k] = self.both_any_of(out[k], v, path)
                 else:
@@ -1492,6 +1643,14 @@ class _Translator:
         # tail[i]: properties i.. after one was written; lead[i]: properties i.. before
         # any was (a leading optional one is written or skipped), built from the end
         n = len(pairs)
+        # their lengths first (the strings grow quadratically with the optional properties:
+        # 1000 of them spent 4.5 s building 8 MB before the size check refused them)
+        tail_n, lead_n = [0] * (n + 1), [0] * (n + 1)
+        for i in range(n - 1, -1, -1):
+            size, req = len(pairs[i][0]), pairs[i][1]
+            tail_n[i] = (len(sep) + size if req else len(sep) + size + 5) + tail_n[i + 1]
+            lead_n[i] = size + tail_n[i + 1] + (0 if req else 5 if not lead_n[i + 1] else 5 + lead_n[i + 1])
+        self.check_size(lead_n[0], path)
         tail, lead = [""] * (n + 1), [""] * (n + 1)
         for i in range(n - 1, -1, -1):
             pair, req = pairs[i]
@@ -2504,6 +2663,10 @@ def _pattern_tree(pattern: Any, path: str) -> Any:
     try:
         return _parser.parse(ecma_to_python(pattern))
     except Exception as e:
+        if re.search(r"(?<!\\)(?:\\\\)*\\[pP]\{", pattern):  # ECMA-262's /u property classes: \p{L}
+            raise SchemaError(f"json_schema 'pattern' at {path} ({pattern[:80]!r}) uses a Unicode property escape "
+                              "(\\p{...}), which is not supported: Python's re, which jsonschema validates patterns "
+                              "with, has none; allowed: explicit classes (e.g. [A-Za-z\\u00C0-\\u024F])") from None
         raise SchemaError(f"json_schema 'pattern' at {path} ({pattern[:80]!r}) cannot be parsed: {e}") from None
 
 

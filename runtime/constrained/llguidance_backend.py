@@ -389,6 +389,8 @@ def close_objects(schema: Any, *, open_defs: bool, in_all_of: bool = False) -> A
 
     if not isinstance(schema, dict):
         return schema
+    if not in_all_of:
+        schema = _distribute_any_of(schema)
     schema = _close_all_of(schema) if not in_all_of else schema
     out = dict(schema)
     combined = in_all_of or "allOf" in schema or "$ref" in schema
@@ -432,6 +434,20 @@ def close_objects(schema: Any, *, open_defs: bool, in_all_of: bool = False) -> A
 _OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties", "$ref", "allOf", "anyOf", "oneOf")
 
 
+def _distribute_any_of(schema: dict[str, Any]) -> dict[str, Any]:
+    """``{properties: P, anyOf: [A, B]}`` as ``{anyOf: [{properties: P, allOf: [A]}, ...]}``
+    (the same values: allOf distributes over anyOf), so that each case is closed as a
+    whole by :func:`_close_all_of`: closing P alone refused the names A and B list
+    (llguidance then called a satisfiable schema unsatisfiable)."""
+    cases = schema.get("anyOf")
+    if ("properties" not in schema or not isinstance(cases, list) or not cases or "oneOf" in schema
+            or not isinstance(schema.get("allOf", []), list)):
+        return schema
+    keep = {k: v for k, v in schema.items() if k in ("$defs", "definitions", "$schema", "$id", "id")}
+    rest = {k: v for k, v in schema.items() if k != "anyOf" and k not in keep}
+    return {**keep, "anyOf": [{**rest, "allOf": [*rest.get("allOf", []), case]} for case in cases]}
+
+
 def _close_all_of(schema: dict[str, Any]) -> dict[str, Any]:
     """``{properties: P, allOf: [{properties: A}, {properties: B}]}`` closed as a whole:
     each part lists every name of P, A and B (the others' as ``true``) and admits no
@@ -461,8 +477,8 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
     ``ValueError`` naming the keyword (and its location) at fault."""
     from llguidance import LLMatcher
 
-    from plait.runtime.constrained.json_schema import (check_schema_size, check_whitespace, parse_schema_text,
-                                                       plain_schema)
+    from plait.runtime.constrained.json_schema import (check_schema_size, check_whitespace, fold_unevaluated,
+                                                       parse_schema_text, plain_schema)
 
     # a caller's dict too goes through its JSON text: that is what is bounded, and the
     # round trip makes it plain JSON (tuples become lists); its depth is checked first
@@ -476,7 +492,7 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
         raise ValueError("json_schema at # is false: no value can satisfy it")
     value = {} if value is True else value  # the same schema: any JSON value
     check_schema_size(value)
-    value = plain_schema(value)
+    value = plain_schema(fold_unevaluated(value))
     value = llguidance_schema(value)
     unending = schema_unending(value)
     if unending is not None:
