@@ -430,3 +430,11 @@ def _check_not_aborted(out: dict[str, Any], scope: CancelScope | None) -> None:
     if scope is not None and scope.reason is not None:
         raise ProgramCancelled(f"the program was cancelled: {scope.reason}")
     raise BackendError(f"the runtime aborted the request: {reason.get('message', 'no reason given')}")
+
+
+def with_sglang_info(info: dict[str, Any]) -> dict[str, Any]:
+    """Server info with the keys SGLang's has that programs read: ``tokenizer_path``
+    (SGLang's defaults to the model path; its benchmarks load the tokenizer from it)."""
+    if isinstance(info, dict) and "model_path" in info and info.get("tokenizer_path") is None:
+        info = {**info, "tokenizer_path": info["model_path"]}
+    return info

@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from plait.backend import BaseBackend, OnChunk, Pending, Request, generate_outputs, logprob_tuples
+from plait.backend import BaseBackend, OnChunk, Pending, Request, generate_outputs, logprob_tuples, with_sglang_info
 from plait.chat_template import ChatTemplate
 from plait.errors import RequestError, RuntimeUnavailableError
 
@@ -85,7 +85,7 @@ class EngineBackend(BaseBackend):
         return self._call(lambda e: e.flush_cache())
 
     def get_server_info(self) -> dict[str, Any]:
-        return self._call(lambda e: e.server_info())
+        return with_sglang_info(self._call(lambda e: e.server_info()))
 
     def get_chat_template(self) -> ChatTemplate | None:
         with self._lock:

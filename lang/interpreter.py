@@ -161,7 +161,12 @@ class Executor:
                     self._execute(expr)
                 except BaseException as e:  # noqa: BLE001 - recorded, surfaced on read
                     if not isinstance(e, ProgramCancelled):
-                        logger.debug("program failed", exc_info=True)
+                        # as SGLang warns: a failure whose variables the caller never
+                        # reads would otherwise leave text() silently cut short
+                        logger.warning("program failed: %s: %s (its text stops there; reading the variables it "
+                                       "left unset raises ProgramError, state.error() returns it)",
+                                       type(e).__name__, e)
+                        logger.debug("program failure", exc_info=True)
                     with self.cond:
                         if self.error is None:
                             self.error = e

@@ -36,7 +36,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from plait import protocol as P
-from plait.backend import BaseBackend, OnChunk, Pending, Request, generate_outputs, stream_text
+from plait.backend import BaseBackend, OnChunk, Pending, Request, generate_outputs, stream_text, with_sglang_info
 from plait.chat_template import ChatTemplate, ChatTemplateError, jinja_template
 from plait.errors import BackendError, RuntimeUnavailableError
 
@@ -309,7 +309,7 @@ class RuntimeEndpoint(BaseBackend):
         return self._control(P.FlushCacheRequest(self._rid("flush"))).ok
 
     def get_server_info(self) -> dict[str, Any]:
-        return self._control(P.ServerInfoRequest(self._rid("info"))).info
+        return with_sglang_info(self._control(P.ServerInfoRequest(self._rid("info"))).info)
 
     def get_chat_template(self) -> ChatTemplate | None:
         with self._template_lock:
