@@ -372,6 +372,12 @@ class Engine:
                 if g.start(r.prompt_ids):
                     r.drop_last_prompt_token()
                     self.outputs.start(r, skip=len(g.healed_text))
+                    # the backed-off token is written again as the output's first token
+                    # (prompt text, with maybe the output's start): it does not count
+                    # against max_new_tokens, or a 'Number: ' prompt with a one-token
+                    # gen ends on the space alone, and a regex's last characters are cut
+                    # (SGLang, without healing, writes max_new_tokens tokens of output)
+                    r.params = dataclasses.replace(r.params, max_new_tokens=r.params.max_new_tokens + 1)
                 if not self.config.disable_jump_forward:
                     # forced opening text is prefilled with the prompt: no model step for it
                     room = min(r.params.max_new_tokens - 1, self.context_len - 1 - r.prompt_len)

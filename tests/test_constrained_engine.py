@@ -237,3 +237,26 @@ def test_retracted_constrained_requests_resume_valid(tiny_model_factory):
             assert o["meta_info"]["finish_reason"]["type"] == "stop", o["meta_info"]
             validate(schema, o["text"])
         e.check_invariants()
+
+
+def test_healing_does_not_take_a_token_of_the_budget(engines_jf):
+    """The backed-off prompt token is written again as the first output token: it is not
+    one of max_new_tokens. A prompt ending in a space with a one-token integer gen writes
+    a digit (it ended on the space alone, with finish 'length' and empty text), and a
+    regex of 8 one-character tokens fits max_new_tokens 8 (its last digit was cut)."""
+    for e in engines_jf:
+        tok = e.tokenizer
+        prompt = "Phone number: "
+        assert tok.convert_ids_to_tokens(tok.encode(prompt, add_special_tokens=False))[-1] == "\u0120"
+        # (' -' is a token: the space can be written again with a sign, so it is healed)
+        one = e.generate(prompt, {"regex": r"-?[0-9]+", "temperature": 0.0, "max_new_tokens": 1})
+        assert re.fullmatch(r"-?[0-9]+", one["text"]), one
+        full = e.generate(prompt, {"regex": r"-?[0-9]{3}-[0-9]{4}", "temperature": 0.0, "max_new_tokens": 8})
+        assert re.fullmatch(r"-?[0-9]{3}-[0-9]{4}", full["text"]), full
+        assert full["meta_info"]["finish_reason"]["type"] == "stop", full["meta_info"]
+        # one token more than max_new_tokens only where the prompt lost its last token
+        for text in (prompt, "Phone number", "Phone number:"):
+            out = e.generate(text, {"regex": r"-?[0-9]{3}-[0-9]{4}", "temperature": 0.0, "max_new_tokens": 8})
+            healed = len(tok.encode(text, add_special_tokens=False)) - out["meta_info"]["prompt_tokens"]
+            assert healed in (0, 1) and out["meta_info"]["completion_tokens"] <= 8 + healed, out["meta_info"]
+        e.check_invariants()
