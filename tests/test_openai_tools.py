@@ -143,6 +143,44 @@ def test_forced_calls_parse_and_validate(oai, tokenizer, choice):
     assert r.usage.prompt_tokens == len(tokenizer.encode(want, add_special_tokens=False))
 
 
+def test_allowed_tools_choice(oai, server, tokenizer):
+    """OpenAI's ``allowed_tools`` choice: every tool stays in the prompt, and the calls
+    are to the allowed ones only (``required``: forced, as one call or several)."""
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "required",
+                                                           "tools": [{"type": "function", "function": {"name": "add"}}]}}
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=allowed,
+                                    parallel_tool_calls=True, **GREEDY)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert {name for name, _ in _check_calls(r.choices[0].message, "add", most=8)} == {"add"}
+    want = tokenizer.apply_chat_template(messages_without_tool_support(ASK, _fns()), tokenize=False,
+                                         add_generation_prompt=True)
+    assert r.usage.prompt_tokens == len(tokenizer.encode(want, add_special_tokens=False))  # both tools shown
+    # mode auto: free output, in which only the allowed tools' calls are calls
+    auto = {"type": "allowed_tools", "allowed_tools": {**allowed["allowed_tools"], "mode": "auto"}}
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=auto, max_tokens=24,
+                                    temperature=0.0)
+    assert all(c.function.name == "add" for c in r.choices[0].message.tool_calls or [])
+    # the Responses API's flat shape
+    flat = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_weather"}]}
+    rtools = [{"type": "function", **t["function"]} for t in TOOLS]
+    resp = httpx.post(server.url + "/v1/responses", timeout=120, json={
+        "model": MODEL, "input": ASK[0]["content"], "tools": rtools, "tool_choice": flat, "temperature": 0.0,
+        "max_output_tokens": 200, "parallel_tool_calls": False})
+    assert resp.status_code == 200, resp.text
+    calls = [o for o in resp.json()["output"] if o["type"] == "function_call"]
+    assert len(calls) == 1 and calls[0]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER)
+    # malformed choices: a 400 naming tool_choice and the part at fault
+    spec = allowed["allowed_tools"]
+    for bad, part in ((dict(spec, mode="sometimes"), "mode"), (dict(spec, tools=[]), "tools"),
+                      (dict(spec, tools=[{"type": "web_search"}]), "tools[0]"),
+                      (dict(spec, tools=[{"type": "function", "function": {"name": "nope"}}]), "'nope'")):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=8,
+                                        tool_choice={"type": "allowed_tools", "allowed_tools": bad})
+        assert e.value.body["param"] == "tool_choice" and part in e.value.body["message"], e.value.body
+
+
 def test_parallel_calls_stream_like_the_response(oai):
     kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=True, **GREEDY)
     r = oai.chat.completions.create(**kw)

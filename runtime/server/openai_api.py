@@ -539,11 +539,13 @@ def chat_chunks(job: Job, cs: ChatStream, index: int, text: str | None, *, role:
     return out
 
 
-def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str | None:
-    """``tool_choice`` as ``"auto"``, ``"none"``, ``"required"`` or a function name."""
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> tuple[str, set[str] | None]:
+    """``tool_choice`` as (``"auto"``, ``"none"``, ``"required"`` or a function name, the
+    names an ``allowed_tools`` choice allows, else None)."""
     tc = body.get("tool_choice")
+    allowed: set[str] | None = None
     if tc is None:
-        return "auto" if tools else "none"
+        return ("auto" if tools else "none"), None
     if isinstance(tc, str) and tc in ("auto", "none", "required"):
         choice = tc
     elif isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("function"), dict) \
@@ -551,14 +553,51 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> st
         choice = tc["function"]["name"]
     elif isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("name"), str):
         choice = tc["name"]  # the Responses API's shape
+    elif isinstance(tc, dict) and tc.get("type") == "allowed_tools":
+        choice, allowed = _allowed_tools(tc)
     else:
-        raise RequestError(f"tool_choice={_short(tc)} is invalid; allowed: \"auto\", \"none\", \"required\" or "
-                           f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tool_choice")
+        raise RequestError(f"tool_choice={_short(tc)} is invalid; allowed: \"auto\", \"none\", \"required\", "
+                           f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}} or "
+                           f"{{\"type\": \"allowed_tools\", \"allowed_tools\": {{\"mode\": ..., \"tools\": [...]}}}}",
+                           "tool_choice")
     if choice != "none" and not tools:
         raise RequestError(f"tool_choice={_short(tc)} needs tools; none were given", "tool_choice")
-    if choice not in ("auto", "none", "required") and choice not in {fn["name"] for fn in tools or []}:
-        raise RequestError(f"tool_choice names function {choice!r}, which is not in tools", "tool_choice")
-    return choice
+    names = {fn["name"] for fn in tools or []}
+    named = sorted(allowed) if allowed is not None else [] if choice in ("auto", "none", "required") else [choice]
+    for name in named:
+        if name not in names:
+            raise RequestError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+    return choice, allowed
+
+
+def _allowed_tools(tc: dict[str, Any]) -> tuple[str, set[str]]:
+    """OpenAI's ``{"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}`` (the
+    Responses API has ``mode`` and ``tools`` beside ``type``): (the mode, the names)."""
+    nested = "allowed_tools" in tc
+    spec = tc.get("allowed_tools") if nested else tc
+    where = "tool_choice.allowed_tools" if nested else "tool_choice"
+    if not isinstance(spec, dict) or spec.get("mode") not in ("auto", "required"):
+        mode = spec.get("mode") if isinstance(spec, dict) else spec
+        raise RequestError(f"{where}.mode={_short(mode)} is invalid; allowed: \"auto\" or \"required\"", "tool_choice")
+    listed = spec.get("tools")
+    if not isinstance(listed, list) or not listed:
+        raise RequestError(f"{where}.tools={_short(listed)} is invalid; allowed: a non-empty list of "
+                           f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tool_choice")
+    names = set()
+    for i, t in enumerate(listed):
+        fn = t.get("function") if isinstance(t, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else t.get("name") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(name, str):
+            raise RequestError(f"{where}.tools[{i}]={_short(t)} is invalid; allowed: {{\"type\": \"function\", "
+                               f"\"function\": {{\"name\": ...}}}} (function tools only)", "tool_choice")
+        names.add(name)
+    return spec["mode"], names
+
+
+def _tool_name(tool: Any) -> Any:
+    """A request's tool's function name, in the chat shape or the Responses API's flat one."""
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    return fn.get("name") if isinstance(fn, dict) else tool.get("name") if isinstance(tool, dict) else None
 
 
 def server_tool_parser(front: Front) -> str:
@@ -685,7 +724,11 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     tools = check_tools(body["tools"], "tools", nested_tools) if body.get("tools") is not None else None
     if tools:  # rendered into the prompt: a lone surrogate would be blamed on the messages
         check_text(json.dumps(body["tools"], ensure_ascii=False), "tools")
-    choice = _tool_choice(body, tools)
+    choice, allowed = _tool_choice(body, tools)
+    # an allowed_tools choice: every tool is in the prompt (as OpenAI keeps them: the
+    # prefix stays cached), the allowed ones alone are constrained to and parsed as calls
+    offered = body.get("tools") if allowed is None else [t for t in body["tools"] if _tool_name(t) in allowed]
+    callable_tools = tools if allowed is None else [fn for fn in tools or [] if fn["name"] in allowed]
     parallel = get_field(body, "parallel_tool_calls", "bool", True)
     max_reasoning = get_field(body, "max_reasoning_chars", "int", None, 0, MAX_REASONING_CHARS)
     parser_name = server_tool_parser(front)
@@ -706,7 +749,7 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
         # a named function is called once (as OpenAI and vLLM do; with parallel calls a
         # small model repeated the same call until max_tokens); "required" may make several
         parallel = parallel and choice == "required"
-        regex = parser.constraint_regex(body["tools"], None if choice == "required" else choice, parallel)
+        regex = parser.constraint_regex(offered, None if choice == "required" else choice, parallel)
         field_name = "tool_choice"
     constraint: dict[str, Any] = {}
     if regex is None and schema is not None:
@@ -728,7 +771,7 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
                 constraint["json_schema"] = json.dumps(schema)
             else:
                 if calls:
-                    regex = f"(?:{regex})|(?:{parser.constraint_regex(body['tools'], None, parallel)})"
+                    regex = f"(?:{regex})|(?:{parser.constraint_regex(offered, None, parallel)})"
     if reasoning is not None and (regex is not None or max_reasoning is not None):
         # the constraint starts after the reasoning section (plait.reasoning)
         regex = reasoning.constraint_prefix(max_reasoning) + (regex if regex is not None else "(?s:.*)")
@@ -741,7 +784,7 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     extra_sp: dict[str, Any] = {}
     if parser_name == "mistral" and choice != "none" and body.get("skip_special_tokens") is None:
         extra_sp["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token
-    output = ChatOutput(reasoning, parser if choice != "none" else None, tools or [], None if parallel else 1)
+    output = ChatOutput(reasoning, parser if choice != "none" else None, callable_tools or [], None if parallel else 1)
     return ChatRequest(ids, constraint, field_name, output, extra_sp, choice not in ("auto", "none"),
                        front.turn_end)
 
