@@ -802,3 +802,24 @@ def test_llguidance_reads_a_ref_alone_in_drafts_that_ignore_its_siblings(grammar
     later = {**schema, "$schema": "https://json-schema.org/draft/2020-12/schema"}
     with pytest.raises(ValueError, match="circular references with sibling keys"):
         schema_grammar(later, None)
+
+
+@pytest.mark.parametrize("schema", [{"type": "number"}, {"type": "object", "properties": {"h": {"type": "number"}},
+                                                          "required": ["h"]}])
+def test_llguidance_numbers_have_bounded_digits(grammars, vocab, schema):
+    """A number without bounds or a step is written with at most 16 integer and 10
+    fraction digits on llguidance too (a small model wrote a 100-digit number until
+    max_tokens); shorter numbers, signs and zero are still admitted."""
+    def wrap(v: str) -> str:
+        return v if schema.get("type") == "number" else '{"h":' + v + "}"
+
+    for value, ok in (("3.14", True), ("-2.5", True), ("0", True), ("1234567890123456", True),
+                      ("0." + "3" * 10, True), ("12345678901234567", False), ("0." + "3" * 11, False),
+                      ("1" * 40, False)):
+        m = new_matcher(grammars, {"json_schema": schema, "grammar_backend": "llguidance"})
+        assert admits(m, vocab, wrap(value)) == ok, value
+    # the schema's own bounds stay as they are
+    m = new_matcher(grammars, {"json_schema": {"type": "number", "minimum": 0.5, "maximum": 2.25},
+                               "grammar_backend": "llguidance"})
+    assert admits(m, vocab, "2.25") and not admits(new_matcher(grammars, {
+        "json_schema": {"type": "number", "minimum": 0.5, "maximum": 2.25}, "grammar_backend": "llguidance"}), vocab, "3")

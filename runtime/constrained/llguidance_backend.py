@@ -40,6 +40,11 @@ logger = logging.getLogger(__name__)
 
 MAX_GRAMMAR_CHARS = 100_000  # an ebnf text or a JSON schema's JSON text
 MAX_INTEGER = 10**16 - 1
+# a JSON Schema number without bounds or a step gets both (close_objects): at most 16
+# integer digits and 10 fraction digits (llguidance refuses a finer decimal step: the
+# float of 1e-12 has too many digits for it)
+NUMBER_FRACTION_DIGITS = 10
+NUMBER_STEP = 10.0**-NUMBER_FRACTION_DIGITS
 
 # Draft-3 validation keywords llguidance does not know (it would ignore them).
 _DRAFT3 = ("disallow", "divisibleBy", "extends")
@@ -382,7 +387,8 @@ def close_objects(schema: Any, *, open_defs: bool, in_all_of: bool = False) -> A
     unless the schema says so (``additionalProperties`` / ``patternProperties`` /
     ``unevaluatedProperties``): plait's layout (as the outlines backend writes it), a
     subset of the valid instances, and a model cannot wander into made-up keys. Integers
-    without a bound get one at 16 digits (a model cannot loop on digits). Not done
+    and numbers without a bound get one at 16 digits, numbers without a ``multipleOf``
+    at most 10 fraction digits (a model cannot loop on digits). Not done
     inside ``allOf`` or next to it (another branch may list more properties), nor in
     ``$defs`` when ``open_defs`` (the document has an ``allOf`` that may reference them)."""
     from plait.runtime.constrained.json_schema import bounded_search
@@ -394,11 +400,16 @@ def close_objects(schema: Any, *, open_defs: bool, in_all_of: bool = False) -> A
     schema = _close_all_of(schema) if not in_all_of else schema
     out = dict(schema)
     combined = in_all_of or "allOf" in schema or "$ref" in schema
-    if schema.get("type") == "integer":  # at most 16 digits, as the outlines layout writes them
+    if schema.get("type") in ("integer", "number"):  # at most 16 integer digits, as the outlines layout writes them
         if "minimum" not in schema and "exclusiveMinimum" not in schema:
             out["minimum"] = -MAX_INTEGER
         if "maximum" not in schema and "exclusiveMaximum" not in schema:
             out["maximum"] = MAX_INTEGER
+    if schema.get("type") == "number" and "multipleOf" not in schema:
+        # and at most NUMBER_FRACTION_DIGITS after the point: unbounded, a small model
+        # wrote a 100-digit number until max_tokens (llguidance reads a decimal step
+        # as that many fraction digits; a subset of the valid numbers, as the bounds)
+        out["multipleOf"] = NUMBER_STEP
     if ("properties" in schema and not combined
             and not any(k in schema for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))):
         out["additionalProperties"] = False
