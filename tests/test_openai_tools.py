@@ -170,6 +170,13 @@ def test_allowed_tools_choice(oai, server, tokenizer):
     calls = [o for o in resp.json()["output"] if o["type"] == "function_call"]
     assert len(calls) == 1 and calls[0]["name"] == "get_weather"
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER)
+    # an unknown choice: the message shows each API's own shapes
+    bad = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "model": MODEL, "input": "hi", "tools": rtools, "tool_choice": {"type": "any"}, "max_output_tokens": 4})
+    assert bad.status_code == 400 and '{"type": "function", "name": ...}' in bad.json()["error"]["message"], bad.text
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=4, tool_choice={"type": "any"})
+    assert '{"type": "function", "function": {"name": ...}}' in e.value.body["message"], e.value.body
     # malformed choices: a 400 naming tool_choice and the part at fault
     spec = allowed["allowed_tools"]
     for bad, part in ((dict(spec, mode="sometimes"), "mode"), (dict(spec, tools=[]), "tools"),

@@ -539,9 +539,11 @@ def chat_chunks(job: Job, cs: ChatStream, index: int, text: str | None, *, role:
     return out
 
 
-def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> tuple[str, set[str] | None]:
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None,
+                 nested: bool = True) -> tuple[str, set[str] | None]:
     """``tool_choice`` as (``"auto"``, ``"none"``, ``"required"`` or a function name, the
-    names an ``allowed_tools`` choice allows, else None)."""
+    names an ``allowed_tools`` choice allows, else None). ``nested``: chat completions'
+    shapes in messages (the Responses API's are flat)."""
     tc = body.get("tool_choice")
     allowed: set[str] | None = None
     if tc is None:
@@ -556,10 +558,11 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> tu
     elif isinstance(tc, dict) and tc.get("type") == "allowed_tools":
         choice, allowed = _allowed_tools(tc)
     else:
+        shapes = ('{"type": "function", "function": {"name": ...}} or '
+                  '{"type": "allowed_tools", "allowed_tools": {"mode": ..., "tools": [...]}}' if nested else
+                  '{"type": "function", "name": ...} or {"type": "allowed_tools", "mode": ..., "tools": [...]}')
         raise RequestError(f"tool_choice={_short(tc)} is invalid; allowed: \"auto\", \"none\", \"required\", "
-                           f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}} or "
-                           f"{{\"type\": \"allowed_tools\", \"allowed_tools\": {{\"mode\": ..., \"tools\": [...]}}}}",
-                           "tool_choice")
+                           f"{shapes}", "tool_choice")
     if choice != "none" and not tools:
         raise RequestError(f"tool_choice={_short(tc)} needs tools; none were given", "tool_choice")
     names = {fn["name"] for fn in tools or []}
@@ -724,7 +727,7 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     tools = check_tools(body["tools"], "tools", nested_tools) if body.get("tools") is not None else None
     if tools:  # rendered into the prompt: a lone surrogate would be blamed on the messages
         check_text(json.dumps(body["tools"], ensure_ascii=False), "tools")
-    choice, allowed = _tool_choice(body, tools)
+    choice, allowed = _tool_choice(body, tools, nested_tools)
     # an allowed_tools choice: every tool is in the prompt (as OpenAI keeps them: the
     # prefix stays cached), the allowed ones alone are constrained to and parsed as calls
     offered = body.get("tools") if allowed is None else [t for t in body["tools"] if _tool_name(t) in allowed]
