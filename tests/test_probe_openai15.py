@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx
 import pytest
 
 import plait.tool_parsers as tp
-from plait.runtime.server import launch
+from test_server_hostile import http, server  # noqa: F401  (the same server, one per module)
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"s": {"type": "string"}}}}}]
@@ -120,17 +119,6 @@ def test_the_memo_never_changes_a_scan():
 
 
 # -- over HTTP ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(tiny_model_factory):
-    with launch(str(tiny_model_factory("llama")), num_threads=1, kv_cache_tokens=4096, max_running_requests=8,
-                echo_logs=False) as rt:
-        yield rt
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}

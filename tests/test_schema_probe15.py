@@ -21,8 +21,8 @@ import pytest
 from plait.errors import RequestError
 from plait.runtime.constrained.json_schema import fold_unevaluated
 from plait.runtime.sampling_params import SamplingParams
-from regex_sampling import sample
-from test_llguidance import engine, grammars, random_output, tokenizer, vocab  # noqa: F401 (fixtures)
+from test_llguidance import engine, grammars, tokenizer, vocab  # noqa: F401 (fixtures)
+from test_schema_trial import outputs as trial_outputs
 
 DATA = pathlib.Path(__file__).parent / "data" / "schemas15"
 SCHEMAS = {p.stem: json.loads(p.read_text())["schema"] for p in sorted(DATA.glob("*.json"))}
@@ -52,25 +52,9 @@ def assert_valid(schema: object, texts: list[str]) -> None:
 
 
 def outputs(grammars, vocab, c, n: int) -> list[str]:  # noqa: F811
-    """Up to ``n`` texts the compiled constraint ``c`` admits: drawn from the regex's
-    parse tree (outlines, each checked with ``re.fullmatch``) or short random walks of
-    llguidance's matcher over SmolLM2's tokens (a walk that does not end is dropped)."""
-    if c.backend == "outlines":
-        texts = sample(c.grammar, n, seed=3)
-        assert all(re.fullmatch(c.grammar, t) for t in texts)
-        return texts
-    fut = grammars.request(c)
-    while not fut.done:
-        grammars.wait(0.2)
-    assert fut.error is None, fut.error
-    texts = []
-    for seed in range(n):
-        m = grammars.matcher(fut, c, jump_forward=False, heal=False)
-        m.start([1])
-        out = random_output(m, vocab, seed, cap=16, limit=80)
-        if out is not None:
-            texts.append(out.decode())
-    return texts
+    """Up to ``n`` texts the compiled constraint ``c`` admits (test_schema_trial's, with
+    short walks of llguidance's matcher: one that does not end in 80 tokens is dropped)."""
+    return trial_outputs(grammars, vocab, c, n, cap=16, limit=80)
 
 
 def test_the_collection_is_what_the_sweep_expects():

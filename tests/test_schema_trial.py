@@ -53,9 +53,10 @@ def case(name: str) -> object:
     return next(s for n, _, s in CASES if n == name)
 
 
-def outputs(grammars, vocab, c, n: int) -> list[str]:  # noqa: F811
+def outputs(grammars, vocab, c, n: int, cap: int = 30, limit: int = 300) -> list[str]:  # noqa: F811
     """``n`` outputs the compiled constraint ``c`` admits: drawn from the regex's parse
-    tree (outlines) or random walks of llguidance's matcher over SmolLM2's tokens."""
+    tree (outlines) or random walks of llguidance's matcher over SmolLM2's tokens (a
+    walk closes values after ``cap`` tokens; one that does not end in ``limit`` is dropped)."""
     if c.backend == "outlines":
         texts = sample(c.grammar, n, seed=3)
         assert all(re.fullmatch(c.grammar, t) for t in texts)
@@ -68,7 +69,7 @@ def outputs(grammars, vocab, c, n: int) -> list[str]:  # noqa: F811
     for seed in range(n):
         m = grammars.matcher(fut, c, jump_forward=False, heal=False)
         m.start([1])
-        out = random_output(m, vocab, seed, cap=30, limit=300)
+        out = random_output(m, vocab, seed, cap=cap, limit=limit)
         if out is not None:
             texts.append(out.decode())
     return texts
