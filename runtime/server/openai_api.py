@@ -662,10 +662,25 @@ def chat_turn(body: dict[str, Any]) -> dict[str, Any]:
     return {**extra, "add_generation_prompt": add, "continue_final_message": cont}
 
 
+@dataclass(frozen=True)
+class StructuralTag:
+    """A ``structural_tag`` response format (SGLang's and vLLM's), as its regex."""
+
+    regex: str
+
+
 def response_format_schema(fmt: dict[str, Any] | None, param: str = "response_format") -> Any:
-    """The JSON Schema of a ``response_format`` (None for text)."""
+    """The JSON Schema of a ``response_format`` (None for text; a :class:`StructuralTag`
+    for SGLang's ``structural_tag``)."""
     if fmt is None or fmt.get("type") == "text":
         return None
+    if fmt.get("type") == "structural_tag":
+        from plait.runtime.constrained.structural_tag import structural_tag_regex
+
+        try:
+            return StructuralTag(structural_tag_regex(fmt, param))
+        except ValueError as e:
+            raise RequestError(str(e), param) from None
     spec = fmt.get("json_schema") if fmt.get("type") == "json_schema" else None
     schema = spec.get("schema") if isinstance(spec, dict) else None
     where = f"{param}.json_schema" if isinstance(spec, dict) else param  # (the Responses API's text.format is flat)
@@ -680,8 +695,9 @@ def response_format_schema(fmt: dict[str, Any] | None, param: str = "response_fo
         schema = {"type": "object"}
     if not isinstance(schema, (dict, bool)):
         raise RequestError(
-            f"{param}={_short(fmt)} is invalid; allowed: {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} "
-            f"or {{\"type\": \"json_schema\", \"json_schema\": {{\"schema\": {{...}}}}}}", param,
+            f"{param}={_short(fmt)} is invalid; allowed: {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}}, "
+            f"{{\"type\": \"json_schema\", \"json_schema\": {{\"schema\": {{...}}}}}} or {{\"type\": "
+            f"\"structural_tag\", \"structures\": [...], \"triggers\": [...]}}", param,
         )
     return schema
 
@@ -755,7 +771,10 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
         regex = parser.constraint_regex(offered, None if choice == "required" else choice, parallel)
         field_name = "tool_choice"
     constraint: dict[str, Any] = {}
-    if regex is None and schema is not None:
+    if regex is None and isinstance(schema, StructuralTag):
+        # free text between the structures: tool calls in it are parsed under auto
+        field_name, regex = schema_field, schema.regex
+    elif regex is None and schema is not None:
         field_name = schema_field
         # tools under "auto" beside a JSON format (the OpenAI Agents SDK's tools + output
         # type): the reply is the JSON or calls; the schema alone left calls impossible
