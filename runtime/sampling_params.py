@@ -60,6 +60,9 @@ class SamplingParams:
     regex: str | None = None
     json_schema: dict[str, Any] | bool | str | None = None
     ebnf: str | None = None
+    # SGLang's ``structural_tag`` (its JSON text, or the object): free text in which each
+    # trigger begins a structure (constrained as a regex: plait.runtime.constrained.structural_tag)
+    structural_tag: str | dict[str, Any] | None = None
     whitespace_pattern: str | None = None
     grammar_backend: str | None = None
     # False: this request never drafts when the engine decodes speculatively (its
@@ -146,12 +149,15 @@ class SamplingParams:
         _int(self.n, "n", 1, MAX_N)
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias) or None
-        given = [k for k in CONSTRAINT_FIELDS if getattr(self, k) is not None]
+        given = [k for k in (*CONSTRAINT_FIELDS, "structural_tag") if getattr(self, k) is not None]
         if len(given) > 1:
             raise RequestError(
-                f"{' and '.join(given)} are {'both' if len(given) == 2 else 'all'} set; allowed: at most one constraint per request ({', '.join(CONSTRAINT_FIELDS)})",
+                f"{' and '.join(given)} are {'both' if len(given) == 2 else 'all'} set; allowed: at most one constraint per request ({', '.join(CONSTRAINT_FIELDS)}, structural_tag)",
                 given[0],
             )
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise RequestError(f"structural_tag={self.structural_tag!r} is invalid; allowed: an object with "
+                               f"structures and triggers, or its JSON text", "structural_tag")
         if self.ebnf is not None and not isinstance(self.ebnf, str):
             raise RequestError(f"ebnf={self.ebnf!r} is invalid; allowed: a grammar as a string", "ebnf")
         if self.grammar_backend is not None and self.grammar_backend not in GRAMMAR_BACKENDS:
@@ -186,13 +192,26 @@ class SamplingParams:
         naming the field (and schema keyword) at fault. Done once per request, where
         the request enters."""
         kind = next((k for k in CONSTRAINT_FIELDS if getattr(self, k) is not None), None)
+        tagged = None
+        if self.structural_tag is not None:  # enforced as its regex
+            from plait.runtime.constrained.structural_tag import structural_tag_regex
+
+            try:
+                spec = json.loads(self.structural_tag) if isinstance(self.structural_tag, str) else self.structural_tag
+                if not isinstance(spec, dict):
+                    raise ValueError("structural_tag is invalid; allowed: an object with structures and triggers")
+                kind, tagged = "regex", structural_tag_regex(spec, "structural_tag")
+            except json.JSONDecodeError as e:
+                raise RequestError(f"structural_tag is not valid JSON: {e}", "structural_tag") from None
+            except ValueError as e:
+                raise RequestError(str(e), "structural_tag") from None
         if kind is None:
             return None
         backend = self.grammar_backend or default_backend
         if kind == "ebnf" and backend == OUTLINES:
             raise RequestError("grammar_backend='outlines' cannot enforce an ebnf grammar; allowed: llguidance or auto",
                                "grammar_backend")
-        value = getattr(self, kind)
+        value = tagged if tagged is not None else getattr(self, kind)
         if kind == "json_schema":  # its text parsed here, once: the translators get the object
             # (or True); then depth and size, walked without recursion: the UTF-8 check below
             # (json.dumps) recursed into a 600-level schema, a RecursionError and a 500

@@ -86,3 +86,24 @@ def test_served_on_chat_completions(http, tokenizer_dir):
         "response_format": {**fmt, "triggers": ["{"]}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format", bad.text
     assert "starts with none of the triggers" in bad.json()["error"]["message"]
+
+
+def test_native_generate_takes_it_as_a_sampling_parameter(http, tokenizer_dir):
+    """SGLang's ``sampling_params.structural_tag`` (its JSON text) on ``/generate``."""
+    from transformers import AutoTokenizer
+
+    lt = AutoTokenizer.from_pretrained(tokenizer_dir).convert_tokens_to_ids("<")
+    fmt = {"structures": [{"begin": "<w>", "schema": WEATHER, "end": "</w>"}], "triggers": ["<"]}
+    r = http.post("/generate", json={"text": "Weather:", "sampling_params": {
+        "structural_tag": json.dumps(fmt), "max_new_tokens": 60, "temperature": 0.0, "logit_bias": {str(lt): 30}}})
+    assert r.status_code == 200, r.text
+    text = r.json()["text"]
+    whole = re.findall(r"<w>(.*?)</w>", text)
+    assert whole, text
+    for body in whole:
+        jsonschema.validate(json.loads(body), WEATHER)
+    for bad, words in (({"structural_tag": "{not json", "regex": None}, "structural_tag is not valid JSON"),
+                       ({"structural_tag": json.dumps(fmt), "regex": "a+"}, "at most one constraint"),
+                       ({"structural_tag": json.dumps({**fmt, "triggers": ["{"]})}, "starts with none")):
+        r = http.post("/generate", json={"text": "hi", "sampling_params": {**bad, "max_new_tokens": 4}})
+        assert r.status_code == 400 and words in r.text, r.text
