@@ -823,3 +823,16 @@ def test_llguidance_numbers_have_bounded_digits(grammars, vocab, schema):
                                "grammar_backend": "llguidance"})
     assert admits(m, vocab, "2.25") and not admits(new_matcher(grammars, {
         "json_schema": {"type": "number", "minimum": 0.5, "maximum": 2.25}, "grammar_backend": "llguidance"}), vocab, "3")
+
+
+def test_a_required_name_the_object_does_not_list_holds_any_value(grammars, vocab):
+    """``required`` names a property ``properties`` does not list (and nothing closes the
+    object): it may hold any value, after the listed ones. llguidance called this
+    satisfiable schema unsatisfiable (plait closes objects to their listed names)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"]}
+    for text, ok in (('{"a":1,"zz":"x"}', True), ('{"a":1,"zz":[1,{"b":null}]}', True), ('{"a":1}', False),
+                     ('{"zz":2}', False), ('{"a":1,"zz":2,"q":3}', False)):
+        m = new_matcher(grammars, {"json_schema": schema, "grammar_backend": "llguidance"})
+        assert admits(m, vocab, text) == ok, text
+        if ok:
+            jsonschema.validate(json.loads(text), schema)

@@ -170,7 +170,8 @@ def test_llguidance_compile_errors_name_the_place():
              ({"type": "object", "properties": {"x": {"type": "object", "properties": {"a": {}, "b": {}, "c": {}},
                                                       "minProperties": 2, "additionalProperties": False}}},
               r"min/maxProperties .* \(first at #/properties/x\)"),
-             ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"]},
+             ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"],
+               "additionalProperties": False},
               r"'zz' is unsatisfiable \(first at #\)")]
     for schema, words in cases:
         with pytest.raises(RequestError, match=words):

@@ -413,6 +413,11 @@ def close_objects(schema: Any, *, open_defs: bool, in_all_of: bool = False) -> A
     if ("properties" in schema and not combined
             and not any(k in schema for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))):
         out["additionalProperties"] = False
+        listed = schema["properties"] if isinstance(schema["properties"], dict) else {}
+        missing = [n for n in schema.get("required", []) or [] if isinstance(n, str) and n not in listed]
+        if missing:  # a required name the object does not list may hold any value: listed after the others
+            # (closed without it, a satisfiable schema was called unsatisfiable)
+            schema = {**schema, "properties": {**listed, **{n: True for n in dict.fromkeys(missing)}}}
     patterns = schema.get("patternProperties")
     if isinstance(patterns, dict) and patterns and isinstance(schema.get("properties"), dict):
         # a listed property must also satisfy every pattern its name contains a match of
