@@ -34,7 +34,7 @@ from machine import machine_line  # noqa: E402
 
 from plait.runtime import sampler as sampler_mod  # noqa: E402
 from plait.runtime.request import Req  # noqa: E402
-from plait.runtime.sampler import Sampler, counter_uniform, inverse_cdf  # noqa: E402
+from plait.runtime.sampler import Sampler, inverse_cdf  # noqa: E402
 from plait.runtime.sampling_params import SamplingParams  # noqa: E402
 
 VOCAB = 49152

@@ -72,6 +72,12 @@ KNOWN = COMBINATORS | frozenset().union(*TYPE_KEYWORDS.values())
 # validation keywords handled case by case (enforced in some forms, refused by name in others)
 _OTHER_VALIDATION = frozenset({"not", "multipleOf", "patternProperties", "propertyNames", "minProperties",
                                "maxProperties", "dependentRequired", "dependencies"})
+# Keywords whose values are subschemas: one schema, a list of them, a map of them
+# (``items`` is either one or, before 2020-12, a list)
+SUBSCHEMA_ONE = ("additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if", "then", "else",
+                 "unevaluatedProperties", "unevaluatedItems", "contentSchema")
+SUBSCHEMA_LIST = ("allOf", "anyOf", "oneOf", "prefixItems")
+SUBSCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 WHY_NOT = {
     "uniqueItems": "a regex cannot keep array items distinct (allowed when the items are an enum or const of "
                    "scalars, booleans or null, or with maxItems <= 1)",
@@ -399,10 +405,6 @@ def nested_resource_ref(root: Any) -> tuple[str, str] | None:
 # beside them, which properties/items are "evaluated" is not fixed, so unevaluated* stays
 _UNEVALUATED_BLOCKERS = ("anyOf", "oneOf", "if", "then", "else", "dependentSchemas", "dependencies", "$dynamicRef",
                          "$recursiveRef", "$dynamicAnchor", "$recursiveAnchor")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMA_ONES = ("additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if", "then", "else",
-                "unevaluatedProperties", "unevaluatedItems", "items")
 
 
 def fold_unevaluated(root: Any) -> Any:
@@ -525,11 +527,11 @@ def fold_unevaluated(root: Any) -> Any:
             return s
         out = dict(s)
         for k, v in s.items():
-            if k in _SCHEMA_MAPS and isinstance(v, dict):
+            if k in SUBSCHEMA_MAP and isinstance(v, dict):
                 out[k] = {n: walk(x, depth + 1) for n, x in v.items()}
-            elif k in _SCHEMA_LISTS and isinstance(v, list) or k == "items" and isinstance(v, list):
+            elif (k in SUBSCHEMA_LIST or k == "items") and isinstance(v, list):
                 out[k] = [walk(x, depth + 1) for x in v]
-            elif k in _SCHEMA_ONES and isinstance(v, dict):
+            elif (k in SUBSCHEMA_ONE or k == "items") and isinstance(v, dict):
                 out[k] = walk(v, depth + 1)
         return fold(out) if "unevaluatedProperties" in out or "unevaluatedItems" in out else out
 

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from plait.runtime.constrained.backend import GrammarFuture
+from plait.runtime.constrained.json_schema import SUBSCHEMA_LIST, SUBSCHEMA_MAP, SUBSCHEMA_ONE
 from plait.runtime.constrained.finite import lark_unending, schema_unending
 from plait.runtime.constrained.vocab import TokenVocab
 
@@ -48,11 +49,6 @@ NUMBER_STEP = 10.0**-NUMBER_FRACTION_DIGITS
 
 # Draft-3 validation keywords llguidance does not know (it would ignore them).
 _DRAFT3 = ("disallow", "divisibleBy", "extends")
-# Keywords whose values are subschemas (a schema, a list of schemas, a map of schemas).
-_ONE = ("additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if", "then", "else",
-        "unevaluatedProperties", "unevaluatedItems", "contentSchema")
-_LIST = ("allOf", "anyOf", "oneOf", "prefixItems")
-_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def parser_limits() -> Any:
@@ -213,7 +209,7 @@ _EXACT = ("oneOf", "not", "if", "then", "else")  # a narrower subschema here adm
 def _children(schema: dict[str, Any]) -> Any:
     """(keyword, index or name or None, subschema, under one of _EXACT) for each
     subschema of ``schema``."""
-    for k in _ONE:
+    for k in SUBSCHEMA_ONE:
         if k in schema:
             yield k, None, schema[k], k in _EXACT
     items = schema.get("items")
@@ -222,11 +218,11 @@ def _children(schema: dict[str, Any]) -> Any:
             yield "items", i, x, False
     elif items is not None:
         yield "items", None, items, False
-    for k in _LIST:
+    for k in SUBSCHEMA_LIST:
         if isinstance(schema.get(k), list):
             for i, x in enumerate(schema[k]):
                 yield k, i, x, k in _EXACT
-    for k in (*_MAP, "dependencies"):
+    for k in (*SUBSCHEMA_MAP, "dependencies"):
         if isinstance(schema.get(k), dict):
             for name, x in schema[k].items():
                 yield k, name, x, False
@@ -430,17 +426,17 @@ def close_objects(schema: Any, *, open_defs: bool, in_all_of: bool = False) -> A
     def sub(s: Any, all_of: bool = False) -> Any:
         return close_objects(s, open_defs=open_defs, in_all_of=in_all_of or all_of)
 
-    for k in _ONE:
+    for k in SUBSCHEMA_ONE:
         if k in schema and k not in ("not", "if"):  # a stricter negated/conditional schema admits more
             out[k] = sub(schema[k])
     if isinstance(schema.get("items"), list):
         out["items"] = [sub(x) for x in schema["items"]]
     elif "items" in schema:
         out["items"] = sub(schema["items"])
-    for k in _LIST:
+    for k in SUBSCHEMA_LIST:
         if isinstance(schema.get(k), list):
             out[k] = [sub(x, all_of=k == "allOf") for x in schema[k]]
-    for k in (*_MAP, "dependencies"):
+    for k in (*SUBSCHEMA_MAP, "dependencies"):
         if isinstance(schema.get(k), dict):
             defs = k in ("$defs", "definitions")
             out[k] = {n: x if defs and open_defs else sub(x) for n, x in schema[k].items()}

@@ -31,7 +31,8 @@ def _char(c: str) -> str:
 
 
 def _union(parts: list[str]) -> str:
-    parts = sorted(set(p for p in parts))
+    """The alternation of ``parts``, grouped (so concatenating unions needs no more groups)."""
+    parts = sorted(set(parts))
     return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
 
 
@@ -39,10 +40,6 @@ def _star(r: str) -> str:
     if r == "":
         return ""
     return f"(?:{r})*"
-
-
-def _cat(*parts: str) -> str:
-    return "".join(parts)  # (every alternation above is inside a group)
 
 
 def free_text_regexes(triggers: list[str]) -> tuple[str, dict[str, str]]:
@@ -82,7 +79,7 @@ def free_text_regexes(triggers: list[str]) -> tuple[str, dict[str, str]]:
         outs = [(b, edges.pop((state, b))) for b in [b for (a, b) in list(edges) if a == state]]
         for a, ra in ins:
             for b, rb in outs:
-                add(a, b, _cat(_union(ra), self_r, _union(rb)))
+                add(a, b, _union(ra) + self_r + _union(rb))
         total = sum(len(r) for rs in edges.values() for r in rs)
         if total > MAX_FREE_REGEX_CHARS:
             raise ValueError(f"the triggers' free-text regex grows past {MAX_FREE_REGEX_CHARS} characters; "
@@ -125,6 +122,6 @@ def structural_tag_regex(fmt: dict[str, Any], param: str = "response_format") ->
         body = schema_to_regex(s["schema"])
         rests[t].append(_lit(s["begin"][len(t):]) + f"(?:{body})" + _lit(s["end"]))
     free, firsts = free_text_regexes(triggers)
-    segments = [_cat(firsts[t], _union(r)) for t, r in rests.items() if r and t in firsts]
+    segments = [firsts[t] + _union(r) for t, r in rests.items() if r and t in firsts]
     # a trigger no structure begins with may not be written (its text would be free)
-    return _cat(_star(_union(segments)) if segments else "", free)
+    return (_star(_union(segments)) if segments else "") + free

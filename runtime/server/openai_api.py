@@ -588,8 +588,7 @@ def _allowed_tools(tc: dict[str, Any]) -> tuple[str, set[str]]:
                            f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tool_choice")
     names = set()
     for i, t in enumerate(listed):
-        fn = t.get("function") if isinstance(t, dict) else None
-        name = fn.get("name") if isinstance(fn, dict) else t.get("name") if isinstance(t, dict) else None
+        name = _tool_name(t)
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(name, str):
             raise RequestError(f"{where}.tools[{i}]={_short(t)} is invalid; allowed: {{\"type\": \"function\", "
                                f"\"function\": {{\"name\": ...}}}} (function tools only)", "tool_choice")
