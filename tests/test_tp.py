@@ -1,6 +1,8 @@
 """Tensor parallelism (plait.runtime.tp, gloo on CPU): greedy tokens identical to
 tp_size=1 and prompt logprobs within 1e-4 on tiny random Llama / Qwen2 / Qwen3 models
-(split KV heads) and on one with a single KV head over 3 ranks (replicated KV heads),
+(split KV heads), on one with a single KV head over 3 ranks (replicated KV heads), on
+Gemma 3 and Phi-3 (fused checkpoint tensors), and with uneven shards (the default model's
+9 q / 3 KV heads over 2 ranks),
 under chunked prefill, prefix hits and forced retraction; a killed rank stops the engine
 with TPError and leaves no process behind, in-process and behind a server (whose
 request fails)."""
@@ -22,7 +24,7 @@ from test_server_failures import pid_alive, wait_dead
 from plait.runtime import Engine
 from plait.runtime.config import EngineConfig
 from plait.runtime.models.config import ModelConfig
-from plait.runtime.models.parallel import check_tp
+from plait.runtime.models.parallel import check_tp, shard_of
 from plait.runtime.server.args import add_server_arguments, args_from_namespace
 from plait.runtime.tp import TPError
 
@@ -105,12 +107,69 @@ def test_tp3_replicates_a_single_kv_head(tmp_path, tokenizer_dir):
     assert_same(got, want)
 
 
-def test_tp3_default_model():
-    """SmolLM2-135M (GGUF, 9 heads, 3 KV heads): three q heads and one KV head per rank."""
+def test_tp2_default_model_splits_its_odd_head_counts_unevenly():
+    """SmolLM2-135M (GGUF, 9 heads, 3 KV heads) over 2 ranks: 6 q heads and 2 KV heads on
+    rank 0, 3 and 1 on rank 1 (vLLM and SGLang refuse a size that does not divide them)."""
     prompts = [list(range(1000, 1040)), [504, 2116, 314, 260, 1345]]
     want, _ = run(None, prompts, kv_cache_tokens=1024)
-    got, _ = run(None, prompts, tp_size=3, kv_cache_tokens=1024)
+    got, _ = run(None, prompts, tp_size=2, kv_cache_tokens=1024)
     assert_same(got, want)
+
+
+def _saved(folder, tokenizer_dir, config) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    return str(folder)
+
+
+def test_gemma3_phi3_and_uneven_shards_match_tp1(tmp_path, tokenizer_dir):
+    """Gemma 3 (sliding windows, q/k norms, sandwich norms, soft-capping) with 3 KV heads
+    over 2 ranks; Phi-3, whose checkpoint fuses q/k/v and gate/up, with an odd
+    intermediate size (65 + 64 features); 5 q heads reading one KV head over 3 ranks
+    (2 + 2 + 1)."""
+    from families import COMMON
+    from transformers import Gemma3TextConfig, LlamaConfig, Phi3Config
+
+    wide = {**COMMON, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}
+    cases = [
+        (Gemma3TextConfig(**{**wide, "num_hidden_layers": 4}, head_dim=16, sliding_window=16,
+                          layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                          rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, query_pre_attn_scalar=24,
+                          final_logit_softcapping=30.0, architectures=["Gemma3ForCausalLM"]), 2),
+        (Phi3Config(**{**wide, "intermediate_size": 129}, rope_theta=10000.0, architectures=["Phi3ForCausalLM"]), 2),
+        (LlamaConfig(**{**COMMON, "hidden_size": 80, "num_attention_heads": 5, "num_key_value_heads": 1},
+                     head_dim=16, rope_theta=10000.0), 3),
+    ]
+    prompts = make_prompts(4)
+    for i, (config, size) in enumerate(cases):
+        folder = _saved(tmp_path / str(i), tokenizer_dir, config)
+        want, _ = run(folder, prompts, kv_cache_tokens=2048)
+        got, _ = run(folder, prompts, tp_size=size, kv_cache_tokens=2048, chunked_prefill_size=16)
+        assert_same(got, want)
+
+
+@pytest.mark.parametrize("heads,kv_heads,size", [(9, 3, 2), (8, 8, 3), (32, 8, 6), (4, 1, 3), (12, 2, 4), (6, 3, 3)])
+def test_shards_cover_every_head_and_feature_once(heads, kv_heads, size):
+    cfg = ModelConfig("llama", vocab_size=100, hidden_size=64, intermediate_size=101, num_layers=1, head_dim=16,
+                      num_heads=heads, num_kv_heads=kv_heads)
+    check_tp(cfg, size)
+    shards = [shard_of(cfg, r, size) for r in range(size)]
+    q = [h for s in shards for h in range(s.q_start, s.q_start + s.q_heads)]
+    inter = [f for s in shards for f in range(s.inter_start, s.inter_start + s.inter)]
+    assert q == list(range(heads)) and inter == list(range(101))
+    assert max(s.inter for s in shards) - min(s.inter for s in shards) <= 1
+    group = heads // kv_heads
+    for s in shards:
+        assert s.q_heads >= 1 and s.kv_heads >= 1
+        # every q head of the rank reads one of the rank's KV heads, the one it reads in the full model
+        local_group = s.q_heads // s.kv_heads if kv_heads >= size else s.q_heads
+        for i, h in enumerate(range(s.q_start, s.q_start + s.q_heads)):
+            assert h // group == s.kv_start + i // local_group
+    kv = sorted({h for s in shards for h in range(s.kv_start, s.kv_start + s.kv_heads)})
+    assert kv == list(range(kv_heads))
 
 
 def test_a_killed_rank_stops_the_engine_and_leaves_no_process(tiny_model_factory):
@@ -180,12 +239,13 @@ def test_options_and_refusals():
         EngineConfig(tp_size=2, quantization="int8")
     dense = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=1, head_dim=16)
     check_tp(ModelConfig("llama", num_heads=4, num_kv_heads=2, **dense), 4)  # replicated KV heads
-    with pytest.raises(ValueError, match=r"tp_size=3 .* 4 attention heads"):
+    check_tp(ModelConfig("qwen2", num_heads=6, num_kv_heads=3, **dense), 2)  # uneven: 2 + 1 GQA groups
+    with pytest.raises(ValueError, match=r"tp_size=3 .* 2 KV heads: a larger tp_size must be a multiple"):
         check_tp(ModelConfig("llama", num_heads=4, num_kv_heads=2, **dense), 3)
-    with pytest.raises(ValueError, match=r"tp_size=2 .* 3 KV heads"):
-        check_tp(ModelConfig("qwen2", num_heads=6, num_kv_heads=3, **dense), 2)
-    with pytest.raises(ValueError, match="gemma3 family"):
-        check_tp(ModelConfig("gemma3", num_heads=4, num_kv_heads=2, **dense), 2)
+    with pytest.raises(ValueError, match=r"tp_size=8 .* 4 attention heads are too few"):
+        check_tp(ModelConfig("llama", num_heads=4, num_kv_heads=2, **dense), 8)
+    with pytest.raises(ValueError, match="qwen3_moe family"):
+        check_tp(ModelConfig("qwen3_moe", num_heads=4, num_kv_heads=2, **dense), 2)
 
 
 def _rss_mb(pid: int) -> float:

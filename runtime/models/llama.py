@@ -296,7 +296,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.full_config = cfg
         self.tp = tp
-        self.config = cfg = shard_config(cfg, tp.size) if tp is not None else cfg
+        self.config = cfg = shard_config(cfg, tp.rank, tp.size) if tp is not None else cfg
         self.triton_ops = triton_ops
         self.model = DecoderModel(cfg, max_pos or cfg.context_length, triton_ops, tp)
         if not cfg.tie_word_embeddings:

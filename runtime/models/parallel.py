@@ -10,14 +10,23 @@ Each of the ``size`` ranks holds one shard of every projection:
   the lookup is masked to its rows and all-reduced (:class:`VocabParallelEmbedding`), the
   logits of the shards are all-gathered (:meth:`TPGroup.gather_vocab`).
 
-KV heads are split like the q heads when ``size`` divides them; when ``size`` exceeds
-them (``size`` a multiple of ``num_kv_heads``) each rank keeps the one KV head its q heads
-read, so KV heads are replicated ``size / num_kv_heads`` times.
+Heads are split by whole GQA groups (a KV head and the q heads that read it), as
+evenly as they go: with ``size`` not dividing the KV heads the first ranks take one
+group more (SmolLM2-135M's 3 KV heads over 2 ranks: 6 q heads and 2 KV heads on rank 0,
+3 and 1 on rank 1), so ``tp_size=2`` runs on models whose head counts are odd. When
+``size`` exceeds the KV heads (``size`` a multiple of ``num_kv_heads``) each rank keeps
+the one KV head its q heads read (replicated ``size / num_kv_heads`` times) and a share
+of that group's q heads. The intermediate features are split as evenly (the first ranks
+one more), the vocabulary in equal padded shards. Uneven shards cost balance, not
+correctness: the row-parallel all-reduces sum whatever each rank holds. vLLM and SGLang
+require ``size`` to divide the head counts; plait's CPU machines have 2 cores, and the
+default model 9 q / 3 KV heads.
 
 A rank's model is built from :func:`shard_config` (the per-rank head, intermediate and
 vocabulary counts), so the decoder code is the same at every size, and is loaded from
-:func:`shard_weights`, which slices each checkpoint tensor as it streams past: no rank
-ever holds more than one full tensor at a time.
+:func:`shard_weights`, which slices each checkpoint tensor as it streams past (fused
+q/k/v and gate/up tensors, as Phi-3 ships them, part by part): no rank ever holds more
+than one full tensor at a time.
 """
 
 from __future__ import annotations
@@ -34,8 +43,8 @@ from torch import nn
 from plait.runtime.models.config import ModelConfig
 from plait.runtime.models.linear import Linear
 
-# families whose layers are all dense attention + MLP with unfused checkpoints
-TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# families whose layers are all dense attention + MLP (the MoE families' experts are not split)
+TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,42 @@ class TPGroup:
         return torch.cat(parts, dim=-1)[:, :vocab_size]
 
 
+def split(n: int, size: int, rank: int) -> tuple[int, int]:
+    """``(start, count)`` of rank ``rank``'s part of ``n`` items over ``size`` ranks:
+    contiguous, the first ``n % size`` ranks one item more."""
+    base, extra = divmod(n, size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What rank ``rank`` of ``size`` holds: q heads ``[q_start, q_start + q_heads)``, KV
+    heads ``[kv_start, kv_start + kv_heads)`` and intermediate features ``[inter_start,
+    inter_start + inter)`` of the full model."""
+
+    q_start: int
+    q_heads: int
+    kv_start: int
+    kv_heads: int
+    inter_start: int
+    inter: int
+
+
+def shard_of(cfg: ModelConfig, rank: int, size: int) -> Shard:
+    """Rank ``rank``'s heads and intermediate features (:func:`check_tp` has passed)."""
+    group = cfg.num_heads // cfg.num_kv_heads  # q heads per KV head
+    if cfg.num_kv_heads >= size:  # whole GQA groups per rank
+        kv_start, kv_heads = split(cfg.num_kv_heads, size, rank)
+        q_start, q_heads = kv_start * group, kv_heads * group
+    else:  # each KV head on size / num_kv_heads ranks, its q heads split among them
+        per_kv = size // cfg.num_kv_heads
+        kv_start, kv_heads = rank // per_kv, 1
+        start, q_heads = split(group, per_kv, rank % per_kv)
+        q_start = kv_start * group + start
+    inter_start, inter = split(cfg.intermediate_size, size, rank)
+    return Shard(q_start, q_heads, kv_start, kv_heads, inter_start, inter)
+
+
 def check_tp(cfg: ModelConfig, size: int) -> None:
     """Raise ``ValueError`` naming ``tp_size`` when ``cfg`` cannot be split ``size`` ways."""
     if size == 1:
@@ -73,19 +118,16 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
         why = f"the {cfg.architecture} family is not supported with tensor parallelism; supported: {', '.join(TP_FAMILIES)}"
     elif cfg.o_bias:
         why = "models with an o_proj bias are not supported with tensor parallelism"
-    elif cfg.num_heads % size:
-        why = f"it must divide the model's {cfg.num_heads} attention heads"
-    elif cfg.num_kv_heads % size and size % cfg.num_kv_heads:
-        why = f"it must divide the model's {cfg.num_kv_heads} KV heads or be a multiple of them"
-    elif cfg.intermediate_size % size:
-        why = f"it must divide the model's intermediate size {cfg.intermediate_size}"
+    elif cfg.num_kv_heads < size and size % cfg.num_kv_heads:
+        why = (f"the model has {cfg.num_kv_heads} KV heads: a larger tp_size must be a multiple of them "
+               f"(each rank holds at least one whole KV head)")
+    elif cfg.num_kv_heads < size and cfg.num_heads // cfg.num_kv_heads < size // cfg.num_kv_heads:
+        why = (f"the model's {cfg.num_heads} attention heads are too few: each of the {size} ranks needs "
+               f"at least one (at most {cfg.num_heads})")
+    elif cfg.intermediate_size < size:
+        why = f"the model's intermediate size {cfg.intermediate_size} is smaller than it"
     if why:
         raise ValueError(f"tp_size={size} is invalid for this model: {why}")
-
-
-def local_kv_heads(cfg: ModelConfig, size: int) -> int:
-    """KV heads each rank holds (1 when they are replicated)."""
-    return max(cfg.num_kv_heads // size, 1)
 
 
 def vocab_shard(cfg: ModelConfig, size: int) -> int:
@@ -93,15 +135,14 @@ def vocab_shard(cfg: ModelConfig, size: int) -> int:
     return -(-cfg.vocab_size // size)
 
 
-def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
-    """The config one rank's model is built from: its heads, intermediate features and
-    vocabulary rows (the rest unchanged)."""
+def shard_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
+    """The config rank ``rank``'s model is built from: its heads, intermediate features
+    and vocabulary rows (the rest unchanged)."""
     if size == 1:
         return cfg
-    return dataclasses.replace(
-        cfg, num_heads=cfg.num_heads // size, num_kv_heads=local_kv_heads(cfg, size),
-        intermediate_size=cfg.intermediate_size // size, vocab_size=vocab_shard(cfg, size),
-    )
+    s = shard_of(cfg, rank, size)
+    return dataclasses.replace(cfg, num_heads=s.q_heads, num_kv_heads=s.kv_heads, intermediate_size=s.inter,
+                               vocab_size=vocab_shard(cfg, size))
 
 
 class RowParallelLinear(Linear):
@@ -136,31 +177,40 @@ def shard_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Rank ``rank``'s part of each HF-named checkpoint tensor of the full model ``cfg``,
     in the shapes :func:`shard_config`'s model expects; every full tensor is dropped once
-    it is sliced."""
+    it is sliced. Fused ``qkv_proj`` / ``gate_up_proj`` tensors (Phi-3) are sliced part by
+    part and come out as the unfused ``q/k/v_proj`` / ``gate/up_proj`` names."""
     if size == 1:
         yield from weights
         return
-    hd = cfg.head_dim
-    q_rows = cfg.num_heads // size * hd
-    kv_rows = local_kv_heads(cfg, size) * hd
-    # the first KV head of this rank (with replication: the one its q heads read)
-    kv_start = (rank * cfg.num_kv_heads // size if cfg.num_kv_heads < size else rank * (cfg.num_kv_heads // size)) * hd
-    inter = cfg.intermediate_size // size
+    hd, s = cfg.head_dim, shard_of(cfg, rank, size)
+    q = slice(s.q_start * hd, (s.q_start + s.q_heads) * hd)
+    kv = slice(s.kv_start * hd, (s.kv_start + s.kv_heads) * hd)
+    inter = slice(s.inter_start, s.inter_start + s.inter)
     vocab = vocab_shard(cfg, size)
+    q_rows, kv_rows = cfg.num_heads * hd, cfg.num_kv_heads * hd
     for name, t in weights:
-        proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
-        if proj in ("qkv_proj", "gate_up_proj"):
-            raise ValueError(f"checkpoint tensor {name!r} is fused; tensor parallelism needs unfused q/k/v and gate/up")
+        base, _, suffix = name.rpartition(".")
+        module, _, proj = base.rpartition(".")
+        if proj == "qkv_proj":  # [q | k | v] rows
+            parts = {"q_proj": t[:q_rows], "k_proj": t[q_rows : q_rows + kv_rows], "v_proj": t[q_rows + kv_rows :]}
+            for part, rows in parts.items():
+                yield f"{module}.{part}.{suffix}", rows[q if part == "q_proj" else kv].contiguous()
+            continue
+        if proj == "gate_up_proj":  # [gate | up] rows
+            half = cfg.intermediate_size
+            yield f"{module}.gate_proj.{suffix}", t[:half][inter].contiguous()
+            yield f"{module}.up_proj.{suffix}", t[half:][inter].contiguous()
+            continue
         if proj == "q_proj":
-            t = t[rank * q_rows : (rank + 1) * q_rows]
+            t = t[q]
         elif proj in ("k_proj", "v_proj"):
-            t = t[kv_start : kv_start + kv_rows]
+            t = t[kv]
         elif proj in ("gate_proj", "up_proj"):
-            t = t[rank * inter : (rank + 1) * inter]
+            t = t[inter]
         elif proj == "o_proj":
-            t = t[:, rank * q_rows : (rank + 1) * q_rows]
+            t = t[:, q]
         elif proj == "down_proj":
-            t = t[:, rank * inter : (rank + 1) * inter]
+            t = t[:, inter]
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             part = t[rank * vocab : (rank + 1) * vocab]
             t = torch.zeros(vocab, t.shape[1], dtype=t.dtype)
