@@ -1,7 +1,7 @@
 """Tensor parallelism (plait.runtime.tp, gloo on CPU): greedy tokens identical to
 tp_size=1 and prompt logprobs within 1e-4 on tiny random Llama / Qwen2 / Qwen3 models
 (split KV heads), on one with a single KV head over 3 ranks (replicated KV heads), on
-Gemma 3 and Phi-3 (fused checkpoint tensors), and with uneven shards (the default model's
+Gemma 3, Phi-3 (fused checkpoint tensors) and the MoE families, and with uneven shards (the default model's
 9 q / 3 KV heads over 2 ranks),
 under chunked prefill, prefix hits and forced retraction; a killed rank stops the engine
 with TPError and leaves no process behind, in-process and behind a server (whose
@@ -24,7 +24,7 @@ from test_server_failures import pid_alive, wait_dead
 from plait.runtime import Engine
 from plait.runtime.config import EngineConfig
 from plait.runtime.models.config import ModelConfig
-from plait.runtime.models.parallel import check_tp, shard_of
+from plait.runtime.models.parallel import check_tp, shard_of, shard_weights
 from plait.runtime.server.args import add_server_arguments, args_from_namespace
 from plait.runtime.tp import TPError
 
@@ -151,6 +151,40 @@ def test_gemma3_phi3_and_uneven_shards_match_tp1(tmp_path, tokenizer_dir):
         assert_same(got, want)
 
 
+def test_moe_families_match_tp1(tmp_path, tokenizer_dir):
+    """Qwen3-MoE, Mixtral (w1/w2/w3 names) and Qwen2-MoE (a gated shared expert): every
+    rank holds every expert with half of its features; the router is whole on each."""
+    from test_models_moe import KINDS, _config
+
+    prompts = make_prompts(4)
+    for kind in KINDS:
+        folder = _saved(tmp_path / kind, tokenizer_dir, _config(kind))
+        want, _ = run(folder, prompts, kv_cache_tokens=2048)
+        got, _ = run(folder, prompts, tp_size=2, kv_cache_tokens=2048, chunked_prefill_size=16)
+        assert_same(got, want)
+
+
+def test_stacked_and_per_expert_tensors_shard_alike():
+    cfg = ModelConfig("qwen3_moe", vocab_size=100, hidden_size=8, intermediate_size=12, num_layers=1, head_dim=4,
+                      num_heads=2, num_kv_heads=2, num_experts=3, num_experts_per_tok=1, moe_intermediate_size=5)
+    g = torch.Generator().manual_seed(0)
+    gate, up, down = (torch.randn(3, 5, 8, generator=g), torch.randn(3, 5, 8, generator=g),
+                      torch.randn(3, 8, 5, generator=g))
+    per_expert = [(f"model.layers.0.mlp.experts.{e}.{p}.weight", t[e])
+                  for e in range(3) for p, t in (("gate_proj", gate), ("up_proj", up), ("down_proj", down))]
+    stacked = [("model.layers.0.mlp.experts.gate_up_proj", torch.cat([gate, up], dim=1)),
+               ("model.layers.0.mlp.experts.down_proj", down)]
+    for rank, (start, n) in enumerate([(0, 3), (3, 2)]):  # 5 features over 2 ranks
+        parts = dict(shard_weights(per_expert, cfg, rank, 2))
+        got = dict(shard_weights(stacked, cfg, rank, 2))
+        for e in range(3):
+            want_gate_up = torch.cat([gate[e, start : start + n], up[e, start : start + n]])
+            assert torch.equal(got["model.layers.0.mlp.experts.gate_up_proj"][e], want_gate_up)
+            assert torch.equal(parts[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"], gate[e, start : start + n])
+            assert torch.equal(got["model.layers.0.mlp.experts.down_proj"][e], down[e][:, start : start + n])
+            assert torch.equal(parts[f"model.layers.0.mlp.experts.{e}.down_proj.weight"], down[e][:, start : start + n])
+
+
 @pytest.mark.parametrize("heads,kv_heads,size", [(9, 3, 2), (8, 8, 3), (32, 8, 6), (4, 1, 3), (12, 2, 4), (6, 3, 3)])
 def test_shards_cover_every_head_and_feature_once(heads, kv_heads, size):
     cfg = ModelConfig("llama", vocab_size=100, hidden_size=64, intermediate_size=101, num_layers=1, head_dim=16,
@@ -244,8 +278,9 @@ def test_options_and_refusals():
         check_tp(ModelConfig("llama", num_heads=4, num_kv_heads=2, **dense), 3)
     with pytest.raises(ValueError, match=r"tp_size=8 .* 4 attention heads are too few"):
         check_tp(ModelConfig("llama", num_heads=4, num_kv_heads=2, **dense), 8)
-    with pytest.raises(ValueError, match="qwen3_moe family"):
-        check_tp(ModelConfig("qwen3_moe", num_heads=4, num_kv_heads=2, **dense), 2)
+    with pytest.raises(ValueError, match="expert intermediate size is smaller"):
+        check_tp(ModelConfig("qwen3_moe", num_heads=4, num_kv_heads=2, num_experts=2, num_experts_per_tok=1,
+                             moe_intermediate_size=1, **dense), 2)
 
 
 def _rss_mb(pid: int) -> float:

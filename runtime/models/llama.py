@@ -223,7 +223,7 @@ class DecoderLayer(nn.Module):
         if cfg.sparse_layers[layer_id]:
             from plait.runtime.models.moe import SparseMoeBlock
 
-            self.mlp: nn.Module = SparseMoeBlock(cfg, triton_ops)
+            self.mlp: nn.Module = SparseMoeBlock(cfg, triton_ops, tp)
         else:
             self.mlp = MLP(cfg, triton_ops, tp=tp)
         self.rope_local = cfg.rope_local_theta is not None and self.self_attn.sliding_window is not None

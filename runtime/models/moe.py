@@ -24,6 +24,7 @@ from torch import nn
 
 from plait.runtime.models.config import ModelConfig
 from plait.runtime.models.llama import MLP, act_and_mul  # llama imports this module lazily
+from plait.runtime.models.parallel import TPGroup
 
 
 class Router(nn.Module):
@@ -84,10 +85,13 @@ class Experts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """HF ``mlp`` of a sparse layer: ``gate`` (router), ``experts``, and for Qwen2-MoE a
-    ``shared_expert`` (a dense MLP on every token) scaled by ``sigmoid(shared_expert_gate(x))``."""
+    ``shared_expert`` (a dense MLP on every token) scaled by ``sigmoid(shared_expert_gate(x))``.
+    With ``tp`` every rank routes alike (the router is whole) and runs its share of each
+    expert's features; one all-reduce sums the block's output."""
 
-    def __init__(self, cfg: ModelConfig, triton_ops: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, triton_ops: bool = False, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp  # each rank holds every expert's share of features: its output is a partial sum
         self.gate = Router(cfg)
         self.experts = Experts(cfg, fused=triton_ops)
         self.shared_expert: nn.Module | None = None
@@ -100,4 +104,4 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(x, weights, experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)

@@ -32,6 +32,7 @@ than one full tensor at a time.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,8 +44,10 @@ from torch import nn
 from plait.runtime.models.config import ModelConfig
 from plait.runtime.models.linear import Linear
 
-# families whose layers are all dense attention + MLP (the MoE families' experts are not split)
-TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
+# one expert's checkpoint tensor (Mixtral's w1 / w3 gate / up, w2 down)
+_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+
+TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ class Shard:
     kv_heads: int
     inter_start: int
     inter: int
+    moe: tuple[int, int] = (0, 0)  # (start, count) of every routed expert's intermediate features
+    shared: tuple[int, int] = (0, 0)  # the same of the shared expert's (Qwen2-MoE)
 
 
 def shard_of(cfg: ModelConfig, rank: int, size: int) -> Shard:
@@ -106,7 +111,8 @@ def shard_of(cfg: ModelConfig, rank: int, size: int) -> Shard:
         start, q_heads = split(group, per_kv, rank % per_kv)
         q_start = kv_start * group + start
     inter_start, inter = split(cfg.intermediate_size, size, rank)
-    return Shard(q_start, q_heads, kv_start, kv_heads, inter_start, inter)
+    return Shard(q_start, q_heads, kv_start, kv_heads, inter_start, inter,
+                 split(cfg.moe_intermediate_size, size, rank), split(cfg.shared_expert_intermediate_size, size, rank))
 
 
 def check_tp(cfg: ModelConfig, size: int) -> None:
@@ -124,8 +130,8 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
     elif cfg.num_kv_heads < size and cfg.num_heads // cfg.num_kv_heads < size // cfg.num_kv_heads:
         why = (f"the model's {cfg.num_heads} attention heads are too few: each of the {size} ranks needs "
                f"at least one (at most {cfg.num_heads})")
-    elif cfg.intermediate_size < size:
-        why = f"the model's intermediate size {cfg.intermediate_size} is smaller than it"
+    elif min(cfg.intermediate_size, cfg.moe_intermediate_size or size, cfg.shared_expert_intermediate_size or size) < size:
+        why = "the model's MLP or expert intermediate size is smaller than it"
     if why:
         raise ValueError(f"tp_size={size} is invalid for this model: {why}")
 
@@ -142,6 +148,7 @@ def shard_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
         return cfg
     s = shard_of(cfg, rank, size)
     return dataclasses.replace(cfg, num_heads=s.q_heads, num_kv_heads=s.kv_heads, intermediate_size=s.inter,
+                               moe_intermediate_size=s.moe[1], shared_expert_intermediate_size=s.shared[1],
                                vocab_size=vocab_shard(cfg, size))
 
 
@@ -178,7 +185,10 @@ def shard_weights(
     """Rank ``rank``'s part of each HF-named checkpoint tensor of the full model ``cfg``,
     in the shapes :func:`shard_config`'s model expects; every full tensor is dropped once
     it is sliced. Fused ``qkv_proj`` / ``gate_up_proj`` tensors (Phi-3) are sliced part by
-    part and come out as the unfused ``q/k/v_proj`` / ``gate/up_proj`` names."""
+    part and come out as the unfused ``q/k/v_proj`` / ``gate/up_proj`` names. Experts
+    (per-expert tensors or stacked ``experts.gate_up_proj`` [E, 2I, H] / ``down_proj``
+    [E, H, I]) keep every expert, with this rank's share of its intermediate features;
+    the router is whole on every rank."""
     if size == 1:
         yield from weights
         return
@@ -186,11 +196,23 @@ def shard_weights(
     q = slice(s.q_start * hd, (s.q_start + s.q_heads) * hd)
     kv = slice(s.kv_start * hd, (s.kv_start + s.kv_heads) * hd)
     inter = slice(s.inter_start, s.inter_start + s.inter)
+    moe, shared = slice(s.moe[0], s.moe[0] + s.moe[1]), slice(s.shared[0], s.shared[0] + s.shared[1])
     vocab = vocab_shard(cfg, size)
     q_rows, kv_rows = cfg.num_heads * hd, cfg.num_kv_heads * hd
     for name, t in weights:
         base, _, suffix = name.rpartition(".")
         module, _, proj = base.rpartition(".")
+        if _EXPERT.search(name):  # one expert's projection: [I, H] gate / up rows, [H, I] down
+            yield name, (t[:, moe] if proj in ("down_proj", "w2") else t[moe]).contiguous()
+            continue
+        if name.endswith(".experts.gate_up_proj"):  # stacked [E, 2I, H]
+            half = cfg.moe_intermediate_size
+            yield name, torch.cat([t[:, :half][:, moe], t[:, half:][:, moe]], dim=1)
+            continue
+        if name.endswith(".experts.down_proj"):  # stacked [E, H, I]
+            yield name, t[:, :, moe].contiguous()
+            continue
+        mlp = shared if module.endswith("shared_expert") else inter
         if proj == "qkv_proj":  # [q | k | v] rows
             parts = {"q_proj": t[:q_rows], "k_proj": t[q_rows : q_rows + kv_rows], "v_proj": t[q_rows + kv_rows :]}
             for part, rows in parts.items():
@@ -206,11 +228,11 @@ def shard_weights(
         elif proj in ("k_proj", "v_proj"):
             t = t[kv]
         elif proj in ("gate_proj", "up_proj"):
-            t = t[inter]
+            t = t[mlp]
         elif proj == "o_proj":
             t = t[:, q]
         elif proj == "down_proj":
-            t = t[:, inter]
+            t = t[:, mlp]
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             part = t[rank * vocab : (rank + 1) * vocab]
             t = torch.zeros(vocab, t.shape[1], dtype=t.dtype)
