@@ -194,6 +194,26 @@ class BaseBackend(ABC):
         """The served model's path (SGLang's ``get_model_name``)."""
         return str(self.get_server_info()["model_path"])
 
+    @property
+    def model_info(self) -> dict[str, Any]:
+        """SGLang's ``RuntimeEndpoint.model_info`` (its server's ``/get_model_info``):
+        ``model_path``, ``tokenizer_path`` and ``is_generation``."""
+        info = with_sglang_info(self.get_server_info())
+        return {"model_path": info["model_path"], "tokenizer_path": info["tokenizer_path"], "is_generation": True}
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The template roles render with (SGLang's attribute; :meth:`get_chat_template`)."""
+        return self.get_chat_template()
+
+    @chat_template.setter
+    def chat_template(self, value: Any) -> None:
+        # SGLang programs assign get_chat_template(name) here; plait renders roles with
+        # the served model's own template, so a replacement would be silently ignored
+        raise ValueError(f"{type(self).__name__}.chat_template cannot be replaced (given {value!r:.60}): plait "
+                         "renders roles with the served model's own chat template (or the runtime's "
+                         "--chat-template); drop the assignment")
+
     def shutdown(self) -> None:
         pass
 
@@ -260,11 +280,14 @@ class BaseBackend(ABC):
             tokens = self._score_choices(prompt, choices, 0, scope)
         assert tokens is not None
         normalized = [_mean_logprob(t) for t in tokens]
+        # every keyword of SGLang's interface, unconditional_token_logprobs None unless
+        # the method asks for it (custom methods may take it without a default)
         kwargs: dict[str, Any] = dict(
             choices=choices,
             normalized_prompt_logprobs=normalized,
             input_token_logprobs=tokens,
             output_token_logprobs=[[] for _ in choices],
+            unconditional_token_logprobs=None,
         )
         if getattr(method, "requires_unconditional_logprobs", False):
             reqs = [

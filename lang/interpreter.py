@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import queue
 import threading
 from collections import Counter
@@ -336,6 +337,12 @@ class ProgramState(RoleScopes):
         self.ret_value: Any = None
         self.body_error: BaseException | None = None
 
+    @property
+    def stream_executor(self) -> Executor:
+        """SGLang's name for the state's executor: programs read its ``meta_info`` and
+        ``variables`` dicts (by variable name) once the program is done."""
+        return self.executor
+
     # -- building ------------------------------------------------------------------------------
     def __iadd__(self, other: Any) -> ProgramState:
         self.executor.submit(as_expr(other))
@@ -345,10 +352,15 @@ class ProgramState(RoleScopes):
         self.executor.submit(expr)
 
     def fork(self, size: int = 1, position_ids_offset: Any = None) -> ProgramStateGroup:
-        # size 0 (a fork per item of an empty list) is an empty group, as in SGLang
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        # size 0 (a fork per item of an empty list) is an empty group, as in SGLang; an
+        # integer of another type (numpy's) counts as its value, as SGLang's int(size)
+        try:
+            n = operator.index(size)
+        except TypeError:
+            n = -1
+        if isinstance(size, bool) or n < 0:
             raise ValueError(f"fork size={size!r} is invalid; allowed: an integer >= 0")
-        return ProgramStateGroup([ProgramState(x) for x in self.executor.fork(size)], self)
+        return ProgramStateGroup([ProgramState(x) for x in self.executor.fork(n)], self)
 
     @contextlib.contextmanager
     def copy(self, position_ids_offset: Any = None) -> Iterator[ProgramState]:

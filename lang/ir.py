@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -117,6 +118,12 @@ class ToolSpec:
         """Check a gen's tool arguments (``ValueError`` naming the one at fault)."""
         from plait.tool_parsers import TOOL_PARSERS, check_tools
 
+        if isinstance(tools, (list, tuple)):
+            for i, t in enumerate(tools):
+                if callable(t):
+                    raise ValueError(f"tools[{i}] is a Python function ({getattr(t, '__name__', t)!r}); allowed: "
+                                     "OpenAI function tools, {'type': 'function', 'function': {'name': NAME, "
+                                     "'description': ..., 'parameters': JSON_SCHEMA}}")
         check_tools(tools)
         if parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser={parser!r} is invalid; allowed: {', '.join(TOOL_PARSERS)}")
@@ -240,6 +247,13 @@ class RoleScopes:
         self._append(VarScopeBegin(name))
         yield
         self._append(VarScopeEnd(name))
+
+    def begin_debug_region(self, name: str) -> None:
+        """SGLang's debug-studio marker (its prompts from here on go to
+        ``sglang.launch_debug_server``). plait has no debug studio: the call changes
+        nothing but a warning; ``text()`` and ``trace()`` show what a program sends."""
+        warnings.warn(f"begin_debug_region({name!r}): plait has no debug studio, the region is ignored (the "
+                      "program runs as written; read state.text() or f.trace() to see its prompts)", stacklevel=2)
 
 
 def flatten(x: Expr) -> list[Expr]:
