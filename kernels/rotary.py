@@ -7,7 +7,8 @@ layout is undone by the loader).
 
 The cos/sin cache is built once per model by :func:`rope_cos_sin_cache` from the
 inverse frequencies of :func:`compute_inv_freq`, which implements the ``default``,
-``linear`` and ``llama3`` rope types exactly as transformers computes them.
+``linear``, ``llama3`` and ``yarn`` rope types exactly as transformers computes them
+(YaRN also scales cos and sin by its attention factor: :func:`attention_factor`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _rope_type(rope_scaling: Mapping[str, Any] | None) -> str:
@@ -59,7 +60,51 @@ def compute_inv_freq(head_dim: int, theta: float, rope_scaling: Mapping[str, Any
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(is_medium, blended, scaled)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, factor, rope_scaling)
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+
+
+def _yarn_inv_freq(dim: int, theta: float, factor: float, rope_scaling: Mapping[str, Any]) -> torch.Tensor:
+    """transformers' ``_compute_yarn_parameters`` inverse frequencies (same fp32 ops)."""
+    original = float(rope_scaling["original_max_position_embeddings"])
+    beta_fast = float(rope_scaling.get("beta_fast") or 32)
+    beta_slow = float(rope_scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns this often over the original context
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope_scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # 1: the frequency extrapolates (kept), 0: interpolated
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def attention_factor(rope_scaling: Mapping[str, Any] | None) -> float:
+    """The factor on cos and sin: YaRN's ``attention_factor`` (given, or from ``factor``
+    and ``mscale`` / ``mscale_all_dim`` as transformers infers it); 1 otherwise."""
+    if _rope_type(rope_scaling) != "yarn":
+        return 1.0
+    assert rope_scaling is not None
+    given = rope_scaling.get("attention_factor")
+    if given is not None:
+        return float(given)
+    factor = float(rope_scaling["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(factor, float(m)) / mscale(factor, float(m_all)))
+    return mscale(factor)
 
 
 def rope_cos_sin_cache(
@@ -72,9 +117,13 @@ def rope_cos_sin_cache(
 ) -> torch.Tensor:
     """The cos/sin cache ``[max_positions, head_dim]``: ``cos`` in the first half of the
     last dim, ``sin`` in the second, each ``[max_positions, head_dim // 2]``.
-    Angles are computed in fp32 (as HF does) and then cast to ``dtype``."""
+    Angles are computed in fp32 (as HF does) and then cast to ``dtype``; YaRN's
+    attention factor multiplies both halves (as HF's ``attention_scaling``)."""
     inv_freq = compute_inv_freq(head_dim, theta, rope_scaling).to(device)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=device), inv_freq)
+    scale = attention_factor(rope_scaling)
+    if scale != 1.0:
+        return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).to(dtype)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
 
 

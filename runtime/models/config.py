@@ -60,7 +60,7 @@ class ModelConfig:
     One decoder implementation (:mod:`plait.runtime.models.llama`) serves all of them; the
     differences are flags: ``qkv_bias``/``o_bias`` (Qwen2 has q/k/v bias only), ``qk_norm``
     (per-head RMSNorm on q and k: Qwen3, Gemma 3), ``tie_word_embeddings``, ``rope_scaling``
-    (llama3 / linear / longrope), and for Gemma 3 ``norm_unit_offset`` (RMSNorm scales by
+    (llama3 / linear / yarn / longrope), and for Gemma 3 ``norm_unit_offset`` (RMSNorm scales by
     ``1 + w``), ``sandwich_norms`` (norms after attention and after the MLP too),
     ``scale_embeddings`` (by sqrt(hidden)), ``query_pre_attn_scalar``, soft-capping and
     per-layer sliding windows with their own rope base (``rope_local_theta``). Mixture-of-
@@ -211,6 +211,14 @@ class ModelConfig:
                 or d["original_max_position_embeddings"],
                 "max_position_embeddings": d["max_position_embeddings"],
             }
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "yarn":
+            # transformers: the pretraining context from the config's own field first, then
+            # the dict's, then max_position_embeddings; a missing factor is their ratio
+            original = (d.get("original_max_position_embeddings") or rope_scaling.get("original_max_position_embeddings")
+                        or d["max_position_embeddings"])
+            rope_scaling = {**rope_scaling, "rope_type": "yarn", "original_max_position_embeddings": original}
+            if rope_scaling.get("factor") is None:
+                rope_scaling["factor"] = d["max_position_embeddings"] / original
         if float(d.get("partial_rotary_factor") or 1.0) != 1.0:
             raise ValueError(f"partial_rotary_factor={d['partial_rotary_factor']} is not supported; supported: 1.0")
         eos = d.get("eos_token_id")

@@ -5,7 +5,7 @@ Parameter names follow Hugging Face checkpoints; :meth:`CausalLM.load_weights` t
 HF names and fuses q/k/v and gate/up into single projections (one GEMM each; Phi-3
 checkpoints arrive fused). Architecture differences are flags on :class:`ModelConfig`:
 q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), tied embeddings, rope
-scaling (llama3, linear, longrope), Gemma 3's ``(1 + w)`` norms, sandwich norms,
+scaling (llama3, linear, yarn, longrope), Gemma 3's ``(1 + w)`` norms, sandwich norms,
 embedding scale, GELU-tanh, soft-capped logits and sliding-window layers with their own
 rope base, and routed experts in place of the MLP (:mod:`plait.runtime.models.moe`).
 """
