@@ -45,7 +45,8 @@ MAX_CONSTRAINED_CALLS = 8  # calls one constrained turn may make when parallel c
 class ToolCall:
     """One function call: ``arguments`` is a JSON text (an object), unless ``cut``:
     the output ended (the length limit, a stop string) while the call was written, and
-    ``arguments`` is as far as it got."""
+    ``arguments`` is as far as it got; or, in :attr:`ToolStream.calls`, a call that
+    streamed but whose text did not end as a valid call."""
 
     id: str
     name: str
@@ -404,11 +405,12 @@ class ToolParser:
         calls = [ToolCall(new_call_id(), c.name, c.args, not c.complete) for c in s.calls if c.complete or cut]
         rest = self.rest_kept(s.rest, cut)
         if not calls:
-            if cut and self.cut_markup(text[s.content_end:]):
+            # (only a call cut off before its name is markup: after a whole block that is
+            # no call, the text is the model's, and was dropped with it)
+            if cut and not s.rest and self.cut_markup(text[s.content_end:]):
                 return text[:s.content_end].strip(), []
             return text, []
-        content = (text[:s.content_end] + "".join(rest)).strip()
-        return content, calls
+        return join_content(text[:s.content_end], rest), calls
 
     def stream(self, tools: list[dict[str, Any]]) -> ToolStream:
         return ToolStream(self, tools)
@@ -442,6 +444,14 @@ def _hold_back(text: str, start: int, markers: tuple[str, ...]) -> int:
     while end > start and text[end - 1].isspace():
         end -= 1
     return end
+
+
+def join_content(before: str, rest: list[str]) -> str:
+    """A reply's content when it makes calls: the text before the first call, then a
+    line break and the text found after the calls began (:attr:`_Scan.rest`), stripped;
+    as :class:`ToolStream` sends it (the words either side of a call were glued)."""
+    tail = "".join(rest).strip()
+    return (before + ("\n" if before and tail else "") + tail).strip()
 
 
 def _content_before(text: str, m: int) -> int:
@@ -837,10 +847,12 @@ class ToolStream:
     arguments stream as written. What ``finish`` adds makes the concatenated deltas
     equal :meth:`ToolParser.parse` of the whole text (the ids aside), except for a
     call whose name streamed and whose text turned out invalid (cut off by the length
-    limit, or broken JSON): its arguments stop where they were valid so far. With
-    ``finish(cut=True)`` (the length limit cut the output) such a call stays a call,
-    as ``parse(text, tools, cut=True)`` reads it (:attr:`ToolCall.cut` set in
-    :attr:`calls`), and its text is not sent as content.
+    limit, or broken JSON): its arguments stop where they were sent, and it is marked
+    :attr:`ToolCall.cut` in :attr:`calls` (so the turn does not end with
+    finish_reason ``tool_calls``, as the parse, which finds no call there, does not).
+    With ``finish(cut=True)`` (the length limit cut the output) such a call stays a
+    call, as ``parse(text, tools, cut=True)`` reads it, and its text is not sent as
+    content.
     """
 
     def __init__(self, parser: ToolParser, tools: list[dict[str, Any]]) -> None:
@@ -872,11 +884,12 @@ class ToolStream:
         out: list[dict[str, Any]] = []
         has_calls = bool(self.index) or any(c.complete or not closed for c in s.calls)
         content_end = s.content_end if has_calls else (len(self.text) if final else s.content_end)
-        if final and cut and not has_calls and self.parser.cut_markup(self.text[s.content_end:]):
+        if final and cut and not has_calls and not s.rest and self.parser.cut_markup(self.text[s.content_end:]):
             content_end = s.content_end  # a call cut off before its name: markup (as parse reads it)
         if content_end > self.sent_content:
             out.append({"content": self.text[self.sent_content:content_end]})
             self.sent_content = content_end
+        valid: set[int] = set()  # (final: the keys of the calls the whole text holds)
         for c in s.calls:
             if c.key not in self.index:
                 k = self.index[c.key] = len(self.index)
@@ -887,11 +900,16 @@ class ToolStream:
             k, sent = self.index[c.key], self.sent_args[c.key]
             if final:
                 self.calls[k].cut = not c.complete
+                valid.add(c.key)
             if len(c.args) > sent and c.args.startswith(self.calls[k].arguments):
                 frag = c.args[sent:]
                 self.sent_args[c.key] = len(c.args)
                 self.calls[k].arguments = c.args
                 out.append({"tool_calls": [{"index": k, "function": {"arguments": frag}}]})
+        if final:
+            for key, k in self.index.items():
+                if key not in valid:  # streamed, but its text did not end as a call (broken JSON after it)
+                    self.calls[k].cut = True
         if final and has_calls and s.rest:
             tail = "".join(self.parser.rest_kept(s.rest, cut)).strip()
             if tail:

@@ -819,6 +819,13 @@ async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIte
     chats: dict[int, oa.ChatStream] = {}  # choice index -> its chat deltas (reasoning, tool calls)
     yielded = False
     echoes: dict[int, str] = {}  # choice index -> its echoed prompt, sent with the prompt's logprobs
+    written: dict[int, int] = {}  # choice index -> its tokens so far (continuous_usage_stats)
+
+    def out(chunk: dict[str, Any], prompt_i: int, index: int) -> bytes:
+        if job.continuous_usage:
+            chunk["usage"] = oa.chunk_usage(job, prompt_i, written.get(index, 0))
+        return sse(chunk)
+
     try:
         if job.echo_texts:
             for pi, text in enumerate(job.echo_texts):
@@ -826,17 +833,19 @@ async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIte
                     index = oa.choice_index(job, pi, idx)
                     if job.logprobs is None:
                         yielded = True
-                        yield sse(oa.stream_chunk(job, index, text, None))
+                        yield out(oa.stream_chunk(job, index, text, None), pi, index)
                     else:  # the prompt's logprobs come with the first output of the choice
                         echoes[index] = text
         async for msg in sub.events():
             yielded = True
-            index = oa.choice_index(job, sub.prompt_of[msg.rid], msg.index)
+            pi = sub.prompt_of[msg.rid]
+            index = oa.choice_index(job, pi, msg.index)
+            meta = msg.meta if isinstance(msg, P.StreamChunk) else msg.meta_info
+            written[index] = meta.get("completion_tokens", written.get(index, 0))
             if index in echoes:
-                meta = msg.meta if isinstance(msg, P.StreamChunk) else msg.meta_info
                 tops = meta.get("input_top_logprobs") if job.logprobs else None
                 lp = offsets.completion(index, meta.get("input_token_logprobs", []), tops)
-                yield sse(oa.stream_chunk(job, index, echoes.pop(index), None, logprobs=lp))
+                yield out(oa.stream_chunk(job, index, echoes.pop(index), None, logprobs=lp), pi, index)
             role = job.chat and index not in started
             started.add(index)
             if isinstance(msg, P.StreamChunk):
@@ -851,21 +860,20 @@ async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIte
                 if job.chat:
                     cs = chats.setdefault(index, (job.output or oa.ChatOutput()).stream())
                     for c in oa.chat_chunks(job, cs, index, msg.text, role=role, logprobs=lp):
-                        yield sse(c)
+                        yield out(c, pi, index)
                 elif msg.text or lp is not None:
-                    yield sse(oa.stream_chunk(job, index, msg.text, None, logprobs=lp))
+                    yield out(oa.stream_chunk(job, index, msg.text, None, logprobs=lp), pi, index)
             else:
-                meta = msg.meta_info
                 completion += meta.get("completion_tokens", 0)
                 if msg.index == 0:
                     cached += meta.get("cached_tokens", 0)
                 if job.chat:
                     cs = chats.setdefault(index, (job.output or oa.ChatOutput()).stream())
                     for c in oa.chat_chunks(job, cs, index, None, role=role, meta=meta):
-                        yield sse(c)
+                        yield out(c, pi, index)
                 else:
-                    yield sse(oa.stream_chunk(job, index, "", oa.finish_reason(meta),
-                                              matched_stop=(meta.get("finish_reason") or {}).get("matched")))
+                    yield out(oa.stream_chunk(job, index, "", oa.finish_reason(meta),
+                                              matched_stop=(meta.get("finish_reason") or {}).get("matched")), pi, index)
         if job.include_usage:
             yield sse(oa.usage_chunk(job, completion, cached))
     except RequestError as e:

@@ -33,8 +33,11 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 # Fields accepted and ignored (they change nothing here), with the kind each must have
 # (a mistyped one is a 400, as on OpenAI's API: a client's bug is not silently dropped).
+# (prompt caching is automatic here: OpenAI's cache hints have nothing to change)
 _IGNORED = {"user": "str", "store": "bool", "metadata": "dict", "service_tier": "str", "stream_options": "dict",
-            "prompt_cache_key": "str", "safety_identifier": "str"}
+            "prompt_cache_key": "str", "safety_identifier": "str", "prompt_cache_retention": "str",
+            "prompt_cache_options": "dict"}
+PROMPT_CACHE_RETENTIONS = ("in_memory", "24h")
 # Extensions passed to the sampler under the same name (vLLM / SGLang extras).
 _SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
                     "no_stop_trim")
@@ -45,10 +48,11 @@ COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                          "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "reasoning_effort",
                          "modalities", "max_reasoning_chars", "add_generation_prompt", "continue_final_message",
-                         "chat_template_kwargs", "verbosity", "audio", "prediction", "web_search_options"}
+                         "chat_template_kwargs", "verbosity", "audio", "prediction", "web_search_options",
+                         "moderation"}
 # chat fields the official client sends that name features this server lacks: accepted as null
 _NULL_ONLY = {"audio": "it writes text only", "prediction": "no predicted outputs",
-              "web_search_options": "no web search"}
+              "web_search_options": "no web search", "moderation": "no moderation"}
 # engine name -> OpenAI name, for messages from SamplingParams' validation
 _RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
@@ -65,6 +69,7 @@ class Job:
     n: int
     stream: bool
     include_usage: bool = False
+    continuous_usage: bool = False  # usage on every chunk (stream_options.continuous_usage_stats)
     echo_texts: list[str] = field(default_factory=list)  # completions with echo=True
     logprobs: int | None = None  # number of top logprobs (0: chosen token only); None: off
     prompt_tokens: list[int] = field(default_factory=list)
@@ -115,6 +120,10 @@ def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
     for name, kind in _IGNORED.items():
         get_field(body, name, kind)
     check_metadata(body.get("metadata"))
+    retention = body.get("prompt_cache_retention")
+    if retention is not None and retention not in PROMPT_CACHE_RETENTIONS:
+        raise RequestError(f"prompt_cache_retention={_short(retention)} is invalid; allowed: null or one of "
+                           f"{', '.join(repr(r) for r in PROMPT_CACHE_RETENTIONS)}", "prompt_cache_retention")
     tier = body.get("service_tier")  # OpenAI's processing tiers: checked, not used (one tier here)
     if tier is not None and tier not in SERVICE_TIERS:
         raise RequestError(f"service_tier={_short(tier)} is invalid; allowed: null or one of "
@@ -166,6 +175,25 @@ def check_echoable(value: Any, param: str) -> None:
                 stack.append(x)
         elif isinstance(v, list):
             stack.extend(v)
+
+
+def check_verbosity(body: dict[str, Any], param: str) -> None:
+    """``body["verbosity"]`` (chat's, or the Responses API's ``text.verbosity``): null,
+    ``low``, ``medium`` or ``high``. A hint to OpenAI's models: checked, not used."""
+    try:
+        verbosity = get_field(body, "verbosity", "str")
+    except RequestError as e:
+        raise e.with_param(param, param + e.message[len("verbosity"):]) from None
+    if verbosity not in (None, "low", "medium", "high"):
+        raise RequestError(f"{param}={_short(verbosity)} is invalid; allowed: null, 'low', 'medium' or 'high'", param)
+
+
+def check_null_only(body: dict[str, Any], features: dict[str, str]) -> None:
+    """Fields naming OpenAI features this server does not have (name -> why): null is
+    their absence, any other value a 400 saying so."""
+    for name, what in features.items():
+        if body.get(name) is not None:
+            raise RequestError(f"{name} is not supported by this server ({what}); allowed: null", name)
 
 
 def check_reasoning_effort(value: Any, param: str) -> None:
@@ -252,18 +280,42 @@ def openai_error(e: RequestError, job: Job | None = None) -> RequestError:
     return e.with_param(new, message)
 
 
-def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
+# stream_options keys: OpenAI's (include_obfuscation: accepted, the chunks carry no
+# obfuscation padding here) and vLLM's continuous_usage_stats; the Responses API has only
+# include_obfuscation
+STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
+
+
+def check_stream_options(opts: dict[str, Any], allowed: tuple[str, ...]) -> dict[str, bool]:
+    """``stream_options`` as {key: bool}: each key one of ``allowed`` (a misspelt
+    ``include_usage`` was dropped without a word, and the usage never came)."""
+    out = {}
+    for key in opts:
+        if key not in allowed:
+            raise RequestError(f"stream_options has the key {_short(key)}, which is not a stream option; allowed: "
+                               f"{', '.join(allowed)}", "stream_options")
+        try:
+            out[key] = get_field(opts, key, "bool", False)
+        except RequestError as e:
+            raise e.with_param(f"stream_options.{key}", "stream_options." + e.message) from None
+    return out
+
+
+def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """``stream``, and whether the stream reports usage at its end (``include_usage``)
+    and on every chunk too (vLLM's ``continuous_usage_stats``, with ``include_usage``)."""
     stream = get_field(body, "stream", "bool", False)
     opts = get_field(body, "stream_options", "dict")
-    include_usage = False
-    if opts is not None:
-        if not stream:
-            raise RequestError("stream_options is only allowed when stream is true", "stream_options")
-        try:
-            include_usage = get_field(opts, "include_usage", "bool", False)
-        except RequestError as e:
-            raise e.with_param("stream_options.include_usage", "stream_options." + e.message) from None
-    return stream, include_usage
+    if opts is None:
+        return stream, False, False
+    if not stream:
+        raise RequestError("stream_options is only allowed when stream is true", "stream_options")
+    o = check_stream_options(opts, STREAM_OPTIONS)
+    usage, continuous = o.get("include_usage", False), o.get("continuous_usage_stats", False)
+    if continuous and not usage:
+        raise RequestError("stream_options.continuous_usage_stats needs stream_options.include_usage true (the "
+                           "usage it adds to every chunk)", "stream_options.continuous_usage_stats")
+    return stream, usage, continuous
 
 
 MAX_BATCH_PROMPTS = 2048  # prompts in one request (a batch); n multiplies them within the engine's own limits
@@ -316,12 +368,12 @@ def parse_completion(front: Front, body: dict[str, Any]) -> Job:
     best_of = get_field(body, "best_of", "int")
     if best_of is not None and best_of != n:
         raise RequestError(f"best_of={best_of} is not supported; allowed: equal to n ({n})", "best_of")
-    stream, include_usage = _stream_fields(body)
+    stream, include_usage, continuous = _stream_fields(body)
     echo = get_field(body, "echo", "bool", False)
     logprobs = get_field(body, "logprobs", "int", None, 0, MAX_TOP_LOGPROBS)
     salt = get_field(body, "cache_salt", "str")
     base = _rid_base(front, body, "cmpl")
-    job = Job(False, base, model, int(time.time()), [], 1, stream, include_usage, logprobs=logprobs)
+    job = Job(False, base, model, int(time.time()), [], 1, stream, include_usage, continuous, logprobs=logprobs)
     for i, p in enumerate(prompts):
         ids = front.encode(p, "prompt") if isinstance(p, str) else list(p)
         sp = sampling_params(front, body, len(ids), 16)
@@ -402,8 +454,12 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if role not in _ROLES:
             raise RequestError(f"{where}.role={_short(role)} is invalid; allowed: {', '.join(_ROLES)}", "messages")
         content = m.get("content")
+        refusal = m.get("refusal")
+        if refusal is not None and (role != "assistant" or not isinstance(refusal, str)):
+            raise RequestError(f"{where}.refusal={_short(refusal)} is invalid; allowed: a string, in an assistant "
+                               f"message", "messages")
         if content is None and role == "assistant":
-            content = ""
+            content = refusal or ""  # a refusal it said is what it said (as a refusal part is replayed)
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
                                "content": _text_content(content, where, role)}
         if m.get("function_call") is not None:  # (null, as the client's model_dump() writes it, is fine)
@@ -473,8 +529,14 @@ class ChatStream:
     @property
     def has_calls(self) -> bool:
         """The output made tool calls and none was cut off (as :meth:`ChatOutput.message`)."""
+        return bool(self.tools is not None and self.tools.calls) and not self.cut_calls
+
+    @property
+    def cut_calls(self) -> list[int]:
+        """The stream indexes of the calls that did not end whole: cut off, or streamed
+        before their text turned out no call (:class:`~plait.tool_parsers.ToolStream`)."""
         calls = self.tools.calls[: self.max_calls] if self.tools is not None else []
-        return bool(calls) and not any(c.cut for c in calls)
+        return [k for k, c in enumerate(calls) if c.cut]
 
     def _kept(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``deltas`` without those of calls past ``max_calls``."""
@@ -822,13 +884,8 @@ def parse_chat(front: Front, body: dict[str, Any]) -> Job:
         raise RequestError(f"modalities={_short(modalities)} is invalid; allowed: [\"text\"] (this server writes "
                            f"text only)", "modalities")
     check_reasoning_effort(body.get("reasoning_effort"), "reasoning_effort")
-    verbosity = get_field(body, "verbosity", "str")  # a hint to OpenAI's models: checked, not used
-    if verbosity not in (None, "low", "medium", "high"):
-        raise RequestError(f"verbosity={_short(verbosity)} is invalid; allowed: null, 'low', 'medium' or 'high'",
-                           "verbosity")
-    for name, what in _NULL_ONLY.items():  # OpenAI features this server does not have: null is their absence
-        if body.get(name) is not None:
-            raise RequestError(f"{name} is not supported by this server ({what}); allowed: null", name)
+    check_verbosity(body, "verbosity")
+    check_null_only(body, _NULL_ONLY)
     schema = response_format_schema(get_field(body, "response_format", "dict"))
     chat = chat_request(front, body, messages, schema, "response_format")
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -838,13 +895,13 @@ def parse_chat(front: Front, body: dict[str, Any]) -> Job:
     top = get_field(body, "top_logprobs", "int", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want_lp:
         raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
-    stream, include_usage = _stream_fields(body)
+    stream, include_usage, continuous = _stream_fields(body)
     base = _rid_base(front, body, "chatcmpl")
     req = P.GenerateRequest(
         rid=base, input_ids=chat.ids, sampling_params=sp, stream=stream, return_logprob=want_lp,
         top_logprobs_num=top or 0, cache_salt=get_field(body, "cache_salt", "str"),
     )
-    return Job(True, base, model, int(time.time()), [req], sp.get("n", 1), stream, include_usage,
+    return Job(True, base, model, int(time.time()), [req], sp.get("n", 1), stream, include_usage, continuous,
                logprobs=(top or 0) if want_lp else None, prompt_tokens=[len(chat.ids)],
                constraint_field=chat.constraint_field, output=chat.output)
 
@@ -924,6 +981,13 @@ def usage(job: Job, completion_tokens: int, cached: int) -> dict[str, Any]:
     prompt = sum(job.prompt_tokens)
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def chunk_usage(job: Job, prompt_i: int, completion_tokens: int) -> dict[str, Any]:
+    """A chunk's usage under ``continuous_usage_stats`` (as vLLM writes it): its
+    prompt's tokens and the tokens its choice has written so far."""
+    prompt = job.prompt_tokens[prompt_i]
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
 
 
 def choice_index(job: Job, prompt_i: int, index: int) -> int:

@@ -42,11 +42,17 @@ from plait.runtime.server.front import Front
 
 STORE_SIZE = 256  # responses whose conversations a server keeps for previous_response_id
 
+# fields of the openai client naming features this server lacks: accepted as null
+NULL_ONLY = {"conversation": "no stored conversations; continue one with previous_response_id",
+             "prompt": "no stored prompt templates", "context_management": "no context compaction",
+             "moderation": "no moderation", "access_programs": "no access programs",
+             "image": "it reads text only"}
+
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "previous_response_id",
           "text", "max_output_tokens", "temperature", "top_p", "stream", "store", "metadata", "user", "seed",
           "reasoning", "truncation", "include", "service_tier", "top_k", "min_p", "repetition_penalty",
           "frequency_penalty", "presence_penalty", "stop", "cache_salt", "prompt_cache_key", "safety_identifier",
-          "max_reasoning_chars", "background", "max_tool_calls", "top_logprobs", "logit_bias"}
+          "max_reasoning_chars", "background", "max_tool_calls", "top_logprobs", "logit_bias"} | set(NULL_ONLY)
 
 LOGPROBS = "message.output_text.logprobs"
 # The openai client's ResponseIncludable. Only LOGPROBS changes a response here. The others are
@@ -127,13 +133,20 @@ def not_held(store: ResponseStore, rid: str) -> RequestError:
 
 
 # -- request ----------------------------------------------------------------------------------
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, role: str = "user") -> str:
+    """A message's content as text: a string or text parts (and, in an assistant
+    message, ``refusal`` parts, whose text it said: an output replayed as input)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for k, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "refusal" and role == "assistant":
+                if not isinstance(part.get("refusal"), str):
+                    raise RequestError(f"{where}.content[{k}].refusal must be a string", "input")
+                parts.append(part["refusal"])
+                continue
             if kind not in ("input_text", "output_text", "text"):
                 what = f"a {kind!r} part" if isinstance(kind, str) else repr(part)[:80]
                 raise RequestError(f"{where}.content[{k}] is {what}, which is not supported (this server reads text "
@@ -163,7 +176,7 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise RequestError(f"{where}.role={role!r} is invalid; allowed: user, system, developer, assistant",
                                    "input")
-            out.append({"role": role, "content": _content_text(item.get("content"), where)})
+            out.append({"role": role, "content": _content_text(item.get("content"), where, role)})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise RequestError(f"{where}: a function_call needs call_id, name and arguments (strings)", "input")
@@ -188,9 +201,11 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
 
 
 def _text_parts(content: Any, kind: str) -> list[dict[str, Any]]:
-    """A (checked) message content as a list of ``kind`` parts."""
-    texts = [content] if isinstance(content, str) else [p["text"] for p in content]
-    return [{"type": kind, "text": t, **({"annotations": []} if kind == "output_text" else {})} for t in texts]
+    """A (checked) message content as a list of ``kind`` parts (an assistant's refusal
+    parts stay refusal parts)."""
+    parts = [{"text": content}] if isinstance(content, str) else content
+    return [{"type": "refusal", "refusal": p["refusal"]} if p.get("type") == "refusal" else
+            {"type": kind, "text": p["text"], **({"annotations": []} if kind == "output_text" else {})} for p in parts]
 
 
 def stored_input_items(store: ResponseStore, prev: str | None, items: Any) -> list[dict[str, Any]]:
@@ -273,6 +288,12 @@ class ResponseJob:
 def parse_response_request(front: Front, store: ResponseStore, body: dict[str, Any]) -> ResponseJob:
     oa.check_fields(body, FIELDS)
     model = oa.check_model(front, body)
+    oa.check_null_only(body, NULL_ONLY)
+    opts = oa.get_field(body, "stream_options", "dict")
+    if opts is not None:
+        if not oa.get_field(body, "stream", "bool", False):
+            raise RequestError("stream_options is only allowed when stream is true", "stream_options")
+        oa.check_stream_options(opts, ("include_obfuscation",))
     if oa.get_field(body, "background", "bool", False):  # accepted at its default: clients send it
         raise RequestError("background=true is not supported by this server; allowed: false", "background")
     want_lp = check_include(oa.get_field(body, "include", "list", []))
@@ -300,6 +321,12 @@ def parse_response_request(front: Front, store: ResponseStore, body: dict[str, A
     instructions = oa.get_field(body, "instructions", "str")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history + new
     text = oa.get_field(body, "text", "dict")
+    if text is not None:
+        unknown = sorted(set(text) - {"format", "verbosity"})
+        if unknown:
+            raise RequestError(f"text has the key {oa._short(unknown[0])}, which is not a text option; allowed: "
+                               f"format, verbosity", "text")
+        oa.check_verbosity(text, "text.verbosity")
     fmt = oa.get_field(text, "format", "dict") if text is not None else None
     for name in ("tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p"):  # repeated in the response
         oa.check_echoable(body.get(name), name)
@@ -543,6 +570,8 @@ async def stream(store: ResponseStore, rj: ResponseJob, events: AsyncIterator[An
             cut = oa.output_cut(msg.meta_info)
             out = ev.deltas(cs.finish(cut), [])
             _mark_cut(ev.items, cut and not cs.has_calls)
+            for k in cs.cut_calls:  # (a call that streamed, then was no call: not a whole one)
+                ev.items[ev.calls[k]]["status"] = "incomplete"
             for e in out + ev.close():
                 yield e
             parts = [it["content"][0] for it in ev.items if it["type"] == "message"]
