@@ -145,12 +145,14 @@ FORMATS = {
 }
 FORMATS["date-time"] = FORMATS["date"] + "T" + FORMATS["time"]
 _UT_LITERAL = r"[A-Za-z0-9._~:/?#@!$&()*+,;=-]"  # RFC 6570 literals (a subset)
-_UT_VAR = r"[A-Za-z0-9_]{1,16}(?::[1-9][0-9]{0,3}|\*)?"
+# a prefix below 1000: the format checker (uri_template) refuses 1000 and more
+_UT_VAR = r"[A-Za-z0-9_]{1,16}(?::[1-9][0-9]{0,2}|\*)?"
 _JSON_POINTER = r"(?:/(?:[^/~\"\\\x00-\x1f]|~[01]){0,24}){0,8}"  # RFC 6901
 FORMATS.update({
     "uri-template": r"(?:" + _UT_LITERAL + r"|\{[+#./;?&]?" + _UT_VAR + r"(?:," + _UT_VAR + r"){0,3}\}){0,40}",
     "json-pointer": _JSON_POINTER,
-    "relative-json-pointer": r"(?:0|[1-9][0-9]{0,8})(?:#|" + _JSON_POINTER + ")",
+    # no digit after a 0: jsonschema's checker refuses "100#" (it reads a 0 before a digit as a leading zero)
+    "relative-json-pointer": r"(?:0|[1-9]{1,8}0?)(?:#|" + _JSON_POINTER + ")",
     "regex": r"[A-Za-z0-9 _-]{0,40}",  # literal text: a valid regex in every dialect
     # every URI, e-mail address and ASCII host name is also an IRI / IDN one (host labels
     # without hyphens, so none reads as punycode)
@@ -2701,10 +2703,17 @@ def value_pattern(pattern: Any, path: str) -> str:
     the reading of :func:`_json_safe_pattern` (anchors at the ends dropped, a full
     match; ``\\d`` ``\\w`` ``\\s`` and their negations narrowed to ASCII, where Python
     and Rust read them alike), but every character written as itself, control
-    characters, quotes and backslashes included (the engine writes the JSON escapes).
-    It admits a subset of the strings Python's ``re.search`` finds a match in."""
+    characters with a short escape, quotes and backslashes included (the engine writes
+    the JSON escapes; control characters that need ``\\uXXXX`` are left out, as the
+    engine is told to write no such escape). It admits a subset of the strings
+    Python's ``re.search`` finds a match in."""
     items = list(_pattern_tree(pattern, path))
-    return "^(?:" + _emit_pattern(items, pattern, path, json_text=False) + ")$"
+    out = "^(?:" + _emit_pattern(items, pattern, path, json_text=False) + ")$"
+    lone = next((c for c in out if 0xD800 <= ord(c) <= 0xDFFF), None)
+    if lone is not None:  # Python matches it alone; the engine's JSON reads a pair of them as one character
+        raise SchemaError(f"json_schema 'pattern' at {path} ({pattern[:80]!r}) holds a lone surrogate "
+                          f"U+{ord(lone):04X}, which no valid Unicode text holds")
+    return out
 
 
 def _emit_pattern(items: list[Any], pattern: str, path: str, *, json_text: bool) -> str:
@@ -2875,14 +2884,20 @@ def _class_item(op: Any, av: Any) -> str:
 def _emit_chars(chars: set[str], extra: str, json_text: bool) -> str:
     """One of ``chars`` (ASCII, or any), plus the class ``extra``: as JSON text
     (``json_text``: quotes, backslashes and short-escape control characters written
-    escaped, other control characters left out) or as the characters themselves."""
+    escaped, other control characters left out) or as the characters themselves (those
+    JSON writes without ``\\uXXXX``)."""
     if not json_text:
+        # control characters without a short escape left out here too: the JSON compiler
+        # is told to write no \u escape, so none can be written (and llguidance reads a
+        # class holding every control character as "any character": '[^"]' took '\"')
+        writable = {c for c in chars if c >= " " or c in _SHORT_ESCAPES}
         parts = [extra] if extra else []
-        if chars:
-            body = _ranges(sorted(chars))
-            parts.insert(0, body if len(chars) == 1 else "[" + body + "]")
+        if writable:
+            body = _ranges(sorted(writable))
+            parts.insert(0, body if len(writable) == 1 else "[" + body + "]")
         if not parts:
-            raise _Unsupported("a character class no character is in")
+            raise _Unsupported("a character class with only control characters (JSON cannot write them unescaped)"
+                               if chars else "a character class no character is in")
         return _alt(parts)
     safe = sorted(c for c in chars if c not in _UNSAFE)
     parts = []

@@ -76,9 +76,11 @@ def _validate(grammar: str) -> str:
     return grammar
 
 
-# The formats llguidance's JSON compiler enforces itself (it refuses any other by name).
-_LLG_FORMATS = frozenset({"date", "date-time", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
-                          "uuid"})
+# The formats llguidance's JSON compiler enforces itself as ``jsonschema``'s format checker
+# reads them. It knows "date", "date-time", "time" and "hostname" too, but admits values
+# the checker rejects (year 0000, 29 February of any year, second 60, a 300-character
+# host name): those get plait's regex (json_schema.FORMATS) as any other draft format.
+_LLG_FORMATS = frozenset({"duration", "email", "ipv4", "ipv6", "uri", "uuid"})
 
 
 @functools.cache
@@ -107,8 +109,15 @@ def _exact_classes(pattern: str, where: str) -> str:
     """``pattern`` with each shorthand class written as the set Python reads
     (:func:`_python_class`): the same language for both engines, so a key pattern (which
     decides which schema applies to a key, and cannot be narrowed) keeps its meaning.
-    A word boundary, or a negated shorthand inside a class, is refused."""
-    out, i, in_class = [], 0, False
+    A word boundary, or a negated shorthand inside a class, is refused.
+
+    A negated class also leaves out NUL (``[^"]`` becomes ``[^"\\x00]``): llguidance
+    reads a class holding every control character as any string character, escaped
+    quote and backslash included (``[^"]`` took ``\\"``). No output holds a control
+    character that needs ``\\uXXXX`` (the compiler writes no such escape), so this
+    changes no output; a class of another form that holds them all, and not both the
+    quote and the backslash, is refused (:func:`_check_control_classes`)."""
+    out, i, in_class, negated = [], 0, False, False
     while i < len(pattern):
         c = pattern[i]
         if c == "\\" and i + 1 < len(pattern):
@@ -129,15 +138,49 @@ def _exact_classes(pattern: str, where: str) -> str:
             continue
         if in_class and c == "]" and not (out and out[-1] in ("[", "[^")):
             in_class = False
+            if negated:
+                out.append("\\x00")
         elif not in_class and c == "[":
             in_class = True
-            if pattern.startswith("[^", i):
+            negated = pattern.startswith("[^", i)
+            if negated:
                 out.append("[^")
                 i += 2
                 continue
         out.append(c)
         i += 1
-    return "".join(out)
+    text = "".join(out)
+    _check_control_classes(text, where)
+    return text
+
+
+_UNWRITABLE = [c for c in range(0x20) if chr(c) not in "\b\t\n\f\r"]  # controls JSON writes only as \uXXXX
+
+
+def _check_control_classes(pattern: str, where: str) -> None:
+    """Refuses a class in ``pattern`` (Python's reading) that holds every control
+    character but not both the quote and the backslash: llguidance would admit them
+    (see :func:`_exact_classes`). A pattern Python cannot parse is left to the others."""
+    from re import _constants as C, _parser  # type: ignore[attr-defined]
+
+    from plait.runtime.constrained.json_schema import _class_has
+
+    try:
+        todo: list[Any] = [_parser.parse(pattern)]
+    except Exception:  # noqa: BLE001  (refused, or not, where patterns are read)
+        return
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (list, tuple, _parser.SubPattern)):
+            if len(node) == 2 and node[0] is C.IN:
+                items = node[1]
+                if (all(_class_has(items, c) for c in _UNWRITABLE)
+                        and not (_class_has(items, ord('"')) and _class_has(items, ord("\\")))):
+                    raise ValueError(f"{where}: {pattern!r} has a character class with every control character but "
+                                     "not both '\"' and '\\\\', which the llguidance backend misreads (it admits "
+                                     "them); allowed: a class without the control characters U+0000-U+001F")
+                continue
+            todo.extend(node)
 
 
 def _check_patterns_exclusive(patterns: list[str], where: str) -> None:
@@ -275,14 +318,14 @@ def llguidance_schema(schema: Any) -> Any:
     - a ``pattern`` becomes :func:`json_schema.value_pattern`'s reading (the narrowing the
       outlines backend writes: ``\\d`` ``\\w`` ``\\s`` and their negations as ASCII
       classes, a full match; ECMA-262 named groups read);
-    - a draft ``format`` llguidance does not know becomes the ``pattern`` of plait's
+    - a draft ``format`` outside :data:`_LLG_FORMATS` becomes the ``pattern`` of plait's
       sound regex for it (:data:`json_schema.FORMATS`), beside the schema's own
       ``pattern`` through ``allOf``.
 
     The narrowings are not done under ``oneOf``/``not``/``if``/``then``/``else``, nor in
     what a ``$ref`` there reaches (:func:`_exact_places`): a narrower branch there admits
     more values, not fewer. Patterns there get Python's exact sets as keys do, and draft
-    formats llguidance does not know are refused.
+    formats outside :data:`_LLG_FORMATS` are refused.
     """
     exact = _exact_places(schema)
     from plait.runtime.constrained.json_schema import ref_siblings_ignored
