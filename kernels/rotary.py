@@ -67,6 +67,8 @@ def compute_inv_freq(head_dim: int, theta: float, rope_scaling: Mapping[str, Any
 
 def _yarn_inv_freq(dim: int, theta: float, factor: float, rope_scaling: Mapping[str, Any]) -> torch.Tensor:
     """transformers' ``_compute_yarn_parameters`` inverse frequencies (same fp32 ops)."""
+    if not rope_scaling.get("original_max_position_embeddings"):
+        raise ValueError("rope_scaling type 'yarn' needs original_max_position_embeddings (the pretraining context)")
     original = float(rope_scaling["original_max_position_embeddings"])
     beta_fast = float(rope_scaling.get("beta_fast") or 32)
     beta_slow = float(rope_scaling.get("beta_slow") or 1)

@@ -167,6 +167,7 @@ class Req:
         self.long_rope = False
         self.row: int | None = None
         self.cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.healed = 0  # 1 when token healing backed off the prompt's last token (written again as output)
         self.admitted_once = False
         self.num_retractions = 0
         self.grammar: GrammarMatcher | None = None  # constrained decoding
@@ -206,6 +207,7 @@ class Req:
         assert self.output_len == 0, "the prompt can only change before the output starts"
         self.token_ids.pop()
         self.prompt_len -= 1
+        self.healed = 1
 
     # -- derived counters -------------------------------------------------------------
     @property

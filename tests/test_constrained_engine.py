@@ -254,9 +254,18 @@ def test_healing_does_not_take_a_token_of_the_budget(engines_jf):
         full = e.generate(prompt, {"regex": r"-?[0-9]{3}-[0-9]{4}", "temperature": 0.0, "max_new_tokens": 8})
         assert re.fullmatch(r"-?[0-9]{3}-[0-9]{4}", full["text"]), full
         assert full["meta_info"]["finish_reason"]["type"] == "stop", full["meta_info"]
-        # one token more than max_new_tokens only where the prompt lost its last token
+        # one output token more than max_new_tokens only where the prompt lost its last
+        # token; it counts with the prompt (prompt_tokens as sent, completion_tokens
+        # within max_new_tokens, as OpenAI clients expect of usage)
         for text in (prompt, "Phone number", "Phone number:"):
             out = e.generate(text, {"regex": r"-?[0-9]{3}-[0-9]{4}", "temperature": 0.0, "max_new_tokens": 8})
-            healed = len(tok.encode(text, add_special_tokens=False)) - out["meta_info"]["prompt_tokens"]
-            assert healed in (0, 1) and out["meta_info"]["completion_tokens"] <= 8 + healed, out["meta_info"]
+            meta = out["meta_info"]
+            assert meta["prompt_tokens"] == len(tok.encode(text, add_special_tokens=False)), meta
+            healed = len(out["output_ids"]) - meta["completion_tokens"]
+            assert healed in (0, 1) and meta["completion_tokens"] <= 8, meta
+        healed_once = e.generate(prompt, {"regex": r"-?[0-9]+", "temperature": 0.0, "max_new_tokens": 3,
+                                          "ignore_eos": True})
+        meta = healed_once["meta_info"]
+        assert len(healed_once["output_ids"]) == 4, healed_once  # healed, then cut by the length limit
+        assert meta["completion_tokens"] == 3 and meta["finish_reason"] == {"type": "length", "length": 3}, meta
         e.check_invariants()

@@ -127,7 +127,9 @@ def test_compute_inv_freq_matches_transformers(head_dim: int, theta: float, rope
 
 
 def test_compute_inv_freq_rejects_unknown_type() -> None:
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="'dynamic' is not supported"):
+        compute_inv_freq(64, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
         compute_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 2.0})
 
 
