@@ -13,9 +13,9 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="generate text with the in-process engine")
     gen.add_argument("prompt", nargs="+", help="one or more prompts")
     gen.add_argument("--model", default=None, help="HF folder, .gguf path or hub id (default: SmolLM2-135M-Instruct)")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--num-threads", type=int, default=None)
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0.0)")
+    gen.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: one per core)")
     serve = sub.add_parser(
         "serve",
         usage="%(prog)s [MODEL] [options]  (--help lists them)",
@@ -48,16 +48,28 @@ def main(argv: list[str] | None = None) -> int:
         return _lint(parser, args.target, args.min_tokens)
 
     if args.command == "generate":
-        from plait.runtime import Engine
+        return _generate(gen, args)
+    return 0
 
-        config = {} if args.num_threads is None else {"num_threads": args.num_threads}
+
+def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``plait generate``: options checked before the model loads; a bad option, model
+    path or prompt is one line on stderr (exit status 2), as ``plait serve`` reports it."""
+    from plait.runtime import Engine
+    from plait.runtime.config import EngineConfig
+    from plait.runtime.sampling_params import SamplingParams
+
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    config = {} if args.num_threads is None else {"num_threads": args.num_threads}
+    try:
+        SamplingParams.from_dict(params).validate()
+        EngineConfig(**config)
         with Engine(args.model, **config) as engine:
-            outs = engine.generate(
-                list(args.prompt),
-                {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature},
-            )
-        for prompt, out in zip(args.prompt, outs):
-            print(f"### {prompt}\n{out['text']}\n")
+            outs = engine.generate(list(args.prompt), params)
+    except (ValueError, OSError) as e:  # RequestError is a ValueError; a missing model an OSError
+        parser.error(" ".join(str(e).split()) or type(e).__name__)
+    for prompt, out in zip(args.prompt, outs):
+        print(f"### {prompt}\n{out['text']}\n")
     return 0
 
 

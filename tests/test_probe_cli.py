@@ -198,3 +198,17 @@ def test_stopping_an_engine_that_is_not_connected_leaves_no_stray_error():
 
     asyncio.run(stop())
     assert errors == []
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--max-new-tokens", "-5"], "max_new_tokens=-5 is invalid"),
+    (["--temperature", "-1"], "temperature=-1.0 is invalid"),
+    (["--num-threads", "0"], "num_threads=0 is invalid"),
+    (["--model", "/nonexistent/model"], "'/nonexistent/model' does not exist"),
+])
+def test_plait_generate_errors_are_one_line_not_a_traceback(capsys, argv, named):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["generate", "hi", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err and err.strip().splitlines()[-1].startswith("plait generate: error:")
