@@ -300,6 +300,9 @@ class Engine:
         Their outputs are returned by :meth:`step`; :meth:`result` / :meth:`pop_result`
         give a finished one's whole output."""
         self._check_open()
+        if isinstance(input_ids, str):
+            raise RequestError("input_ids must be a list of integer token ids, got a str: add_request takes token "
+                               "ids (engine.tokenizer.encode(text)); generate() takes text", "input_ids")
         inp = validate_generate(
             rid if rid is not None else f"req-{next(self._ids)}", input_ids, sampling_params, self.limits,
             cache_salt=cache_salt, return_logprob=return_logprob, logprob_start_len=logprob_start_len,

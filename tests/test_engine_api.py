@@ -284,3 +284,9 @@ def test_logit_bias_bans_and_forces_tokens_and_keeps_logprobs(engine, baseline):
         with pytest.raises(RequestError, match=re.escape(says)) as e:
             engine.generate("x", {**GREEDY, "logit_bias": bad})
         assert e.value.param == "logit_bias"
+
+
+def test_add_request_with_text_says_it_takes_token_ids(engine):
+    with pytest.raises(RequestError, match=r"got a str: add_request takes token ids \(engine.tokenizer.encode"):
+        engine.add_request("The weather today is", GREEDY)
+    engine.check_invariants()
