@@ -212,3 +212,14 @@ def test_plait_generate_errors_are_one_line_not_a_traceback(capsys, argv, named)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err and err.strip().splitlines()[-1].startswith("plait generate: error:")
+
+
+def test_plait_serve_says_a_start_up_error_once():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "from plait.cli import main; raise SystemExit(main())", "serve",
+                           "--model", "/nonexistent/model", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if "'/nonexistent/model' does not exist" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: model '/nonexistent/model'"), proc.stderr

@@ -286,9 +286,10 @@ def run(args: ServerArgs, ready_fd: int | None = None, parent_pid: int | None = 
     try:
         return asyncio.run(_serve(args, tmpdir, report, parent_pid))
     except StartupError as e:
-        logger.error("%s", e)
-        if ready_fd is None:
+        if ready_fd is None:  # a terminal: one line (the log line said the same again)
             print(f"error: {e}", file=sys.stderr)
+        else:
+            logger.error("%s", e)
         report({"error": str(e)})
         return 1
     except Exception as e:  # noqa: BLE001  (report anything that stops start-up to the launcher)
