@@ -123,10 +123,8 @@ def rope_cos_sin_cache(
     attention factor multiplies both halves (as HF's ``attention_scaling``)."""
     inv_freq = compute_inv_freq(head_dim, theta, rope_scaling).to(device)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=device), inv_freq)
-    scale = attention_factor(rope_scaling)
-    if scale != 1.0:
-        return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).to(dtype)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+    scale = attention_factor(rope_scaling)  # 1 but for YaRN (x * 1.0 is x exactly)
+    return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).to(dtype)
 
 
 def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -130,7 +130,7 @@ class OutputProcessor:
         piece, ids = text[cur.sent_text : end], r.token_ids[r.prompt_len + cur.sent_ids :]
         if reason is None and not piece and not ids:
             return None
-        meta: dict[str, Any] = {"completion_tokens": r.output_len - r.healed}
+        meta: dict[str, Any] = {"completion_tokens": r.completion_len}
         lp = r.logprobs
         if lp is not None:
             meta["output_token_logprobs"] = lp.output_token[cur.sent_logprobs :]
@@ -151,10 +151,8 @@ class OutputProcessor:
     def _result(self, r: Req, cur: _Cursor, reason: FinishReason) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": r.rid,
-            # a healed token re-writes prompt text: counted with the prompt the client sent,
-            # so completion_tokens stays within max_new_tokens (OpenAI's max_tokens)
-            "prompt_tokens": r.prompt_len + r.healed,
-            "completion_tokens": r.output_len - r.healed,
+            "prompt_tokens": r.prompt_len + r.healed,  # the prompt as sent (Req.completion_len)
+            "completion_tokens": r.completion_len,
             "cached_tokens": r.cached_tokens,
             "finish_reason": reason.to_dict(),
             "first_token_time": cur.first_token_time,

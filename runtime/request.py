@@ -219,6 +219,12 @@ class Req:
         return len(self.token_ids) - self.prompt_len
 
     @property
+    def completion_len(self) -> int:
+        """Output tokens the client counts: a healed token re-writes prompt text, so it
+        counts with the prompt (``completion_tokens`` stays within ``max_new_tokens``)."""
+        return self.output_len - self.healed
+
+    @property
     def seq_len(self) -> int:
         return len(self.token_ids)
 

@@ -384,7 +384,7 @@ class Scheduler:
             if r.grammar.terminated:
                 return FinishReason.stop(None)  # the constrained output is complete
         if r.output_len >= p.max_new_tokens or r.seq_len >= self.context_len:
-            return FinishReason.of_length(r.output_len - r.healed)
+            return FinishReason.of_length(r.completion_len)
         return None
 
     # -- KV bookkeeping ------------------------------------------------------------------

@@ -411,14 +411,14 @@ class CausalLM(nn.Module):
 # through _QKV (three parts of different sizes).
 _GATE_UP = {"gate_proj": 0, "up_proj": 1, "w1": 0, "w3": 1}  # Mixtral's experts: w1 gate, w3 up, w2 down
 _QKV = ("q_proj", "k_proj", "v_proj")
-_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+EXPERT_WEIGHT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 
 
 def weight_target(name: str, cfg: ModelConfig) -> tuple[str, tuple]:
     """Where an HF checkpoint tensor goes: ``(parameter name, region)``, region ``()`` for
     the whole parameter or ``(expert index | None, row offset, rows)`` (rows 0: all)."""
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's checkpoint name of the MoE block
-    m = _EXPERT.match(name)
+    m = EXPERT_WEIGHT.match(name)
     if m:  # one expert's projection -> its slice of the stacked [E, ...] parameters
         block, e, proj = m.group(1), int(m.group(2)), m.group(3)
         inter = cfg.moe_intermediate_size

@@ -32,7 +32,6 @@ than one full tensor at a time.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,9 +42,6 @@ from torch import nn
 
 from plait.runtime.models.config import ModelConfig
 from plait.runtime.models.linear import Linear
-
-# one expert's checkpoint tensor (Mixtral's w1 / w3 gate / up, w2 down)
-_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 
 TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral")
 
@@ -192,6 +188,8 @@ def shard_weights(
     if size == 1:
         yield from weights
         return
+    from plait.runtime.models.llama import EXPERT_WEIGHT  # (llama imports this module)
+
     hd, s = cfg.head_dim, shard_of(cfg, rank, size)
     q = slice(s.q_start * hd, (s.q_start + s.q_heads) * hd)
     kv = slice(s.kv_start * hd, (s.kv_start + s.kv_heads) * hd)
@@ -202,7 +200,7 @@ def shard_weights(
     for name, t in weights:
         base, _, suffix = name.rpartition(".")
         module, _, proj = base.rpartition(".")
-        if _EXPERT.search(name):  # one expert's projection: [I, H] gate / up rows, [H, I] down
+        if EXPERT_WEIGHT.match(name.replace(".block_sparse_moe.", ".mlp.")):  # [I, H] gate / up rows, [H, I] down
             yield name, (t[:, moe] if proj in ("down_proj", "w2") else t[moe]).contiguous()
             continue
         if name.endswith(".experts.gate_up_proj"):  # stacked [E, 2I, H]

@@ -286,9 +286,16 @@ def openai_error(e: RequestError, job: Job | None = None) -> RequestError:
 STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
 
 
-def check_stream_options(opts: dict[str, Any], allowed: tuple[str, ...]) -> dict[str, bool]:
-    """``stream_options`` as {key: bool}: each key one of ``allowed`` (a misspelt
-    ``include_usage`` was dropped without a word, and the usage never came)."""
+def stream_fields(body: dict[str, Any], allowed: tuple[str, ...]) -> tuple[bool, dict[str, bool]]:
+    """``stream``, and ``stream_options`` as {key: bool} (only with ``stream`` true): each
+    key one of ``allowed`` (a misspelt ``include_usage`` was dropped without a word, and
+    the usage never came)."""
+    stream = get_field(body, "stream", "bool", False)
+    opts = get_field(body, "stream_options", "dict")
+    if opts is None:
+        return stream, {}
+    if not stream:
+        raise RequestError("stream_options is only allowed when stream is true", "stream_options")
     out = {}
     for key in opts:
         if key not in allowed:
@@ -298,19 +305,13 @@ def check_stream_options(opts: dict[str, Any], allowed: tuple[str, ...]) -> dict
             out[key] = get_field(opts, key, "bool", False)
         except RequestError as e:
             raise e.with_param(f"stream_options.{key}", "stream_options." + e.message) from None
-    return out
+    return stream, out
 
 
 def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool, bool]:
     """``stream``, and whether the stream reports usage at its end (``include_usage``)
     and on every chunk too (vLLM's ``continuous_usage_stats``, with ``include_usage``)."""
-    stream = get_field(body, "stream", "bool", False)
-    opts = get_field(body, "stream_options", "dict")
-    if opts is None:
-        return stream, False, False
-    if not stream:
-        raise RequestError("stream_options is only allowed when stream is true", "stream_options")
-    o = check_stream_options(opts, STREAM_OPTIONS)
+    stream, o = stream_fields(body, STREAM_OPTIONS)
     usage, continuous = o.get("include_usage", False), o.get("continuous_usage_stats", False)
     if continuous and not usage:
         raise RequestError("stream_options.continuous_usage_stats needs stream_options.include_usage true (the "

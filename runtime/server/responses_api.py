@@ -289,11 +289,7 @@ def parse_response_request(front: Front, store: ResponseStore, body: dict[str, A
     oa.check_fields(body, FIELDS)
     model = oa.check_model(front, body)
     oa.check_null_only(body, NULL_ONLY)
-    opts = oa.get_field(body, "stream_options", "dict")
-    if opts is not None:
-        if not oa.get_field(body, "stream", "bool", False):
-            raise RequestError("stream_options is only allowed when stream is true", "stream_options")
-        oa.check_stream_options(opts, ("include_obfuscation",))
+    oa.stream_fields(body, ("include_obfuscation",))
     if oa.get_field(body, "background", "bool", False):  # accepted at its default: clients send it
         raise RequestError("background=true is not supported by this server; allowed: false", "background")
     want_lp = check_include(oa.get_field(body, "include", "list", []))
