@@ -366,7 +366,9 @@ class Engine:
         pending = []
         for r in self._grammar_pending:
             g = r.grammar
-            if r.finished:
+            if r.finished:  # aborted while its constraint compiled
+                if not g.ready and g.error is None:
+                    self.grammar_compiler.release(g.future)
                 continue
             if g.error is not None:
                 error = RequestError(f"{g.kind} is invalid: {g.error}", g.kind)

@@ -35,9 +35,10 @@ GRAMMAR_BACKENDS = (AUTO, *BACKENDS)
 
 class GrammarFuture:
     """A compile in progress or done: ``grammar`` on success, ``error`` (a message) on
-    failure. ``source`` is what the backend compiles."""
+    failure. ``source`` is what the backend compiles; ``waiters``: the requests' matchers
+    made on it while it was not done and not released (:meth:`Grammars.release`)."""
 
-    __slots__ = ("key", "source", "grammar", "error", "started")
+    __slots__ = ("key", "source", "grammar", "error", "started", "waiters")
 
     def __init__(self, key: tuple[str, str], source: str) -> None:
         self.key = key
@@ -45,6 +46,7 @@ class GrammarFuture:
         self.grammar: Any = None
         self.error: str | None = None
         self.started: float | None = None
+        self.waiters = 0
 
     @property
     def done(self) -> bool:
@@ -133,6 +135,7 @@ class Grammars:
         return self.compiler(constraint.backend).request(constraint.grammar)
 
     def matcher(self, future: GrammarFuture, constraint: Any, *, jump_forward: bool, heal: bool) -> Matcher:
+        future.waiters += 1
         if constraint.backend == OUTLINES:
             from plait.runtime.constrained.matcher import GrammarMatcher
 
@@ -140,6 +143,17 @@ class Grammars:
         from plait.runtime.constrained.llguidance_backend import LLGuidanceMatcher
 
         return LLGuidanceMatcher(future, constraint.kind, jump_forward=jump_forward)
+
+    def release(self, future: GrammarFuture) -> None:
+        """A request waiting for ``future`` ended before it was done (aborted: its client
+        left). Once none waits, a build that has not started is dropped: a client that
+        sent many slow constraints and hung up kept the compile queue busy, and later
+        requests' constraints waited behind builds nobody wanted. A build already
+        running goes on (bounded by the time limit; its result is cached)."""
+        future.waiters -= 1
+        if future.waiters <= 0 and not future.done:
+            for c in self.compilers.values():
+                c.abandon(future)
 
     def poll(self) -> None:
         for c in self.compilers.values():

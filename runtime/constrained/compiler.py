@@ -233,6 +233,16 @@ class GrammarCompiler:
         if self._inflight is None and self._queue:
             self._start(self._queue.popleft())
 
+    def abandon(self, fut: GrammarFuture) -> None:
+        """Drop ``fut`` if its build is queued, not started (no request waits for it):
+        out of the queue and the cache (a later request for it queues it again)."""
+        if fut.done or not any(f is fut for f in self._queue):
+            return
+        self._queue = deque(f for f in self._queue if f is not fut)
+        if self._cache.get(fut.key) is fut:
+            del self._cache[fut.key]
+        fut.error = "no request waits for it"
+
     @property
     def busy(self) -> bool:
         return self._inflight is not None or bool(self._queue)

@@ -856,9 +856,10 @@ class LLGuidanceCompiler:
             raise ValueError(f"it admits no output ({probe.get_error().splitlines()[0]}): no text satisfies it")
         return CompiledLLGuidance(m, self.vocab, tok)
 
-    def _run(self, grammar: str) -> CompiledLLGuidance:
+    def _run(self, fut: GrammarFuture) -> CompiledLLGuidance:
+        fut.started = time.monotonic()  # the time limit counts from here, not from the queue
         try:
-            return self._build(grammar)
+            return self._build(fut.source)
         finally:
             self._done.set()
 
@@ -871,9 +872,8 @@ class LLGuidanceCompiler:
             self.cache_hits += 1
             return fut
         fut = GrammarFuture(key, grammar)
-        fut.started = time.monotonic()
         self._cache[key] = fut
-        self._inflight.append((fut, self._pool.submit(self._run, grammar)))
+        self._inflight.append((fut, self._pool.submit(self._run, fut)))
         self._evict()
         return fut
 
@@ -890,7 +890,7 @@ class LLGuidanceCompiler:
                     self.build_times[fut.source] = now - fut.started
                 except Exception as e:  # noqa: BLE001 - llguidance's message is the client's answer
                     fut.error = f"it cannot be compiled: {e}"
-            elif now - fut.started > self.timeout_s:
+            elif fut.started is not None and now - fut.started > self.timeout_s:
                 fut.error = f"compiling it took longer than the {self.timeout_s:g} s limit (grammar_compile_timeout)"
             else:
                 left.append((fut, job))
@@ -902,6 +902,17 @@ class LLGuidanceCompiler:
             if not any(job.done() for _, job in self._inflight):
                 self._done.wait(timeout)
         self.poll()
+
+    def abandon(self, fut: GrammarFuture) -> None:
+        """Drop ``fut`` if its build has not started in the pool (no request waits for
+        it): out of the queue and the cache. A running build cannot be stopped."""
+        for i, (f, job) in enumerate(self._inflight):
+            if f is fut and not fut.done and job.cancel():
+                del self._inflight[i]
+                if self._cache.get(fut.key) is fut:
+                    del self._cache[fut.key]
+                fut.error = "no request waits for it"
+                return
 
     @property
     def busy(self) -> bool:

@@ -38,6 +38,10 @@ logger = logging.getLogger("plait.http")
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_BODIES_BYTES = 512 * 1024 * 1024  # bodies read and parsed at once, all requests (BodyBudget)
 MAX_HEADER_BYTES = 64 * 1024
+# a body whose next bytes take longer than this is a 408 (nginx's client_body_timeout):
+# a client that stalls mid-body held its bytes of the BodyBudget for ever, so a few
+# such clients could leave every later request a 503
+BODY_IDLE_TIMEOUT_S = 60.0
 RETRY_AFTER_S = 2  # what a 503 (engine restarting or down) tells clients
 PARSE_OFF_LOOP_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread
 SUBMIT_BATCH = 64  # a request with more prompts than this lets the loop run between each 64
@@ -191,12 +195,22 @@ class BodyBudget:
         self.used -= n
 
 
+async def _next_chunk(stream: AsyncIterator[bytes]) -> bytes:
+    """The body's next chunk, or TimeoutError after BODY_IDLE_TIMEOUT_S (no task per
+    chunk where asyncio.timeout exists)."""
+    if hasattr(asyncio, "timeout"):  # Python 3.11+
+        async with asyncio.timeout(BODY_IDLE_TIMEOUT_S):
+            return await stream.__anext__()
+    return await asyncio.wait_for(stream.__anext__(), BODY_IDLE_TIMEOUT_S)
+
+
 async def read_json(request: Request, budget: BodyBudget | None = None) -> tuple[dict[str, Any], int]:
     """The JSON object of a request body and the body's size in bytes (as read: a
     chunked body has no Content-Length): size checked before reading (Content-Length)
     and while reading, and against ``budget`` (bodies in flight) as it arrives; a large
     body is parsed off the event loop. Every malformed body is a 400 (413 when too
-    large, 415 when compressed, 503 over the budget)."""
+    large, 415 when compressed, 503 over the budget, 408 when it stops arriving for
+    BODY_IDLE_TIMEOUT_S)."""
     encoding = request.headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise RequestError(f"Content-Encoding {encoding!r} is not supported; allowed: identity (send the body "
@@ -205,8 +219,16 @@ async def read_json(request: Request, budget: BodyBudget | None = None) -> tuple
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise RequestError(f"the request body has {declared} bytes; at most {MAX_BODY_BYTES} are allowed", None, 413)
     chunks, size = [], 0
+    stream = request.stream().__aiter__()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:
+                chunk = await _next_chunk(stream)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise RequestError(f"the request body stopped arriving: no bytes came for {BODY_IDLE_TIMEOUT_S:g} s "
+                                   f"(after {size} bytes); send the whole body without pausing", None, 408) from None
             size += len(chunk)
             if size > MAX_BODY_BYTES:
                 raise RequestError(f"the request body has more than {MAX_BODY_BYTES} bytes; at most "
