@@ -341,9 +341,18 @@ def has_tool_history(messages: list[dict[str, Any]]) -> bool:
     return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
 
 
-def messages_for_tool_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def messages_for_tool_template(messages: list[dict[str, Any]], parser: str | None = None) -> list[dict[str, Any]]:
     """Messages for a template with tool support: a call's ``arguments`` JSON text is
-    given as the object it encodes (Hugging Face templates write it with ``tojson``)."""
+    given as the object it encodes (Hugging Face templates write it with ``tojson``).
+    With the ``mistral`` parser, call ids (``tool_calls[].id``, ``tool_call_id``) are
+    given as Mistral's templates require them, 9 alphanumerics
+    (:func:`plait.tool_parsers.mistral_call_id`: the same for the same id, so a call and
+    its result still match); OpenAI's ``call_...`` ids made them raise."""
+    from plait.tool_parsers import mistral_call_id
+
+    def call_id(v: Any) -> Any:
+        return mistral_call_id(v) if parser == "mistral" and isinstance(v, str) else v
+
     out = []
     for m in messages:
         if m.get("tool_calls"):
@@ -356,8 +365,10 @@ def messages_for_tool_template(messages: list[dict[str, Any]]) -> list[dict[str,
                         fn["arguments"] = args
                 except (ValueError, TypeError):
                     pass
-                calls.append({**c, "function": fn})
+                calls.append({**c, "function": fn, **({"id": call_id(c["id"])} if "id" in c else {})})
             m = {**m, "tool_calls": calls}
+        if "tool_call_id" in m:
+            m = {**m, "tool_call_id": call_id(m["tool_call_id"])}
         out.append(m)
     return out
 
@@ -367,13 +378,19 @@ def messages_without_tool_support(messages: list[dict[str, Any]], tools: list[di
     """Messages for a template that knows no tools: the tools are described in the
     system message (:func:`plait.tool_parsers.generic_tools_prompt`), an assistant's
     calls become text in ``parser``'s format, and tool results (consecutive ones merged)
-    become a user message of ``<tool_response>`` blocks."""
+    become a user message of ``<tool_response>`` blocks, which a user message right
+    after them joins (roles keep alternating)."""
     from plait.tool_parsers import ToolCall, generic_tools_prompt, get_tool_parser
 
     fmt = get_tool_parser(parser)
     out: list[dict[str, Any]] = []
     for m in messages:
-        if m.get("role") == "tool":
+        if m.get("role") == "user" and out and out[-1].get("_tool_results"):
+            # the user's next words join the results' turn: templates that want roles to
+            # alternate (Gemma's, Mistral's) refused two user turns in a row
+            out[-1]["content"] += "\n\n" + (m.get("content") or "")
+            out[-1].pop("_tool_results")
+        elif m.get("role") == "tool":
             block = f"<tool_response>\n{m.get('content', '')}\n</tool_response>"
             if out and out[-1].get("_tool_results"):
                 out[-1]["content"] += "\n" + block

@@ -10,6 +10,7 @@ Formats (``--tool-call-parser``):
   optionally after ``<|python_tag|>`` (Llama 3.1/3.2 JSON tool calling).
 - ``mistral``: ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`` (also the newer
   ``[TOOL_CALLS]f[ARGS]{...}`` form).
+- ``granite``: ``<|tool_call|>[{"name": "f", "arguments": {...}}, ...]`` (IBM Granite 3.x).
 - ``pythonic``: the whole output is a Python list of calls, ``[f(a=1), g(b="x")]``
   (Llama 3.2/4 pythonic, optionally inside ``<|python_start|>...<|python_end|>``).
 
@@ -59,6 +60,30 @@ class ToolCall:
 
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
+
+
+_ALNUM = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def mistral_call_id(given: str | None = None) -> str:
+    """A call id as Mistral's chat templates require (9 alphanumeric characters, else
+    they raise "Tool call IDs should be alphanumeric strings with length 9!"): a new
+    random one, or for ``given`` (a history's id in another shape, such as OpenAI's
+    ``call_...``) the same 9 characters each time it is read, so a call and the tool
+    message that answers it still match."""
+    if given is not None and len(given) == 9 and given.isascii() and given.isalnum():
+        return given
+    if given is None:
+        n = uuid.uuid4().int
+    else:
+        import hashlib
+
+        n = int.from_bytes(hashlib.sha256(given.encode("utf-8", "surrogatepass")).digest()[:8], "big")
+    out = []
+    for _ in range(9):
+        n, r = divmod(n, len(_ALNUM))
+        out.append(_ALNUM[r])
+    return "".join(out)
 
 
 # -- tools as the OpenAI API sends them ---------------------------------------------------------
@@ -371,6 +396,12 @@ class ToolParser:
     name: str = ""
     hint: str = ""  # how a call looks, for the generic tool prompt
     markers: tuple[str, ...] = ()  # what only a call starts with (never content)
+    special_marker = False  # the marker is a special token (kept in the text: skip_special_tokens false)
+
+    def new_id(self) -> str:
+        """The id of a call found in output (OpenAI's ``call_`` shape unless the
+        format's templates need another)."""
+        return new_call_id()
 
     def cut_markup(self, tail: str) -> bool:
         """``tail`` (text after the content, where a call may begin) is the start of a
@@ -402,7 +433,7 @@ class ToolParser:
             s = self.scan(text, _names(tools), not cut)
         except Exception:  # noqa: BLE001 - a parser bug must not fail a request; the text stays content
             return text, []
-        calls = [ToolCall(new_call_id(), c.name, c.args, not c.complete) for c in s.calls if c.complete or cut]
+        calls = [ToolCall(self.new_id(), c.name, c.args, not c.complete) for c in s.calls if c.complete or cut]
         rest = self.rest_kept(s.rest, cut)
         if not calls:
             # (only a call cut off before its name is markup: after a whole block that is
@@ -599,10 +630,14 @@ class Llama3JsonParser(ToolParser):
 
 class MistralParser(ToolParser):
     name = "mistral"
+    special_marker = True
     START = "[TOOL_CALLS]"
     markers = (START,)
     ARGS = "[ARGS]"
     hint = '[TOOL_CALLS] and a JSON array of calls:\n[TOOL_CALLS][{"name": "<function name>", "arguments": <arguments as a JSON object>}]'
+
+    def new_id(self) -> str:
+        return mistral_call_id()  # (its templates refuse a history whose ids are not 9 alphanumerics)
 
     def format_calls(self, calls: list[ToolCall]) -> str:
         return self.START + json.dumps([{"name": c.name, "arguments": _args_value(c.arguments)} for c in calls],
@@ -675,7 +710,23 @@ class MistralParser(ToolParser):
         return _Scan(_content_before(text, m), calls, rest)
 
     def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
-        return r"\[TOOL_CALLS\]\[" + _repeat_calls(_json_call_regex(tools, choice, "arguments"), ", ", parallel) + r"\]"
+        from plait.runtime.constrained.regexes import escape
+
+        return escape(self.START) + r"\[" + _repeat_calls(_json_call_regex(tools, choice, "arguments"), ", ",
+                                                          parallel) + r"\]"
+
+
+class GraniteParser(MistralParser):
+    """IBM Granite 3.x: ``<|tool_call|>`` and a JSON array of calls (read as Mistral's
+    array form after its own marker)."""
+
+    name = "granite"
+    START = "<|tool_call|>"
+    markers = (START,)
+    hint = '<|tool_call|> and a JSON array of calls:\n<|tool_call|>[{"name": "<function name>", "arguments": <arguments as a JSON object>}]'
+
+    def new_id(self) -> str:
+        return new_call_id()
 
 
 def _find_all(text: str, sub: str) -> Iterator[int]:
@@ -894,7 +945,7 @@ class ToolStream:
             if c.key not in self.index:
                 k = self.index[c.key] = len(self.index)
                 self.sent_args[c.key] = 0
-                self.calls.append(ToolCall(new_call_id(), c.name, ""))
+                self.calls.append(ToolCall(self.parser.new_id(), c.name, ""))
                 out.append({"tool_calls": [{"index": k, "id": self.calls[k].id, "type": "function",
                                             "function": {"name": c.name, "arguments": ""}}]})
             k, sent = self.index[c.key], self.sent_args[c.key]
@@ -919,7 +970,7 @@ class ToolStream:
 
 # -- registry, detection, generic prompt ------------------------------------------------------------
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, GraniteParser)
 }
 
 
@@ -936,6 +987,8 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
     if not chat_template:
         return None
     t = chat_template
+    if "<|tool_call|>" in t:
+        return "granite"
     if "<tool_call>" in t:
         return "hermes"
     if "[TOOL_CALLS]" in t:

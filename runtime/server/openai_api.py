@@ -683,7 +683,7 @@ def render_chat(front: Front, messages: list[dict[str, Any]], tools: list[dict[s
         raise RequestError("this model has no chat template; use /v1/completions", "messages")
     kwargs: dict[str, Any] = {}
     if template_uses_tools(template if isinstance(template, str) else None):
-        messages = messages_for_tool_template(messages)
+        messages = messages_for_tool_template(messages, parser)
         if tools:
             kwargs["tools"] = [{"type": "function", "function": fn} for fn in tools]
     elif tools or has_tool_history(messages):
@@ -759,7 +759,8 @@ def response_format_schema(fmt: dict[str, Any] | None, param: str = "response_fo
         raise RequestError(
             f"{param}={_short(fmt)} is invalid; allowed: {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}}, "
             f"{{\"type\": \"json_schema\", \"json_schema\": {{\"schema\": {{...}}}}}} or {{\"type\": "
-            f"\"structural_tag\", \"structures\": [...], \"triggers\": [...]}}", param,
+            f"\"structural_tag\", \"format\": {{...}}}} (or the legacy \"structures\": [...], \"triggers\": [...])",
+            param,
         )
     return schema
 
@@ -866,8 +867,8 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
         if constraint and body.get(other) is not None:
             raise RequestError(f"{other} and {field_name} both constrain the output; give one of them", other)
     extra_sp: dict[str, Any] = {}
-    if parser_name == "mistral" and choice != "none" and body.get("skip_special_tokens") is None:
-        extra_sp["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token
+    if parser.special_marker and choice != "none" and body.get("skip_special_tokens") is None:
+        extra_sp["skip_special_tokens"] = False  # [TOOL_CALLS] (<|tool_call|>) is a special token
     output = ChatOutput(reasoning, parser if choice != "none" else None, callable_tools or [], None if parallel else 1)
     return ChatRequest(ids, constraint, field_name, output, extra_sp, choice not in ("auto", "none"),
                        front.turn_end)
