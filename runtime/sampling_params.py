@@ -60,8 +60,9 @@ class SamplingParams:
     regex: str | None = None
     json_schema: dict[str, Any] | bool | str | None = None
     ebnf: str | None = None
-    # SGLang's ``structural_tag`` (its JSON text, or the object): free text in which each
-    # trigger begins a structure (constrained as a regex: plait.runtime.constrained.structural_tag)
+    # SGLang's ``structural_tag`` (its JSON text, or the object): xgrammar's ``format`` tree
+    # of elements, or the legacy free text in which each trigger begins a structure
+    # (constrained as a regex: plait.runtime.constrained.structural_tag)
     structural_tag: str | dict[str, Any] | None = None
     whitespace_pattern: str | None = None
     grammar_backend: str | None = None
@@ -157,7 +158,7 @@ class SamplingParams:
             )
         if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
             raise RequestError(f"structural_tag={self.structural_tag!r} is invalid; allowed: an object with "
-                               f"structures and triggers, or its JSON text", "structural_tag")
+                               f"format (or the legacy structures and triggers), or its JSON text", "structural_tag")
         if self.ebnf is not None and not isinstance(self.ebnf, str):
             raise RequestError(f"ebnf={self.ebnf!r} is invalid; allowed: a grammar as a string", "ebnf")
         if self.grammar_backend is not None and self.grammar_backend not in GRAMMAR_BACKENDS:
@@ -199,7 +200,8 @@ class SamplingParams:
             try:
                 spec = json.loads(self.structural_tag) if isinstance(self.structural_tag, str) else self.structural_tag
                 if not isinstance(spec, dict):
-                    raise ValueError("structural_tag is invalid; allowed: an object with structures and triggers")
+                    raise ValueError("structural_tag is invalid; allowed: an object with format (or the legacy "
+                                     "structures and triggers)")
                 kind, tagged = "regex", structural_tag_regex(spec, "structural_tag")
             except json.JSONDecodeError as e:
                 raise RequestError(f"structural_tag is not valid JSON: {e}", "structural_tag") from None
