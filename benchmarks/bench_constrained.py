@@ -277,10 +277,12 @@ def byte_tokenizer() -> Any:
     return _BYTE_TOKENIZER
 
 
-def compile_llguidance(schema: Any) -> Compiled:
+def compile_llguidance(schema: Any, sites: list[list[Any]] | None = None) -> Compiled:
     """The llguidance backend's translation (plait.runtime.constrained.llguidance_backend:
     its checks and llguidance's JSON compiler) and the matcher over a byte tokenizer;
-    instances are random walks of that matcher."""
+    instances are random walks of that matcher. ``sites``: arrays whose items the walk
+    keeps distinct, byte by byte, as the engine's ``UniqueGuard`` does (a byte that would
+    complete a repeated item is not drawn)."""
     import random
 
     import llguidance
@@ -288,6 +290,14 @@ def compile_llguidance(schema: Any) -> Compiled:
     import numpy as np
 
     from plait.runtime.constrained.llguidance_backend import parser_limits, schema_grammar
+    from plait.runtime.constrained.unique_items import Duplicate, JsonTracker
+
+    def repeats(tracker: Any, byte: int) -> bool:
+        try:
+            tracker.copy().feed(bytes((byte,)))
+        except Duplicate:
+            return True
+        return False
 
     t0 = time.perf_counter()
     grammar = schema_grammar(schema, None)
@@ -303,10 +313,13 @@ def compile_llguidance(schema: Any) -> Compiled:
         mask = lln.allocate_token_bitmask(1, 257)
         for _ in range(n):
             m, text = root.deep_copy(), bytearray()
+            tracker = None if sites is None else JsonTracker(sites)
             while not m.is_stopped() and len(text) < 4000:
                 lln.fill_next_token_bitmask(m, mask)
                 bits = np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:257]
                 allowed = [int(i) for i in np.flatnonzero(bits)]
+                if tracker is not None:
+                    allowed = [t for t in allowed if t == 256 or not repeats(tracker, t)]
                 if m.is_accepting() and (256 in allowed) and (len(text) > 200 or rng.random() < 0.2):
                     break
                 choices = [t for t in allowed if t != 256]
@@ -317,6 +330,8 @@ def compile_llguidance(schema: Any) -> Compiled:
                 t = rng.choice(ascii_ if ascii_ and rng.random() < 0.9 else choices)
                 m.consume_token(t)
                 text.append(t)
+                if tracker is not None:
+                    tracker.feed(bytes((t,)))
             out.append(text.decode("utf-8", errors="replace"))
         return out
 
@@ -341,6 +356,19 @@ def compile_auto(schema: Any) -> Compiled:
             return compile_backend(b)(schema)
         except ValueError as e:
             errors.append(e)
+    if any("uniqueItems" in str(e) for e in errors):  # the engine's next try: the guard beside the grammar
+        from plait.runtime.constrained.unique_items import has_unique, plan
+
+        if has_unique(schema):
+            try:
+                stripped, sites = plan(schema)
+            except ValueError as e:
+                raise ValueError(str(e)) from None
+            try:  # the walk keeps the items distinct on the llguidance matcher only: a schema
+                # the engine would send to the regex path with the guard counts as refused here
+                return compile_llguidance(stripped, sites)
+            except ValueError:
+                pass
     raise errors[-1]
 
 

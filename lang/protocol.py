@@ -310,6 +310,7 @@ class EngineGenerate(_Msg, tag="engine_generate"):
     constraint_kind: str | None = None  # "regex" | "json_schema": the field a failure names
     constraint_regex: str | None = None
     constraint_backend: str | None = None  # "outlines" (constraint_regex is a regex) | "llguidance" (a grammar)
+    constraint_unique: str | None = None  # uniqueItems the matcher keeps (Constraint.unique)
     stream: bool = False
     return_logprob: bool = False
     logprob_start_len: int = -1

@@ -243,6 +243,12 @@ class SamplingParams:
                 # the request's own fault or not, it fails alone and by name, not as a 500
                 logger.warning("the %s translator failed on a %s", b, kind, exc_info=True)
                 errors.append(f"{kind} cannot be compiled ({type(e).__name__}: {e}) ({b} backend)")
+        if kind == "json_schema" and any("uniqueItems" in e for e in errors):
+            guarded = _with_unique_guard(kind, value, order, self.whitespace_pattern)
+            if isinstance(guarded, Constraint):
+                return guarded
+            if guarded is not None:  # why the guard cannot keep it either (items that may be objects)
+                errors = [guarded]
         message = "; ".join(reversed(errors) if len(order) > 1 and order[0] == LLGUIDANCE else errors)
         raise RequestError(message if message.startswith(kind) else f"{kind} is invalid: {message}", kind)
 
@@ -278,6 +284,9 @@ class Constraint:
     kind: str
     grammar: str
     backend: str = OUTLINES
+    # JSON Schema ``uniqueItems`` the grammar does not enforce: the instance paths of the
+    # arrays the matcher keeps distinct (plait.runtime.constrained.unique_items), as JSON
+    unique: str = ""
 
 
 def choose_backend(kind: str) -> list[str]:
@@ -294,6 +303,28 @@ def choose_backend(kind: str) -> list[str]:
     if kind == "regex":
         return [OUTLINES, LLGUIDANCE]
     return [LLGUIDANCE, OUTLINES]
+
+
+def _with_unique_guard(kind: str, value: Any, order: list[str], whitespace: str | None) -> Constraint | str | None:
+    """A JSON Schema the translators refused for its ``uniqueItems``, compiled without
+    the ones the matcher keeps instead (arrays of strings, numbers, booleans, null:
+    :mod:`plait.runtime.constrained.unique_items`); or why those cannot be kept (a
+    message); or None when it does not compile without them either (the first refusal
+    stands)."""
+    from plait.runtime.constrained.unique_items import has_unique, plan, sites_text
+
+    if not has_unique(value):
+        return None
+    try:
+        stripped, sites = plan(value)
+    except ValueError as e:
+        return str(e)
+    for b in order:
+        try:
+            return Constraint(kind, _translate(b, kind, stripped, whitespace), b, sites_text(sites))
+        except Exception:  # noqa: BLE001 - the refusal of the schema as given is the answer
+            continue
+    return None
 
 
 def _translate(backend: str, kind: str, value: Any, whitespace: str | None) -> str:

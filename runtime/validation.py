@@ -47,7 +47,7 @@ class GenerateInput:
         return P.EngineGenerate(
             self.rid, self.input_ids, self.params.to_dict(),
             constraint_kind=None if c is None else c.kind, constraint_regex=None if c is None else c.grammar,
-            constraint_backend=None if c is None else c.backend,
+            constraint_backend=None if c is None else c.backend, constraint_unique=None if c is None else c.unique,
             stream=self.stream, return_logprob=self.return_logprob, logprob_start_len=self.logprob_start_len,
             top_logprobs_num=self.top_logprobs_num, cache_salt=self.cache_salt,
         )
@@ -56,7 +56,8 @@ class GenerateInput:
     def from_wire(cls, m: P.EngineGenerate) -> GenerateInput:
         """Rebuild what the front validated (trusted: nothing is checked again)."""
         constraint = None if m.constraint_regex is None else Constraint(
-            m.constraint_kind or "regex", m.constraint_regex, m.constraint_backend or "outlines")
+            m.constraint_kind or "regex", m.constraint_regex, m.constraint_backend or "outlines",
+            m.constraint_unique or "")
         return cls(
             m.rid, m.input_ids, SamplingParams(**m.sampling_params), constraint, m.cache_salt,
             m.return_logprob, m.logprob_start_len, m.top_logprobs_num, m.stream,

@@ -136,13 +136,22 @@ class Grammars:
 
     def matcher(self, future: GrammarFuture, constraint: Any, *, jump_forward: bool, heal: bool) -> Matcher:
         future.waiters += 1
+        m: Any
         if constraint.backend == OUTLINES:
             from plait.runtime.constrained.matcher import GrammarMatcher
 
-            return GrammarMatcher(future, constraint.kind, jump_forward=jump_forward, heal=heal)
-        from plait.runtime.constrained.llguidance_backend import LLGuidanceMatcher
+            m = GrammarMatcher(future, constraint.kind, jump_forward=jump_forward, heal=heal)
+        else:
+            from plait.runtime.constrained.llguidance_backend import LLGuidanceMatcher
 
-        return LLGuidanceMatcher(future, constraint.kind, jump_forward=jump_forward)
+            m = LLGuidanceMatcher(future, constraint.kind, jump_forward=jump_forward)
+        if getattr(constraint, "unique", ""):  # uniqueItems kept beside the grammar
+            import json
+
+            from plait.runtime.constrained.unique_items import UniqueGuard
+
+            m = UniqueGuard(m, json.loads(constraint.unique), self.vocab.token_bytes)
+        return m
 
     def release(self, future: GrammarFuture) -> None:
         """A request waiting for ``future`` ended before it was done (aborted: its client

@@ -79,8 +79,9 @@ SUBSCHEMA_ONE = ("additionalProperties", "additionalItems", "contains", "propert
 SUBSCHEMA_LIST = ("allOf", "anyOf", "oneOf", "prefixItems")
 SUBSCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 WHY_NOT = {
-    "uniqueItems": "a regex cannot keep array items distinct (allowed when the items are an enum or const of "
-                   "scalars, booleans or null, or with maxItems <= 1)",
+    "uniqueItems": "a regex cannot keep array items distinct (allowed in the regex when the items are an enum "
+                   "or const of scalars, booleans or null, or with maxItems <= 1; over strings and numbers the "
+                   "engine keeps them beside the grammar)",
     "multipleOf": "it is enforced as a positive number beside 'type' 'integer' or 'number' (a schema without a "
                   "type admits numbers of every kind)",
     "not": "negated schemas cannot be enforced",

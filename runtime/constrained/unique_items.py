@@ -1,0 +1,618 @@
+"""``uniqueItems`` over free scalars (strings, numbers), enforced beside the grammar.
+
+Neither grammar engine can keep array items distinct: a regex or a context-free grammar
+has no memory of the items already written. plait's regex translation enumerates the
+orders of a finite domain (an ``enum`` of items); everything else with ``uniqueItems:
+true`` (``tags: set[str]`` in a pydantic model: ``{"type": "array", "items": {"type":
+"string"}, "uniqueItems": true}``) was refused. Here such a schema is compiled without
+the keyword and the request's matcher is wrapped in :class:`UniqueGuard`, which follows
+the output's JSON and takes out of each step's mask the tokens that would complete an
+item equal to an earlier item of the same array.
+
+Soundness: :func:`plan` walks every place a subschema applies (``properties``,
+``items``, ``anyOf``, ``not``, ``$ref`` ...) and records the *instance path* of each
+``uniqueItems: true`` it strips (keys, indices, ``*`` for any key or index, ``**`` for
+any depth below a recursive ``$ref``). The guard keeps every array at such a path
+distinct; on those outputs a stripped subschema is true exactly where the original is
+(its uniqueness holds everywhere the keyword could be evaluated), so an output the
+stripped grammar admits and the guard lets through is valid under the original schema.
+The guard may over-restrict (an array at a recorded path that no ``uniqueItems`` covers
+in the branch the output takes); it never admits a duplicate.
+
+Items compared: strings (at the closing quote: a duplicate's closing quote is
+refused, so the model writes on), numbers, ``true``/``false``/``null`` (at the byte
+that ends them). JSON equality as ``jsonschema`` has it, on the values Python's ``json`` reads:
+``1 == 1.0``, ``"a" == "\\u0061"``, ``true != 1``, ``1e400 == 2e400`` (both ``inf``). Items that are objects or arrays are not compared: a
+``uniqueItems`` whose items may be containers stays refused (:func:`plan`). When every
+token the grammar allows would write a duplicate (integers bounded to ``1..3`` with
+all three written and ``minItems`` 4), the request ends with an error naming
+``uniqueItems``, as any dead end of a constraint does.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import numpy as np
+
+ANY = "*"  # one path step: any key or any index
+DEEP = "**"  # any number of steps (below a recursive $ref)
+MAX_VISITS = 20_000  # (subschema, instance path) pairs plan() walks
+MAX_SITES = 256
+SCALAR_TYPES = frozenset({"string", "number", "integer", "boolean", "null"})
+_IN_PLACE = ("allOf", "anyOf", "oneOf")
+_ONE_SCHEMA = ("not", "if", "then", "else")
+_WS = b" \t\n\r"
+_VALUE_CHARS = b"0123456789+-.eEtrufalsn"
+
+
+def has_unique(schema: Any) -> bool:
+    """Whether ``uniqueItems: true`` appears anywhere in ``schema`` (a cheap test before
+    :func:`plan`)."""
+    stack = [schema]
+    while stack:
+        s = stack.pop()
+        if isinstance(s, dict):
+            if s.get("uniqueItems") is True:
+                return True
+            stack.extend(v for k, v in s.items() if k not in ("enum", "const", "default", "examples"))
+        elif isinstance(s, list):
+            stack.extend(s)
+    return False
+
+
+def plan(schema: Any) -> tuple[Any, list[list[Any]]]:
+    """(``schema`` without the ``uniqueItems: true`` the guard enforces, the instance
+    path patterns of those arrays). ``ValueError`` naming the place when one cannot be
+    guarded (items that may be objects or arrays, a reference to another document)."""
+    from plait.runtime.constrained.json_schema import local_pointer, pointer_target, NOWHERE
+
+    root = copy.deepcopy(schema)
+    sites: list[list[Any]] = []
+    seen_sites: set[tuple[Any, ...]] = set()
+    stripped: set[int] = set()  # ids of the subschemas whose uniqueItems was taken out
+    visits = 0
+
+    def deref(s: Any, where: str) -> Any:
+        for _ in range(64):
+            if not (isinstance(s, dict) and isinstance(s.get("$ref"), str) and len(s) == 1):
+                return s
+            parts = local_pointer(root, s["$ref"])
+            target = NOWHERE if parts is None else pointer_target(root, parts)
+            if target is NOWHERE:
+                raise ValueError(f"json_schema 'uniqueItems' at {where}: its items' $ref {s['$ref']!r} is not in this "
+                                 "document")
+            s = target
+        return s
+
+    def scalar_only(s: Any, where: str, depth: int = 0) -> bool:
+        """Whether every value ``s`` admits is a scalar (no object, no array)."""
+        s = deref(s, where)
+        if depth > 16 or not isinstance(s, dict):
+            return s is False
+        if "const" in s:
+            return not isinstance(s["const"], (dict, list))
+        if "enum" in s and isinstance(s["enum"], list):
+            return all(not isinstance(v, (dict, list)) for v in s["enum"])
+        t = s.get("type")
+        if isinstance(t, str) and t in SCALAR_TYPES:
+            return True
+        if isinstance(t, list) and t and all(isinstance(x, str) and x in SCALAR_TYPES for x in t):
+            return True
+        if isinstance(s.get("allOf"), list) and any(scalar_only(b, where, depth + 1) for b in s["allOf"]):
+            return True
+        for k in ("anyOf", "oneOf"):
+            if isinstance(s.get(k), list) and s[k] and all(scalar_only(b, where, depth + 1) for b in s[k]):
+                return True
+        return False
+
+    def add(path: list[Any]) -> None:
+        key = tuple(path)
+        if key not in seen_sites:
+            seen_sites.add(key)
+            sites.append(list(path))
+            if len(sites) > MAX_SITES:
+                raise ValueError(f"json_schema has more than {MAX_SITES} places with 'uniqueItems'; allowed: at most "
+                                 f"{MAX_SITES}")
+
+    def walk(s: Any, path: list[Any], refs: tuple[int, ...], where: str) -> None:
+        nonlocal visits
+        visits += 1
+        if visits > MAX_VISITS:
+            raise ValueError(f"json_schema is too large to place its 'uniqueItems' (more than {MAX_VISITS} "
+                             "subschema visits)")
+        if not isinstance(s, dict):
+            return
+        if isinstance(s.get("$ref"), str):
+            parts = local_pointer(root, s["$ref"])
+            target = NOWHERE if parts is None else pointer_target(root, parts)
+            if target is not NOWHERE:
+                if id(target) in refs:  # recursion: every depth below here
+                    add([*path, DEEP])
+                else:
+                    walk(target, path, (*refs, id(target)), "#/" + "/".join(parts))
+        if id(s) in stripped:  # a shared subschema ($ref) met again at another place
+            add(path)
+        elif s.get("uniqueItems") is True:
+            parts_ok = True
+            items = s.get("items")
+            prefix = s.get("prefixItems") if isinstance(s.get("prefixItems"), list) else None
+            if isinstance(items, list):  # drafts 4-2019: items as a list, then additionalItems
+                prefix, items = items, s.get("additionalItems", True)
+            for p in prefix or []:
+                parts_ok = parts_ok and scalar_only(p, where)
+            if items is not False:
+                parts_ok = parts_ok and items is not None and items is not True and scalar_only(items, where)
+            if not parts_ok:
+                raise ValueError(f"json_schema keyword 'uniqueItems' at {where} is not supported over items that may "
+                                 "be objects or arrays (allowed: over strings, numbers, booleans, null)")
+            del s["uniqueItems"]
+            stripped.add(id(s))
+            add(path)
+        for k in ("properties",):
+            if isinstance(s.get(k), dict):
+                for name, sub in s[k].items():
+                    walk(sub, [*path, name], refs, f"{where}/{k}/{name}")
+        for k in ("patternProperties",):
+            if isinstance(s.get(k), dict):
+                for name, sub in s[k].items():
+                    walk(sub, [*path, ANY], refs, f"{where}/{k}/{name}")
+        for k in ("additionalProperties", "unevaluatedProperties", "additionalItems", "unevaluatedItems", "contains"):
+            if isinstance(s.get(k), dict):
+                walk(s[k], [*path, ANY], refs, f"{where}/{k}")
+        items = s.get("items")
+        if isinstance(items, dict):  # every index (after prefixItems too: ANY covers them)
+            walk(items, [*path, ANY], refs, f"{where}/items")
+        elif isinstance(items, list):
+            for i, sub in enumerate(items):
+                walk(sub, [*path, i], refs, f"{where}/items/{i}")
+        if isinstance(s.get("prefixItems"), list):
+            for i, sub in enumerate(s["prefixItems"]):
+                walk(sub, [*path, i], refs, f"{where}/prefixItems/{i}")
+        for k in _IN_PLACE:
+            if isinstance(s.get(k), list):
+                for i, sub in enumerate(s[k]):
+                    walk(sub, path, refs, f"{where}/{k}/{i}")
+        for k in _ONE_SCHEMA:
+            if isinstance(s.get(k), dict):
+                walk(s[k], path, refs, f"{where}/{k}")
+        for k in ("dependentSchemas", "dependencies"):
+            if isinstance(s.get(k), dict):
+                for name, sub in s[k].items():
+                    if isinstance(sub, dict):
+                        walk(sub, path, refs, f"{where}/{k}/{name}")
+
+    walk(root, [], (id(root),), "#")
+    return root, sites
+
+
+def sites_text(sites: list[list[Any]]) -> str:
+    return json.dumps(sites, separators=(",", ":"))
+
+
+def _matches(pattern: list[Any], path: list[Any]) -> bool:
+    """Whether the instance ``path`` (keys and indices) fits ``pattern``."""
+    if not pattern:
+        return not path
+    head = pattern[0]
+    if head == DEEP:
+        return any(_matches(pattern[1:], path[i:]) for i in range(len(path) + 1))
+    if not path:
+        return False
+    step = path[0]
+    if head == ANY or head == step and isinstance(head, int) == isinstance(step, int):
+        return _matches(pattern[1:], path[1:])
+    return False
+
+
+def _value_key(kind: str, raw: bytes) -> Any:
+    """A scalar's identity under JSON equality, from its text; None if it does not parse
+    (an unfinished or odd value: then nothing is compared)."""
+    try:
+        if kind == "s":
+            return ("s", json.loads(b'"' + raw + b'"'))
+        text = raw.decode("ascii")
+        if text in ("true", "false"):
+            return ("b", text == "true")
+        if text == "null":
+            return ("z",)
+        value = json.loads(text)  # as jsonschema reads it: ints exact, floats as Python's (1e400 is inf)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        return ("n", value)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+class Duplicate(Exception):
+    def __init__(self, path: list[Any], value: Any) -> None:
+        super().__init__(path, value)
+        self.path, self.value = path, value
+
+
+class JsonTracker:
+    """Where the output is in its JSON, byte by byte (the grammar keeps it well formed):
+    the open containers with the key or index being written, and for each array at a
+    guarded path the items it holds. ``feed`` raises :class:`Duplicate` at a byte that
+    completes an item equal to an earlier one."""
+
+    __slots__ = ("sites", "stack", "scalar", "raw", "escape", "is_key", "key", "expect_key")
+
+    def __init__(self, sites: list[list[Any]]) -> None:
+        self.sites = sites
+        # frames: [kind "o"/"a", key-or-index, seen set or None (guarded arrays), item started]
+        self.stack: list[list[Any]] = []
+        self.scalar: str | None = None  # "s" string, "v" number / literal, None between values
+        self.raw = b""
+        self.escape = False
+        self.is_key = False
+        self.key: Any = None
+        self.expect_key = False
+
+    def copy(self) -> JsonTracker:
+        t = JsonTracker.__new__(JsonTracker)
+        t.sites = self.sites
+        t.stack = [[f[0], f[1], None if f[2] is None else set(f[2]), f[3]] for f in self.stack]
+        t.scalar, t.raw, t.escape, t.is_key, t.key, t.expect_key = (
+            self.scalar, self.raw, self.escape, self.is_key, self.key, self.expect_key)
+        return t
+
+    def path(self) -> list[Any]:
+        return [f[1] for f in self.stack]
+
+    @property
+    def guarded(self) -> bool:
+        """Inside an array whose items are kept distinct (its items are being written)."""
+        return bool(self.stack) and self.stack[-1][0] == "a" and self.stack[-1][2] is not None
+
+    def _item_done(self, kind: str) -> None:
+        frame = self.stack[-1] if self.stack else None
+        if frame is None or frame[0] != "a" or frame[2] is None:
+            return
+        key = _value_key(kind, self.raw)
+        if key is None:
+            return
+        if key in frame[2]:
+            raise Duplicate(self.path(), key)
+        frame[2].add(key)
+
+    def _open(self, kind: str) -> None:
+        path = self.path()
+        seen = set() if kind == "a" and any(_matches(p, path) for p in self.sites) else None
+        self.stack.append([kind, 0 if kind == "a" else None, seen, False])
+        self.expect_key = kind == "o"
+
+    def feed(self, data: bytes) -> None:
+        for b in data:
+            c = bytes((b,))
+            if self.scalar == "s":
+                if self.escape:
+                    self.escape = False
+                    self.raw += c
+                elif c == b"\\":
+                    self.escape = True
+                    self.raw += c
+                elif c == b'"':
+                    self.scalar = None
+                    if self.is_key:
+                        try:
+                            self.key = json.loads(b'"' + self.raw + b'"')
+                        except ValueError:
+                            self.key = None
+                        if self.stack:
+                            self.stack[-1][1] = self.key
+                    else:
+                        self._item_done("s")
+                    self.raw = b""
+                else:
+                    self.raw += c
+                continue
+            if self.scalar == "v":
+                if c in _VALUE_CHARS:
+                    self.raw += c
+                    continue
+                self.scalar = None
+                self._item_done("v")
+                self.raw = b""
+            if c in _WS or c == b":":
+                continue
+            if c == b'"':
+                self.scalar, self.raw, self.escape = "s", b"", False
+                self.is_key = bool(self.stack) and self.stack[-1][0] == "o" and self.expect_key
+                if self.is_key:
+                    self.expect_key = False
+                continue
+            if c == b",":
+                if self.stack:
+                    top = self.stack[-1]
+                    if top[0] == "a":
+                        top[1] += 1
+                    else:
+                        self.expect_key = True
+                continue
+            if c in b"]}":
+                if self.stack:
+                    self.stack.pop()
+                continue
+            if c == b"{":
+                self._open("o")
+                continue
+            if c == b"[":
+                self._open("a")
+                continue
+            self.scalar, self.raw = "v", c  # a number or a literal begins
+
+
+class _Pools:
+    """Per vocabulary: which tokens can end a scalar, and the quote-holding tokens by
+    the bytes before their first quote (a string item's candidates, looked up)."""
+
+    def __init__(self, token_bytes: list[bytes | None], words: int) -> None:
+        n = 32 * words
+        self.end = np.zeros(n, dtype=np.bool_)  # a quote, a separator, a bracket or whitespace
+        self.opens = np.zeros(n, dtype=np.bool_)  # '[' and ',': may open an array and write two items
+        self.by_head: dict[bytes, list[int]] = {}  # bytes before the first quote (no backslash) -> tokens
+        self.hard: list[int] = []  # a backslash before the first quote
+        self.value = np.zeros(n, dtype=np.bool_)  # number / literal characters only (after whitespace)
+        self.extends = np.zeros(n, dtype=np.bool_)  # begins with a character that continues a number
+        self.closes = np.zeros(n, dtype=np.bool_)  # begins with a quote
+        self.by_bytes: dict[bytes, list[int]] = {}  # quote-free tokens by their bytes
+        for i, b in enumerate(token_bytes[:n]):
+            if not b:
+                continue
+            if any(x in b for x in b'",]} \t\n\r'):
+                self.end[i] = True
+            if b"[" in b and b"," in b:
+                self.opens[i] = True
+            v = b.lstrip(_WS)
+            if v and all(x in _VALUE_CHARS for x in v):
+                self.value[i] = True
+            if b[0] in b"0123456789.eE+-":
+                self.extends[i] = True
+            if b[:1] == b'"':
+                self.closes[i] = True
+            q = b.find(b'"')
+            if q < 0:
+                self.by_bytes.setdefault(b, []).append(i)
+            if q >= 0:
+                if b"\\" in b[:q]:
+                    self.hard.append(i)
+                else:
+                    self.by_head.setdefault(b[:q], []).append(i)
+
+
+_POOLS: dict[int, tuple[list[bytes | None], _Pools]] = {}
+
+
+def pools_for(token_bytes: list[bytes | None], words: int) -> _Pools:
+    hit = _POOLS.get(id(token_bytes))
+    if hit is None or hit[0] is not token_bytes:
+        hit = (token_bytes, _Pools(token_bytes, words))
+        if len(_POOLS) > 8:
+            _POOLS.clear()
+        _POOLS[id(token_bytes)] = hit
+    return hit[1]
+
+
+class UniqueGuard:
+    """A matcher (:class:`plait.runtime.constrained.backend.Matcher`) that is ``inner``
+    with the tokens completing a duplicate item taken out of every mask (see the module
+    docstring). No jump-forward inside a guarded array (the forced text is not checked
+    before it is written); speculative drafts get guarded masks."""
+
+    def __init__(self, inner: Any, sites: list[list[Any]], token_bytes: list[bytes | None]) -> None:
+        self.inner = inner
+        self.sites = sites
+        self.token_bytes = token_bytes
+        self.tracker = JsonTracker(sites)
+        self._skip = 0  # healed prompt bytes the first token writes again (not constrained text)
+        self._violation: str | None = None
+        self._own_reject: int | None = None
+        self._before: JsonTracker | None = None  # the tracker before the newest token (jump-forward)
+        self._dead: str | None = None  # why the last mask was emptied
+
+    # -- delegated --------------------------------------------------------------------------
+    kind = property(lambda self: self.inner.kind)
+    started = property(lambda self: self.inner.started)
+    healed_text = property(lambda self: self.inner.healed_text)
+    ready = property(lambda self: self.inner.ready)
+    error = property(lambda self: self.inner.error)
+    is_final = property(lambda self: self.inner.is_final)
+    terminated = property(lambda self: self.inner.terminated)
+    stuck = property(lambda self: getattr(self.inner, "stuck", False))
+
+    @property
+    def rejected(self) -> int | None:
+        return self._own_reject if self._own_reject is not None else self.inner.rejected
+
+    @property
+    def parser_error(self) -> str | None:
+        return self._violation or self._dead or getattr(self.inner, "parser_error", None)
+
+    def __getattr__(self, name: str) -> Any:  # counters and the like (num_advanced, g, ...)
+        return getattr(self.inner, name)
+
+    # -- life -------------------------------------------------------------------------------
+    def start(self, prompt_ids: list[int]) -> int:
+        dropped = self.inner.start(prompt_ids)
+        self._skip = len(self.inner.healed_text.encode("utf-8")) if dropped else 0
+        return dropped
+
+    def _note(self, e: Duplicate) -> None:
+        where = "#" + "".join(f"/{p}" for p in e.path)
+        self._violation = (f"'uniqueItems' at {where}: every token the schema allows next would repeat an earlier item "
+                           f"({_show(e.value)})")
+
+    def jump_start(self, budget: int) -> list[int]:
+        tokens = self.inner.jump_start(budget)
+        try:
+            for t in tokens:
+                self.tracker.feed(self.token_bytes[t] or b"")
+        except Duplicate as e:  # forced text repeating an item: the next token is refused
+            self._note(e)
+        return tokens
+
+    def advance(self, token: int) -> bool:
+        if self._violation is not None:
+            self._own_reject = token
+            return False
+        trial = self.tracker.copy()
+        data = self.token_bytes[token] if 0 <= token < len(self.token_bytes) else None
+        data = data or b""
+        cut = min(self._skip, len(data))
+        try:
+            trial.feed(data[cut:])
+        except Duplicate as e:
+            self._note(e)
+            self._own_reject = token
+            return False
+        if not self.inner.advance(token):
+            return False
+        self._before, self.tracker = (None if cut else self.tracker), trial
+        self._skip -= cut
+        return True
+
+    def jump_forward(self, last: int, budget: int) -> list[int] | None:
+        """The inner matcher's jump, but never from inside a guarded array (its forced
+        text would be written unchecked); forced text that repeats an item (a ``const``
+        item written twice) ends the request at its next token."""
+        if self._before is None or any(f[2] is not None for f in self._before.stack):
+            return None
+        tokens = self.inner.jump_forward(last, budget)
+        if tokens:
+            t = self._before.copy()
+            try:
+                for tok in tokens:
+                    t.feed(self.token_bytes[tok] or b"")
+            except Duplicate as e:
+                self._note(e)
+            self.tracker = t
+        return tokens
+
+    # -- masks -------------------------------------------------------------------------------
+    def allowed(self, eos_ok: bool) -> np.ndarray:
+        self._dead = None
+        return self._veto(self.inner.allowed(eos_ok), self.tracker)
+
+    def draft_masks(self, drafts: list[int], eos_ok: bool) -> list[np.ndarray]:
+        inner = self.inner.draft_masks(drafts, eos_ok)
+        if self._skip:
+            return [self._veto(inner[0], self.tracker)]
+        t = self.tracker.copy()
+        out = [self._veto(inner[0], t)]
+        for i, d in enumerate(drafts[: len(inner) - 1]):
+            if not _bit(out[-1], d):
+                break
+            try:
+                t.feed(self.token_bytes[d] or b"")
+            except Duplicate:
+                break
+            out.append(self._veto(inner[i + 1], t))
+        return out
+
+    def _veto(self, mask: np.ndarray, tracker: JsonTracker) -> np.ndarray:
+        """``mask`` without the tokens that would complete a duplicate item from
+        ``tracker``'s place."""
+        if self._violation is not None:
+            return np.zeros_like(mask)
+        if self._skip:  # healing: the boundary token is checked when it is taken
+            return mask
+        pools = pools_for(self.token_bytes, mask.shape[0])
+        blocked: set[int] = set()
+        if tracker.scalar == "s" and not tracker.escape and tracker.guarded and not tracker.is_key \
+                and b"\\" not in tracker.raw:
+            # a string item: a token completes it at its first quote; the item repeats an
+            # earlier one when the bytes before that quote are the rest of its text
+            raw = tracker.raw
+            ahead = tracker is self.tracker
+            for key in tracker.stack[-1][2]:
+                if key[0] != "s":
+                    continue
+                text = key[1].encode("utf-8", "surrogatepass")
+                if text.startswith(raw):
+                    blocked.update(pools.by_head.get(text[len(raw):], ()))
+                    if ahead and len(text) > len(raw):  # a token that writes the rest of an earlier item
+                        blocked.update(t for t in pools.by_bytes.get(text[len(raw):], ())
+                                       if _bit(mask, t) and self._must_close(t, pools))
+            ids = [t for t in pools.hard if _bit(mask, t)]
+        else:
+            inside = any(f[2] is not None for f in tracker.stack)
+            pool = pools.end if inside else pools.opens
+            bits = np.unpackbits(mask.view(np.uint8), bitorder="little").view(np.bool_)
+            n = min(len(bits), len(pool))
+            ids = np.flatnonzero(bits[:n] & pool[:n]).tolist()
+        for t in ids:
+            trial = tracker.copy()
+            try:
+                trial.feed(self.token_bytes[t] or b"")
+            except Duplicate:
+                blocked.add(t)
+        if tracker is self.tracker and tracker.guarded and tracker.scalar != "s":
+            blocked |= self._no_way_out(mask, tracker, pools)
+        blocked = {t for t in blocked if _bit(mask, t)}
+        if not blocked:
+            return mask
+        out = mask.view(np.uint32).copy()
+        for t in blocked:
+            out[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        if tracker is self.tracker and not out.any() and mask.view(np.uint32).any():
+            where = "#" + "".join(f"/{p}" for p in tracker.path())
+            self._dead = f"'uniqueItems' at {where}: every token the schema allows next would repeat an earlier item"
+        return out.view(np.int32)
+
+    def _must_close(self, t: int, pools: _Pools) -> bool:
+        """After ``t``, whether the grammar allows only tokens that close the string (one
+        step of look-ahead; the inner matcher stays where it is)."""
+        after = self.inner.draft_masks([t], False)
+        if len(after) < 2:
+            return False
+        nxt = np.unpackbits(after[1].view(np.uint8), bitorder="little").view(np.bool_)
+        m = min(len(nxt), len(pools.closes))
+        return bool(nxt[:m].any()) and not (nxt[:m] & ~pools.closes[:m]).any()
+
+    def _no_way_out(self, mask: np.ndarray, tracker: JsonTracker, pools: _Pools) -> set[int]:
+        """Tokens that make the number or literal being written equal to an earlier item
+        when the grammar then allows nothing that continues it (``7`` with items up to 9:
+        its end would be refused, so the request would be stuck): one step of look-ahead
+        through the inner matcher, which stays where it is."""
+        seen = tracker.stack[-1][2]
+        if not any(k[0] != "s" for k in seen):
+            return set()
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little").view(np.bool_)
+        n = min(len(bits), len(pools.value))
+        out = set()
+        for t in np.flatnonzero(bits[:n] & pools.value[:n]).tolist():
+            data = self.token_bytes[t] or b""
+            text = tracker.raw + data if tracker.scalar == "v" else data.lstrip(_WS)
+            literal = next((w for w in (b"true", b"false", b"null") if w.startswith(text)), None)
+            if literal is not None and len(text) < len(literal):  # only an earlier item can follow
+                if _value_key("v", literal) in seen:
+                    out.add(t)
+                continue
+            if _value_key("v", text) not in seen:
+                continue
+            after = self.inner.draft_masks([t], False)
+            if len(after) < 2:
+                continue
+            nxt = np.unpackbits(after[1].view(np.uint8), bitorder="little").view(np.bool_)
+            m = min(len(nxt), len(pools.extends))
+            if not (nxt[:m] & pools.extends[:m]).any():
+                out.add(t)
+        return out
+
+
+def _bit(mask: np.ndarray, t: int) -> bool:
+    w = mask.view(np.uint32)
+    return 0 <= t < 32 * len(w) and bool(w[t >> 5] >> np.uint32(t & 31) & np.uint32(1))
+
+
+def _show(key: Any) -> str:
+    if key[0] == "s":
+        return json.dumps(key[1])[:60]
+    if key[0] == "b":
+        return "true" if key[1] else "false"
+    if key[0] == "z":
+        return "null"
+    return str(key[1])[:60]
