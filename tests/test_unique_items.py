@@ -165,6 +165,15 @@ class Oracle:
         del self.engine.runner.model.compute_logits
 
 
+def oracle_generate(e: Engine, prompt: str, target: str, params: dict) -> dict:
+    """Greedy output of ``e`` with the :class:`Oracle` steering it to ``target``."""
+    oracle = Oracle(e, prompt + target)
+    try:
+        return e.generate(prompt, {"temperature": 0.0, **params})
+    finally:
+        oracle.close()
+
+
 def validate(schema, text: str) -> dict:
     value = json.loads(text)
     jsonschema.validate(value, schema)
@@ -175,24 +184,15 @@ def validate(schema, text: str) -> dict:
 def test_a_model_that_repeats_an_item_is_turned_aside(engines, backend):
     e, _ = engines
     prompt = "Tags:"
-    oracle = Oracle(e, prompt + '{"tags":["red","blue","red","green"]}')
-    try:
-        out = e.generate(prompt, {"json_schema": TAGS, "grammar_backend": backend, "temperature": 0.0,
-                                  "max_new_tokens": 60})
-    finally:
-        oracle.close()
+    target = '{"tags":["red","blue","red","green"]}'
+    out = oracle_generate(e, prompt, target, {"json_schema": TAGS, "grammar_backend": backend, "max_new_tokens": 60})
     assert out["meta_info"]["finish_reason"]["type"] == "stop", out
     value = validate(TAGS, out["text"])
     assert value["tags"][:2] == ["red", "blue"]
     assert len(value["tags"]) >= 3  # the third item was written, as something other than "red"
     # the same oracle without uniqueItems writes the duplicate: the guard made the difference
     plain = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}}}}
-    oracle = Oracle(e, prompt + '{"tags":["red","blue","red","green"]}')
-    try:
-        free = e.generate(prompt, {"json_schema": plain, "grammar_backend": backend, "temperature": 0.0,
-                                   "max_new_tokens": 60})
-    finally:
-        oracle.close()
+    free = oracle_generate(e, prompt, target, {"json_schema": plain, "grammar_backend": backend, "max_new_tokens": 60})
     assert json.loads(free["text"])["tags"] == ["red", "blue", "red", "green"]
 
 
@@ -200,11 +200,7 @@ def test_numbers_are_compared_as_numbers(engines):
     e, _ = engines
     schema = {"type": "array", "items": {"type": "number"}, "uniqueItems": True, "minItems": 3}
     prompt = "Numbers:"
-    oracle = Oracle(e, prompt + "[10,25,10.0,7]")
-    try:
-        out = e.generate(prompt, {"json_schema": schema, "temperature": 0.0, "max_new_tokens": 40})
-    finally:
-        oracle.close()
+    out = oracle_generate(e, prompt, "[10,25,10.0,7]", {"json_schema": schema, "max_new_tokens": 40})
     assert out["meta_info"]["finish_reason"]["type"] == "stop", out
     value = validate(schema, out["text"])
     assert value[:2] == [10, 25] and len(value) >= 3
