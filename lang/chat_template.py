@@ -343,7 +343,10 @@ def has_tool_history(messages: list[dict[str, Any]]) -> bool:
 
 def messages_for_tool_template(messages: list[dict[str, Any]], parser: str | None = None) -> list[dict[str, Any]]:
     """Messages for a template with tool support: a call's ``arguments`` JSON text is
-    given as the object it encodes (Hugging Face templates write it with ``tojson``).
+    given as the object it encodes (Hugging Face templates write it with ``tojson``),
+    except with the ``phi4_mini_json`` parser: the template that shows Phi-4-mini its
+    tools (vLLM's) prints the arguments with ``{{ }}``, which wrote an object as a Python
+    repr (``{'city': 'Paris'}``), so they stay JSON text there.
     With the ``mistral`` parser, call ids (``tool_calls[].id``, ``tool_call_id``) are
     given as Mistral's templates require them, 9 alphanumerics
     (:func:`plait.tool_parsers.mistral_call_id`: the same for the same id, so a call and
@@ -361,7 +364,7 @@ def messages_for_tool_template(messages: list[dict[str, Any]], parser: str | Non
                 fn = dict(c["function"])
                 try:
                     args = json.loads(fn["arguments"])
-                    if isinstance(args, dict):
+                    if isinstance(args, dict) and parser != "phi4_mini_json":
                         fn["arguments"] = args
                 except (ValueError, TypeError):
                     pass

@@ -13,6 +13,10 @@ Formats (``--tool-call-parser``):
 - ``granite``: ``<|tool_call|>[{"name": "f", "arguments": {...}}, ...]`` (IBM Granite 3.x).
 - ``pythonic``: the whole output is a Python list of calls, ``[f(a=1), g(b="x")]``
   (Llama 3.2/4 pythonic, optionally inside ``<|python_start|>...<|python_end|>``).
+- ``deepseek_v3``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{...}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``
+  (DeepSeek-V3, R1); ``deepseek_v31``: ``<｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``
+  blocks (DeepSeek-V3.1). Each reads both forms and writes its own.
+- ``phi4_mini_json``: ``functools[{"name": "f", "arguments": {...}}, ...]`` (Phi-4-mini).
 
 Parsing never raises. A call whose text is not valid (bad JSON, an unknown function
 name, a call cut off) is not a call: its text stays in the content. Output with no
@@ -498,6 +502,30 @@ def _args_value(arguments: str) -> Any:
         return arguments
 
 
+def _array_calls(text: str, i: int, stop: int, names: set[str], final: bool, calls: list[_Seen],
+                 rest: list[str]) -> None:
+    """The call objects of a JSON array whose ``[`` is just before ``text[i]`` (up to
+    ``stop``), added to ``calls``; invalid ones and text after the array to ``rest``."""
+    while True:
+        while i < stop and (text[i].isspace() or text[i] == ","):
+            i += 1
+        if i >= stop or text[i] == "]":
+            if i < stop and text[i + 1:stop].strip():
+                rest.append(text[i + 1:stop])
+            return
+        if text[i] != "{":
+            rest.append(text[i:stop])
+            return
+        seen, end = _object_call(text, i, stop, names)
+        if seen is not None and (seen.complete or not final):
+            calls.append(seen)
+        elif end is not None or final:
+            rest.append(text[i:end if end is not None else stop])
+        if end is None:
+            return
+        i = end
+
+
 class HermesParser(ToolParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
@@ -658,25 +686,7 @@ class MistralParser(ToolParser):
             if i >= stop:
                 continue
             if text[i] == "[":  # a JSON array of call objects
-                i += 1
-                while True:
-                    while i < stop and (text[i].isspace() or text[i] == ","):
-                        i += 1
-                    if i >= stop or text[i] == "]":
-                        if i < stop and text[i + 1:stop].strip():
-                            rest.append(text[i + 1:stop])
-                        break
-                    if text[i] != "{":
-                        rest.append(text[i:stop])
-                        break
-                    seen, end = _object_call(text, i, stop, names)
-                    if seen is not None and (seen.complete or not final):
-                        calls.append(seen)
-                    elif end is not None or final:
-                        rest.append(text[i:end if end is not None else stop])
-                    if end is None:
-                        break
-                    i = end
+                _array_calls(text, i + 1, stop, names, final, calls, rest)
             elif text[i] == "{":
                 seen, end = _object_call(text, i, stop, names)
                 if seen is not None and (seen.complete or not final):
@@ -727,6 +737,229 @@ class GraniteParser(MistralParser):
 
     def new_id(self) -> str:
         return new_call_id()
+
+
+def _json_text(arguments: str) -> str:
+    """A call's arguments as JSON text: the text itself when it is JSON (as the model
+    wrote it), else the string as a JSON string."""
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return json.dumps(arguments, ensure_ascii=False)
+    return arguments
+
+
+def _literal_at(text: str, i: int, lit: str, final: bool) -> tuple[int | None, bool]:
+    """``lit`` at ``text[i]``: (the index past it, or None; whether text may still
+    bring it: the text ends within a start of it and more can come)."""
+    if text.startswith(lit, i):
+        return i + len(lit), False
+    return None, not final and lit.startswith(text[i:])
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+class DeepSeekV3Parser(ToolParser):
+    """DeepSeek-V3 / R1: ``<｜tool▁calls▁begin｜>``, then one block per call,
+    ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>``
+    (line breaks between blocks), then ``<｜tool▁calls▁end｜>``. A block in DeepSeek-V3.1's
+    form (``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``) is read too,
+    whichever form the model writes; what the server writes (earlier calls in a prompt,
+    forced calls) is in this parser's form. The closing markers may be missing at the end
+    of the output (a model stopped after the arguments)."""
+
+    name = "deepseek_v3"
+    special_marker = True  # (the markers are added tokens of DeepSeek's tokenizers: kept in the text)
+    BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    JOIN = "\n"  # between call blocks
+    STARTS = (BEGIN, CALL)
+    markers = (BEGIN, CALL, END)
+    hint = ("<｜tool▁calls▁begin｜>, one block per call, then <｜tool▁calls▁end｜>:\n<｜tool▁calls▁begin｜>"
+            "<｜tool▁call▁begin｜>function<｜tool▁sep｜><function name>\n```json\n<arguments as a JSON object>\n```"
+            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+
+    def _parts(self, name: str) -> tuple[str, str]:
+        """The text of a call block before and after its arguments."""
+        return f"{self.CALL}function{self.SEP}{name}\n```json\n", f"\n```{self.CALL_END}"
+
+    def format_calls(self, calls: list[ToolCall]) -> str:
+        blocks = []
+        for c in calls:
+            before, after = self._parts(c.name)
+            blocks.append(before + _json_text(c.arguments) + after)
+        return self.BEGIN + self.JOIN.join(blocks) + self.END
+
+    def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
+        from plait.runtime.constrained.regexes import escape
+
+        alts = []
+        for where, fn in _chosen(tools, choice):
+            before, after = self._parts(fn["name"])
+            alts.append(escape(before) + _arguments_regex(fn, where) + escape(after))
+        call = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return escape(self.BEGIN) + _repeat_calls(call, escape(self.JOIN), parallel) + escape(self.END)
+
+    def scan(self, text: str, names: set[str], final: bool) -> _Scan:
+        memo = _MEMO.get()
+        if memo is not None and memo.settled is not None and text.startswith(memo.settled[0]):
+            m, i, calls, rest = memo.settled[1]  # (blocks before i are settled: resume after them)
+            calls, rest = list(calls), list(rest)
+        else:
+            found = [k for k in (text.find(s) for s in self.STARTS) if k >= 0]
+            if not found:
+                return _Scan(len(text) if final else _hold_back(text, 0, self.markers), [], [])
+            m = i = min(found)
+            calls, rest = [], []
+        while True:
+            while True:  # the markers around the blocks, and line breaks
+                i = _skip_space(text, i)
+                for mark in (self.BEGIN, self.END):
+                    if text.startswith(mark, i):
+                        i += len(mark)
+                        break
+                else:
+                    break
+            if i >= len(text):
+                break
+            if not text.startswith(self.CALL, i):  # text between or after the blocks
+                nxt = text.find(self.CALL, i)
+                rest.append(text[i:nxt if nxt >= 0 else len(text)])  # (read by the stream only at the end)
+                if nxt < 0:
+                    break
+                i = nxt
+                continue
+            seen, end = self._block(text, i, names, final)
+            if seen is not None and (seen.complete or not final):
+                calls.append(seen)
+            elif end is not None or final:
+                rest.append(text[i:end if end is not None else len(text)])
+            if end is None:
+                break
+            i = end
+            if memo is not None and not final:  # a block closed by its end marker reads the same whatever follows
+                memo.settled = (text[:i], (m, i, tuple(calls), tuple(rest)))
+        return _Scan(_content_before(text, m), calls, rest)
+
+    def _block(self, text: str, j: int, names: set[str], final: bool) -> tuple[_Seen | None, int | None]:
+        """The call block opening at ``text[j]``: (the call or None, the index past the
+        block, or None while it may still grow). A block that is no valid call ends at
+        its end marker (or the end of the text)."""
+        n = len(text)
+        body = j + len(self.CALL)
+        sep = text.find(self.SEP, body)
+        close = text.find(self.CALL_END, body)
+        bad = (close + len(self.CALL_END)) if close >= 0 else (n if final else None)
+        if sep < 0 or 0 <= close < sep:
+            return None, bad
+        k = _skip_space(text, sep + len(self.SEP))
+        if k >= n:
+            return None, bad
+        if text[k] == "{":  # V3.1: NAME<sep>{...}
+            name = text[body:sep].strip()
+            fence = False
+        else:  # V3 / R1: TYPE<sep>NAME\n```json\n{...}\n```
+            nl = text.find("\n", k)
+            if nl < 0 or 0 <= close < nl:
+                return None, bad
+            name = text[k:nl].strip()
+            p = _skip_space(text, nl)
+            p2, wait = _literal_at(text, p, "```", final)
+            if p2 is None:
+                return None, None if wait or (p >= n and not final) else bad
+            if text.startswith("json", p2):
+                p2 += 4
+            elif not final and "json".startswith(text[p2:]):
+                return None, None
+            k = _skip_space(text, p2)
+            if k >= n or text[k] != "{":
+                return None, None if k >= n and not final else bad
+            fence = True
+        if name not in names:
+            return None, bad
+        a_end = json_end(text, k)
+        if a_end is None:  # the arguments are being written (or broken: a call only while more may come)
+            return (_Seen(j, name, text[k:], False), None) if not final else (None, bad)
+        try:
+            ok = isinstance(json.loads(text[k:a_end]), dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            return None, bad
+        seen = _Seen(j, name, text[k:a_end], True)
+        p = _skip_space(text, a_end)
+        if fence:
+            p2, wait = _literal_at(text, p, "```", final)
+            if p2 is None:
+                if p >= n:
+                    return seen, n if final else None
+                return (seen, None) if wait else (None, bad)
+            p = _skip_space(text, p2)
+        if p >= n:
+            return seen, n if final else None
+        p2, wait = _literal_at(text, p, self.CALL_END, final)
+        if p2 is not None:
+            return seen, p2
+        if text.startswith(self.END, p):  # the calls end without this block's end marker
+            return seen, p
+        if wait or (not final and self.END.startswith(text[p:])):
+            return seen, None
+        return None, bad  # other text follows the arguments
+
+
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    """DeepSeek-V3.1: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}
+    <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`` (no line breaks, no code fence); reads the
+    V3 / R1 form too."""
+
+    name = "deepseek_v31"
+    JOIN = ""
+    hint = ("<｜tool▁calls▁begin｜>, one block per call, then <｜tool▁calls▁end｜>:\n<｜tool▁calls▁begin｜>"
+            "<｜tool▁call▁begin｜><function name><｜tool▁sep｜><arguments as a JSON object><｜tool▁call▁end｜>"
+            "<｜tool▁calls▁end｜>")
+
+    def _parts(self, name: str) -> tuple[str, str]:
+        return f"{self.CALL}{name}{self.SEP}", self.CALL_END
+
+
+class Phi4MiniJsonParser(ToolParser):
+    """Phi-4-mini: ``functools`` and one JSON array of calls,
+    ``functools[{"name": "f", "arguments": {...}}, ...]`` (``parameters`` read too); text
+    after the array is content."""
+
+    name = "phi4_mini_json"
+    START = "functools["
+    markers = (START,)
+    hint = ('functools and a JSON array of calls:\nfunctools[{"name": "<function name>", "arguments": <arguments as a '
+            'JSON object>}]')
+
+    def cut_markup(self, tail: str) -> bool:
+        # (a plain word cut by the length limit, "f" or "func", is content: only the whole
+        # word "functools" or more begins a call)
+        t = tail.strip()
+        return t.startswith(self.START) or (len(t) >= len(self.START) - 1 and self.START.startswith(t))
+
+    def format_calls(self, calls: list[ToolCall]) -> str:
+        return "functools" + json.dumps([{"name": c.name, "arguments": _args_value(c.arguments)} for c in calls],
+                                        ensure_ascii=False)
+
+    def scan(self, text: str, names: set[str], final: bool) -> _Scan:
+        m = text.find(self.START)
+        if m < 0:
+            return _Scan(len(text) if final else _hold_back(text, 0, self.markers), [], [])
+        calls: list[_Seen] = []
+        rest: list[str] = []
+        _array_calls(text, m + len(self.START), len(text), names, final, calls, rest)
+        return _Scan(_content_before(text, m), calls, rest)
+
+    def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
+        from plait.runtime.constrained.regexes import escape
+
+        return escape(self.START) + _repeat_calls(_json_call_regex(tools, choice, "arguments"), ", ", parallel) + r"\]"
 
 
 def _find_all(text: str, sub: str) -> Iterator[int]:
@@ -970,7 +1203,8 @@ class ToolStream:
 
 # -- registry, detection, generic prompt ------------------------------------------------------------
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, GraniteParser)
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, GraniteParser,
+                        DeepSeekV3Parser, DeepSeekV31Parser, Phi4MiniJsonParser)
 }
 
 
@@ -987,8 +1221,13 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
     if not chat_template:
         return None
     t = chat_template
+    if "<｜tool▁calls▁begin｜>" in t or "<｜tool▁call▁begin｜>" in t:
+        # V3 / R1 blocks fence their arguments (```json); V3.1's do not
+        return "deepseek_v3" if "```json" in t else "deepseek_v31"
     if "<|tool_call|>" in t:
         return "granite"
+    if "functools[" in t or ("<|tool|>" in t and "<|/tool|>" in t):
+        return "phi4_mini_json"  # (Phi-4-mini's own template: tools between <|tool|> and <|/tool|>)
     if "<tool_call>" in t:
         return "hermes"
     if "[TOOL_CALLS]" in t:

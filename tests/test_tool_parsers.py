@@ -202,6 +202,11 @@ def _examples(name: str, parallel: bool) -> list[str]:
         "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city":"Paris"}}]',
         "pythonic": '[get_weather(city="Paris")]',
         "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city":"Paris"}}]',
+        "deepseek_v3": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                       '{"city":"Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "deepseek_v31": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city":"Paris"}'
+                        '<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "phi4_mini_json": 'functools[{"name": "get_weather", "arguments": {"city":"Paris"}}]',
     }[name]
     two = {
         "hermes": one + '\n<tool_call>\n{"name": "add", "arguments": {"a":1,"b":-2}}\n</tool_call>',
@@ -211,6 +216,12 @@ def _examples(name: str, parallel: bool) -> list[str]:
         "pythonic": '[get_weather(city="Paris", unit="celsius"), now()]',
         "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city":"Paris","unit":"celsius"}}, '
                    '{"name": "now", "arguments": {}}]',
+        "deepseek_v3": one.removesuffix("<｜tool▁calls▁end｜>") + '\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n'
+                                                              '```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "deepseek_v31": one.removesuffix("<｜tool▁calls▁end｜>") + '<｜tool▁call▁begin｜>now<｜tool▁sep｜>{}'
+                                                               '<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "phi4_mini_json": 'functools[{"name": "get_weather", "arguments": {"city":"Paris","unit":"celsius"}}, '
+                          '{"name": "now", "arguments": {}}]',
     }[name]
     return [one, two] if parallel else [one]
 

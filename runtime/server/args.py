@@ -258,8 +258,9 @@ _SERVER_HELP = {
     "dp_size": "data parallel: engine processes (replicas, each with its own model copy and KV cache) behind one "
     "front; requests go to the replica with the fewest tokens in flight; --num-threads applies to each",
     "client_timeout_s": "abort the requests of a language client that pings and then goes silent this long",
-    "tool_call_parser": "format of tool calls in model output: hermes, llama3_json, mistral, pythonic, granite (default: "
-    "detected from the chat template, else hermes with plait's generic tool prompt)",
+    "tool_call_parser": "format of tool calls in model output: hermes, llama3_json, mistral, pythonic, granite, "
+    "deepseek_v3, deepseek_v31, phi4_mini_json (default: detected from the chat template, else hermes with plait's "
+    "generic tool prompt)",
     "reasoning_parser": "split <think>...</think> reasoning into reasoning_content: deepseek-r1 or qwen3 "
     "(default: off)",
     "allowed_origins": "let browser pages from these origins call the HTTP API (CORS, preflight included, answered "

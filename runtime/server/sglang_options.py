@@ -65,9 +65,10 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {
     # draft model plait does not run: refused by speculative's check
     "speculative": {"NGRAM": "ngram", "LOOKAHEAD": "ngram"},
     # SGLang's qwen / qwen25 parse <tool_call>{...}</tool_call> blocks (the Hermes format),
-    # its llama3 the JSON form of Llama 3.1-3.3; vLLM's llama4_pythonic is the pythonic list
+    # its llama3 the JSON form of Llama 3.1-3.3; vLLM's llama4_pythonic is the pythonic list;
+    # SGLang's deepseekv3 / deepseekv31 are vLLM's (and plait's) deepseek_v3 / deepseek_v31
     "tool_call_parser": {"qwen": "hermes", "qwen25": "hermes", "llama3": "llama3_json",
-                         "llama4_pythonic": "pythonic"},
+                         "llama4_pythonic": "pythonic", "deepseekv3": "deepseek_v3", "deepseekv31": "deepseek_v31"},
     "reasoning_parser": {"deepseek_r1": "deepseek-r1"},  # vLLM's spelling
     "grammar_backend": {"guidance": "llguidance"},  # vLLM's name of llguidance
 }
