@@ -89,7 +89,7 @@ def test_a_flag_given_twice_or_with_equals_takes_the_last_value():
     (("--grammar-backend", "xgrammar"), "grammar_backend='xgrammar' is not available in plait"),
     (("--guided-decoding-backend", "xgrammar"), "grammar_backend='xgrammar' is not available in plait"),
     (("--grammar-backend", "none"), "grammar_backend='none' is not available in plait"),
-    (("--tool-call-parser", "deepseekv3"), "tool_call_parser='deepseekv3'"),
+    (("--tool-call-parser", "kimi_k2"), "tool_call_parser='kimi_k2'"),
     (("/models/a", "--model", "/models/b"), "the model was given twice"),
     (("--enable-prefix-caching", "--disable-radix-cache"), "disable_radix_cache and enable_prefix_caching"),
     (("--device", "cuda", "--gpu-memory-utilization", "0.5", "--mem-fraction-static", "0.5"),
