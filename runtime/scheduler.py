@@ -695,7 +695,7 @@ def constraint_dead_end(r: Req) -> FinishReason:
     kind = getattr(g, "kind", None) or "constraint"
     error = getattr(g, "parser_error", None)  # (``error`` is the build's, which never reaches here)
     if error:
-        why = f"llguidance stopped: {error}"
+        why = error  # the matcher's own account, naming what stopped it
     elif getattr(g, "stuck", False):
         why = "computing its next allowed tokens took longer than the engine waits (an ebnf grammar too costly to follow)"
     else:

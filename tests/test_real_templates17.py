@@ -39,6 +39,8 @@ from plait.runtime.server import launch
 from plait.runtime.server.openai_api import _messages, chat_turn, render_chat, server_tool_parser
 from plait.tool_parsers import detect_tool_parser, get_tool_parser, mistral_call_id
 
+from test_tool_parsers17b import _stream as streamed
+
 TEMPLATES = Path(__file__).parent / "data" / "templates17"
 MODEL = "tiny"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -192,19 +194,8 @@ OUTPUTS = [
 
 
 def _stream(parser, text: str, step: int = 3, cut: bool = False) -> tuple[str, list[tuple[str, str]]]:
-    s = get_tool_parser(parser).stream(TOOLS)
-    deltas = []
-    for i in range(0, len(text), step):
-        deltas += s.feed(text[i:i + step])
-    deltas += s.finish(cut)
-    content, calls = "", {}
-    for d in deltas:
-        content += d.get("content", "")
-        for c in d.get("tool_calls", []):
-            entry = calls.setdefault(c["index"], ["", ""])
-            entry[0] += c["function"].get("name", "")
-            entry[1] += c["function"].get("arguments", "")
-    return content, [tuple(calls[k]) for k in sorted(calls)]
+    """(content, [(name, arguments)]) as the stream of ``parser`` sends them (chunks of ``step``)."""
+    return streamed(parser, text, step, cut, TOOLS)
 
 
 @pytest.mark.parametrize("parser, text, calls, content", OUTPUTS)

@@ -1064,7 +1064,7 @@ class LLGuidanceMatcher:
         m = self.m
         if m is None or not m.is_error():
             return None
-        return (m.get_error().strip().splitlines() or ["unknown error"])[0]
+        return "llguidance stopped: " + (m.get_error().strip().splitlines() or ["unknown error"])[0]
 
     # -- advancing ----------------------------------------------------------------------------
     def advance(self, token: int) -> bool:

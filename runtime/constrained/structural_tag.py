@@ -524,10 +524,7 @@ class _Translator:
         at_least_one = self._flag(node, "at_least_one", path, False)
         stop_after_first = self._flag(node, "stop_after_first", path, False)
         stops = ends if ends is not None else excl
-        for t in triggers:
-            if t in excludes or t in stops:
-                raise ValueError(f"{path}.triggers: {t!r} is also an exclude or the enclosing tag's end; allowed: "
-                                 f"triggers that are neither")
+        _no_clash(triggers, excludes, stops, f"{path}.triggers", "triggers")
         rests: dict[str, list[str]] = {t: [] for t in triggers}
         for i, tag in enumerate(tags):
             where = f"{path}.tags[{i}]"
@@ -581,10 +578,7 @@ class _Translator:
         excludes = self._words(node, "excludes", path)
         loop = self._flag(node, "loop", path, True)
         stops = ends if ends is not None else excl
-        for p in patterns:
-            if p in excludes or p in stops:
-                raise ValueError(f"{path}.rules: pattern {p!r} is also an exclude or the enclosing tag's end; "
-                                 f"allowed: patterns that are neither")
+        _no_clash(patterns, excludes, stops, f"{path}.rules", "patterns")
         free, firsts = self._free(list(dict.fromkeys(patterns + excludes + stops)), path)
         segments = [firsts[p] + self.regex(f, f"{path}.rules[{i}][1]", excl)
                     for i, (p, f) in enumerate(rules) if p in firsts]
@@ -593,6 +587,16 @@ class _Translator:
         if not loop:
             return _union([last] + [s + end_rx for s in segments])
         return (_star(_union(segments)) if segments else "") + last
+
+
+def _no_clash(words: list[str], excludes: list[str], stops: list[str], where: str, noun: str) -> None:
+    """``ValueError`` when one of ``words`` (triggers, dispatch patterns) is also an
+    exclude or the enclosing tag's end: the free text could not both stop at it and
+    begin a structure there."""
+    for w in words:
+        if w in excludes or w in stops:
+            raise ValueError(f"{where}: {w!r} is also an exclude or the enclosing tag's end; allowed: {noun} that "
+                             f"are neither")
 
 
 def format_regex(fmt: dict[str, Any], param: str = "response_format") -> str:

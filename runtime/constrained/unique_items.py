@@ -404,7 +404,6 @@ class UniqueGuard:
 
     def __init__(self, inner: Any, sites: list[list[Any]], token_bytes: list[bytes | None]) -> None:
         self.inner = inner
-        self.sites = sites
         self.token_bytes = token_bytes
         self.tracker = JsonTracker(sites)
         self._skip = 0  # healed prompt bytes the first token writes again (not constrained text)
