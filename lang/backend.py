@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import queue
 import random
 import threading
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -333,15 +335,12 @@ class BaseBackend(ABC):
         return result
 
 
-def generate_outputs(backend: BaseBackend, prompt: str | list[str] | None, sampling_params: Any,
+def offline_requests(prompt: str | list[str] | None, sampling_params: Any,
                      input_ids: list[int] | list[list[int]] | None, return_logprob: bool = False,
                      logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
-                     return_text_in_logprobs: bool = False) -> Any:
-    """SGLang's offline ``generate`` on ``backend`` (``Engine.generate``,
-    ``Runtime.generate``): one prompt (text or ``input_ids``) gives one output dict
-    (``text``, ``output_ids``, ``meta_info``; a list of ``n`` with ``n > 1``), a list
-    of prompts a list of outputs in order; ``sampling_params`` is one dict for all or
-    one per prompt. Logprob entries are tuples."""
+                     return_text_in_logprobs: bool = False) -> tuple[bool, list[Request]]:
+    """The requests of SGLang's offline ``generate`` arguments, and whether one prompt
+    (not a list) was given."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("give exactly one of prompt and input_ids")
     if prompt is not None:
@@ -358,7 +357,20 @@ def generate_outputs(backend: BaseBackend, prompt: str | list[str] | None, sampl
     opts = dict(return_logprob=return_logprob, return_text_in_logprobs=return_text_in_logprobs,
                 logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
                 top_logprobs_num=top_logprobs_num or 0)
-    reqs = [Request(**{key: p}, sampling_params=dict(sp or {}), **opts) for p, sp in zip(prompts, params)]
+    return single, [Request(**{key: p}, sampling_params=dict(sp or {}), **opts) for p, sp in zip(prompts, params)]
+
+
+def generate_outputs(backend: BaseBackend, prompt: str | list[str] | None, sampling_params: Any,
+                     input_ids: list[int] | list[list[int]] | None, return_logprob: bool = False,
+                     logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+                     return_text_in_logprobs: bool = False) -> Any:
+    """SGLang's offline ``generate`` on ``backend`` (``Engine.generate``,
+    ``Runtime.generate``): one prompt (text or ``input_ids``) gives one output dict
+    (``text``, ``output_ids``, ``meta_info``; a list of ``n`` with ``n > 1``), a list
+    of prompts a list of outputs in order; ``sampling_params`` is one dict for all or
+    one per prompt. Logprob entries are tuples."""
+    single, reqs = offline_requests(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                    top_logprobs_num, return_text_in_logprobs)
     outs = backend.run_requests(reqs)
     for seqs in outs:
         for out in seqs:
@@ -420,6 +432,47 @@ async def stream_text(backend: BaseBackend, prompt: str, sampling_params: dict[s
             backend.abort(pending.rid)
 
 
+def stream_outputs(backend: BaseBackend, req: Request) -> Iterator[dict[str, Any]]:
+    """SGLang's ``Engine.generate(..., stream=True)`` on ``backend``: one output dict
+    per streamed piece, each with the text so far and the meta info so far (output
+    logprob entries of every piece so far), as SGLang's streams them by default
+    (not incrementally); the last is the final output (``output_ids``,
+    ``finish_reason``). Breaking out of the loop early aborts the request; an invalid
+    request raises :class:`BackendError`."""
+    if req.n != 1:
+        raise ValueError(f"n={req.n!r} is invalid for a streamed generate; allowed: 1 (generate without stream "
+                         "for several samples)")
+    pieces: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    end = object()
+
+    def on_chunk(index: int, piece: str, meta: dict[str, Any]) -> None:  # on the backend's thread: never raises
+        if index == 0:
+            pieces.put((piece, meta))
+
+    pending = backend.submit(dataclasses.replace(req, stream=True), on_chunk)
+
+    def wait() -> None:  # in a worker thread: after the last chunk, the end
+        with contextlib.suppress(BaseException):  # read from pending below
+            pending.wait()
+        pieces.put(end)
+
+    threading.Thread(target=wait, name="plait-stream-wait", daemon=True).start()
+    text, meta = "", None
+    try:
+        while (item := pieces.get()) is not end:
+            text += item[0]
+            meta = merge_chunk_meta(meta, item[1])
+            yield {"text": text, "meta_info": meta}
+        out = pending.wait(0)[0]  # raises the request's error
+        backend.token_usage.add(out["meta_info"].get("prompt_tokens", 0), out["meta_info"].get("completion_tokens", 0))
+        _check_not_aborted(out, None)
+        logprob_tuples(out["meta_info"])
+        yield out
+    finally:
+        if not pending.done:
+            backend.abort(pending.rid)
+
+
 _LOGPROB_KEYS = ("output_token_logprobs", "input_token_logprobs")
 _TOP_LOGPROB_KEYS = ("output_top_logprobs", "input_top_logprobs")
 
@@ -434,6 +487,22 @@ def logprob_tuples(meta: dict[str, Any]) -> None:
     for key in _TOP_LOGPROB_KEYS:
         if key in meta:
             meta[key] = [None if row is None else [_logprob_entry(e) for e in row] for row in meta[key]]
+
+
+# meta info keys a stream delivers a piece at a time
+STREAMED_LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs")
+
+
+def merge_chunk_meta(so_far: dict[str, Any] | None, chunk: dict[str, Any]) -> dict[str, Any]:
+    """The meta info of a generation after one more streamed chunk: the chunk's counts,
+    and the output logprob entries of every chunk so far (SGLang's tuples)."""
+    new = dict(chunk)
+    logprob_tuples(new)
+    out = {**(so_far or {}), **new}
+    for key in STREAMED_LOGPROB_KEYS:
+        if key in new:
+            out[key] = list((so_far or {}).get(key, [])) + new[key]
+    return out
 
 
 def _logprob_entry(e: Any) -> tuple[Any, ...]:

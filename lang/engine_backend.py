@@ -11,16 +11,20 @@ batch work, benchmarks and tests. :class:`OfflineEngine` (``plait.Engine``) is S
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from plait.backend import BaseBackend, OnChunk, Pending, Request, generate_outputs, logprob_tuples, with_sglang_info
+from plait.backend import (
+    BaseBackend, OnChunk, Pending, Request, generate_outputs, logprob_tuples, offline_requests, stream_outputs,
+    with_sglang_info,
+)
 from plait.chat_template import ChatTemplate
 from plait.errors import RequestError, RuntimeUnavailableError
 
@@ -254,10 +258,13 @@ class OfflineEngine:
         opts = translate(options, model_path)
         model_path = opts.pop("model", model_path)
         log_level = opts.pop("log_level", None)
-        server_only = sorted(set(opts) & {f.name for f in dataclasses.fields(ServerArgs)})
-        if server_only:
-            raise ValueError(f"{', '.join(server_only)}: options of a server; Engine runs the model in this process "
-                             "(use plait.Runtime(...) or `plait serve` for a server)")
+        server_defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+        for name in sorted(set(opts) & set(server_defaults)):
+            value = opts.pop(name)
+            # a server's option at its default (lm-eval's dp_size=1) changes nothing here
+            if value != server_defaults[name]:
+                raise ValueError(f"{name}={value!r} is an option of a server; Engine runs the model in this process, "
+                                 "as one replica (use plait.Runtime(...) or `plait serve` for a server)")
         if log_level is not None:
             if log_level not in LOG_LEVELS:
                 raise ValueError(f"log_level={log_level!r} is invalid; allowed: {', '.join(LOG_LEVELS)}")
@@ -267,6 +274,12 @@ class OfflineEngine:
     @property
     def tokenizer(self) -> Any:
         return self.endpoint.engine.tokenizer
+
+    @property
+    def tokenizer_manager(self) -> TokenizerInfo:
+        """What programs read off SGLang's ``engine.tokenizer_manager`` (lm-eval reads
+        ``tokenizer`` and ``context_len``)."""
+        return TokenizerInfo(self.endpoint.engine.tokenizer, self.endpoint.engine.context_len)
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (SGLang's ``Engine.get_tokenizer``)."""
@@ -280,14 +293,20 @@ class OfflineEngine:
         output dict (``text``, ``output_ids``, ``meta_info``; a list of ``n`` with
         ``n > 1``), a list of prompts a list of outputs in order. Logprob entries are
         ``(logprob, token_id, text)`` tuples, ``text`` None without
-        ``return_text_in_logprobs``. Invalid requests raise
+        ``return_text_in_logprobs``. With ``stream``, one prompt gives an iterator of
+        output dicts, each with the text so far, the last the final output
+        (:func:`~plait.backend.stream_outputs`). Invalid requests raise
         :class:`~plait.errors.BackendError` naming the field (``param``). SGLang's
         keywords for what plait does not serve (``image_data``, ``lora_path``,
         ``return_hidden_states`` ...) are refused by name when set."""
         _refuse_sglang_only(sglang_only)
         if stream:
-            raise ValueError("stream=True is not supported by Engine.generate; stream from a program "
-                             "(f.run(..., stream=True, backend=engine) and state.text_iter())")
+            single, reqs = offline_requests(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                            top_logprobs_num, return_text_in_logprobs)
+            if not single:
+                raise ValueError(f"stream=True streams one prompt; {len(reqs)} were given (stream each, or "
+                                 "generate the list without stream)")
+            return stream_outputs(self.endpoint, reqs[0])
         return generate_outputs(self.endpoint, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                 top_logprobs_num, return_text_in_logprobs)
 
@@ -297,12 +316,14 @@ class OfflineEngine:
                              logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
                              return_text_in_logprobs: bool = False, stream: bool = False, **sglang_only: Any) -> Any:
         """SGLang's ``await engine.async_generate(...)``: :meth:`generate` without
-        blocking the event loop (its requests wait in a worker thread)."""
+        blocking the event loop (its requests wait in a worker thread). With ``stream``,
+        it returns an async iterator of the chunks ``generate(stream=True)`` yields."""
         _refuse_sglang_only(sglang_only)
-        if stream:
-            raise ValueError("stream=True is not supported by Engine.async_generate; stream from a program "
-                             "(f.run(..., stream=True, backend=engine) and state.text_async_iter())")
         loop = asyncio.get_running_loop()
+        if stream:
+            chunks = self.generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                   top_logprobs_num, return_text_in_logprobs, stream=True)
+            return _async_chunks(chunks, loop)
         return await loop.run_in_executor(None, lambda: self.generate(
             prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
             return_text_in_logprobs))
@@ -321,6 +342,30 @@ class OfflineEngine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """``engine.tokenizer_manager``: the tokenizer and the context length, where
+    SGLang's engine keeps them (evaluation harnesses read them there)."""
+
+    tokenizer: Any
+    context_len: int
+
+
+async def _async_chunks(chunks: Iterator[dict[str, Any]],
+                        loop: asyncio.AbstractEventLoop) -> AsyncIterator[dict[str, Any]]:
+    """``chunks`` for ``async for``: each is waited for in a worker thread; leaving the
+    loop early closes the iterator (which aborts the request)."""
+    end = object()
+    try:
+        while (chunk := await loop.run_in_executor(None, next, chunks, end)) is not end:
+            yield chunk
+    finally:
+        # (a consumer cancelled while a chunk was awaited leaves the iterator running: it
+        # ends with its request)
+        with contextlib.suppress(ValueError):
+            await loop.run_in_executor(None, chunks.close)
 
 
 # SGLang's Engine.generate keywords for what plait does not serve, and why; a keyword

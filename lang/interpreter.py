@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from plait.backend import BaseBackend, CancelScope, logprob_tuples
+from plait.backend import STREAMED_LOGPROB_KEYS, BaseBackend, CancelScope, merge_chunk_meta
 from plait.chat_template import ChatTemplate, ChatTemplateError, Transcript
 from plait.errors import ProgramCancelled, ProgramError, UnknownVariableError
 from plait.global_config import global_config
@@ -150,6 +150,14 @@ class Executor:
     def has_var(self, name: str) -> bool:
         with self.cond:
             return name in self.variables or self.pending[name] > 0
+
+    @property
+    def variable_event(self) -> dict[str, VariableEvent]:
+        """SGLang's executor field (its docs print its keys): one event per variable
+        the program defined or is computing, set once the variable is computed."""
+        with self.cond:
+            names = list(dict.fromkeys([*self.variables, *(k for k, v in self.pending.items() if v > 0)]))
+        return {name: VariableEvent(self, name) for name in names}
 
     # -- worker ----------------------------------------------------------------------------
     def _work(self) -> None:
@@ -312,6 +320,27 @@ class Executor:
             kid.fork_start = len(self.ts.text)
             kids.append(kid)
         return kids
+
+
+class VariableEvent:
+    """Whether a variable of a program is computed, read as a ``threading.Event``
+    (``is_set``, ``wait``); set by the program's executor only."""
+
+    def __init__(self, executor: Executor, name: str) -> None:
+        self.executor = executor
+        self.name = name
+
+    def _done(self) -> bool:
+        ex = self.executor
+        return ex.pending[self.name] == 0 or ex.error is not None
+
+    def is_set(self) -> bool:
+        with self.executor.cond:
+            return self._done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self.executor.cond:
+            return self.executor.cond.wait_for(self._done, timeout)
 
 
 class ProgramState(RoleScopes):
@@ -597,22 +626,6 @@ class ProgramStateGroup:
 
 
 # -- streamed meta info -----------------------------------------------------------------------------
-# meta info keys a stream delivers a piece at a time
-STREAMED_LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs")
-
-
-def merge_chunk_meta(so_far: dict[str, Any] | None, chunk: dict[str, Any]) -> dict[str, Any]:
-    """The meta info of a gen after one more streamed chunk: the chunk's counts, and
-    the output logprob entries of every chunk so far (SGLang's tuples)."""
-    new = dict(chunk)
-    logprob_tuples(new)
-    out = {**(so_far or {}), **new}
-    for key in STREAMED_LOGPROB_KEYS:
-        if key in new:
-            out[key] = list((so_far or {}).get(key, [])) + new[key]
-    return out
-
-
 def _unsent(meta: Any, sent: dict[str, int]) -> Any:
     """``meta`` with only the logprob entries past ``sent`` (updated), so that the
     entries of the pieces of a stream concatenate to the whole list."""

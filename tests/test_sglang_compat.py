@@ -168,7 +168,7 @@ def test_sglang_values_and_server_options_of_engine(folder):
                                tokenizer_path=folder, mem_fraction_static=0.5)
     assert (a.model, a.engine.dtype, a.engine.attention_backend, a.engine.mem_fraction_static) == \
         (folder, "float16", "torch", 0.5)
-    with pytest.raises(ValueError, match="port: options of a server; Engine runs the model in this process"):
+    with pytest.raises(ValueError, match="port=30000 is an option of a server; Engine runs the model in this process"):
         sgl.Engine(model_path=folder, port=30000)
     with pytest.raises(ValueError, match="model and model_path were both given"):
         launch(folder, model_path=folder)
