@@ -393,14 +393,15 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
     # tools: the output is parsed for calls (meta info "tool_calls", "content"); a
     # required or named call is forced by a regex in the parser's format
     tool_spec = None
+    unique_items = None  # a forced call's uniqueItems, kept beside its regex
     if tools is not None:
         tool_spec = ToolSpec.build(tools, tool_choice, parallel_tool_calls, tool_call_parser)
-        forced = tool_spec.constraint_regex()
+        forced = tool_spec.constraint()
         if forced is not None:
             if constraints:
                 raise ValueError(f"tool_choice={tool_choice!r} forces a call through a constraint; {constraints[0]} "
                                  "cannot be given with it")
-            regex = forced
+            regex, unique_items = forced.regex, forced.unique or None
     elif tool_choice is not None:
         raise ValueError("tool_choice was given without tools")
     if ebnf is not None and not isinstance(ebnf, str):
@@ -414,6 +415,7 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
         return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
         return_text_in_logprobs=return_text_in_logprobs, regex=regex, json_schema=json_schema, seed=seed,
         repetition_penalty=repetition_penalty, dtype=dtype, ebnf=ebnf, grammar_backend=grammar_backend,
+        unique_items=unique_items,
     )
     return Gen(name, {k: v for k, v in params.items() if v is not None}, tool_spec)
 

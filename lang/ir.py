@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from plait.reasoning import ReasoningParser
+    from plait.tool_parsers import CallConstraint
 
 # Per-request options that are not sampling parameters.
 REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
@@ -105,7 +106,7 @@ class ToolSpec:
     must call one; ``function``: it must call ``function``), whether several calls may
     come at once, and the format calls are written in (``parser``, a name of
     :mod:`plait.tool_parsers`). ``required`` and a named function are enforced by the
-    gen's regex (:meth:`constraint_regex`)."""
+    gen's regex (:meth:`constraint`)."""
 
     tools: list[dict[str, Any]]
     choice: str
@@ -144,13 +145,13 @@ class ToolSpec:
                              "{'type': 'function', 'function': {'name': NAME}}")
         return cls(list(tools), choice, None, parallel, parser)
 
-    def constraint_regex(self) -> str | None:
-        """The regex that forces the calls (``required`` / a named function), or None."""
+    def constraint(self) -> CallConstraint | None:
+        """What forces the calls (``required`` / a named function), or None."""
         if self.choice not in ("required", "function"):
             return None
         from plait.tool_parsers import get_tool_parser
 
-        return get_tool_parser(self.parser).constraint_regex(self.tools, self.function, self.parallel)
+        return get_tool_parser(self.parser).constraint(self.tools, self.function, self.parallel)
 
     def parse(self, text: str) -> dict[str, Any]:
         """Meta info of one output: ``tool_calls`` (OpenAI's shape: ``id``, ``type``,

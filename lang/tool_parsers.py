@@ -36,7 +36,7 @@ import json
 import re
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,7 +159,7 @@ def schema_problem(schema: dict[str, Any]) -> str | None:
     under its draft's metaschema (``$schema``, else 2020-12; formats such as ``regex``
     not checked: Python's ``re`` is not ECMA-262's), or a local ``$ref`` that points
     nowhere. A valid schema that constrained decoding cannot enforce passes: only a
-    forced call enforces it (:meth:`ToolParser.constraint_regex`). Linear in the
+    forced call enforces it (:meth:`ToolParser.constraint`). Linear in the
     schema's size, which the size check bounds first."""
     import jsonschema
 
@@ -204,20 +204,41 @@ def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [t["function"] if isinstance(t.get("function"), dict) else t for t in tools]
 
 
-def _arguments_regex(fn: dict[str, Any], where: str) -> str:
+Guarded = list[tuple[str, list[list[Any]]]]  # (text right before a JSON value, its uniqueItems sites)
+
+
+@dataclass(frozen=True)
+class CallConstraint:
+    """What forces a format's calls: ``regex``, and beside it ``unique`` (sampling
+    param ``unique_items``): the arguments whose ``uniqueItems`` over strings and
+    numbers the matcher keeps (a regex cannot), each as the text the regex writes right
+    before them and the places in them (:mod:`plait.runtime.constrained.unique_items`)."""
+
+    regex: str
+    unique: Guarded = field(default_factory=list)
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling params that force the calls."""
+        return {"regex": self.regex, **({"unique_items": [list(g) for g in self.unique]} if self.unique else {})}
+
+
+def _arguments_regex(fn: dict[str, Any], where: str, before: str) -> tuple[str, Guarded]:
     """The regex of ``fn``'s argument objects (JSON, compact): its ``parameters``
     schema narrowed to objects (a schema without ``type``, or with ``["object",
-    "null"]``, admits other values), or ``{}`` for a function without listed parameters."""
-    from plait.runtime.constrained.json_schema import schema_to_regex
+    "null"]``, admits other values), or ``{}`` for a function without listed
+    parameters; and its ``uniqueItems`` kept beside the regex, after ``before`` (the
+    text the regex writes right before the arguments)."""
+    from plait.runtime.constrained.unique_items import guarded_regex
 
     params = fn.get("parameters")
     if _no_parameters(params):
-        return r"\{\}"
+        return r"\{\}", []
     try:
-        return schema_to_regex({**params, "type": "object"})
+        rx, sites = guarded_regex({**params, "type": "object"})
     except ValueError as e:
         raise RequestError(f"{where}.parameters (function {fn['name']!r}) cannot be enforced: {e}",
                            f"{where}.parameters") from None
+    return rx, [(before, sites)] if sites else []
 
 
 def _no_parameters(params: dict[str, Any] | None) -> bool:
@@ -230,14 +251,18 @@ def _no_parameters(params: dict[str, Any] | None) -> bool:
         and not params.get("required") and not isinstance(params.get("additionalProperties"), dict)
 
 
-def _chosen(tools: list[dict[str, Any]], choice: str | None) -> list[tuple[str, dict[str, Any]]]:
-    """(where, function) of the functions a constrained call may use; ``where`` names
-    the function in the request (``tools[i].function``, or ``tools[i]`` for tools given
-    flat as the Responses API does)."""
+def _chosen(tools: list[dict[str, Any]], choice: str | Collection[str] | None) -> list[tuple[str, dict[str, Any]]]:
+    """(where, function) of the functions a constrained call may use: all of ``tools``
+    (``choice`` None), the one ``choice`` names, or those whose names are in ``choice``
+    (an ``allowed_tools`` set); ``where`` names the function in the request
+    (``tools[i].function``, or ``tools[i]`` for tools given flat as the Responses API
+    does)."""
     fns = [(f"tools[{i}].function" if isinstance(t.get("function"), dict) else f"tools[{i}]", fn)
            for i, (t, fn) in enumerate(zip(tools, _functions(tools)))]
     if choice is None:
         return fns
+    if not isinstance(choice, str):
+        return [(i, fn) for i, fn in fns if fn["name"] in choice]
     picked = [(i, fn) for i, fn in fns if fn["name"] == choice]
     if not picked:
         raise RequestError(f"tool_choice names function {choice!r}, which is not in tools", "tool_choice")
@@ -395,7 +420,7 @@ class _Scan:
 
 class ToolParser:
     """One tool-call format. Subclasses implement :meth:`scan` and
-    :meth:`constraint_regex`; :meth:`parse` and :meth:`stream` derive from ``scan``."""
+    :meth:`constraint`; :meth:`parse` and :meth:`stream` derive from ``scan``."""
 
     name: str = ""
     hint: str = ""  # how a call looks, for the generic tool prompt
@@ -450,21 +475,28 @@ class ToolParser:
     def stream(self, tools: list[dict[str, Any]]) -> ToolStream:
         return ToolStream(self, tools)
 
-    def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
+    def constraint(self, tools: list[dict[str, Any]], choice: str | Collection[str] | None,
+                   parallel: bool) -> CallConstraint:
         """A regex (plait's dialect, :func:`plait.regex.check_regex`) of outputs that
-        make at least one call in this format: to ``choice`` (a function name), or to any
-        of ``tools`` when None; with ``parallel``, up to :data:`MAX_CONSTRAINED_CALLS`
-        calls. Arguments follow each function's ``parameters`` schema. Raises
-        :class:`RequestError` naming the tool whose schema cannot be enforced."""
+        make at least one call in this format: to ``choice`` (a function name), to one of
+        the functions it names (a set), or to any of ``tools`` when None; with ``parallel``, up to :data:`MAX_CONSTRAINED_CALLS`
+        calls. Arguments follow each function's ``parameters`` schema (``uniqueItems``
+        kept beside the regex: :class:`CallConstraint`). Raises :class:`RequestError`
+        naming the tool whose schema cannot be enforced."""
         raise NotImplementedError
 
 
-def _json_call_regex(tools: list[dict[str, Any]], choice: str | None, key: str) -> str:
+def _json_call_regex(tools: list[dict[str, Any]], choice: str | Collection[str] | None,
+                     key: str) -> tuple[str, Guarded]:
     from plait.runtime.constrained.regexes import escape
 
-    alts = [escape('{"name": ' + json.dumps(fn["name"]) + f', "{key}": ') + _arguments_regex(fn, where)
-            + r"\}" for where, fn in _chosen(tools, choice)]
-    return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+    alts, unique = [], []
+    for where, fn in _chosen(tools, choice):
+        before = '{"name": ' + json.dumps(fn["name"]) + f', "{key}": '
+        args, kept = _arguments_regex(fn, where, before)
+        alts.append(escape(before) + args + r"\}")
+        unique += kept
+    return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")", unique
 
 
 def _hold_back(text: str, start: int, markers: tuple[str, ...]) -> int:
@@ -601,9 +633,10 @@ class HermesParser(ToolParser):
             return close
         return text.find(self.END, end)
 
-    def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
-        call = "<tool_call>\\n" + _json_call_regex(tools, choice, "arguments") + "\\n</tool_call>"
-        return _repeat_calls(call, "\\n", parallel)
+    def constraint(self, tools: list[dict[str, Any]], choice: str | Collection[str] | None,
+                   parallel: bool) -> CallConstraint:
+        call, unique = _json_call_regex(tools, choice, "arguments")
+        return CallConstraint(_repeat_calls("<tool_call>\\n" + call + "\\n</tool_call>", "\\n", parallel), unique)
 
 
 class Llama3JsonParser(ToolParser):
@@ -652,8 +685,10 @@ class Llama3JsonParser(ToolParser):
                 memo.settled = (text[:i], (m, i, tuple(calls), tuple(rest)))
         return _Scan(_content_before(text, m), calls, rest)
 
-    def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
-        return _repeat_calls(_json_call_regex(tools, choice, "parameters"), "; ", parallel)
+    def constraint(self, tools: list[dict[str, Any]], choice: str | Collection[str] | None,
+                   parallel: bool) -> CallConstraint:
+        call, unique = _json_call_regex(tools, choice, "parameters")
+        return CallConstraint(_repeat_calls(call, "; ", parallel), unique)
 
 
 class MistralParser(ToolParser):
@@ -719,11 +754,12 @@ class MistralParser(ToolParser):
                     rest.append(text[s:stop])
         return _Scan(_content_before(text, m), calls, rest)
 
-    def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
+    def constraint(self, tools: list[dict[str, Any]], choice: str | Collection[str] | None,
+                   parallel: bool) -> CallConstraint:
         from plait.runtime.constrained.regexes import escape
 
-        return escape(self.START) + r"\[" + _repeat_calls(_json_call_regex(tools, choice, "arguments"), ", ",
-                                                          parallel) + r"\]"
+        call, unique = _json_call_regex(tools, choice, "arguments")
+        return CallConstraint(escape(self.START) + r"\[" + _repeat_calls(call, ", ", parallel) + r"\]", unique)
 
 
 class GraniteParser(MistralParser):
@@ -794,15 +830,19 @@ class DeepSeekV3Parser(ToolParser):
             blocks.append(before + _json_text(c.arguments) + after)
         return self.BEGIN + self.JOIN.join(blocks) + self.END
 
-    def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
+    def constraint(self, tools: list[dict[str, Any]], choice: str | Collection[str] | None,
+                   parallel: bool) -> CallConstraint:
         from plait.runtime.constrained.regexes import escape
 
-        alts = []
+        alts, unique = [], []
         for where, fn in _chosen(tools, choice):
             before, after = self._parts(fn["name"])
-            alts.append(escape(before) + _arguments_regex(fn, where) + escape(after))
+            args, kept = _arguments_regex(fn, where, before)
+            alts.append(escape(before) + args + escape(after))
+            unique += kept
         call = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
-        return escape(self.BEGIN) + _repeat_calls(call, escape(self.JOIN), parallel) + escape(self.END)
+        return CallConstraint(escape(self.BEGIN) + _repeat_calls(call, escape(self.JOIN), parallel) + escape(self.END),
+                              unique)
 
     def scan(self, text: str, names: set[str], final: bool) -> _Scan:
         memo = _MEMO.get()
@@ -956,10 +996,12 @@ class Phi4MiniJsonParser(ToolParser):
         _array_calls(text, m + len(self.START), len(text), names, final, calls, rest)
         return _Scan(_content_before(text, m), calls, rest)
 
-    def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
+    def constraint(self, tools: list[dict[str, Any]], choice: str | Collection[str] | None,
+                   parallel: bool) -> CallConstraint:
         from plait.runtime.constrained.regexes import escape
 
-        return escape(self.START) + _repeat_calls(_json_call_regex(tools, choice, "arguments"), ", ", parallel) + r"\]"
+        call, unique = _json_call_regex(tools, choice, "arguments")
+        return CallConstraint(escape(self.START) + _repeat_calls(call, ", ", parallel) + r"\]", unique)
 
 
 def _find_all(text: str, sub: str) -> Iterator[int]:
@@ -1011,11 +1053,12 @@ class PythonicParser(ToolParser):
             return _Scan(len(text), [], [])
         return _Scan(0, [_Seen(k, n, args, True) for k, (n, args) in enumerate(calls)], [])
 
-    def constraint_regex(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
-        from plait.runtime.constrained.json_schema import schema_to_regex
+    def constraint(self, tools: list[dict[str, Any]], choice: str | Collection[str] | None,
+                   parallel: bool) -> CallConstraint:
         from plait.runtime.constrained.regexes import escape
+        from plait.runtime.constrained.unique_items import guarded_regex
 
-        alts = []
+        alts, unique = [], []
         for at, fn in _chosen(tools, choice):
             where = at + ".parameters"
             params = fn.get("parameters") or {}
@@ -1033,13 +1076,15 @@ class PythonicParser(ToolParser):
                     raise RequestError(f"{where}: property {key!r} is not a Python identifier, so it cannot be a "
                                        f"keyword argument", where)
                 try:
-                    value = schema_to_regex(sub)
+                    value, sites = guarded_regex(sub)
                 except ValueError as e:
                     raise RequestError(f"{where}.properties.{key} cannot be enforced: {e}", where) from None
+                if sites:  # (the value follows "key=": that text may recur, which only over-restricts)
+                    unique.append((key + "=", sites))
                 pairs.append((escape(key) + "=" + value, key in required))
             alts.append(escape(fn["name"]) + r"\(" + _keyword_list(pairs) + r"\)")
         call = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
-        return r"\[" + _repeat_calls(call, ", ", parallel) + r"\]"
+        return CallConstraint(r"\[" + _repeat_calls(call, ", ", parallel) + r"\]", unique)
 
 
 def _keyword_list(pairs: list[tuple[str, bool]]) -> str:

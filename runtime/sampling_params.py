@@ -66,6 +66,12 @@ class SamplingParams:
     structural_tag: str | dict[str, Any] | None = None
     whitespace_pattern: str | None = None
     grammar_backend: str | None = None
+    # With ``regex`` (plait's; how forced tool calls keep their parameters' ``uniqueItems``
+    # over strings and numbers, which no regex can): ``[[text, [path, ...]], ...]``, each
+    # JSON value the output writes right after ``text`` ("" = at its start) keeps the
+    # arrays at those instance paths (keys, indices, "*" any one step, "**" any depth)
+    # free of repeated items (plait.runtime.constrained.unique_items)
+    unique_items: list[Any] | None = None
     # False: this request never drafts when the engine decodes speculatively (its
     # output is the same either way; under sampling, a fixed seed then reproduces the
     # tokens of a non-speculative engine, not only their distribution)
@@ -179,6 +185,8 @@ class SamplingParams:
                 raise RequestError(str(e), "whitespace_pattern") from None
         if self.regex is not None and not isinstance(self.regex, str):
             raise RequestError(f"regex={self.regex!r} is invalid; allowed: a string", "regex")
+        if self.unique_items is not None:
+            _check_unique_items(self.unique_items, self.regex is not None)
         if self.json_schema is not None and not isinstance(self.json_schema, (dict, bool, str)):
             raise RequestError(
                 f"json_schema={self.json_schema!r} is invalid; allowed: a JSON Schema (an object, or true/false) "
@@ -194,15 +202,21 @@ class SamplingParams:
         the request enters."""
         kind = next((k for k in CONSTRAINT_FIELDS if getattr(self, k) is not None), None)
         tagged = None
+        unique: str | None = None  # uniqueItems kept beside a regex (Constraint.unique)
         if self.structural_tag is not None:  # enforced as its regex
-            from plait.runtime.constrained.structural_tag import structural_tag_regex
+            from plait.runtime.constrained.structural_tag import structural_tag_constraint
 
             try:
                 spec = json.loads(self.structural_tag) if isinstance(self.structural_tag, str) else self.structural_tag
                 if not isinstance(spec, dict):
                     raise ValueError("structural_tag is invalid; allowed: an object with format (or the legacy "
                                      "structures and triggers)")
-                kind, tagged = "regex", structural_tag_regex(spec, "structural_tag")
+                kind = "regex"
+                tagged, groups = structural_tag_constraint(spec, "structural_tag")
+                if groups:
+                    from plait.runtime.constrained.unique_items import groups_text
+
+                    unique = groups_text(groups)
             except json.JSONDecodeError as e:
                 raise RequestError(f"structural_tag is not valid JSON: {e}", "structural_tag") from None
             except ValueError as e:
@@ -234,9 +248,13 @@ class SamplingParams:
         _check_unicode(value, kind)
         order = choose_backend(kind) if backend == AUTO else [backend]
         errors = []
+        if unique is None and self.unique_items:
+            from plait.runtime.constrained.unique_items import groups_text
+
+            unique = groups_text([(a, sites) for a, sites in self.unique_items])
         for b in order:
             try:
-                return Constraint(kind, _translate(b, kind, value, self.whitespace_pattern), b)
+                return Constraint(kind, _translate(b, kind, value, self.whitespace_pattern), b, unique or "")
             except ValueError as e:  # the translators' messages name the keyword and its location
                 errors.append(f"{e} (llguidance backend)" if b == LLGUIDANCE and len(order) > 1 else str(e))
             except Exception as e:  # noqa: BLE001  (a translator's bug on a value it did not expect)
@@ -261,6 +279,46 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+MAX_UNIQUE_ANCHORS = 64  # unique_items' [text, paths] pairs
+MAX_UNIQUE_ANCHOR_CHARS = 256
+MAX_UNIQUE_PATH_STEPS = 64
+
+
+def _check_unique_items(groups: Any, with_regex: bool) -> None:
+    """``unique_items``: a list of [text, [path, ...]] pairs beside a ``regex``."""
+    from plait.runtime.constrained.unique_items import MAX_SITES
+
+    allowed = (f"a list of at most {MAX_UNIQUE_ANCHORS} [text, paths] pairs: text a string of at most "
+               f"{MAX_UNIQUE_ANCHOR_CHARS} characters, paths a list of instance paths (lists of keys, indices, \"*\" "
+               f"or \"**\", at most {MAX_UNIQUE_PATH_STEPS} steps), at most {MAX_SITES} paths in all")
+    if not with_regex:
+        raise RequestError("unique_items is given without regex; allowed: unique_items beside a regex constraint",
+                           "unique_items")
+    ok = isinstance(groups, list) and len(groups) <= MAX_UNIQUE_ANCHORS
+    total = 0
+    for g in groups if ok else ():
+        if not (isinstance(g, (list, tuple)) and len(g) == 2 and isinstance(g[0], str)
+                and len(g[0]) <= MAX_UNIQUE_ANCHOR_CHARS and isinstance(g[1], list)):
+            ok = False
+            break
+        total += len(g[1])
+        ok = all(isinstance(p, list) and len(p) <= MAX_UNIQUE_PATH_STEPS
+                 and all(isinstance(x, str) or is_int(x) and x >= 0 for x in p) for p in g[1])
+        if not ok:
+            break
+    if not ok or total > MAX_SITES:
+        raise RequestError(f"unique_items={_short_json(groups)} is invalid; allowed: {allowed}", "unique_items")
+    _check_unicode(groups, "unique_items")
+
+
+def _short_json(v: Any) -> str:
+    try:
+        s = json.dumps(v)
+    except (TypeError, ValueError):
+        s = repr(v)
+    return s if len(s) <= 80 else s[:80] + "..."
 
 
 def _check_unicode(value: Any, kind: str) -> None:

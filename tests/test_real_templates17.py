@@ -231,9 +231,9 @@ def test_parser_ids_and_forcing_regexes():
                                            '</tool_call>', TOOLS)[1][0].id.startswith("call_")
     mid = get_tool_parser("mistral").parse('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}]', TOOLS)[1][0].id
     assert len(mid) == 9 and mid.isalnum()
-    regex = get_tool_parser("granite").constraint_regex(TOOLS, "add", False)
+    regex = get_tool_parser("granite").constraint(TOOLS, "add", False).regex
     assert re.fullmatch(regex, '<|tool_call|>[{"name": "add", "arguments": {"a":1,"b":2}}]')
-    assert get_tool_parser("mistral").constraint_regex(TOOLS, "add", False).startswith(r"\[TOOL_CALLS\]\[")
+    assert get_tool_parser("mistral").constraint(TOOLS, "add", False).regex.startswith(r"\[TOOL_CALLS\]\[")
 
 
 # -- servers, through the official openai client ---------------------------------------------------

@@ -229,14 +229,14 @@ def _examples(name: str, parallel: bool) -> list[str]:
 @pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
 def test_forcing_regex_admits_the_format_and_nothing_else(name):
     p = get_tool_parser(name)
-    rx = p.constraint_regex(TOOLS, None, True)
+    rx = p.constraint(TOOLS, None, True).regex
     assert check_regex(rx) == rx
     one, two = _examples(name, True)
     assert re.fullmatch(rx, one) and re.fullmatch(rx, two)
     assert _calls(p.parse(two, TOOLS)[1])[0][0] == "get_weather"
-    single = p.constraint_regex(TOOLS, None, False)
+    single = p.constraint(TOOLS, None, False).regex
     assert re.fullmatch(single, one) and not re.fullmatch(single, two)
-    named = p.constraint_regex(TOOLS, "add", True)
+    named = p.constraint(TOOLS, "add", True).regex
     assert not re.fullmatch(named, one)
     assert not re.fullmatch(rx, "")  # at least one call
     assert not re.fullmatch(rx, one.replace('"Paris"', "5"))  # the schema types the arguments
@@ -247,7 +247,7 @@ def test_forcing_regex_admits_the_format_and_nothing_else(name):
 @pytest.mark.parametrize("choice", [None, "add"])
 def test_every_forced_output_parses_and_validates(name, choice):
     p = get_tool_parser(name)
-    rx = p.constraint_regex(TOOLS, choice, True)
+    rx = p.constraint(TOOLS, choice, True).regex
 
     @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.from_regex(re.compile(rx), fullmatch=True))
@@ -265,20 +265,20 @@ def test_forcing_regex_errors_name_the_tool():
     bad = [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}]
     with pytest.raises(RequestError) as e:
-        get_tool_parser("hermes").constraint_regex(bad, None, False)
+        get_tool_parser("hermes").constraint(bad, None, False).regex
     assert e.value.param == "tools[1].function.parameters" and "uniqueItems" in e.value.message
     with pytest.raises(RequestError) as e:
-        get_tool_parser("hermes").constraint_regex(TOOLS, "missing", False)
+        get_tool_parser("hermes").constraint(TOOLS, "missing", False).regex
     assert e.value.param == "tool_choice"
     odd = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"not-an-identifier": {"type": "integer"}}}}}]
     with pytest.raises(RequestError, match="not-an-identifier") as e:
-        get_tool_parser("pythonic").constraint_regex(odd, None, False)
+        get_tool_parser("pythonic").constraint(odd, None, False).regex
     assert e.value.param == "tools[0].function.parameters"
     # the Responses API's flat tools are named without .function
     flat = [{"type": "function", "name": "f", "parameters": bad[1]["function"]["parameters"]}]
     with pytest.raises(RequestError) as e:
-        get_tool_parser("hermes").constraint_regex(flat, None, False)
+        get_tool_parser("hermes").constraint(flat, None, False).regex
     assert e.value.param == "tools[0].parameters"
 
 
@@ -289,7 +289,7 @@ def test_forced_arguments_are_objects_where_the_schema_admits_other_values(name)
     obj = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     for params in ({**obj, "type": ["object", "null"]}, {"anyOf": [obj, {"type": "integer"}]}):
         tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
-        rx = p.constraint_regex(tools, None, False)
+        rx = p.constraint(tools, None, False).regex
 
         @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
         @given(st.from_regex(re.compile(rx), fullmatch=True))
@@ -398,7 +398,7 @@ def test_constraints_start_after_the_reasoning(name):
     assert bounded.fullmatch('<think>12345</think>{"a":1}') and not bounded.fullmatch('<think>123456</think>{"a":1}')
     # a forced tool call after reasoning parses once the reasoning is split off
     hermes = get_tool_parser("hermes")
-    full = re.compile(p.constraint_prefix() + hermes.constraint_regex(TOOLS, "now", False))
+    full = re.compile(p.constraint_prefix() + hermes.constraint(TOOLS, "now", False).regex)
     text = '<think>call now</think>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
     assert full.fullmatch(text)
     reasoning, content = p.parse(text)

@@ -229,24 +229,24 @@ def test_forcing_regex_writes_the_family_format(parser):
     if parser == "phi4_mini_json":  # (format_calls spaces the arguments; forced ones are compact)
         one = 'functools[{"name": "add", "arguments": {"a":1,"b":2}}]'
         two = one[:-1] + ', {"name": "get_weather", "arguments": {"city":"Oslo"}}]'
-    rx = p.constraint_regex(TOOLS, None, True)
+    rx = p.constraint(TOOLS, None, True).regex
     assert check_regex(rx) == rx
     assert re.fullmatch(rx, one) and re.fullmatch(rx, two)
-    single = p.constraint_regex(TOOLS, None, False)
+    single = p.constraint(TOOLS, None, False).regex
     assert re.fullmatch(single, one) and not re.fullmatch(single, two)
-    named = p.constraint_regex(TOOLS, "get_weather", False)
+    named = p.constraint(TOOLS, "get_weather", False).regex
     assert not re.fullmatch(named, one)
     assert not re.fullmatch(rx, one.replace('"a":1', '"a":"1"'))  # the schema types the arguments
     assert not re.fullmatch(rx, "")
     with pytest.raises(RequestError, match="not in tools"):
-        p.constraint_regex(TOOLS, "nope", False)
+        p.constraint(TOOLS, "nope", False).regex
 
 
 @pytest.mark.parametrize("parser", NEW)
 @pytest.mark.parametrize("choice", [None, "search"])
 def test_every_forced_output_parses(parser, choice):
     p = get_tool_parser(parser)
-    rx = p.constraint_regex(TOOLS, choice, True)
+    rx = p.constraint(TOOLS, choice, True).regex
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
     @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))

@@ -93,11 +93,26 @@ def free_text_regexes(triggers: list[str]) -> tuple[str, dict[str, str]]:
     return free, firsts
 
 
+Groups = list[tuple[str, list[list[Any]]]]  # (text before a JSON value, its uniqueItems sites)
+
+
 def structural_tag_regex(fmt: dict[str, Any], param: str = "response_format") -> str:
-    """The regex of a ``structural_tag`` response format, legacy (``structures`` and
-    ``triggers``) or the newer ``format`` tree (:func:`format_regex`); ``ValueError``
+    """The regex of a ``structural_tag`` whose schemas need nothing kept beside the
+    regex (:func:`structural_tag_constraint` otherwise); ``ValueError`` naming the part
+    at fault."""
+    rx, groups = structural_tag_constraint(fmt, param)
+    if groups:
+        raise ValueError(f"{param}: a schema's 'uniqueItems' is kept beside the regex, which this caller cannot do")
+    return rx
+
+
+def structural_tag_constraint(fmt: dict[str, Any], param: str = "response_format") -> tuple[str, Groups]:
+    """(the regex of a ``structural_tag`` response format, legacy (``structures`` and
+    ``triggers``) or the newer ``format`` tree (:func:`format_regex`); the JSON values
+    whose ``uniqueItems`` the matcher keeps: (the text right before such a value, the
+    sites of :func:`plait.runtime.constrained.unique_items.plan`)). ``ValueError``
     naming the part at fault."""
-    from plait.runtime.constrained.json_schema import schema_to_regex
+    from plait.runtime.constrained.unique_items import guarded_regex
 
     if "format" in fmt:  # the newer shape (xgrammar's element tree)
         return format_regex(fmt, param)
@@ -116,6 +131,7 @@ def structural_tag_regex(fmt: dict[str, Any], param: str = "response_format") ->
                 raise ValueError(f"{param}.triggers: {t!r} ends {u!r}, so where one was written is ambiguous; "
                                  f"allowed: triggers none of which ends another")
     rests: dict[str, list[str]] = {t: [] for t in triggers}
+    groups: Groups = []
     for i, s in enumerate(structures):
         where = f"{param}.structures[{i}]"
         if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str) \
@@ -126,12 +142,17 @@ def structural_tag_regex(fmt: dict[str, Any], param: str = "response_format") ->
             raise ValueError(f"{where}.begin={s['begin']!r} starts with none of the triggers; allowed: a begin that "
                              f"starts with one of {triggers}")
         t = max(trig, key=len)
-        body = schema_to_regex(s["schema"])
+        body, sites = guarded_regex(s["schema"])
+        if sites:
+            if not s["begin"]:
+                raise ValueError(f"{where}.schema: its 'uniqueItems' are kept after the structure's begin, which is "
+                                 f"empty; allowed: a non-empty begin")
+            groups.append((s["begin"], sites))
         rests[t].append(_lit(s["begin"][len(t):]) + f"(?:{body})" + _lit(s["end"]))
     free, firsts = free_text_regexes(triggers)
     segments = [firsts[t] + _union(r) for t, r in rests.items() if r and t in firsts]
     # a trigger no structure begins with may not be written (its text would be free)
-    return (_star(_union(segments)) if segments else "") + free
+    return (_star(_union(segments)) if segments else "") + free, groups
 
 
 # ---------------------------------------------------------------------------------------
@@ -264,9 +285,8 @@ class _Translator:
     tag, which its unlimited elements may not write."""
 
     def __init__(self) -> None:
-        from plait.runtime.constrained.json_schema import schema_to_regex
-
-        self.schema_to_regex = schema_to_regex
+        # the JSON values whose uniqueItems the matcher keeps (the translation's second result)
+        self.groups: Groups = []
 
     # -- fields --------------------------------------------------------------------------
     @staticmethod
@@ -375,8 +395,9 @@ class _Translator:
                              f"{', '.join(sorted(_FIELDS[kind]))}")
         return kind
 
-    def regex(self, node: Any, path: str, excl: list[str]) -> str:
-        """The element's regex where something follows it (or the output ends)."""
+    def regex(self, node: Any, path: str, excl: list[str], before: str | None = None) -> str:
+        """The element's regex where something follows it (or the output ends);
+        ``before``: the literal text right before the element (None: not known)."""
         kind = self.kind(node, path)
         if kind == "const_string":
             return _lit(self._field(node, "value", str, "a string", path))
@@ -390,11 +411,7 @@ class _Translator:
             if node.get("any_order") not in (None, False):
                 raise ValueError(f"{path}.any_order={_short(node.get('any_order'))} is not supported; allowed: false "
                                  f"(properties in the schema's order)")
-            try:
-                return f"(?:{self.schema_to_regex(node['json_schema'])})"
-            except ValueError as e:
-                raise ValueError(f"{path}.{e}" if str(e).startswith("json_schema") else f"{path}.json_schema: {e}") \
-                    from None
+            return f"(?:{self.schema(node['json_schema'], path, before)})"
         if kind == "regex":
             from plait.runtime.constrained.regexes import check_regex
 
@@ -403,12 +420,13 @@ class _Translator:
             return self.any_text(node, path, excl, None)
         if kind == "sequence":
             elements = self._list(node, "elements", path)
-            return "".join(self.regex(e, f"{path}.elements[{i}]", excl) for i, e in enumerate(elements))
+            return "".join(self.regex(e, f"{path}.elements[{i}]", excl, _before(elements, i, before))
+                           for i, e in enumerate(elements))
         if kind == "or":
             elements = self._list(node, "elements", path)
-            return _union([self.regex(e, f"{path}.elements[{i}]", excl) for i, e in enumerate(elements)])
-        if kind in ("optional", "plus", "star", "repeat"):
-            inner = self.regex(node.get("content"), f"{path}.content", excl)
+            return _union([self.regex(e, f"{path}.elements[{i}]", excl, before) for i, e in enumerate(elements)])
+        if kind in ("optional", "plus", "star", "repeat"):  # (a repetition's text before is not fixed)
+            inner = self.regex(node.get("content"), f"{path}.content", excl, before if kind == "optional" else None)
             return self.repeat(node, kind, path, inner)
         if kind == "tag":
             return self.tag(node, path)
@@ -418,20 +436,22 @@ class _Translator:
             return self.separated(node, path)
         return self.dispatch(node, path, excl, None)
 
-    def tail(self, node: Any, path: str, ends: list[str]) -> str:
+    def tail(self, node: Any, path: str, ends: list[str], before: str | None = None) -> str:
         """The element's regex followed by one of ``ends`` (a tag's content and its end):
         an unlimited element stops at the first end it writes."""
         kind = self.kind(node, path)
         end_rx = _union([_lit(e) for e in ends])
         if kind == "sequence":
             elements = self._list(node, "elements", path)
-            head = "".join(self.regex(e, f"{path}.elements[{i}]", ends) for i, e in enumerate(elements[:-1]))
-            return head + self.tail(elements[-1], f"{path}.elements[{len(elements) - 1}]", ends)
+            last = len(elements) - 1
+            head = "".join(self.regex(e, f"{path}.elements[{i}]", ends, _before(elements, i, before))
+                           for i, e in enumerate(elements[:-1]))
+            return head + self.tail(elements[-1], f"{path}.elements[{last}]", ends, _before(elements, last, before))
         if kind == "or":
             elements = self._list(node, "elements", path)
-            return _union([self.tail(e, f"{path}.elements[{i}]", ends) for i, e in enumerate(elements)])
+            return _union([self.tail(e, f"{path}.elements[{i}]", ends, before) for i, e in enumerate(elements)])
         if kind == "optional":
-            return _union([self.tail(node.get("content"), f"{path}.content", ends), end_rx])
+            return _union([self.tail(node.get("content"), f"{path}.content", ends, before), end_rx])
         if kind in _UNLIMITED and "" in ends:
             raise ValueError(f"{path} ({kind}) is a tag's content, whose end includes \"\", which cannot end it; "
                              f"allowed: non-empty end strings")
@@ -441,7 +461,26 @@ class _Translator:
             return self.triggered(node, path, [], ends)
         if kind == "dispatch":
             return self.dispatch(node, path, [], ends)
-        return self.regex(node, path, ends) + end_rx
+        return self.regex(node, path, ends, before) + end_rx
+
+    def schema(self, schema: Any, path: str, before: str | None) -> str:
+        """A ``json_schema`` element's regex; its ``uniqueItems`` over scalars are kept by
+        the matcher after ``before``, the literal text right before it."""
+        from plait.runtime.constrained.unique_items import guarded_regex
+
+        try:
+            rx, sites = guarded_regex(schema)
+        except ValueError as e:
+            raise ValueError(f"{path}.{e}" if str(e).startswith("json_schema") else f"{path}.json_schema: {e}") \
+                from None
+        if sites:
+            if before is None:
+                raise ValueError(f"{path}.json_schema: its 'uniqueItems' can be kept only where fixed text comes "
+                                 f"right before the JSON (a tag's begin, a non-empty const_string before it in a "
+                                 f"sequence, or the output's start); allowed: such an element there, or the schema "
+                                 f"without uniqueItems")
+            self.groups.append((before, sites))
+        return rx
 
     def _list(self, node: dict[str, Any], key: str, path: str) -> list[Any]:
         v = node.get(key)
@@ -515,7 +554,7 @@ class _Translator:
         ends = self._ends(node, path)
         if "content" not in node:
             raise ValueError(f"{path}.content is missing; allowed: a format element")
-        return _lit(begin) + self.tail(node["content"], f"{path}.content", ends)
+        return _lit(begin) + self.tail(node["content"], f"{path}.content", ends, begin or None)
 
     def triggered(self, node: dict[str, Any], path: str, excl: list[str], ends: list[str] | None) -> str:
         triggers = self._words(node, "triggers", path, required=True, limit=MAX_TRIGGERS)
@@ -539,7 +578,7 @@ class _Translator:
                                  f"starts with one of {triggers}")
             t = max(trig, key=len)
             rests[t].append(_lit(begin[len(t):]) + self.tail(tag.get("content"), f"{where}.content",
-                                                               self._ends(tag, where)))
+                                                               self._ends(tag, where), begin))
         words = list(dict.fromkeys(triggers + excludes + stops))
         free, firsts = self._free(words, path)
         segments = [firsts[t] + _union(r) for t, r in rests.items() if r and t in firsts]
@@ -580,13 +619,25 @@ class _Translator:
         stops = ends if ends is not None else excl
         _no_clash(patterns, excludes, stops, f"{path}.rules", "patterns")
         free, firsts = self._free(list(dict.fromkeys(patterns + excludes + stops)), path)
-        segments = [firsts[p] + self.regex(f, f"{path}.rules[{i}][1]", excl)
+        segments = [firsts[p] + self.regex(f, f"{path}.rules[{i}][1]", excl, p)
                     for i, (p, f) in enumerate(rules) if p in firsts]
         end_rx = _union([_lit(e) for e in ends]) if ends is not None else ""
         last = self._to_end(firsts, ends, path) if ends is not None else free
         if not loop:
             return _union([last] + [s + end_rx for s in segments])
         return (_star(_union(segments)) if segments else "") + last
+
+
+def _before(elements: list[Any], i: int, before: str | None) -> str | None:
+    """The literal text right before a sequence's ``i``-th element: the sequence's own
+    for the first, a non-empty ``const_string`` just before it, else None."""
+    if i == 0:
+        return before
+    prev = elements[i - 1]
+    if isinstance(prev, dict) and prev.get("type") == "const_string" and isinstance(prev.get("value"), str) \
+            and prev["value"]:
+        return prev["value"]
+    return None
 
 
 def _no_clash(words: list[str], excludes: list[str], stops: list[str], where: str, noun: str) -> None:
@@ -599,9 +650,10 @@ def _no_clash(words: list[str], excludes: list[str], stops: list[str], where: st
                              f"are neither")
 
 
-def format_regex(fmt: dict[str, Any], param: str = "response_format") -> str:
-    """The regex of a ``{"type": "structural_tag", "format": {...}}`` (``ValueError``
-    naming the element at fault, by its path, and what is allowed)."""
+def format_regex(fmt: dict[str, Any], param: str = "response_format") -> tuple[str, Groups]:
+    """The regex of a ``{"type": "structural_tag", "format": {...}}`` and the JSON values
+    whose ``uniqueItems`` the matcher keeps (:func:`structural_tag_constraint`);
+    ``ValueError`` naming the element at fault, by its path, and what is allowed."""
     from plait.runtime.constrained.regexes import check_regex
 
     extra = sorted(set(fmt) - {"type", "format"})
@@ -611,13 +663,14 @@ def format_regex(fmt: dict[str, Any], param: str = "response_format") -> str:
                          f"\"structural_tag\", \"structures\": [...], \"triggers\": [...]}}")
     where = f"{param}.format"
     _check_tree(fmt["format"], where)
+    translator = _Translator()
     try:
-        rx = _Translator().regex(fmt["format"], where, [])
+        rx = translator.regex(fmt["format"], where, [], "")  # "": the output's start
     except RecursionError:  # a guard: the depth limit keeps the walk shallow
         raise ValueError(f"{where} is nested too deeply; allowed: at most {MAX_FORMAT_DEPTH} levels") from None
     if rx == "":
         raise ValueError(f"{where} admits only the empty output; allowed: a format that writes something")
     try:
-        return check_regex(rx, f"{where} (as a regex)")
+        return check_regex(rx, f"{where} (as a regex)"), translator.groups
     except ValueError as e:
         raise ValueError(f"{e} (the structural tag's regex: fewer or smaller elements)") from None

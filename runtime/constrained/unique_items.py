@@ -148,6 +148,11 @@ def plan(schema: Any) -> tuple[Any, list[list[Any]]]:
             if not parts_ok:
                 raise ValueError(f"json_schema keyword 'uniqueItems' at {where} is not supported over items that may "
                                  "be objects or arrays (allowed: over strings, numbers, booleans, null)")
+            room = _distinct_values(deref(items, where), prefix)
+            least = s.get("minItems")
+            if room is not None and isinstance(least, int) and not isinstance(least, bool) and least > room:
+                raise ValueError(f"json_schema at {where}: 'uniqueItems' with {room} possible item values cannot reach "
+                                 f"'minItems' {least}")
             del s["uniqueItems"]
             stripped.add(id(s))
             add(path)
@@ -188,8 +193,62 @@ def plan(schema: Any) -> tuple[Any, list[list[Any]]]:
     return root, sites
 
 
+def _distinct_values(items: Any, prefix: list[Any] | None) -> int | None:
+    """How many distinct values an array's items may take when that is plainly finite
+    (``items`` an ``enum``, a ``const``, boolean or null; no ``prefixItems``), else None."""
+    if prefix or not isinstance(items, dict):
+        return None
+    if "const" in items:
+        return 1
+    if isinstance(items.get("enum"), list):
+        from plait.runtime.constrained.json_schema import _json_unique
+
+        return len(_json_unique(items["enum"]))
+    t = items.get("type")
+    if t == "boolean":
+        return 2
+    if t == "null":
+        return 1
+    return None
+
+
 def sites_text(sites: list[list[Any]]) -> str:
     return json.dumps(sites, separators=(",", ":"))
+
+
+def groups_text(groups: list[tuple[str, list[list[Any]]]]) -> str:
+    """The wire form of guarded JSON values inside a larger output (a regex around
+    them): ``{"after": [[text, sites], ...]}``, each JSON value written right after
+    ``text`` (``""``: at the output's start) keeps its arrays at ``sites`` distinct."""
+    return json.dumps({"after": [[a, s] for a, s in groups]}, separators=(",", ":"))
+
+
+def load_groups(spec: Any) -> list[tuple[bytes, list[list[Any]]]]:
+    """(anchor bytes, sites) from :attr:`Constraint.unique`'s JSON: a list of sites
+    (one JSON value, the whole output) or :func:`groups_text`'s object."""
+    if isinstance(spec, list):
+        return [(b"", spec)]
+    return [(a.encode("utf-8"), s) for a, s in spec["after"]]
+
+
+def guarded_regex(schema: Any, whitespace: str | None = None) -> tuple[str, list[list[Any]]]:
+    """(the regex of ``schema``, the sites of the ``uniqueItems`` kept beside it): plait's
+    schema -> regex translation, and when it refuses a ``uniqueItems`` the guard can
+    keep, the translation of the schema without them (:func:`plan`). ``ValueError`` as
+    the translation's (or :func:`plan`'s, naming what cannot be kept)."""
+    from plait.runtime.constrained.json_schema import schema_to_regex
+
+    try:
+        return schema_to_regex(schema, whitespace), []
+    except ValueError as e:
+        if "uniqueItems" not in str(e) or not has_unique(schema):
+            raise
+        first = e
+    stripped, sites = plan(schema)
+    try:
+        return schema_to_regex(stripped, whitespace), sites
+    except ValueError:
+        raise first from None
 
 
 def _matches(pattern: list[Any], path: list[Any]) -> bool:
@@ -345,6 +404,73 @@ class JsonTracker:
             self.scalar, self.raw = "v", c  # a number or a literal begins
 
 
+MAX_OPEN_VALUES = 16  # JSON values one output tracks at once (anchors written again inside one)
+
+
+class OutputTracker:
+    """The JSON values of an output whose arrays are kept distinct, each followed by a
+    :class:`JsonTracker`: the whole output (anchor ``b""``), or the values written right
+    after an anchor (the text a regex writes before a tool call's arguments, a tag's
+    begin). Every place an anchor ends starts a value (one that does not begin with ``{``
+    or ``[`` is let go; one that closes is done), so a value is followed from its start
+    even when the anchor's text also appears where no value follows (free text, a string
+    inside another value): extra places can only over-restrict. At most
+    :data:`MAX_OPEN_VALUES` open at once (the oldest let go: an output that writes an
+    anchor and an opening bracket over and over costs no more than that)."""
+
+    __slots__ = ("groups", "lasts", "width", "values", "tail")
+
+    def __init__(self, groups: list[tuple[bytes, list[list[Any]]]]) -> None:
+        self.groups = [(a, s) for a, s in groups if a]
+        self.lasts = frozenset(a[-1] for a, _ in self.groups)
+        self.width = max((len(a) for a, _ in self.groups), default=0)
+        # [tracker, began]: began once its first non-blank byte was a bracket
+        self.values: list[list[Any]] = [[JsonTracker(s), False] for a, s in groups if not a]
+        self.tail = b""  # the last ``width`` bytes (where an anchor ends)
+
+    def copy(self) -> OutputTracker:
+        t = OutputTracker.__new__(OutputTracker)
+        t.groups, t.lasts, t.width, t.tail = self.groups, self.lasts, self.width, self.tail
+        t.values = [[v[0].copy(), v[1]] for v in self.values]
+        return t
+
+    @property
+    def trackers(self) -> list[JsonTracker]:
+        return [v[0] for v in self.values]
+
+    @property
+    def inside(self) -> bool:
+        """Inside an array kept distinct (in any value followed)."""
+        return any(f[2] is not None for v in self.values for f in v[0].stack)
+
+    def feed(self, data: bytes) -> None:
+        if not self.groups:  # the whole output is one value
+            for v in self.values:
+                v[0].feed(data)
+            return
+        for b in data:
+            c = bytes((b,))
+            live = []
+            for v in self.values:
+                if not v[1]:
+                    if b in _WS:
+                        live.append(v)
+                        continue
+                    if b not in b"{[":
+                        continue  # not a container: nothing in it to keep distinct
+                    v[1] = True
+                v[0].feed(c)
+                if v[0].stack or v[0].scalar is not None:
+                    live.append(v)
+            self.values = live
+            self.tail = (self.tail + c)[-self.width:]
+            if b in self.lasts:
+                for a, sites in self.groups:
+                    if self.tail.endswith(a):
+                        self.values.append([JsonTracker(sites), False])
+                del self.values[:-MAX_OPEN_VALUES]
+
+
 class _Pools:
     """Per vocabulary: which tokens can end a scalar, and the quote-holding tokens by
     the bytes before their first quote (a string item's candidates, looked up)."""
@@ -402,14 +528,15 @@ class UniqueGuard:
     docstring). No jump-forward inside a guarded array (the forced text is not checked
     before it is written); speculative drafts get guarded masks."""
 
-    def __init__(self, inner: Any, sites: list[list[Any]], token_bytes: list[bytes | None]) -> None:
+    def __init__(self, inner: Any, spec: Any, token_bytes: list[bytes | None]) -> None:
+        """``spec``: :attr:`Constraint.unique` read as JSON (:func:`load_groups`)."""
         self.inner = inner
         self.token_bytes = token_bytes
-        self.tracker = JsonTracker(sites)
+        self.tracker = OutputTracker(load_groups(spec))
         self._skip = 0  # healed prompt bytes the first token writes again (not constrained text)
         self._violation: str | None = None
         self._own_reject: int | None = None
-        self._before: JsonTracker | None = None  # the tracker before the newest token (jump-forward)
+        self._before: OutputTracker | None = None  # the tracker before the newest token (jump-forward)
         self._dead: str | None = None  # why the last mask was emptied
 
     # -- delegated --------------------------------------------------------------------------
@@ -477,7 +604,7 @@ class UniqueGuard:
         """The inner matcher's jump, but never from inside a guarded array (its forced
         text would be written unchecked); forced text that repeats an item (a ``const``
         item written twice) ends the request at its next token."""
-        if self._before is None or any(f[2] is not None for f in self._before.stack):
+        if self._before is None or self._before.inside:
             return None
         tokens = self.inner.jump_forward(last, budget)
         if tokens:
@@ -511,7 +638,7 @@ class UniqueGuard:
             out.append(self._veto(inner[i + 1], t))
         return out
 
-    def _veto(self, mask: np.ndarray, tracker: JsonTracker) -> np.ndarray:
+    def _veto(self, mask: np.ndarray, tracker: OutputTracker) -> np.ndarray:
         """``mask`` without the tokens that would complete a duplicate item from
         ``tracker``'s place."""
         if self._violation is not None:
@@ -519,45 +646,51 @@ class UniqueGuard:
         if self._skip:  # healing: the boundary token is checked when it is taken
             return mask
         pools = pools_for(self.token_bytes, mask.shape[0])
+        ahead = tracker is self.tracker
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little").view(np.bool_)
+        n = min(len(bits), len(pools.end))
         blocked: set[int] = set()
-        if tracker.scalar == "s" and not tracker.escape and tracker.guarded and not tracker.is_key \
-                and b"\\" not in tracker.raw:
-            # a string item: a token completes it at its first quote; the item repeats an
-            # earlier one when the bytes before that quote are the rest of its text
-            raw = tracker.raw
-            ahead = tracker is self.tracker
-            for key in tracker.stack[-1][2]:
-                if key[0] != "s":
-                    continue
-                text = key[1].encode("utf-8", "surrogatepass")
-                if text.startswith(raw):
-                    blocked.update(pools.by_head.get(text[len(raw):], ()))
-                    if ahead and len(text) > len(raw):  # a token that writes the rest of an earlier item
-                        blocked.update(t for t in pools.by_bytes.get(text[len(raw):], ())
-                                       if _bit(mask, t) and self._must_close(t, pools))
-            ids = [t for t in pools.hard if _bit(mask, t)]
-        else:
-            inside = any(f[2] is not None for f in tracker.stack)
-            pool = pools.end if inside else pools.opens
-            bits = np.unpackbits(mask.view(np.uint8), bitorder="little").view(np.bool_)
-            n = min(len(bits), len(pool))
-            ids = np.flatnonzero(bits[:n] & pool[:n]).tolist()
-        for t in ids:
-            trial = tracker.copy()
+        # tokens to try on a copy: those that may open an array and write two items (in any
+        # value, or a value an anchor in the token begins), and per value the tokens that
+        # may end an item there
+        trial: set[int] = set(np.flatnonzero(bits[:n] & pools.opens[:n]).tolist())
+        ends = False
+        for sub in tracker.trackers:
+            if sub.scalar == "s" and not sub.escape and sub.guarded and not sub.is_key and b"\\" not in sub.raw:
+                # a string item: a token completes it at its first quote; the item repeats an
+                # earlier one when the bytes before that quote are the rest of its text
+                raw = sub.raw
+                for key in sub.stack[-1][2]:
+                    if key[0] != "s":
+                        continue
+                    text = key[1].encode("utf-8", "surrogatepass")
+                    if text.startswith(raw):
+                        blocked.update(pools.by_head.get(text[len(raw):], ()))
+                        if ahead and len(text) > len(raw):  # a token that writes the rest of an earlier item
+                            blocked.update(t for t in pools.by_bytes.get(text[len(raw):], ())
+                                           if _bit(mask, t) and self._must_close(t, pools))
+                trial.update(t for t in pools.hard if _bit(mask, t))
+            elif any(f[2] is not None for f in sub.stack):
+                ends = True
+            if ahead and sub.guarded and sub.scalar != "s":
+                blocked |= self._no_way_out(mask, sub, pools)
+        if ends:
+            trial.update(np.flatnonzero(bits[:n] & pools.end[:n]).tolist())
+        for t in trial - blocked:
+            copy = tracker.copy()
             try:
-                trial.feed(self.token_bytes[t] or b"")
+                copy.feed(self.token_bytes[t] or b"")
             except Duplicate:
                 blocked.add(t)
-        if tracker is self.tracker and tracker.guarded and tracker.scalar != "s":
-            blocked |= self._no_way_out(mask, tracker, pools)
         blocked = {t for t in blocked if _bit(mask, t)}
         if not blocked:
             return mask
         out = mask.view(np.uint32).copy()
         for t in blocked:
             out[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
-        if tracker is self.tracker and not out.any() and mask.view(np.uint32).any():
-            where = "#" + "".join(f"/{p}" for p in tracker.path())
+        if ahead and not out.any() and mask.view(np.uint32).any():
+            sub = next((x for x in tracker.trackers if x.guarded), None)
+            where = "#" + "".join(f"/{p}" for p in (sub.path() if sub is not None else []))
             self._dead = f"'uniqueItems' at {where}: every token the schema allows next would repeat an earlier item"
         return out.view(np.int32)
 

@@ -19,6 +19,7 @@ from plait.chat_template import (
     has_tool_history, messages_for_tool_template, messages_without_tool_support, template_uses_tools,
 )
 from plait.errors import RequestError, is_int
+from plait.reasoning import END as REASONING_END
 from plait.reasoning import MAX_REASONING_CHARS, ReasoningParser, ReasoningStream, get_reasoning_parser
 from plait.runtime.sampling_params import CONSTRAINT_FIELDS, MAX_STOP_STRINGS
 from plait.runtime.server.front import Front
@@ -726,9 +727,11 @@ def chat_turn(body: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class StructuralTag:
-    """A ``structural_tag`` response format (SGLang's and vLLM's), as its regex."""
+    """A ``structural_tag`` response format (SGLang's and vLLM's), as its regex and the
+    ``uniqueItems`` its schemas keep beside it (sampling param ``unique_items``)."""
 
     regex: str
+    unique: list[tuple[str, list[list[Any]]]]
 
 
 def response_format_schema(fmt: dict[str, Any] | None, param: str = "response_format") -> Any:
@@ -737,10 +740,10 @@ def response_format_schema(fmt: dict[str, Any] | None, param: str = "response_fo
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "structural_tag":
-        from plait.runtime.constrained.structural_tag import structural_tag_regex
+        from plait.runtime.constrained.structural_tag import structural_tag_constraint
 
         try:
-            return StructuralTag(structural_tag_regex(fmt, param))
+            return StructuralTag(*structural_tag_constraint(fmt, param))
         except ValueError as e:
             raise RequestError(str(e), param) from None
     spec = fmt.get("json_schema") if fmt.get("type") == "json_schema" else None
@@ -809,7 +812,8 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     choice, allowed = _tool_choice(body, tools, nested_tools)
     # an allowed_tools choice: every tool is in the prompt (as OpenAI keeps them: the
     # prefix stays cached), the allowed ones alone are constrained to and parsed as calls
-    offered = body.get("tools") if allowed is None else [t for t in body["tools"] if _tool_name(t) in allowed]
+    # (the request's whole list, so that an error names a tool by its place in it)
+    offered = body.get("tools")
     callable_tools = tools if allowed is None else [fn for fn in tools or [] if fn["name"] in allowed]
     parallel = get_field(body, "parallel_tool_calls", "bool", True)
     max_reasoning = get_field(body, "max_reasoning_chars", "int", None, 0, MAX_REASONING_CHARS)
@@ -821,6 +825,7 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     text = render_chat(front, messages, tools, parser_name, chat_turn(body))
     ids = front.encode(text, "messages", bos=False)  # the template writes what it needs
     regex: str | None = None
+    unique: list[tuple[str, list[list[Any]]]] = []  # uniqueItems kept beside the regex (unique_items)
     field_name: str | None = None
     if choice not in ("auto", "none"):
         for other in (schema_field, "regex", "json_schema", "ebnf"):
@@ -831,12 +836,13 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
         # a named function is called once (as OpenAI and vLLM do; with parallel calls a
         # small model repeated the same call until max_tokens); "required" may make several
         parallel = parallel and choice == "required"
-        regex = parser.constraint_regex(offered, None if choice == "required" else choice, parallel)
+        forced = parser.constraint(offered, allowed if choice == "required" else choice, parallel)
+        regex, unique = forced.regex, forced.unique
         field_name = "tool_choice"
     constraint: dict[str, Any] = {}
     if regex is None and isinstance(schema, StructuralTag):
         # free text between the structures: tool calls in it are parsed under auto
-        field_name, regex = schema_field, schema.regex
+        field_name, regex, unique = schema_field, schema.regex, schema.unique
     elif regex is None and schema is not None:
         field_name = schema_field
         # tools under "auto" beside a JSON format (the OpenAI Agents SDK's tools + output
@@ -845,24 +851,30 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
         if reasoning is None and not calls:
             constraint["json_schema"] = json.dumps(schema)
         else:
-            from plait.runtime.constrained.json_schema import schema_to_regex
+            from plait.runtime.constrained.unique_items import guarded_regex
 
             try:
-                regex = schema_to_regex(schema)
+                regex, sites = guarded_regex(schema)
             except ValueError as e:
                 if reasoning is not None:
                     raise RequestError(str(e), schema_field) from None
                 # a schema only llguidance's JSON grammar follows: the reply is the JSON alone
                 constraint["json_schema"] = json.dumps(schema)
             else:
+                unique = [("", sites)] if sites else []  # (the JSON is the output, from its start)
                 if calls:
-                    regex = f"(?:{regex})|(?:{parser.constraint_regex(offered, None, parallel)})"
+                    either = parser.constraint(offered, allowed, parallel)
+                    regex, unique = f"(?:{regex})|(?:{either.regex})", unique + either.unique
     if reasoning is not None and (regex is not None or max_reasoning is not None):
         # the constraint starts after the reasoning section (plait.reasoning)
         regex = reasoning.constraint_prefix(max_reasoning) + (regex if regex is not None else "(?s:.*)")
         field_name = field_name or "max_reasoning_chars"
+        # a JSON kept from the output's start may come after the section instead
+        unique = unique + [(REASONING_END, sites) for a, sites in unique if a == ""]
     if regex is not None:
         constraint["regex"] = regex
+        if unique:
+            constraint["unique_items"] = [[a, sites] for a, sites in unique]
     for other in ("regex", "json_schema", "ebnf"):  # SGLang's raw constraint fields
         if constraint and body.get(other) is not None:
             raise RequestError(f"{other} and {field_name} both constrain the output; give one of them", other)
