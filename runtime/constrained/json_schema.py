@@ -238,7 +238,7 @@ def schema_to_regex(schema: Any, whitespace: str | None = None) -> str:
     naming what is unsupported."""
     schema = load_schema(schema)
     check_schema_size(schema)
-    schema = fold_unevaluated(schema)
+    schema = fold_unevaluated(fold_vacuous(schema))
     nested = nested_resource_ref(schema)
     if nested is not None:
         raise SchemaError(f"json_schema '$ref' at {nested[0]} is not supported: it is inside a subschema with its own "
@@ -543,6 +543,75 @@ def fold_unevaluated(root: Any) -> Any:
     return walk(root, 0)
 
 
+def fold_vacuous(root: Any) -> Any:
+    """A copy of ``root`` (a parsed document) with three idioms read as ``jsonschema``
+    reads them, for every backend (both translations start here):
+
+    - ``not`` of a schema every value satisfies (``{}``, ``true``, or annotations only:
+      zod-to-json-schema's ``z.never()`` / ``z.undefined()`` / ``z.nan()``) makes its
+      subschema ``false`` (a property never written, an ``anyOf`` branch left out);
+      ``not: false`` constrains nothing and is dropped;
+    - ``if`` without ``then`` and ``else`` (and ``then`` / ``else`` without ``if``)
+      constrains nothing and is dropped (it was refused as an ``if`` form);
+    - a boolean ``exclusiveMinimum`` / ``exclusiveMaximum`` is draft 3/4's form. A
+      document whose ``$schema`` names a later draft is read by ``jsonschema`` as
+      comparing the value with the boolean as a number (``exclusiveMinimum: true`` is
+      ``> 1``): refused with a ``SchemaError`` naming it, where both backends read it as
+      draft 4 and admitted values ``jsonschema`` rejects. Without ``$schema`` (OpenAPI
+      3.0's form, common in tool parameters) it keeps draft 4's meaning: no later
+      draft's metaschema admits a boolean there, so that is the one reading under which
+      the document is a schema at all.
+
+    In drafts 3 to 7 the keywords beside a ``$ref`` do nothing and are left alone."""
+    import jsonschema
+
+    if not isinstance(root, dict):
+        return root
+    cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
+    draft4 = cls in (jsonschema.Draft3Validator, jsonschema.Draft4Validator)
+    declared = "$schema" in root  # (without one, a boolean bound is read as draft 4's: see above)
+    draft = "draft " + cls.__name__.removeprefix("Draft").removesuffix("Validator")
+    draft = {"draft 201909": "draft 2019-09", "draft 202012": "draft 2020-12"}.get(draft, draft)
+    ref_alone = ref_siblings_ignored(root)
+
+    def vacuous(sub: Any) -> bool:  # every value satisfies it
+        return sub is True or isinstance(sub, dict) and not any(_validates(k) for k in sub)
+
+    def fold(s: dict[str, Any], path: str) -> Any:
+        if ref_alone and "$ref" in s:
+            return s
+        for k in ("exclusiveMinimum", "exclusiveMaximum"):
+            if isinstance(s.get(k), bool) and not draft4 and declared:
+                bound = "minimum" if k == "exclusiveMinimum" else "maximum"
+                raise SchemaError(
+                    f"json_schema {k!r} at {path} is {str(s[k]).lower()}: a boolean is draft 4's form (beside "
+                    f"{bound!r}), but this document's '$schema' is {draft}, where {k!r} is the bound itself and jsonschema compares "
+                    f"with the boolean as {int(s[k])}; allowed: a number ({k!r}: <the {bound}>), or '$schema': "
+                    "'http://json-schema.org/draft-04/schema#' for the draft-4 reading")
+        if "not" in s and vacuous(s["not"]):
+            return False
+        if s.get("not") is False:
+            s = {k: v for k, v in s.items() if k != "not"}
+        if "if" in s and "then" not in s and "else" not in s or "if" not in s and ("then" in s or "else" in s):
+            s = {k: v for k, v in s.items() if k not in ("if", "then", "else")}
+        return s
+
+    def walk(s: Any, path: str, depth: int) -> Any:
+        if not isinstance(s, dict) or depth > MAX_SCHEMA_DEPTH:
+            return s
+        out = dict(s)
+        for k, v in s.items():
+            if (k in SUBSCHEMA_MAP or k == "dependencies") and isinstance(v, dict):
+                out[k] = {n: walk(x, f"{path}/{k}/{_pointer_part(n)}", depth + 1) for n, x in v.items()}
+            elif (k in SUBSCHEMA_LIST or k == "items") and isinstance(v, list):
+                out[k] = [walk(x, f"{path}/{k}/{i}", depth + 1) for i, x in enumerate(v)]
+            elif (k in SUBSCHEMA_ONE or k == "items") and isinstance(v, dict):
+                out[k] = walk(v, f"{path}/{k}", depth + 1)
+        return fold(out, path)
+
+    return walk(root, "#", 0)
+
+
 def plain_schema(schema: Any) -> Any:
     """A copy of ``schema`` (a parsed document) for a backend without ``oneOf`` it
     cannot prove exclusive, ``not``, ``if`` or ``dependentRequired`` (llguidance): each
@@ -733,8 +802,8 @@ class _Translator:
             )
         if s is True:
             return self.any(ANY_DEPTH, path)
-        if s is False:
-            raise SchemaError(f"json_schema at {path} is false: no value can satisfy it")
+        if s is False:  # (an anyOf branch or a tuple's place left out, an optional property not written)
+            raise _NoValue(f"json_schema at {path} is false: no value can satisfy it")
         if not isinstance(s, dict):
             raise SchemaError(f"json_schema at {path} must be an object or a boolean, got {type(s).__name__}")
         if _VIA in s:  # a merge that inlined $ref targets: translated as expanding them
@@ -1258,6 +1327,16 @@ class _Translator:
             extra = [k for k in props_a if k not in names and props_a[k] is not False]
             if extra and len(extra) <= MAX_NEED_NAMES:
                 return "need", extra
+        # an optional discriminator (pydantic's Literal tag with a default, in a model
+        # whose fields all have defaults): objects that carry it, with a's values, which
+        # b's listed values exclude, fail b
+        props_b = b.get("properties", {})
+        if isinstance(props_a, dict) and isinstance(props_b, dict):
+            for name in props_a:
+                if name in props_b and props_a[name] is not False:
+                    va, vb = self.finite(props_a[name], path), self.finite(props_b[name], path)
+                    if va is not None and vb is not None and not _json_common(va, vb):
+                        return "need", [name]
         return None
 
     @staticmethod
@@ -1868,14 +1947,20 @@ class _Translator:
         items = s.get("items", True)
         if "contains" in s:
             return self.array_containing(items, s["contains"], path)
-        prefix = s.get("prefixItems", [])
+        prefix, key = s.get("prefixItems", []), "prefixItems"
         if isinstance(items, list):  # draft 4: items as a list, additionalItems for the rest
-            prefix, items = items, s.get("additionalItems", True)
+            prefix, items, key = items, s.get("additionalItems", True), "items"
         elif "additionalItems" in s:
             raise SchemaError(f"json_schema 'additionalItems' at {path} needs 'items' to be a list")
         if not isinstance(prefix, list):
             raise SchemaError(f"json_schema 'prefixItems' at {path} must be a list")
-        pre = [self.value(p, f"{path}/prefixItems/{i}") for i, p in enumerate(prefix)]
+        pre = []
+        for i, p in enumerate(prefix):
+            try:
+                pre.append(self.value(p, f"{path}/{key}/{i}"))
+            except _NoValue:  # no item fits here (false, 'not: {}'): arrays end before it
+                items = False
+                break
         try:
             item = None if items is False else self.value(items, path + "/items")
         except _Cutoff:  # a recursion unrolled to its limit: arrays no longer than the prefix

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from plait.runtime.constrained.backend import GrammarFuture
-from plait.runtime.constrained.json_schema import SUBSCHEMA_LIST, SUBSCHEMA_MAP, SUBSCHEMA_ONE
+from plait.runtime.constrained.json_schema import SUBSCHEMA_LIST, SUBSCHEMA_MAP, SUBSCHEMA_ONE, _float_inexact
 from plait.runtime.constrained.finite import lark_unending, schema_unending
 from plait.runtime.constrained.vocab import TokenVocab
 
@@ -234,6 +234,32 @@ def _llg_bounds(v: int | float, type_: Any) -> list[int | float] | None:
     return [clamped] if type_ == "integer" else [f] if type_ == "number" else [f, clamped]
 
 
+_UNWRITTEN = re.compile("[\x00-\x07\x0b\x0e-\x1f\x7f]")  # in a string: what llguidance's JSON cannot write
+
+
+def _unwritable(value: Any) -> str | None:
+    """What of a ``const`` / ``enum`` value llguidance would write as another value, or
+    None. llguidance writes a listed string without the characters its JSON strings
+    cannot hold (control characters but the short escapes, with no ``\\u`` escapes
+    allowed; and U+007F), so ``"a\\u0001b"`` became ``"ab"``; and reads numbers as 64-bit
+    floats, so ``12345678901234567891`` became ``12345678901234567000``: both admitted
+    values ``jsonschema`` rejects."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, str) and (m := _UNWRITTEN.search(v)):
+            return f"the control character U+{ord(m.group()):04X} in {v[:40]!r}"
+        elif isinstance(v, int) and not isinstance(v, bool) and _float_inexact(v):
+            shown = str(v) if abs(v) < 10**40 else f"of {len(str(abs(v)))} digits"
+            return f"the integer {shown}, past what a 64-bit float holds exactly"
+    return None
+
+
 def _bound_moved(v: int | float, lower: bool, narrow: bool, type_: Any) -> str | None:
     """How llguidance's reading of bound ``v`` admits a value past it, or None when it
     does not (exact arithmetic: Python compares ints and floats exactly, as
@@ -307,7 +333,9 @@ def llguidance_schema(schema: Any) -> Any:
       (``0.99999999999999999999`` is ``1.0``);
     - ``multipleOf`` unless the type is ``integer`` and the value an integer: validators
       divide in floating point (``0.7 / 0.1`` is ``6.999999999999999``, not a multiple);
-    - ``patternProperties`` a key can match two of; word boundaries (``\\b``) anywhere.
+    - ``patternProperties`` a key can match two of; word boundaries (``\\b``) anywhere;
+    - a ``const`` / ``enum`` value llguidance writes as another value (:func:`_unwritable`:
+      strings with control characters, integers a 64-bit float does not hold).
 
     Rewrites, each exact or a narrowing (a subset of the valid values):
 
@@ -387,6 +415,12 @@ def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, 
     if m is not None and not (integer and isinstance(m, int) and not isinstance(m, bool)):
         raise ValueError(f"multipleOf: {m} at {path} is supported by the llguidance backend only as an integer on "
                          "type integer")
+    for k in ("const", "enum"):
+        bad = _unwritable(schema[k]) if k in schema else None
+        if bad is not None:
+            raise ValueError(f"{k} at {path} holds {bad}, which the llguidance backend does not write as listed; "
+                             "allowed there: strings without control characters other than \\b \\f \\n \\r \\t "
+                             "(and without U+007F), integers within +-2**53 or that a 64-bit float holds exactly")
     out = dict(schema)
     if schema.get("uniqueItems") is False:
         del out["uniqueItems"]  # constrains nothing (llguidance refuses the keyword whatever its value)
@@ -533,7 +567,7 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
     from llguidance import LLMatcher
 
     from plait.runtime.constrained.json_schema import (check_schema_size, check_whitespace, fold_unevaluated,
-                                                       parse_schema_text, plain_schema)
+                                                       fold_vacuous, parse_schema_text, plain_schema)
 
     # a caller's dict too goes through its JSON text: that is what is bounded, and the
     # round trip makes it plain JSON (tuples become lists); its depth is checked first
@@ -547,6 +581,10 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
         raise ValueError("json_schema at # is false: no value can satisfy it")
     value = {} if value is True else value  # the same schema: any JSON value
     check_schema_size(value)
+    value = fold_vacuous(value)
+    if value is False:  # ('not: {}' at the root)
+        raise ValueError("json_schema at # is never satisfied ('not' of a schema every value satisfies): no value "
+                         "can satisfy it")
     value = plain_schema(fold_unevaluated(value))
     value = llguidance_schema(value)
     unending = schema_unending(value)
