@@ -30,7 +30,6 @@ one test each:
 from __future__ import annotations
 
 import json
-import re
 from typing import Annotated, Literal, Union
 
 import jsonschema
@@ -39,49 +38,13 @@ from pydantic import BaseModel, Discriminator, Field, Tag
 
 from plait.errors import RequestError
 from plait.runtime.sampling_params import SamplingParams
-from regex_sampling import sample
-from test_llguidance import admits, compiled, engine, grammars, random_output, tokenizer, vocab  # noqa: F401 (fixtures)
+from test_llguidance import engine, grammars, tokenizer, vocab  # noqa: F401 (fixtures)
+from test_schema_probe16 import admitted, constraint, validator, walks
 
 D4 = "http://json-schema.org/draft-04/schema#"
 D6 = "http://json-schema.org/draft-06/schema#"
 D7 = "http://json-schema.org/draft-07/schema#"
 BACKENDS = ("auto", "llguidance", "outlines")
-
-
-def constraint(schema: object, backend: str):
-    return SamplingParams.from_dict({"json_schema": schema, "grammar_backend": backend}).constraint()
-
-
-def validator(schema: object):
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
-
-
-def admitted(grammars, vocab, schema: object, backend: str, text: str) -> bool:  # noqa: F811
-    """Whether ``backend``'s constraint for ``schema`` admits ``text`` in full."""
-    c = constraint(schema, backend)
-    if c.backend == "outlines":
-        return re.fullmatch(c.grammar, text) is not None
-    _, fut = compiled(grammars, {"json_schema": schema, "grammar_backend": backend})
-    m = grammars.matcher(fut, c, jump_forward=False, heal=False)
-    m.start([1])
-    return admits(m, vocab, text)
-
-
-def walks(grammars, vocab, schema: object, backend: str, n: int) -> list[str]:  # noqa: F811
-    """Up to ``n`` outputs the constraint admits (regex samples, or llguidance walks)."""
-    c = constraint(schema, backend)
-    if c.backend == "outlines":
-        return sample(c.grammar, n, seed=7)
-    _, fut = compiled(grammars, {"json_schema": schema, "grammar_backend": backend})
-    out = []
-    for seed in range(n):
-        m = grammars.matcher(fut, c, jump_forward=False, heal=False)
-        m.start([1])
-        text = random_output(m, vocab, seed, cap=24, limit=120)
-        if text is not None:
-            out.append(text.decode())
-    return out
 
 
 def assert_sound(grammars, vocab, schema: object, backends=BACKENDS, n: int = 6) -> None:  # noqa: F811
