@@ -222,3 +222,39 @@ def test_openai_forced_tool_calls_and_structural_tags_with_a_set_argument(tiny_m
                 tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
                     {"type": "function", "function": {"name": "rows"}}]}})
         assert "objects or arrays" in str(e.value)
+
+
+# -- the tracker's bookkeeping ---------------------------------------------------------------------
+def test_path_automaton_agrees_with_the_pattern_matcher():
+    import random
+
+    from plait.runtime.constrained.unique_items import ANY, DEEP, _matches, _start, _step
+
+    rng = random.Random(5)
+    steps = ["a", "b", 0, 1]
+    for _ in range(400):
+        sites = [[rng.choice(steps + [ANY, DEEP]) for _ in range(rng.randint(0, 4))] for _ in range(rng.randint(1, 3))]
+        path = [rng.choice(steps) for _ in range(rng.randint(0, 6))]
+        states = _start(sites)
+        for p in path:
+            states = _step(sites, states, p)
+        by_automaton = {i for i, pos in states if pos == len(sites[i])}
+        assert by_automaton == {i for i, s in enumerate(sites) if _matches(s, path)}, (sites, path)
+
+
+def test_copies_share_frames_until_one_changes_them():
+    t = OutputTracker([(b"", [["*", "tags"]])])
+    t.feed(b'[{"tags":["a","b"')
+    c = t.copy()
+    c.feed(b',"c"')
+    t.feed(b',"c"')  # each has its own items: neither saw the other's "c"
+    for x in (t, c):
+        with pytest.raises(Duplicate):
+            x.copy().feed(b',"c"')
+        x.copy().feed(b',"d"]}]')
+    d = t.copy()
+    d.feed(b'],"x":1},{"tags":["a"')  # a new array at another index: its own items
+    with pytest.raises(Duplicate):
+        d.feed(b',"a"')
+    with pytest.raises(Duplicate):
+        t.feed(b',"a"')  # the original's array is untouched by the copy's

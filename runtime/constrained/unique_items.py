@@ -46,6 +46,8 @@ _IN_PLACE = ("allOf", "anyOf", "oneOf")
 _ONE_SCHEMA = ("not", "if", "then", "else")
 _WS = b" \t\n\r"
 _VALUE_CHARS = b"0123456789+-.eEtrufalsn"
+_NUMBER_CHARS = b"0123456789+-.eE"
+_LITERAL_ENDS = frozenset(w[k:] for w in (b"true", b"false", b"null") for k in range(1, len(w) + 1))
 
 
 def has_unique(schema: Any) -> bool:
@@ -266,6 +268,37 @@ def _matches(pattern: list[Any], path: list[Any]) -> bool:
     return False
 
 
+def _closure(sites: list[list[Any]], states: set[tuple[int, int]]) -> frozenset[tuple[int, int]]:
+    """``states`` with every ``**`` skipped too (it matches no step as well)."""
+    todo, out = list(states), set(states)
+    while todo:
+        i, pos = todo.pop()
+        if pos < len(sites[i]) and sites[i][pos] == DEEP and (i, pos + 1) not in out:
+            out.add((i, pos + 1))
+            todo.append((i, pos + 1))
+    return frozenset(out)
+
+
+def _start(sites: list[list[Any]]) -> frozenset[tuple[int, int]]:
+    """The pattern states at the root (nothing consumed)."""
+    return _closure(sites, {(i, 0) for i in range(len(sites))})
+
+
+def _step(sites: list[list[Any]], states: frozenset[tuple[int, int]], step: Any) -> frozenset[tuple[int, int]]:
+    """The states after one path step (a key, or an index): :func:`_matches` as an
+    automaton, one step at a time."""
+    out = set()
+    for i, pos in states:
+        if pos >= len(sites[i]):
+            continue
+        head = sites[i][pos]
+        if head == DEEP:
+            out.add((i, pos))
+        elif head == ANY or head == step and isinstance(head, int) == isinstance(step, int):
+            out.add((i, pos + 1))
+    return _closure(sites, out)
+
+
 def _value_key(kind: str, raw: bytes) -> Any:
     """A scalar's identity under JSON equality, from its text; None if it does not parse
     (an unfinished or odd value: then nothing is compared)."""
@@ -295,14 +328,20 @@ class JsonTracker:
     """Where the output is in its JSON, byte by byte (the grammar keeps it well formed):
     the open containers with the key or index being written, and for each array at a
     guarded path the items it holds. ``feed`` raises :class:`Duplicate` at a byte that
-    completes an item equal to an earlier one."""
+    completes an item equal to an earlier one.
 
-    __slots__ = ("sites", "stack", "scalar", "raw", "escape", "is_key", "key", "expect_key")
+    Cheap to copy (the mask tries tokens on copies): frames below ``shared`` belong to
+    copies too and are copied before they change; each frame keeps the states of the
+    path patterns at its place, so opening one costs the same at any depth."""
+
+    __slots__ = ("sites", "stack", "shared", "scalar", "raw", "escape", "is_key", "key", "expect_key")
 
     def __init__(self, sites: list[list[Any]]) -> None:
         self.sites = sites
-        # frames: [kind "o"/"a", key-or-index, seen set or None (guarded arrays), item started]
+        # frames: [kind "o"/"a", key-or-index, seen set or None (guarded arrays), item
+        # started, the pattern states (site, position) before this frame's key]
         self.stack: list[list[Any]] = []
+        self.shared = 0
         self.scalar: str | None = None  # "s" string, "v" number / literal, None between values
         self.raw = b""
         self.escape = False
@@ -313,10 +352,20 @@ class JsonTracker:
     def copy(self) -> JsonTracker:
         t = JsonTracker.__new__(JsonTracker)
         t.sites = self.sites
-        t.stack = [[f[0], f[1], None if f[2] is None else set(f[2]), f[3]] for f in self.stack]
+        t.stack = list(self.stack)
+        t.shared = self.shared = len(self.stack)
         t.scalar, t.raw, t.escape, t.is_key, t.key, t.expect_key = (
             self.scalar, self.raw, self.escape, self.is_key, self.key, self.expect_key)
         return t
+
+    def _top(self) -> list[Any]:
+        """The innermost frame, this tracker's own (copied if a copy shares it)."""
+        i = len(self.stack) - 1
+        if i < self.shared:
+            f = self.stack[i]
+            self.stack[i] = [f[0], f[1], None if f[2] is None else set(f[2]), f[3], f[4]]
+            self.shared = i
+        return self.stack[i]
 
     def path(self) -> list[Any]:
         return [f[1] for f in self.stack]
@@ -335,12 +384,16 @@ class JsonTracker:
             return
         if key in frame[2]:
             raise Duplicate(self.path(), key)
-        frame[2].add(key)
+        self._top()[2].add(key)
 
     def _open(self, kind: str) -> None:
-        path = self.path()
-        seen = set() if kind == "a" and any(_matches(p, path) for p in self.sites) else None
-        self.stack.append([kind, 0 if kind == "a" else None, seen, False])
+        if self.stack:
+            top = self.stack[-1]
+            states = _step(self.sites, top[4], top[1])
+        else:
+            states = _start(self.sites)
+        accept = kind == "a" and any(pos == len(self.sites[i]) for i, pos in states)
+        self.stack.append([kind, 0 if kind == "a" else None, set() if accept else None, False, states])
         self.expect_key = kind == "o"
 
     def feed(self, data: bytes) -> None:
@@ -361,7 +414,7 @@ class JsonTracker:
                         except ValueError:
                             self.key = None
                         if self.stack:
-                            self.stack[-1][1] = self.key
+                            self._top()[1] = self.key
                     else:
                         self._item_done("s")
                     self.raw = b""
@@ -385,15 +438,15 @@ class JsonTracker:
                 continue
             if c == b",":
                 if self.stack:
-                    top = self.stack[-1]
-                    if top[0] == "a":
-                        top[1] += 1
+                    if self.stack[-1][0] == "a":
+                        self._top()[1] += 1
                     else:
                         self.expect_key = True
                 continue
             if c in b"]}":
                 if self.stack:
                     self.stack.pop()
+                    self.shared = min(self.shared, len(self.stack))
                 continue
             if c == b"{":
                 self._open("o")
@@ -477,7 +530,6 @@ class _Pools:
 
     def __init__(self, token_bytes: list[bytes | None], words: int) -> None:
         n = 32 * words
-        self.end = np.zeros(n, dtype=np.bool_)  # a quote, a separator, a bracket or whitespace
         self.opens = np.zeros(n, dtype=np.bool_)  # '[' and ',': may open an array and write two items
         self.by_head: dict[bytes, list[int]] = {}  # bytes before the first quote (no backslash) -> tokens
         self.hard: list[int] = []  # a backslash before the first quote
@@ -485,11 +537,15 @@ class _Pools:
         self.extends = np.zeros(n, dtype=np.bool_)  # begins with a character that continues a number
         self.closes = np.zeros(n, dtype=np.bool_)  # begins with a quote
         self.by_bytes: dict[bytes, list[int]] = {}  # quote-free tokens by their bytes
+        # may complete a whole item that can be compared, from between items: two quotes,
+        # a digit, or a literal (any other scalar text does not parse, so never repeats)
+        self.completes = np.zeros(n, dtype=np.bool_)
+        # tokens that end a number or literal being written, by the value characters
+        # before the first byte that ends it (the rest of that item)
+        self.by_value_head: dict[bytes, list[int]] = {}
         for i, b in enumerate(token_bytes[:n]):
             if not b:
                 continue
-            if any(x in b for x in b'",]} \t\n\r'):
-                self.end[i] = True
             if b"[" in b and b"," in b:
                 self.opens[i] = True
             v = b.lstrip(_WS)
@@ -499,6 +555,12 @@ class _Pools:
                 self.extends[i] = True
             if b[:1] == b'"':
                 self.closes[i] = True
+            if b.count(b'"') >= 2 or any(48 <= x <= 57 for x in b) or b"true" in b or b"false" in b \
+                    or b"null" in b:
+                self.completes[i] = True
+            k = next((j for j, x in enumerate(b) if x not in _VALUE_CHARS), None)
+            if k is not None and (all(x in _NUMBER_CHARS for x in b[:k]) or b[:k] in _LITERAL_ENDS):
+                self.by_value_head.setdefault(b[:k], []).append(i)
             q = b.find(b'"')
             if q < 0:
                 self.by_bytes.setdefault(b, []).append(i)
@@ -567,7 +629,7 @@ class UniqueGuard:
         return dropped
 
     def _note(self, e: Duplicate) -> None:
-        where = "#" + "".join(f"/{p}" for p in e.path)
+        where = _where(e.path)
         self._violation = (f"'uniqueItems' at {where}: every token the schema allows next would repeat an earlier item "
                            f"({_show(e.value)})")
 
@@ -648,11 +710,11 @@ class UniqueGuard:
         pools = pools_for(self.token_bytes, mask.shape[0])
         ahead = tracker is self.tracker
         bits = np.unpackbits(mask.view(np.uint8), bitorder="little").view(np.bool_)
-        n = min(len(bits), len(pools.end))
+        n = min(len(bits), len(pools.opens))
         blocked: set[int] = set()
         # tokens to try on a copy: those that may open an array and write two items (in any
         # value, or a value an anchor in the token begins), and per value the tokens that
-        # may end an item there
+        # may complete an item that can repeat one (few: the mask may be all free text)
         trial: set[int] = set(np.flatnonzero(bits[:n] & pools.opens[:n]).tolist())
         ends = False
         for sub in tracker.trackers:
@@ -672,10 +734,15 @@ class UniqueGuard:
                 trial.update(t for t in pools.hard if _bit(mask, t))
             elif any(f[2] is not None for f in sub.stack):
                 ends = True
+                if sub.scalar == "v" and sub.guarded:  # the number or literal ends at the token's first other byte
+                    seen = sub.stack[-1][2]
+                    for head, ids in pools.by_value_head.items():
+                        if _value_key("v", sub.raw + head) in seen:
+                            blocked.update(ids)
             if ahead and sub.guarded and sub.scalar != "s":
                 blocked |= self._no_way_out(mask, sub, pools)
         if ends:
-            trial.update(np.flatnonzero(bits[:n] & pools.end[:n]).tolist())
+            trial.update(np.flatnonzero(bits[:n] & pools.completes[:n]).tolist())
         for t in trial - blocked:
             copy = tracker.copy()
             try:
@@ -690,7 +757,7 @@ class UniqueGuard:
             out[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
         if ahead and not out.any() and mask.view(np.uint32).any():
             sub = next((x for x in tracker.trackers if x.guarded), None)
-            where = "#" + "".join(f"/{p}" for p in (sub.path() if sub is not None else []))
+            where = _where(sub.path() if sub is not None else [])
             self._dead = f"'uniqueItems' at {where}: every token the schema allows next would repeat an earlier item"
         return out.view(np.int32)
 
@@ -733,6 +800,14 @@ class UniqueGuard:
             if not (nxt[:m] & pools.extends[:m]).any():
                 out.add(t)
         return out
+
+
+def _where(path: list[Any]) -> str:
+    """An instance path as a JSON pointer, its middle left out past 16 steps."""
+    steps = [str(p)[:40] for p in path]
+    if len(steps) > 16:
+        steps = [*steps[:8], f"...({len(steps) - 16} more)", *steps[-8:]]
+    return "#" + "".join(f"/{p}" for p in steps)
 
 
 def _bit(mask: np.ndarray, t: int) -> bool:
