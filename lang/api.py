@@ -19,7 +19,7 @@ from plait.global_config import global_config
 from plait.interpreter import ProgramState, iter_program_batch, run_program
 from plait.ir import (
     Expr, ExprList, Gen, RoleBegin, RoleEnd, Select, ToolSpec, as_expr, check_choices, check_json_schema, check_name,
-    check_stop, dtype_regex, dtype_stop, flatten,
+    check_stop, check_stop_regex, dtype_regex, dtype_stop, flatten,
 )
 from plait.lint import DEFAULT_MIN_TOKENS, LayoutIssue, PromptLayoutWarning, lint_graph, shared_arguments
 from plait.regex import check_regex
@@ -83,12 +83,13 @@ def _defaults(max_new_tokens: int, stop: Any, stop_token_ids: Any, temperature: 
     )
     if not global_config.skip_special_tokens_in_output:
         d["skip_special_tokens"] = False
+    if not global_config.spaces_between_special_tokens_in_out:
+        d["spaces_between_special_tokens"] = False
     d.update(extra)
     return {k: v for k, v in d.items() if v is not None}
 
 
-_EXTRA_DEFAULTS = ("seed", "repetition_penalty", "min_new_tokens", "n")
-_NO_STOP_REGEX = "stop_regex is not supported by plait; use stop strings or regex= to constrain the output"
+_EXTRA_DEFAULTS = ("seed", "repetition_penalty", "min_new_tokens", "n", "stop_regex")
 _VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -126,11 +127,11 @@ class Function:
         """Pop the extra sampling defaults (seed, n, ...) that are not program arguments,
         and SGLang's ``use_thread`` (whether its executor runs on a thread of its own;
         plait's always does, and the results are the same either way)."""
-        mine = [k for k in (*_EXTRA_DEFAULTS, "use_thread", "stop_regex") if k in kwargs and k not in self.arg_names]
+        mine = [k for k in (*_EXTRA_DEFAULTS, "use_thread") if k in kwargs and k not in self.arg_names]
         out = {k: kwargs.pop(k) for k in mine}
         out.pop("use_thread", None)
-        if out.pop("stop_regex", None):
-            raise ValueError(_NO_STOP_REGEX)
+        if "stop_regex" in out:
+            out["stop_regex"] = check_stop_regex(out["stop_regex"])
         return out
 
     @property
@@ -378,8 +379,6 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
     if choices is not None:
         return select(name, choices, 0.0 if temperature is None else temperature,
                       token_length_normalized if choices_method is None else choices_method)
-    if stop_regex is not None:
-        raise ValueError(_NO_STOP_REGEX)
     constraints = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("ebnf", ebnf), ("dtype", dtype))
                    if v is not None]
     if len(constraints) > 1:
@@ -410,7 +409,8 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
         raise ValueError(f"grammar_backend={grammar_backend!r} is invalid; allowed: auto, outlines, llguidance")
     params = dict(
         max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n, stop=check_stop(stop),
-        stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        stop_token_ids=stop_token_ids, stop_regex=check_stop_regex(stop_regex), temperature=temperature,
+        top_p=top_p, top_k=top_k, min_p=min_p,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, ignore_eos=ignore_eos,
         return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
         return_text_in_logprobs=return_text_in_logprobs, regex=regex, json_schema=json_schema, seed=seed,

@@ -20,8 +20,9 @@ class GlobalConfig:
     ``concate_and_append`` join always appends the branches' text (plait does not splice
     KV caches). ``skip_special_tokens_in_output``: False keeps special tokens in the
     text of gens (their ``skip_special_tokens``), read when ``run()`` starts.
-    ``spaces_between_special_tokens_in_out``: accepted and has no effect (the runtime
-    decodes with the tokenizer's own spacing)."""
+    ``spaces_between_special_tokens_in_out``: False is the gens' ``spaces_between_special_tokens``
+    (read when ``run()`` starts; a fast HF tokenizer, what the runtime loads, decodes the
+    same either way)."""
 
     __slots__ = ("default_backend", "verbosity", "enable_precache_with_tracing", "enable_parallel_encoding",
                  "skip_special_tokens_in_output", "spaces_between_special_tokens_in_out")

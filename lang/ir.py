@@ -344,6 +344,22 @@ def check_stop(stop: Any, param: str = "stop") -> list[str] | None:
     return [s for s in stop if s]
 
 
+def check_stop_regex(stop_regex: Any) -> list[str] | None:
+    """``stop_regex`` (a pattern or a list of them) as a list, compiled here so that a bad
+    pattern raises where the program names it (the runtime compiles it the same way)."""
+    if stop_regex is None:
+        return None
+    patterns = [stop_regex] if isinstance(stop_regex, str) else stop_regex
+    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
+        raise ValueError(f"stop_regex={stop_regex!r} is invalid; allowed: a regular expression or a list of them")
+    if not patterns:
+        return None
+    from plait.runtime.stop_regex import compile_stop_regex  # the standard library only
+
+    compile_stop_regex(tuple(patterns))
+    return list(patterns)
+
+
 @dataclass
 class ResolvedParams:
     """What one gen sends: sampling params and request options, runtime names."""

@@ -89,6 +89,56 @@ def check_regex(pattern: object, name: str = "regex") -> str:
     return pattern
 
 
+# \d \w \s as ASCII, as SGLang's grammar backends (xgrammar, outlines' interegular) and
+# Python's re.ASCII read them; Rust's regex, which outlines-core and llguidance use,
+# reads them as Unicode classes (\d admits '٣', '𝟦', ...). Outside a class: a class;
+# inside one: its members, and a negation as its complement's ranges (exact inside a
+# negated class too: [^\D] is [0-9]).
+_ASCII_CLASS = {"d": "0-9", "w": "0-9A-Za-z_", "s": "\\t-\\r "}  # \t-\r: tab, newline, \v, \f, return
+_ASCII_COMPLEMENT = {
+    "d": "\\x00-/:-\\x{10FFFF}",
+    "w": "\\x00-/:-@\\[-\\^`\\{-\\x{10FFFF}",
+    "s": "\\x00-\\x08\\x0E-\\x1F!-\\x{10FFFF}",
+}
+# Under (?i), Rust folds k and s to U+212A KELVIN SIGN and U+017F LONG S: a \W inside a
+# class (whose complement ranges hold both, and would fold them back to k and s) leaves
+# them out
+_ASCII_COMPLEMENT_FOLDED_W = "\\x00-/:-@\\[-\\^`\\{-\\x{17E}\\x{180}-\\x{2129}\\x{212B}-\\x{10FFFF}"
+
+
+def ascii_classes(pattern: str) -> str:
+    """``pattern`` (accepted by :func:`check_regex`) with ``\\d \\w \\s`` and their
+    negations narrowed to ASCII: ``[0-9]``, ``[0-9A-Za-z_]``, ``[\\t-\\r ]`` and their
+    complements; inside a class, their members or the complement's ranges. Case
+    folding (``(?i)``) keeps them ASCII outside a class (``(?-i:...)``) and keeps a
+    ``\\W`` inside one from admitting ``k`` and ``s``; a ``\\w`` inside a class under
+    ``(?i)`` also admits U+212A and U+017F (a class cannot turn folding off). What the
+    engine compiles for a user's ``regex`` (both backends)."""
+    parser = _Parser(pattern)
+    parser.parse()
+    if not parser.perl:
+        return pattern
+    out, last = [], 0
+    for i, in_class in parser.perl:
+        e = pattern[i + 1]
+        base, negated = e.lower(), e.isupper()
+        if in_class:
+            if not negated:
+                text = _ASCII_CLASS[base]
+            elif base == "w" and parser.case_insensitive:
+                text = _ASCII_COMPLEMENT_FOLDED_W
+            else:
+                text = _ASCII_COMPLEMENT[base]
+        else:
+            text = "[" + ("^" if negated else "") + _ASCII_CLASS[base] + "]"
+            if base == "w" and parser.case_insensitive:
+                text = "(?-i:" + text + ")"
+        out += [pattern[last:i], text]
+        last = i + 2
+    out.append(pattern[last:])
+    return "".join(out)
+
+
 def _short(s: str, n: int = 80) -> str:
     return repr(s if len(s) <= n else s[:n] + "...")
 
@@ -128,6 +178,8 @@ class _Parser:
     def __init__(self, pattern: str) -> None:
         self.p = pattern
         self.names: set[str] = set()
+        self.perl: list[tuple[int, bool]] = []  # each \\d \\w \\s (or negation): (its '\\', inside a class)
+        self.case_insensitive = False  # some flag group turns on 'i'
 
     def parse(self) -> None:
         p, n = self.p, len(self.p)
@@ -260,6 +312,7 @@ class _Parser:
                 raise _Invalid(f"the flag '{f}' is repeated", k)
             else:
                 seen.add(f)
+                self.case_insensitive |= f == "i" and not negated
             k += 1
         if k >= n:
             raise _Invalid("a '(' that is never closed", i)
@@ -275,6 +328,7 @@ class _Parser:
             raise _Invalid("a trailing '\\' escapes nothing", i)
         e = p[i + 1]
         if e in _PERL_CLASSES:
+            self.perl.append((i, in_class))
             return i + 2, None
         if e in "pP":
             return self._property(i), None

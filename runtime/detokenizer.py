@@ -1,4 +1,5 @@
-"""Incremental detokenization that never emits broken UTF-8, and stop-string matching.
+"""Incremental detokenization that never emits broken UTF-8, and stop-string and
+stop_regex matching.
 
 Both work on a sequence's :class:`TextState` (owned by the output processor) and read
 the request's tokens; neither writes the request.
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait.runtime.request import Req
+from plait.runtime.stop_regex import StopRegexScan
 
 # Prompt tokens decoded in front of the output so that the first output token gets
 # its leading space right (sentencepiece drops it at the start of a string).
@@ -46,9 +48,7 @@ class IncrementalDetokenizer:
         """Decode what the newest tokens (up to position ``end``, default all) add;
         returns the new piece ('' if held back)."""
         ids = r.token_ids if end is None else r.token_ids[:end]
-        skip = r.params.skip_special_tokens
-        prefix = self.tokenizer.decode(ids[st.prefix : st.read], skip_special_tokens=skip)
-        full = self.tokenizer.decode(ids[st.prefix :], skip_special_tokens=skip)
+        prefix, full = self._decode(r, ids[st.prefix : st.read]), self._decode(r, ids[st.prefix :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         piece = _skip(st, full[len(prefix) :])
@@ -61,13 +61,21 @@ class IncrementalDetokenizer:
         ids = r.token_ids
         if st.read >= len(ids):
             return ""
-        skip = r.params.skip_special_tokens
-        prefix = self.tokenizer.decode(ids[st.prefix : st.read], skip_special_tokens=skip)
-        full = self.tokenizer.decode(ids[st.prefix :], skip_special_tokens=skip)
+        prefix, full = self._decode(r, ids[st.prefix : st.read]), self._decode(r, ids[st.prefix :])
         piece = _skip(st, full[len(prefix) :])
         st.prefix = st.read = len(ids)
         st.text += piece
         return piece
+
+    def _decode(self, r: Req, ids: list[int]) -> str:
+        """``ids`` as text, with the request's ``skip_special_tokens`` and (when false, the
+        tokenizer's default being true) ``spaces_between_special_tokens``: a slow HF
+        tokenizer honours it, a fast one ignores it, as HF's own decode does."""
+        params = r.params
+        if params.spaces_between_special_tokens:
+            return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,
+                                     spaces_between_special_tokens=False)
 
 
 def _skip(st: TextState, piece: str) -> str:
@@ -110,3 +118,14 @@ def safe_text_len(text: str, stops: list[str]) -> int:
         if any(s.startswith(tail) for s in stops):
             return len(text) - k
     return len(text)
+
+
+def match_stop_regex(st: TextState, scan: StopRegexScan, piece: str, keep: bool = False) -> str | None:
+    """Search the newest ``piece`` of ``st.text`` (its continuation) for a stop_regex
+    match; if one ends in it, trim ``st.text`` to before the match (``keep``: to after
+    it, SGLang's ``no_stop_trim``) and return the pattern (SGLang's ``matched``)."""
+    m = scan.feed(piece)
+    if m is None:
+        return None
+    st.text = st.text[: m.end if keep else m.start]
+    return m.pattern

@@ -1,7 +1,7 @@
 """One output path: after each step, the requests that changed become typed outputs.
 
 :class:`OutputProcessor` owns everything a request's output needs beyond its tokens:
-detokenized text, stop-string matching (it ends a request whose stop string appears,
+detokenized text, stop-string and stop_regex matching (it ends a request whose stop string appears,
 through :meth:`Scheduler.finish`), what has been reported so far, and the final result.
 :meth:`Engine.step` hands it the requests that changed in that step and returns its
 :class:`RequestOutput` list; the server's engine loop and the language's in-process
@@ -17,9 +17,10 @@ from typing import Any
 
 from plait import protocol as P
 from plait.errors import RequestError
-from plait.runtime.detokenizer import IncrementalDetokenizer, TextState, match_stop, safe_text_len
+from plait.runtime.detokenizer import IncrementalDetokenizer, TextState, match_stop, match_stop_regex, safe_text_len
 from plait.runtime.request import FinishReason, Req
 from plait.runtime.scheduler import Scheduler
+from plait.runtime.stop_regex import StopRegexScan, compile_stop_regex
 
 
 @dataclass
@@ -27,6 +28,7 @@ class _Cursor:
     """One sequence's output state: its text and what has been reported."""
 
     text: TextState
+    regex: StopRegexScan | None = None  # the search for stop_regex over ``text``
     sent_text: int = 0
     sent_ids: int = 0
     sent_logprobs: int = 0
@@ -79,7 +81,9 @@ class OutputProcessor:
         """Track ``r`` (again, with ``skip`` characters of healed prompt text, when token
         healing changed its prompt before the output began)."""
         old = self._cursors.get(r.rid)
-        cur = _Cursor(self.detokenizer.start(r, skip))
+        patterns = r.params.stop_regex  # checked where the request entered; the compile is cached
+        scan = compile_stop_regex(tuple(patterns)).scanner() if patterns else None
+        cur = _Cursor(self.detokenizer.start(r, skip), scan)
         if old is not None:
             cur.first_token_time = old.first_token_time
         self._cursors[r.rid] = cur
@@ -108,12 +112,16 @@ class OutputProcessor:
         st, stops = cur.text, r.params.stop
         reason = r.finish_reason
         ended_by_token = reason is not None and reason.by_token
-        if stops:
+        if stops or cur.regex is not None:
             # token by token, as steps of one token would see them: a step may append
             # several (verified drafts, jump-forward), and the output ends at the one
-            # that completes a stop string (before an ending EOS / stop id)
+            # that completes a stop string or a stop_regex match (before an ending EOS /
+            # stop id); a stop string found in the same token wins, as in SGLang
             for end in range(st.read + 1, r.seq_len if ended_by_token else r.seq_len + 1):
-                matched = match_stop(st, stops, self.detokenizer.step(r, st, end), r.params.no_stop_trim)
+                piece = self.detokenizer.step(r, st, end)
+                matched = match_stop(st, stops, piece, r.params.no_stop_trim)
+                if matched is None and cur.regex is not None and piece:
+                    matched = match_stop_regex(st, cur.regex, piece, r.params.no_stop_trim)
                 if matched is not None:
                     self.scheduler.finish(r, FinishReason.stop(matched), keep=end)
                     reason = r.finish_reason
@@ -126,7 +134,11 @@ class OutputProcessor:
             return RequestOutput(r.rid, r.group, r.index, "", [], {}, reason, error=reason.error)
 
         text = st.text
-        end = len(text) if reason is not None else max(safe_text_len(text, stops), cur.sent_text)
+        if reason is not None:
+            end = len(text)
+        else:  # what may still be trimmed (the start of a stop string, a match in progress) waits
+            held = min(safe_text_len(text, stops), len(text) if cur.regex is None else cur.regex.held_from)
+            end = max(held, cur.sent_text)
         piece, ids = text[cur.sent_text : end], r.token_ids[r.prompt_len + cur.sent_ids :]
         if reason is None and not piece and not ids:
             return None

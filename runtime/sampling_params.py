@@ -11,6 +11,7 @@ from typing import Any
 
 from plait.errors import RequestError, is_int
 from plait.runtime.constrained.backend import AUTO, GRAMMAR_BACKENDS, LLGUIDANCE, OUTLINES
+from plait.runtime.stop_regex import MAX_STOP_REGEXES, StopRegex, compile_stop_regex
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +27,11 @@ class SamplingParams:
     """What to generate and how. ``temperature == 0`` means greedy.
 
     ``top_k`` of -1 (or 0) disables top-k; ``stop`` strings end generation and are
-    trimmed from the returned text; ``stop_token_ids`` end it too (the token stays in
-    ``output_ids``, as EOS does). Penalties follow OpenAI (frequency, presence: over the
-    output so far) and Hugging Face (repetition: over prompt and output).
+    trimmed from the returned text; ``stop_regex`` (Python regexes) end it at the first
+    match in the output text, trimmed as a stop string is (:mod:`plait.runtime.stop_regex`);
+    ``stop_token_ids`` end it too (the token stays in ``output_ids``, as EOS does).
+    Penalties follow OpenAI (frequency, presence: over the output so far) and Hugging
+    Face (repetition: over prompt and output).
     """
 
     max_new_tokens: int = 128
@@ -41,11 +44,19 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
+    # SGLang's: generation ends when the output text holds a match of one of these (a
+    # search after each token; the finish reason's ``matched`` is the pattern)
+    stop_regex: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
+    # SGLang's and vLLM's: with skip_special_tokens false, whether decoding puts spaces
+    # around special tokens. Passed to the tokenizer's decode: a slow (Python) Hugging Face
+    # tokenizer honours it; a fast one, what plait loads, decodes special tokens as
+    # written either way (HF's, vLLM's and SGLang's behaviour with fast tokenizers)
+    spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False  # SGLang's: the stop string that ended the output stays in its text
     # token id (an int, or its decimal text as JSON keys write it) -> a number in
     # [-100, 100] added to that token's logit before sampling (OpenAI's logit_bias; -100
@@ -98,6 +109,10 @@ class SamplingParams:
             kwargs["stop"] = [kwargs["stop"]]
         if kwargs.get("stop") is None:
             kwargs.pop("stop", None)
+        if isinstance(kwargs.get("stop_regex"), str):
+            kwargs["stop_regex"] = [kwargs["stop_regex"]]
+        if kwargs.get("stop_regex") is None:
+            kwargs.pop("stop_regex", None)
         if kwargs.get("stop_token_ids") is None:
             kwargs.pop("stop_token_ids", None)
         params = cls(**kwargs)
@@ -143,12 +158,14 @@ class SamplingParams:
             )
         for s in self.stop:
             _check_unicode(s, "stop")
+        self.stop_regex_program()
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise RequestError(
                 f"stop_token_ids={self.stop_token_ids!r} is invalid; allowed: a list of non-negative token ids",
                 "stop_token_ids",
             )
-        for name in ("ignore_eos", "skip_special_tokens", "speculative", "no_stop_trim"):
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "speculative",
+                     "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name}={getattr(self, name)!r} is invalid; allowed: true or false", name)
         if self.seed is not None:
@@ -238,13 +255,15 @@ class SamplingParams:
                 check_schema_size(value)
             except ValueError as e:
                 raise RequestError(str(e), kind) from None
-        if kind == "regex":  # the dialect, once: every backend reads the same one (a surrogate by position)
-            from plait.runtime.constrained.regexes import check_regex
+        if kind == "regex":  # the dialect, once: every backend reads the same one (a surrogate by position);
+            # then \d \w \s as ASCII, as SGLang's grammar backends read them (Rust's are Unicode)
+            from plait.runtime.constrained.regexes import ascii_classes, check_regex
 
             try:
                 check_regex(value, "regex")
             except ValueError as e:
                 raise RequestError(str(e), kind) from None
+            value = ascii_classes(value)
         _check_unicode(value, kind)
         order = choose_backend(kind) if backend == AUTO else [backend]
         errors = []
@@ -269,6 +288,25 @@ class SamplingParams:
                 errors = [guarded]
         message = "; ".join(reversed(errors) if len(order) > 1 and order[0] == LLGUIDANCE else errors)
         raise RequestError(message if message.startswith(kind) else f"{kind} is invalid: {message}", kind)
+
+    def stop_regex_program(self) -> StopRegex | None:
+        """``stop_regex`` compiled (cached per pattern list: the front's check and the
+        engine's output processor share one compile per process), or None; raises
+        :class:`RequestError` naming ``stop_regex``."""
+        if not self.stop_regex:
+            if not isinstance(self.stop_regex, list):
+                raise RequestError(f"stop_regex={self.stop_regex!r} is invalid; allowed: a regular expression or a "
+                                   "list of them", "stop_regex")
+            return None
+        if not isinstance(self.stop_regex, list) or not all(isinstance(s, str) for s in self.stop_regex):
+            raise RequestError(f"stop_regex={self.stop_regex!r:.120} is invalid; allowed: a regular expression or a "
+                               f"list of at most {MAX_STOP_REGEXES} of them", "stop_regex")
+        for s in self.stop_regex:
+            _check_unicode(s, "stop_regex")
+        try:
+            return compile_stop_regex(tuple(self.stop_regex))
+        except ValueError as e:
+            raise RequestError(str(e), "stop_regex") from None
 
     @property
     def is_greedy(self) -> bool:

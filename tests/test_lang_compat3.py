@@ -150,8 +150,9 @@ def test_gen_int_gen_string_gen_and_select_take_sglangs_positional_parameters():
     g = sgl.gen_string("s", 6, 2, None, [7], None, None, None, 5, return_logprob=True, seed=3)
     assert g.params == {"max_new_tokens": 6, "n": 2, "stop_token_ids": [7], "top_k": 5, "return_logprob": True,
                         "seed": 3, "dtype": str}
+    assert sgl.gen_int("n", 8, None, None, None, r"\d").params["stop_regex"] == [r"\d"]
     with pytest.raises(ValueError, match="stop_regex"):
-        sgl.gen_int("n", 8, None, None, None, r"\d")
+        sgl.gen_int("n", 8, None, None, None, r"\d(")
     with pytest.raises(TypeError):
         sgl.gen_int("n", dtype=float)
     s = sgl.select("c", ["a", "b"], 0.5)

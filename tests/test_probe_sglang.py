@@ -302,8 +302,8 @@ def test_run_takes_sglangs_n_use_thread_and_stop_regex(backend, ref):
     states = sample_answer.run_batch([{"question": "Why?"}], n=2, temperature=0, backend=backend)
     assert states[0]["answer"] == [want, want]
     assert sample_answer.run("Why?", stop_regex=[], temperature=0, backend=backend)["answer"] == want
-    with pytest.raises(ValueError, match="stop_regex is not supported by plait"):
-        sample_answer.run("Why?", stop_regex=r"\d", backend=backend)
+    with pytest.raises(ValueError, match="stop_regex"):  # run()'s stop_regex is checked (and used: test_stop_regex18)
+        sample_answer.run("Why?", stop_regex=r"\d(", backend=backend)
     # a program's own parameter of that name is still its argument
     state = count_to.run(n=3, temperature=0, backend=backend)
     assert state["count"] == greedy(ref, "Count to 3:", max_new_tokens=2)["text"]

@@ -7,7 +7,7 @@ Patterns from users are checked by :func:`plait.regex.check_regex` (re-exported 
 
 from __future__ import annotations
 
-from plait.regex import check_regex  # noqa: F401  (runtime/sampling_params.py imports it from here)
+from plait.regex import ascii_classes, check_regex  # noqa: F401  (runtime/sampling_params.py imports them from here)
 
 # Characters with a meaning in a regex outside a class. Only these are escaped:
 # Rust's regex treats some escaped punctuation as assertions (``\\<``, ``\\>``).
