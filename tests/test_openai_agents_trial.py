@@ -298,7 +298,7 @@ BAD = [
     ({"tools": [], "tool_choice": "required"}, "tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"functions": [ADD], "function_call": "auto"}, "functions"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "regex": "[a-z]+"}, "tool_choice"),
     ({"tools": TOOLS, "stop": 5, "tool_choice": "required"}, "stop"),  # still checked when a forced call drops it
 ]
 

@@ -422,9 +422,11 @@ def _text_content(content: Any, where: str, role: str = "user") -> str:
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
-    """An assistant message's ``tool_calls``, checked (OpenAI's shape)."""
-    if not isinstance(calls, list) or not calls:
-        raise RequestError(f"{where}.tool_calls must be a non-empty array of calls", "messages")
+    """An assistant message's ``tool_calls``, checked (OpenAI's shape). An empty array is
+    no calls (as vLLM reads it; openai-node's ``parse`` helper wrote one into every
+    message it returned, which agents then sent back)."""
+    if not isinstance(calls, list):
+        raise RequestError(f"{where}.tool_calls must be an array of calls", "messages")
     out = []
     for j, c in enumerate(calls):
         at = f"{where}.tool_calls[{j}]"
@@ -437,6 +439,23 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         out.append({"id": c.get("id", ""), "type": "function",
                     "function": {"name": fn["name"], "arguments": fn["arguments"]}})
     return out
+
+
+def _replayed_reasoning(m: dict[str, Any], where: str) -> str | None:
+    """The reasoning an assistant message replays: ``reasoning_content`` (what this
+    server's responses carry, and what a client's ``message.model_dump()`` sends back)
+    or vLLM's newer ``reasoning``. Templates that show a tool loop's thinking (Qwen3's,
+    after the last user message) read it as ``message.reasoning_content``; others ignore it."""
+    for key in ("reasoning_content", "reasoning"):
+        v = m.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, str):
+            raise RequestError(f"{where}.{key}={_short(v)} is invalid; allowed: a string (the reasoning the "
+                               f"assistant wrote) or null", "messages")
+        check_text(v, "messages")
+        return v
+    return None
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -472,7 +491,13 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 raise RequestError(f"{where}.name={_short(m['name'])} is invalid; allowed: a string", "messages")
             msg["name"] = m["name"]
         if role == "assistant" and m.get("tool_calls") is not None:
-            msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
+            calls = _tool_calls(m["tool_calls"], where)
+            if calls:
+                msg["tool_calls"] = calls
+        if role == "assistant":
+            reasoning = _replayed_reasoning(m, where)
+            if reasoning is not None:
+                msg["reasoning_content"] = reasoning
         if role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
                 what = " is required" if m.get("tool_call_id") is None else f"={_short(m['tool_call_id'])} is invalid"
@@ -806,14 +831,20 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     """Render, tokenize and constrain one chat turn: ``tools`` (OpenAI's chat shape, or
     the Responses API's flat one) and ``tool_choice`` from ``body``, ``schema`` (from
     ``schema_field``) for JSON output."""
-    tools = check_tools(body["tools"], "tools", nested_tools) if body.get("tools") is not None else None
+    offered = body.get("tools")
+    # an empty list is no tools (the Responses API's default, which the OpenAI Agents SDK
+    # sends for an agent without tools; vLLM reads it so on chat too): a call forced
+    # then has nothing to call, a 400 naming tools
+    tools = check_tools(offered, "tools", nested_tools) if offered not in (None, []) else None
+    if offered == [] and body.get("tool_choice") not in (None, "auto", "none"):
+        raise RequestError(f"tools is an empty array, so tool_choice={_short(body['tool_choice'])} has no function to "
+                           f"call; allowed: at least one function tool, or tool_choice 'auto' or 'none'", "tools")
     if tools:  # rendered into the prompt: a lone surrogate would be blamed on the messages
         check_text(json.dumps(body["tools"], ensure_ascii=False), "tools")
-    choice, allowed = _tool_choice(body, tools, nested_tools)
+    choice, allowed = ("none", None) if offered == [] else _tool_choice(body, tools, nested_tools)
     # an allowed_tools choice: every tool is in the prompt (as OpenAI keeps them: the
     # prefix stays cached), the allowed ones alone are constrained to and parsed as calls
     # (the request's whole list, so that an error names a tool by its place in it)
-    offered = body.get("tools")
     callable_tools = tools if allowed is None else [fn for fn in tools or [] if fn["name"] in allowed]
     parallel = get_field(body, "parallel_tool_calls", "bool", True)
     max_reasoning = get_field(body, "max_reasoning_chars", "int", None, 0, MAX_REASONING_CHARS)
@@ -828,10 +859,15 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     unique: list[tuple[str, list[list[Any]]]] = []  # uniqueItems kept beside the regex (unique_items)
     field_name: str | None = None
     if choice not in ("auto", "none"):
-        for other in (schema_field, "regex", "json_schema", "ebnf"):
-            if (schema if other == schema_field else body.get(other)) is not None:
-                raise RequestError(f"tool_choice={choice!r} forces a tool call, which {other} cannot constrain too; "
-                                   f"give one of them", "tool_choice")
+        # a JSON response_format (text.format) shapes the text reply, which a forced turn
+        # does not write: it waits for a later turn (the OpenAI Agents SDK sends an agent's
+        # output_type with tool_choice "required", as OpenAI serves). A raw constraint of the
+        # whole output, or a structural tag (itself a way to write calls), conflicts.
+        others = [schema_field] if isinstance(schema, StructuralTag) else []
+        others += [other for other in ("regex", "json_schema", "ebnf") if body.get(other) is not None]
+        if others:
+            raise RequestError(f"tool_choice={choice!r} forces a tool call, which {others[0]} cannot constrain too; "
+                               f"give one of them", "tool_choice")
         assert tools is not None
         # a named function is called once (as OpenAI and vLLM do; with parallel calls a
         # small model repeated the same call until max_tokens); "required" may make several

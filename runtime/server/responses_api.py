@@ -59,7 +59,8 @@ LOGPROBS = "message.output_text.logprobs"
 # accepted and ignored because ignoring them is harmless: each adds to an item this server never
 # writes (built-in tool calls, image inputs: refused in tools and input), except
 # reasoning.encrypted_content, which agent clients send with store=false to replay reasoning; here
-# reasoning items are in clear text, and replayed ones are skipped (input_messages).
+# reasoning items are in clear text, and a replayed one's text goes with the assistant turn after it
+# (input_messages).
 INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
               "web_search_call.action.sources", "message.input_image.image_url",
               "computer_call_output.output.image_url", "code_interpreter_call.outputs")
@@ -158,6 +159,17 @@ def _content_text(content: Any, where: str, role: str = "user") -> str:
     raise RequestError(f"{where}.content must be a string or an array of text parts", "input")
 
 
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A replayed ``reasoning`` item's text: its ``reasoning_text`` content (what this
+    server writes), else its summary's text ("" for an item that holds only OpenAI's
+    ``encrypted_content``)."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise RequestError(f"{where}: a reasoning item's content and summary must be arrays of "
+                           f"{{\"type\": ..., \"text\": str}} parts", "input")
+    return "".join(p["text"] for p in parts)
+
+
 def input_messages(items: Any) -> list[dict[str, Any]]:
     """``input`` (a string or items) as chat messages; an assistant's consecutive
     ``function_call`` items become one message with ``tool_calls``."""
@@ -166,6 +178,7 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
     if not isinstance(items, list) or not items:
         raise RequestError("input is required: a string or a non-empty array of items", "input")
     out: list[dict[str, Any]] = []
+    reasoning: list[str] = []  # a reasoning item's text, for the assistant message after it
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -177,15 +190,21 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
                 raise RequestError(f"{where}.role={role!r} is invalid; allowed: user, system, developer, assistant",
                                    "input")
             out.append({"role": role, "content": _content_text(item.get("content"), where, role)})
+            if role == "assistant" and reasoning:
+                out[-1]["reasoning_content"] = "".join(reasoning)
+            reasoning = []
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise RequestError(f"{where}: a function_call needs call_id, name and arguments (strings)", "input")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if out and out[-1]["role"] == "assistant":  # the calls of the message just before
+            if out and out[-1]["role"] == "assistant" and not reasoning:  # the calls of the message just before
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if reasoning:
+                    out[-1]["reasoning_content"] = "".join(reasoning)
+            reasoning = []
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or not isinstance(output, (str, list)):
@@ -193,7 +212,9 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": output if isinstance(output, str) else _content_text(output, where)})
         elif kind == "reasoning":
-            continue  # the model's earlier reasoning is not shown to it again
+            # its text goes with the assistant turn it led to (reasoning_content), which
+            # the template shows or drops (Qwen3's shows a tool loop's thinking)
+            reasoning.append(_reasoning_text(item, where))
         else:
             raise RequestError(f"{where}.type={kind!r} is not supported; allowed: message, function_call, "
                                f"function_call_output, reasoning", "input")
@@ -389,6 +410,9 @@ def conversation(rj: ResponseJob, items: list[dict[str, Any]]) -> list[dict[str,
     msg: dict[str, Any] = {"role": "assistant", "content": text}
     if calls:
         msg["tool_calls"] = calls
+    reasoning = "".join(p["text"] for it in items if it["type"] == "reasoning" for p in it["content"])
+    if reasoning:
+        msg["reasoning_content"] = reasoning
     return msgs + [msg]
 
 
