@@ -176,3 +176,18 @@ def test_an_empty_tool_calls_array_is_no_calls(oai):
     with pytest.raises(openai.BadRequestError) as e:
         _prompt_tokens(oai, ASK + [{**said, "tool_calls": {"id": "x"}}, follow])
     assert e.value.body["param"] == "messages" and "tool_calls" in e.value.body["message"]
+
+
+def test_sglang_stop_regex_passes_through_the_openai_api(oai):
+    # SGLang's OpenAI API takes stop_regex (and spaces_between_special_tokens) as extra body fields
+    free = oai.completions.create(model=MODEL, prompt="Count: 1 2 3", max_tokens=24, temperature=0.0)
+    text = free.choices[0].text
+    cut = next((i for i, c in enumerate(text) if c.isalpha()), None)
+    assert cut is not None and cut > 0, text  # (the tiny model writes letters soon after the start)
+    r = oai.completions.create(model=MODEL, prompt="Count: 1 2 3", max_tokens=24, temperature=0.0,
+                               extra_body={"stop_regex": ["[A-Za-z]"], "spaces_between_special_tokens": False})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[:cut]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=ASK, max_completion_tokens=3,
+                                    extra_body={"stop_regex": ["(a"]})
+    assert e.value.body["param"] == "stop_regex"

@@ -41,7 +41,7 @@ _IGNORED = {"user": "str", "store": "bool", "metadata": "dict", "service_tier": 
 PROMPT_CACHE_RETENTIONS = ("in_memory", "24h")
 # Extensions passed to the sampler under the same name (vLLM / SGLang extras).
 _SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-                    "no_stop_trim")
+                    "no_stop_trim", "stop_regex", "spaces_between_special_tokens")
 _COMMON = {"model", "n", "stop", "stream", "temperature", "top_p", "seed", "frequency_penalty", "presence_penalty",
            "max_tokens", "min_tokens", "logit_bias", "cache_salt", "rid", "regex", "json_schema", "ebnf",
            "grammar_backend", "include_stop_str_in_output", *_SAMPLING_EXTRAS}
@@ -817,6 +817,7 @@ class ChatRequest:
         out = {**sp, **self.extra_sp, **self.constraint}
         if self.forced:
             out.pop("stop", None)
+            out.pop("stop_regex", None)
             out.pop("stop_token_ids", None)
         elif self.turn_end is not None and not any(k in out for k in CONSTRAINT_FIELDS):
             stop = out.get("stop")
