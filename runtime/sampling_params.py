@@ -343,7 +343,7 @@ def _check_unique_items(groups: Any, with_regex: bool) -> None:
             break
         total += len(g[1])
         ok = all(isinstance(p, list) and len(p) <= MAX_UNIQUE_PATH_STEPS
-                 and all(isinstance(x, str) or is_int(x) and x >= 0 for x in p) for p in g[1])
+                 and all(isinstance(x, str) or is_int(x) and 0 <= x < 2**31 for x in p) for p in g[1])
         if not ok:
             break
     if not ok or total > MAX_SITES:
