@@ -229,7 +229,20 @@ def test_openai_forced_tool_calls_and_structural_tags_with_a_set_argument(tiny_m
 def test_path_automaton_agrees_with_the_pattern_matcher():
     import random
 
-    from plait.runtime.constrained.unique_items import ANY, DEEP, _matches, _start, _step
+    from plait.runtime.constrained.unique_items import ANY, DEEP, _start, _step
+
+    def _matches(pattern: list, path: list) -> bool:  # the patterns' meaning, written directly
+        if not pattern:
+            return not path
+        head = pattern[0]
+        if head == DEEP:
+            return any(_matches(pattern[1:], path[i:]) for i in range(len(path) + 1))
+        if not path:
+            return False
+        step = path[0]
+        if head == ANY or head == step and isinstance(head, int) == isinstance(step, int):
+            return _matches(pattern[1:], path[1:])
+        return False
 
     rng = random.Random(5)
     steps = ["a", "b", 0, 1]

@@ -253,21 +253,6 @@ def guarded_regex(schema: Any, whitespace: str | None = None) -> tuple[str, list
         raise first from None
 
 
-def _matches(pattern: list[Any], path: list[Any]) -> bool:
-    """Whether the instance ``path`` (keys and indices) fits ``pattern``."""
-    if not pattern:
-        return not path
-    head = pattern[0]
-    if head == DEEP:
-        return any(_matches(pattern[1:], path[i:]) for i in range(len(path) + 1))
-    if not path:
-        return False
-    step = path[0]
-    if head == ANY or head == step and isinstance(head, int) == isinstance(step, int):
-        return _matches(pattern[1:], path[1:])
-    return False
-
-
 def _closure(sites: list[list[Any]], states: set[tuple[int, int]]) -> frozenset[tuple[int, int]]:
     """``states`` with every ``**`` skipped too (it matches no step as well)."""
     todo, out = list(states), set(states)
@@ -285,8 +270,8 @@ def _start(sites: list[list[Any]]) -> frozenset[tuple[int, int]]:
 
 
 def _step(sites: list[list[Any]], states: frozenset[tuple[int, int]], step: Any) -> frozenset[tuple[int, int]]:
-    """The states after one path step (a key, or an index): :func:`_matches` as an
-    automaton, one step at a time."""
+    """The states after one path step (a key, or an index): the path patterns (keys,
+    indices, ``*`` one step, ``**`` any number) matched as an automaton, a step at a time."""
     out = set()
     for i, pos in states:
         if pos >= len(sites[i]):
