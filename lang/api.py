@@ -19,12 +19,12 @@ from plait.global_config import global_config
 from plait.interpreter import ProgramState, iter_program_batch, run_program
 from plait.ir import (
     Expr, ExprList, Gen, RoleBegin, RoleEnd, Select, ToolSpec, as_expr, check_choices, check_json_schema, check_name,
-    check_stop, check_stop_regex, dtype_regex, dtype_stop, flatten,
+    check_stop, check_stop_regex, dtype_regex, dtype_stop, flatten, plain_numbers,
 )
 from plait.lint import DEFAULT_MIN_TOKENS, LayoutIssue, PromptLayoutWarning, lint_graph, shared_arguments
 from plait.regex import check_regex
 from plait.tracer import (
-    MIN_PIN_CHARS, BatchPlan, ProgramGraph, TracingState, plan_batch, token_safe_cut, trace_program,
+    MIN_PIN_CHARS, BatchPlan, ProgramGraph, TracingState, plan_batch, stop_if_tracing, token_safe_cut, trace_program,
 )
 
 logger = logging.getLogger("plait")
@@ -75,7 +75,8 @@ def _defaults(max_new_tokens: int, stop: Any, stop_token_ids: Any, temperature: 
               return_logprob: bool | None, logprob_start_len: int | None, top_logprobs_num: int | None,
               return_text_in_logprobs: bool | None, extra: dict[str, Any]) -> dict[str, Any]:
     d: dict[str, Any] = dict(
-        max_new_tokens=max_new_tokens, stop=check_stop(stop), stop_token_ids=list(stop_token_ids or []) or None,
+        max_new_tokens=max_new_tokens, stop=check_stop(stop),
+        stop_token_ids=None if stop_token_ids is None else list(stop_token_ids) or None,
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty, ignore_eos=ignore_eos, return_logprob=return_logprob,
         logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
@@ -86,7 +87,7 @@ def _defaults(max_new_tokens: int, stop: Any, stop_token_ids: Any, temperature: 
     if not global_config.spaces_between_special_tokens_in_out:
         d["spaces_between_special_tokens"] = False
     d.update(extra)
-    return {k: v for k, v in d.items() if v is not None}
+    return plain_numbers({k: v for k, v in d.items() if v is not None})
 
 
 _EXTRA_DEFAULTS = ("seed", "repetition_penalty", "min_new_tokens", "n", "stop_regex")
@@ -179,7 +180,9 @@ class Function:
             top_logprobs_num: int | None = None, return_text_in_logprobs: bool | None = None,
             stream: bool = False, backend: Any = None, **kwargs: Any) -> ProgramState:
         """Run once. The keywords are defaults for every gen in the program (a gen's
-        own settings win); other keywords are the program's arguments."""
+        own settings win); other keywords are the program's arguments. Called from a
+        body that is being traced, it runs nothing: the trace stops there."""
+        stop_if_tracing(self.__name__)
         defaults = _defaults(max_new_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p,
                              frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
                              top_logprobs_num, return_text_in_logprobs, self._extra(kwargs))
@@ -210,6 +213,7 @@ class Function:
             raise TypeError("run_batch takes a list of argument dicts (or of argument lists)")
         if not batch_kwargs:
             return []
+        stop_if_tracing(self.__name__)
         defaults = _defaults(max_new_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p,
                              frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
                              top_logprobs_num, return_text_in_logprobs, self._extra(kwargs))
@@ -417,7 +421,7 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
         repetition_penalty=repetition_penalty, dtype=dtype, ebnf=ebnf, grammar_backend=grammar_backend,
         unique_items=unique_items,
     )
-    return Gen(name, {k: v for k, v in params.items() if v is not None}, tool_spec)
+    return Gen(name, plain_numbers({k: v for k, v in params.items() if v is not None}), tool_spec)
 
 
 def gen_int(name: str | None = None, max_tokens: int | None = None, n: int | None = None, stop: Any = None,
@@ -455,6 +459,7 @@ def select(name: str | None = None, choices: list[str] | None = None, temperatur
     """Pick one of ``choices`` by the model's likelihood of each after the context."""
     name = check_name(name)
     choices = check_choices(choices)
+    temperature = plain_numbers({"temperature": temperature})["temperature"]
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
         raise ValueError(f"temperature={temperature!r} is invalid; allowed: a number >= 0")
     if not callable(choices_method):

@@ -23,7 +23,7 @@ from typing import Any
 from plait.chat_template import ChatTemplate
 from plait.choices import ChoicesDecision, ChoicesSamplingMethod, softmax_sample
 from plait.errors import BackendError, ProgramCancelled, RuntimeUnavailableError
-from plait.ir import ResolvedParams
+from plait.ir import ResolvedParams, plain_numbers
 
 # select: prompt tokens re-scored before the end of the context, to find where the
 # choice's tokens begin (a choice may merge with the context's last tokens)
@@ -357,7 +357,8 @@ def offline_requests(prompt: str | list[str] | None, sampling_params: Any,
     opts = dict(return_logprob=return_logprob, return_text_in_logprobs=return_text_in_logprobs,
                 logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
                 top_logprobs_num=top_logprobs_num or 0)
-    return single, [Request(**{key: p}, sampling_params=dict(sp or {}), **opts) for p, sp in zip(prompts, params)]
+    return single, [Request(**{key: p}, sampling_params=plain_numbers(dict(sp or {})), **opts)
+                    for p, sp in zip(prompts, params)]
 
 
 def generate_outputs(backend: BaseBackend, prompt: str | list[str] | None, sampling_params: Any,

@@ -152,6 +152,13 @@ class Executor:
             return name in self.variables or self.pending[name] > 0
 
     @property
+    def is_finished(self) -> bool:
+        """SGLang's executor field (its RAG example polls it, then reads ``variables``):
+        the program has ended and everything it appended is done."""
+        with self.cond:
+            return self.finished or (self.closed and self._unfinished == 0)
+
+    @property
     def variable_event(self) -> dict[str, VariableEvent]:
         """SGLang's executor field (its docs print its keys): one event per variable
         the program defined or is computing, set once the variable is computed."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import numbers
+import operator
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -332,6 +334,34 @@ def check_name(name: Any) -> str | None:
     if name is not None and not isinstance(name, str):
         raise ValueError(f"name={name!r} is invalid; allowed: a string or None")
     return name
+
+
+# Sampling settings that are integers / real numbers (runtime names).
+INT_PARAMS = ("max_new_tokens", "min_new_tokens", "n", "top_k", "seed", "logprob_start_len", "top_logprobs_num")
+REAL_PARAMS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+
+
+def plain_numbers(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with numbers of other types (numpy's ``int64`` / ``float32``, as read
+    from a data frame) as the Python ints and floats that the runtime checks and its
+    wire protocol carries, and ``stop_token_ids`` (any sequence of them) as a list. An
+    integer setting is converted only from a type that is an integer (``__index__``:
+    ``5.0`` is left for the runtime to refuse by name); anything else is left as it is,
+    for validation to name."""
+    out = dict(params)
+    for k, v in params.items():
+        if v is None or isinstance(v, bool):
+            continue
+        # (numpy's float64 is a float, but not one the wire protocol encodes: exact types)
+        if k in INT_PARAMS and type(v) is not int and hasattr(type(v), "__index__"):
+            out[k] = int(operator.index(v))
+        elif k in REAL_PARAMS and type(v) is not float and isinstance(v, numbers.Real):
+            out[k] = float(v)
+        elif k == "stop_token_ids" and not isinstance(v, (str, bytes, dict)) and hasattr(v, "__iter__"):
+            ids = list(v)
+            if all(hasattr(type(t), "__index__") and not isinstance(t, bool) for t in ids):
+                out[k] = [int(operator.index(t)) for t in ids]
+    return out
 
 
 def check_stop(stop: Any, param: str = "stop") -> list[str] | None:

@@ -20,6 +20,7 @@ import contextlib
 import math
 import re
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -272,6 +273,19 @@ class _StopTracing(Exception):
     pass
 
 
+# The name of the program whose body this thread is tracing (None: not tracing). Set
+# only by trace_program, for the length of the body's call.
+_TRACING: ContextVar[str | None] = ContextVar("plait_tracing", default=None)
+
+
+def stop_if_tracing(program: str) -> None:
+    """Where a program is about to run: inside a body being traced, stop the trace
+    instead. Tracing calls no model, and the program's outputs are known only at run
+    time (SGLang's tracer likewise does not run a program called from a traced body)."""
+    if _TRACING.get() is not None:
+        raise _StopTracing(f"runs program {program!r}, whose outputs are known only at run time")
+
+
 class _ArgPlaceholder(str):
     """An argument not given to ``trace``: a string that marks where it lands."""
 
@@ -468,12 +482,15 @@ def trace_program(fn: Callable[..., Any], name: str, arg_names: list[str], defau
     call_args = {k: bound.get(k, _ArgPlaceholder(k)) for k in arg_names}
     graph = ProgramGraph(name, list(arg_names), bound)
     state = TracingState(graph.nodes)
+    token = _TRACING.set(name)
     try:
         fn(state, **call_args)
     except _StopTracing as e:
         graph.nodes.append(StopNode(str(e)))
     except Exception as e:  # noqa: BLE001 - the body may do anything with placeholders
         graph.nodes.append(StopNode(f"the body raised {type(e).__name__}: {e}"))
+    finally:
+        _TRACING.reset(token)
     graph.nodes[:] = _mark_bound_args(graph.nodes, bound)
     return graph
 
