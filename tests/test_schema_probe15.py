@@ -33,6 +33,9 @@ REFUSED = {
     "ts_multipleof_float": ("multipleOf", "#/properties/price"),  # 0.07 / 0.01 != 7 in floats
     "ts_pattern_lookahead_password": ("look-ahead", "#/properties/password"),
     "ts_pattern_unicode_prop": ("Unicode property escape", "#"),  # Python's re has no \p{L}
+    # minProperties 2 over free integer properties: llguidance let one key repeat
+    # ({"b":1,"b":2}); the regex writes only listed properties (probe round 7)
+    "ts_min_properties_open": ("minProperties", "#"),
 }
 
 

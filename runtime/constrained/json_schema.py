@@ -238,7 +238,7 @@ def schema_to_regex(schema: Any, whitespace: str | None = None) -> str:
     naming what is unsupported."""
     schema = load_schema(schema)
     check_schema_size(schema)
-    schema = fold_unevaluated(fold_vacuous(schema))
+    schema = fold_unevaluated(fold_vacuous(rooted_refs(schema)))
     nested = nested_resource_ref(schema)
     if nested is not None:
         raise SchemaError(f"json_schema '$ref' at {nested[0]} is not supported: it is inside a subschema with its own "
@@ -402,6 +402,111 @@ def nested_resource_ref(root: Any) -> tuple[str, str] | None:
         stack.extend((v, f"{where}/{k}", base, nested) for k, v in node.items()
                      if k not in _DATA_KEYWORDS and isinstance(v, (dict, list)))
     return None
+
+
+def rooted_refs(root: Any) -> Any:
+    """``root`` (a parsed document, size already checked) with each ``$ref`` that is not
+    already a JSON pointer read against the root's own base URI written as one
+    (``#/...``): references resolved as ``jsonschema`` resolves them (its ``referencing``
+    library, nothing fetched), against the base URI a nested ``$id`` (draft 3/4: ``id``)
+    gives the subschemas under it, or naming a plain-name fragment (``$anchor``, a draft
+    6/7 ``$id: "#name"``). The nested ``$id``s are dropped then: each reference now
+    names its place from the root, as :func:`local_pointer` and the translators read it
+    (and ``jsonschema`` reads the copy so too). A reference that does not resolve is
+    written resolved against its base URI (the translators then refuse it by name).
+    ``root`` itself (not a copy) when nothing needs this."""
+    import jsonschema
+
+    if not isinstance(root, dict):
+        return root
+
+    cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
+    key = "id" if cls in (jsonschema.Draft3Validator, jsonschema.Draft4Validator) else "$id"
+    try:
+        return _rooted(root, cls, key) if _needs_rooting(root, key) else root
+    except SchemaError:
+        raise
+    except ValueError as e:  # urljoin's: an '$id' or '$ref' that is no URI reference ('http://[bad')
+        raise SchemaError(f"json_schema's '{key}' and '$ref' values cannot be read as URIs ({e}); allowed: URI "
+                          "references") from None
+
+
+def _rooted(root: dict[str, Any], cls: Any, key: str) -> dict[str, Any]:
+    """:func:`rooted_refs`' copy of ``root`` (``cls``: its draft's validator; ``key``: its
+    draft's ``$id``)."""
+    import copy
+    from urllib.parse import quote, urljoin
+
+    import referencing
+    import referencing.exceptions
+    import referencing.jsonschema
+
+    spec = referencing.jsonschema.specification_with(cls.ID_OF(cls.META_SCHEMA) or "urn:unknown-dialect",
+                                                     default=referencing.Specification.OPAQUE)
+    out = copy.deepcopy(root)
+    resource = spec.create_resource(out)
+    base = resource.id() or ""
+    try:
+        registry = referencing.Registry().with_resource(base, resource).crawl()
+    except Exception as e:  # noqa: BLE001  (an $id that is not a URI reference, or the like)
+        raise SchemaError(f"json_schema's '$id's cannot be read ({type(e).__name__}: {str(e)[:120]}); allowed: "
+                          "URI references") from None
+    places: dict[int, str] = {}  # id(node) -> its JSON pointer from the root ('' for the root)
+    refs: list[tuple[dict[str, Any], str, str]] = []  # (node holding a $ref, its location, its base URI)
+    stack: list[tuple[Any, str, str]] = [(out, "", base)]
+    while stack:
+        node, where, uri = stack.pop()
+        places.setdefault(id(node), where)
+        if isinstance(node, list):
+            stack.extend((x, f"{where}/{i}", uri) for i, x in enumerate(node) if isinstance(x, (dict, list)))
+            continue
+        if node is not out and isinstance(node.get(key), str):
+            own = spec.create_resource(node).id()  # None beside a draft-7 $ref, or a '#name' anchor
+            if own is not None:
+                uri = urljoin(uri, own)
+        if isinstance(node.get("$ref"), str):
+            refs.append((node, where, uri))
+        stack.extend((v, f"{where}/{_pointer_part(k)}", uri) for k, v in node.items()
+                     if k not in _DATA_KEYWORDS and isinstance(v, (dict, list)))
+    for node, where, uri in refs:
+        ref = node["$ref"]
+        if uri == base and (ref == "#" or ref.startswith("#/")):
+            continue  # already read from the root
+        try:
+            target = registry.resolver(base_uri=uri).lookup(ref).contents
+        except referencing.exceptions.Unresolvable:
+            target = None
+        place = places.get(id(target)) if isinstance(target, (dict, list)) else None
+        node["$ref"] = urljoin(uri, ref) if place is None else "#" + quote(place, safe="/~!$&'()*+,;=:@-._")
+    stack = [out]
+    while stack:  # every reference is read from the root now: no subschema changes the base URI
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(x for x in node if isinstance(x, (dict, list)))
+            continue
+        if node is not out and isinstance(node.get(key), str) and not node[key].startswith("#"):
+            del node[key]
+        stack.extend(v for k, v in node.items() if k not in _DATA_KEYWORDS and isinstance(v, (dict, list)))
+    return out
+
+
+def _needs_rooting(root: dict[str, Any], key: str) -> bool:
+    """Whether a ``$ref`` in ``root`` is not a JSON pointer from the root (another
+    document, a plain-name fragment) or lies under a nested ``$id``: what
+    :func:`rooted_refs` rewrites."""
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, nested = stack.pop()
+        if isinstance(node, list):
+            stack.extend((x, nested) for x in node if isinstance(x, (dict, list)))
+            continue
+        own = node.get(key)
+        nested = nested or (node is not root and isinstance(own, str) and not own.startswith("#"))
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (nested or local_pointer(root, ref) is None):
+            return True
+        stack.extend((v, nested) for k, v in node.items() if k not in _DATA_KEYWORDS and isinstance(v, (dict, list)))
+    return False
 
 
 # keywords whose annotations depend on which branch validates (or on the instance):
@@ -906,6 +1011,9 @@ class _Translator:
     # -- combinators --------------------------------------------------------------------
     def resolve(self, ref: Any, path: str) -> Any:
         parts = local_pointer(self.root, ref)
+        if parts is None and isinstance(ref, str) and local_pointer(self.root, ref.split("#")[0] + "#") is not None:
+            raise SchemaError(f"json_schema '$ref' at {path} points nowhere: {ref!r} (no '$anchor' in the document "
+                              "names it)")
         if parts is None:
             raise SchemaError(f"json_schema '$ref' at {path} is not supported: {ref!r}; allowed: local references ('#/...', "
                               "or the schema's own URI)")
@@ -1873,7 +1981,10 @@ class _Translator:
         if body is None:
             raise _NoValue(
                 f"json_schema at {path}: no object satisfies 'minProperties'/'maxProperties'/'dependentRequired' "
-                "(or the exclusive 'oneOf' branches) here"
+                "(or the exclusive 'oneOf' branches) here" + (
+                    "" if not counting or lo <= len(pairs) else
+                    f" (the regex translation writes only the {len(pairs)} listed properties here: other keys could "
+                    "repeat in the text); allowed: a 'minProperties' the listed properties reach")
             )
         return body
 

@@ -47,6 +47,14 @@ MAX_INTEGER = 10**16 - 1
 NUMBER_FRACTION_DIGITS = 10
 NUMBER_STEP = 10.0**-NUMBER_FRACTION_DIGITS
 
+# the largest string length llguidance reads (its regexes count repetitions in 32 bits:
+# maxLength 2**32 failed to compile, "decimal literal invalid")
+MAX_LENGTH = 2**32 - 1
+# how deep subschemas may nest with their $refs expanded (check_expanded_depth): llguidance
+# recurses per level on the native stack, and a chain of 1000 object levels (2000
+# subschemas) overflowed it (a segmentation fault); 500 did not
+MAX_EXPANDED_DEPTH = 400
+
 # Draft-3 validation keywords llguidance does not know (it would ignore them).
 _DRAFT3 = ("disallow", "divisibleBy", "extends")
 
@@ -181,6 +189,43 @@ def _check_control_classes(pattern: str, where: str) -> None:
                                      "them); allowed: a class without the control characters U+0000-U+001F")
                 continue
             todo.extend(node)
+
+
+def _check_delete(pattern: str, shown: str, where: str) -> None:
+    """Refuses ``pattern`` (Python's reading, as sent to llguidance; the schema wrote
+    ``shown``) when a place in it takes U+007F (DELETE) and nothing llguidance can
+    write: a literal U+007F, or a class (not negated) of it and control characters JSON
+    writes only as ``\\uXXXX``.
+    llguidance's JSON strings hold neither (:data:`_UNWRITTEN`), and its reading of such
+    a place is not a narrowing: ``a\\x7fb`` admitted ``"ab"`` (which ``jsonschema``
+    rejects), ``^\\x7f$`` compiled to a grammar with no output, a ``patternProperties``
+    key ``^x\\x7f$`` wrote the key ``"x"``. A class with other characters, ``.`` and a
+    negated class only lose U+007F there: the same language over the strings llguidance
+    writes. The regex translation writes U+007F raw."""
+    from re import _constants as C, _parser  # type: ignore[attr-defined]
+
+    def unwritten(items: list[Any]) -> bool:  # every member of a class is a character llguidance cannot write
+        spans = [(av, av) if op is C.LITERAL else av if op is C.RANGE else (0, 0x10FFFF) for op, av in items]
+        return all(b - a < 0x80 and all(_UNWRITTEN.match(chr(c)) for c in range(a, b + 1)) for a, b in spans)
+
+    try:
+        todo: list[Any] = [_parser.parse(pattern)]
+    except Exception:  # noqa: BLE001  (refused, or not, where patterns are read)
+        return
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, (list, tuple, _parser.SubPattern)):
+            continue
+        if len(node) == 2 and node[0] in (C.LITERAL, C.IN):
+            items = [node] if node[0] is C.LITERAL else node[1]
+            if (not any(op is C.NEGATE for op, _ in items) and unwritten(items)
+                    and any(op is C.LITERAL and av == 0x7F or op is C.RANGE and av[0] <= 0x7F <= av[1]
+                            for op, av in items)):
+                raise ValueError(f"{where}: {shown!r} has a place only U+007F (DELETE) fits, which the llguidance "
+                                 "backend does not write in a string (it read 'a\\x7fb' as 'ab'); allowed there: "
+                                 "patterns without such a place")
+            continue
+        todo.extend(node)
 
 
 def _check_patterns_exclusive(patterns: list[str], where: str) -> None:
@@ -321,6 +366,151 @@ def _exact_places(root: Any) -> set[tuple[str, ...]] | None:
     return None if places and nested_id else places
 
 
+_URI_SAFE = "~!$&'()*+,;=:@-._"  # what a pointer part keeps unescaped in a URI fragment (RFC 3986)
+
+
+def hoisted_refs(root: Any) -> tuple[Any, dict[str, str]]:
+    """``root`` (refs already read from the root: :func:`json_schema.rooted_refs`) with
+    each local ``$ref`` written as a URI llguidance reads, and pointing where
+    :func:`llguidance_schema` looks:
+
+    - a target outside the subschema keywords (an OpenAPI document's
+      ``#/components/schemas/Pet``, a vendor keyword) is copied into the root's ``$defs``
+      and the reference points at the copy: the rewrites and refusals walk subschema
+      keywords only, and left the target as llguidance reads it (its own ``date``
+      admitted 2021-02-29, a ``const`` lost its control characters); a draft-7 root
+      ``$ref`` also dropped ``components`` beside it (the pointer went nowhere);
+    - the pointer is percent-encoded (``#/definitions/Record<string,number>``, a
+      ``typescript-json-schema`` name, or a non-ASCII one, was "Invalid URI reference").
+
+    Also returns the copies' names in ``$defs`` -> where they were (``#/components/...``),
+    for messages (:func:`_shown_places`). ``root`` itself when nothing needs this."""
+    import copy
+    from urllib.parse import quote
+
+    from plait.runtime.constrained.json_schema import (_DATA_KEYWORDS, MAX_SCHEMA_CHARS, NOWHERE, _pointer_part,
+                                                       local_pointer, pointer_target)
+
+    if not isinstance(root, dict) or ("$defs" in root and not isinstance(root["$defs"], dict)):
+        return root, {}
+    known: set[tuple[str, ...]] = set()
+    todo: list[tuple[Any, tuple[str, ...]]] = [(root, ())]
+    while todo:  # the places the rewrites reach
+        s, parts = todo.pop()
+        if isinstance(s, dict) and parts not in known:
+            known.add(parts)
+            todo.extend((x, (*parts, k) if key is None else (*parts, k, str(key))) for k, key, x, _ in _children(s))
+
+    def refs(doc: dict[str, Any]) -> list[dict[str, Any]]:
+        found, stack = [], [doc]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, list):
+                stack.extend(x for x in node if isinstance(x, (dict, list)))
+                continue
+            if isinstance(node.get("$ref"), str):
+                found.append(node)
+            stack.extend(v for k, v in node.items() if k not in _DATA_KEYWORDS and isinstance(v, (dict, list)))
+        return found
+
+    hoisted: dict[tuple[str, ...], str] = {}
+    new: dict[str, str] = {}
+    taken = set(root.get("$defs", {}))
+    for node in refs(root):
+        ref = node["$ref"]
+        parts = local_pointer(root, ref)
+        if parts is None or pointer_target(root, parts) is NOWHERE:
+            continue  # llguidance refuses it by name
+        if tuple(parts) not in known and tuple(parts) not in hoisted:
+            name = next(n for i in range(len(taken) + 1) if (n := f"plait-ref-{i}") not in taken)
+            taken.add(name)
+            hoisted[tuple(parts)] = name
+        if tuple(parts) in hoisted:
+            parts = ["$defs", hoisted[tuple(parts)]]
+        new[ref] = "#" + "".join("/" + quote(_pointer_part(p), safe=_URI_SAFE) for p in parts)
+    if all(old == ref for old, ref in new.items()):
+        return root, {}
+    budget = MAX_SCHEMA_CHARS // 4  # the values check_schema_size allows: the copies count too
+    for parts in hoisted:
+        stack = [pointer_target(root, list(parts))]
+        while stack and budget >= 0:
+            node = stack.pop()
+            budget -= 1
+            stack.extend(node.values() if isinstance(node, dict) else node if isinstance(node, list) else ())
+        if budget < 0:
+            raise ValueError(f"json_schema's $refs to places outside its subschemas (first to "
+                             f"#/{'/'.join(map(_pointer_part, next(iter(hoisted))))}) copy more than "
+                             f"{MAX_SCHEMA_CHARS // 4} values; the schema is too large")
+    out = copy.deepcopy(root)
+    for node in refs(out):
+        node["$ref"] = new.get(node["$ref"], node["$ref"])
+    defs = dict(out.get("$defs", {}))
+    for parts, name in hoisted.items():  # copied with their own $refs rewritten
+        defs[name] = copy.deepcopy(pointer_target(out, list(parts)))
+    if defs:
+        out["$defs"] = defs
+    return out, {name: "/".join(["#", *parts]) for parts, name in hoisted.items()}
+
+
+def check_expanded_depth(root: Any, limit: int = MAX_EXPANDED_DEPTH) -> None:
+    """Refuses ``root`` when its subschemas, each local ``$ref`` followed to its target
+    (a target already being expanded is a recursion: not followed again), nest more than
+    ``limit`` deep. llguidance's compiler recurses once per level on the native stack: a
+    chain of 1000 ``$defs`` each holding the next as a property crashed the process
+    (a segmentation fault, the server with it), where every schema level in the
+    document itself stays within ``MAX_SCHEMA_DEPTH``. Each target's depth is counted
+    once (memoized), so the walk is linear in the document."""
+    from plait.runtime.constrained.json_schema import local_pointer, pointer_target
+
+    def children(s: dict[str, Any], where: str) -> list[tuple[dict[str, Any], str]]:
+        out = [(x, f"{where}/{k}" if key is None else f"{where}/{k}/{key}")
+               for k, key, x, _ in _children(s) if isinstance(x, dict)]
+        parts = local_pointer(root, s.get("$ref"))
+        target = pointer_target(root, parts) if parts is not None else None
+        if isinstance(target, dict):
+            out.append((target, "#" + "".join("/" + p for p in parts)))
+        return out
+
+    if not isinstance(root, dict):
+        return
+    depth: dict[int, int] = {}  # id(subschema) -> how deep it nests (1: no subschema)
+    open_ids = {id(root)}
+    stack: list[tuple[dict[str, Any], str, Any, int]] = [(root, "#", iter(children(root, "#")), 0)]
+    while stack:
+        node, where, todo, deepest = stack[-1]
+        nxt = next(todo, None)
+        if nxt is None:
+            stack.pop()
+            open_ids.discard(id(node))
+            depth[id(node)] = deepest + 1
+            if stack:
+                p = stack[-1]
+                stack[-1] = (p[0], p[1], p[2], max(p[3], deepest + 1))
+            continue
+        child, at = nxt
+        if id(child) in depth:
+            known = depth[id(child)]
+            stack[-1] = (node, where, todo, max(deepest, known))
+            if len(stack) + known <= limit:
+                continue
+        elif id(child) not in open_ids:  # (one being expanded: a recursion, referred back to)
+            open_ids.add(id(child))
+            stack.append((child, at, iter(children(child, at)), 0))
+            if len(stack) <= limit:
+                continue
+        else:
+            continue
+        raise ValueError(f"json_schema nests more than {limit} subschemas deep with its $refs expanded (past the "
+                         f"limit at {at}); allowed: at most {limit} levels, which the llguidance backend's compiler "
+                         "recurses through (a recursion through $ref counts once)")
+
+
+def _shown_places(message: str, copied: dict[str, str]) -> str:
+    """``message`` with the places in :func:`hoisted_refs`'s copies written where the
+    schema has them."""
+    return re.sub(r"#/\$defs/(plait-ref-[0-9]+)(?![0-9])", lambda m: copied.get(m.group(1), m.group()), message)
+
+
 def llguidance_schema(schema: Any) -> Any:
     """A copy of ``schema`` (a parsed document) for llguidance's JSON compiler. Refuses,
     naming the keyword and its location, what llguidance would ignore or enforce
@@ -410,6 +600,7 @@ def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, 
             except re.error as e:
                 raise ValueError(f"patternProperties at {path}: {pat!r} is not a valid pattern ({e})") from None
             keys[pat] = _exact_classes(pat, f"{path}/patternProperties/{pat}")
+            _check_delete(keys[pat], pat, f"patternProperties at {path}")
         _check_patterns_exclusive(list(keys.values()), f"{path}/patternProperties")
     m = schema.get("multipleOf")
     if m is not None and not (integer and isinstance(m, int) and not isinstance(m, bool)):
@@ -421,12 +612,29 @@ def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, 
             raise ValueError(f"{k} at {path} holds {bad}, which the llguidance backend does not write as listed; "
                              "allowed there: strings without control characters other than \\b \\f \\n \\r \\t "
                              "(and without U+007F), integers within +-2**53 or that a 64-bit float holds exactly")
+    lo, listed = schema.get("minProperties"), schema.get("required")
+    listed = {n for n in listed if isinstance(n, str)} if isinstance(listed, list) else set()
+    if (isinstance(lo, int) and not isinstance(lo, bool) and lo - len(listed) > 1 and _free_keys(schema)):
+        raise ValueError(f"minProperties: {lo} at {path} is not supported by the llguidance backend beside free-form "
+                         f"keys ('additionalProperties' / 'patternProperties'): it counts a key written twice again "
+                         f"('{{\"x\":1,\"x\":2}}' has one property as JSON parsers read it); allowed: a "
+                         f"'minProperties' at most 1 more than the required names ({len(listed)})")
     out = dict(schema)
+    for k in ("minLength", "maxLength"):
+        v = schema.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > MAX_LENGTH:
+            if k == "maxLength" and narrow:  # a narrowing, and no output is that long
+                out[k] = MAX_LENGTH
+                continue
+            raise ValueError(f"{k}: {v:.0f} at {path} is past the lengths the llguidance backend reads"
+                             f"{' under oneOf/not/if (where it cannot be narrowed)' if k == 'maxLength' else ''}; "
+                             f"allowed: at most {MAX_LENGTH}")
     if schema.get("uniqueItems") is False:
         del out["uniqueItems"]  # constrains nothing (llguidance refuses the keyword whatever its value)
     if isinstance(schema.get("pattern"), str):
         where = f"{path}/pattern"
         out["pattern"] = value_pattern(schema["pattern"], where) if narrow else _exact_classes(schema["pattern"], where)
+        _check_delete(out["pattern"], schema["pattern"], f"pattern at {path}")
     fmt = schema.get("format")
     if isinstance(fmt, str) and fmt not in _LLG_FORMATS:
         if fmt not in STANDARD_FORMATS:  # no draft defines it: an annotation
@@ -453,6 +661,17 @@ def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, 
     if patterns:
         out["patternProperties"] = {keys[pat]: sub for pat, sub in out["patternProperties"].items()}
     return out
+
+
+def _free_keys(schema: dict[str, Any]) -> bool:
+    """Whether an object of ``schema`` may hold keys it does not list, after
+    :func:`close_objects` (``patternProperties``, an ``additionalProperties`` not false,
+    or neither beside no listed ``properties``)."""
+    if schema.get("patternProperties"):
+        return True
+    if "additionalProperties" in schema or "unevaluatedProperties" in schema:
+        return schema.get("additionalProperties", schema.get("unevaluatedProperties")) is not False
+    return "properties" not in schema or any(k in schema for k in ("allOf", "$ref"))
 
 
 def close_objects(schema: Any, *, open_defs: bool, in_all_of: bool = False) -> Any:
@@ -564,10 +783,7 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
     """A JSON Schema (dict or JSON text) as an llguidance grammar, through llguidance's
     own JSON compiler; compact JSON unless ``whitespace_pattern`` is given. Raises
     ``ValueError`` naming the keyword (and its location) at fault."""
-    from llguidance import LLMatcher
-
-    from plait.runtime.constrained.json_schema import (check_schema_size, check_whitespace, fold_unevaluated,
-                                                       fold_vacuous, parse_schema_text, plain_schema)
+    from plait.runtime.constrained.json_schema import check_schema_size, parse_schema_text, rooted_refs
 
     # a caller's dict too goes through its JSON text: that is what is bounded, and the
     # round trip makes it plain JSON (tuples become lists); its depth is checked first
@@ -581,6 +797,22 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
         raise ValueError("json_schema at # is false: no value can satisfy it")
     value = {} if value is True else value  # the same schema: any JSON value
     check_schema_size(value)
+    value, copied = hoisted_refs(rooted_refs(value))
+    try:
+        return _schema_grammar(value, whitespace_pattern)
+    except ValueError as e:
+        if not copied:
+            raise
+        raise ValueError(_shown_places(str(e), copied)) from None
+
+
+def _schema_grammar(value: dict[str, Any], whitespace_pattern: str | None) -> str:
+    """:func:`schema_grammar` of a parsed, checked document (its references read from
+    the root, their targets in subschema places)."""
+    from llguidance import LLMatcher
+
+    from plait.runtime.constrained.json_schema import check_whitespace, fold_unevaluated, fold_vacuous, plain_schema
+
     value = fold_vacuous(value)
     if value is False:  # ('not: {}' at the root)
         raise ValueError("json_schema at # is never satisfied ('not' of a schema every value satisfies): no value "
@@ -590,7 +822,9 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
     unending = schema_unending(value)
     if unending is not None:
         raise ValueError(f"it admits no finite output: {unending}")
-    text = json.dumps(close_objects(value, open_defs='"allOf"' in json.dumps(value)))
+    closed = close_objects(value, open_defs='"allOf"' in json.dumps(value))
+    check_expanded_depth(closed)
+    text = json.dumps(closed)
     # no \uXXXX escapes (as in the outlines layout): llguidance matches a key written with
     # one against neither the listed names nor the patterns, so {"\u0061": 1} would get
     # additionalProperties' schema where jsonschema applies property "a"'s
@@ -613,6 +847,7 @@ _AT_FAULT: list[tuple[str, Any]] = [
     (r"required property '(.*)' is unsatisfiable",
      lambda s, m: isinstance(s.get("required"), list) and m.group(1) in s["required"]),
     (r"Pointer '(.*)' does not exist", lambda s, m: isinstance(s.get("$ref"), str) and s["$ref"].endswith("#" + m.group(1))),
+    (r"Anchor '(.*)' does not exist", lambda s, m: isinstance(s.get("$ref"), str) and s["$ref"].endswith("#" + m.group(1))),
     (r"Resource '(.*)' is not present in a registry",  # a $ref to another document: never fetched
      lambda s, m: isinstance(s.get("$ref"), str) and bool(s["$ref"].split("#")[0])
      and m.group(1).endswith(s["$ref"].split("#")[0])),

@@ -232,7 +232,7 @@ def counted_repetition_too_large(regex: str) -> str | None:
     return None
 
 
-_COUNTED = re.compile(r"\{([0-9]{1,10})(,?)([0-9]{0,10})\}")
+_COUNTED = re.compile(r"\{([0-9]+)(,?)([0-9]*)\}")  # any number of digits: {0,9007199254740991} counts
 
 
 def main(argv: list[str]) -> None:
