@@ -41,6 +41,9 @@ ANY = "*"  # one path step: any key or any index
 DEEP = "**"  # any number of steps (below a recursive $ref)
 MAX_VISITS = 20_000  # (subschema, instance path) pairs plan() walks
 MAX_SITES = 256
+LOOKAHEAD_TOKENS = 256  # a mask with more tokens than this is not searched (a large domain)
+LOOKAHEAD_NODES = 96  # masks one step's look-ahead computes at most
+LOOKAHEAD_GIVE_UP = 4  # searches that cannot finish before a step stops looking (none found dead)
 SCALAR_TYPES = frozenset({"string", "number", "integer", "boolean", "null"})
 _IN_PLACE = ("allOf", "anyOf", "oneOf")
 _ONE_SCHEMA = ("not", "if", "then", "else")
@@ -734,6 +737,8 @@ class UniqueGuard:
                 copy.feed(self.token_bytes[t] or b"")
             except Duplicate:
                 blocked.add(t)
+        if ahead:
+            blocked |= self._doomed(bits, tracker, blocked)
         blocked = {t for t in blocked if _bit(mask, t)}
         if not blocked:
             return mask
@@ -745,6 +750,94 @@ class UniqueGuard:
             where = _where(sub.path() if sub is not None else [])
             self._dead = f"'uniqueItems' at {where}: every token the schema allows next would repeat an earlier item"
         return out.view(np.int32)
+
+    def _doomed(self, bits: np.ndarray, tracker: OutputTracker, blocked: set[int]) -> set[int]:
+        """Tokens after which every way on repeats an earlier item: a token that leaves
+        the output inside a guarded array without completing a new item (``"a`` with
+        ``"a"``, ``"aa"`` and ``"ab"`` written and items ``^[ab]{1,2}$``) is kept only
+        if the grammar lets some continuation complete a new item or close the array
+        (:meth:`_dead_from`). Searched only where the choices are few (at most
+        :data:`LOOKAHEAD_TOKENS` tokens in a mask: a small domain, the only kind whose
+        values can run out) and within :data:`LOOKAHEAD_NODES` masks a step; a search
+        that does not finish keeps the token (the one-token guard still holds), and
+        after :data:`LOOKAHEAD_GIVE_UP` such searches (with none found dead) the step
+        stops looking: a free string's first characters lead to masks of thousands of
+        tokens, and each search would cost a mask to learn it (SmolLM2, free-string
+        tags: 36.8 ms p99 a mask against 0.4 ms without the look-ahead)."""
+        if not any(f[2] for sub in tracker.trackers for f in sub.stack if f[2] is not None):
+            return set()
+        ids = np.flatnonzero(bits).tolist()
+        if len(ids) > LOOKAHEAD_TOKENS:
+            return set()
+        base = _progress_mark(tracker)
+        memo: dict[bytes, bool] = {}
+        budget = [LOOKAHEAD_NODES]
+        out = set()
+        unknown = 0  # searches that met a large mask: past a few, the domain is large
+        for t in ids:
+            if unknown >= LOOKAHEAD_GIVE_UP and not out:
+                break
+            if t in blocked:
+                continue
+            data = self.token_bytes[t] or b"" if 0 <= t < len(self.token_bytes) else b""
+            after = tracker.copy()
+            try:
+                after.feed(data)
+            except Duplicate:
+                out.add(t)
+                continue
+            if not _pending(base, after):
+                continue
+            dead = self._dead_from(after, [t], data, base, memo, budget)
+            if dead is True:
+                out.add(t)
+            elif dead is None:
+                unknown += 1
+        return out
+
+    def _dead_from(self, tracker: OutputTracker, path: list[int], written: bytes, base: tuple[int, int],
+                   memo: dict[bytes, bool], budget: list[int]) -> bool | None:
+        """Whether every continuation the grammar allows after ``path`` (the tokens
+        tried, ``written`` their bytes; the inner matcher does not move) repeats an item
+        before one completes a new item or an array closes: True, False, or None when
+        the search would pass its limits. States are the bytes written (two paths with
+        the same bytes are one state for the grammar and the tracker)."""
+        if written in memo:
+            return memo[written]
+        if budget[0] <= 0 or len(path) > 32:
+            return None
+        budget[0] -= 1
+        masks = self.inner.draft_masks(path, False)
+        if len(masks) <= len(path):  # the grammar refuses the path: no way on through it
+            memo[written] = True
+            return True
+        bits = np.unpackbits(masks[-1].view(np.uint8), bitorder="little").view(np.bool_)
+        ids = np.flatnonzero(bits).tolist()
+        if len(ids) > LOOKAHEAD_TOKENS:
+            return None
+        todo = []
+        for u in ids:
+            data = self.token_bytes[u] or b"" if 0 <= u < len(self.token_bytes) else b""
+            after = tracker.copy()
+            try:
+                after.feed(data)
+            except Duplicate:
+                continue
+            if not _pending(base, after):
+                memo[written] = False
+                return False
+            todo.append((u, data, after))
+        result: bool | None = True
+        for u, data, after in todo:
+            r = self._dead_from(after, [*path, u], written + data, base, memo, budget)
+            if r is False:
+                memo[written] = False
+                return False
+            if r is None:
+                result = None
+        if result is True:
+            memo[written] = True
+        return result
 
     def _must_close(self, t: int, pools: _Pools) -> bool:
         """After ``t``, whether the grammar allows only tokens that close the string (one
@@ -785,6 +878,19 @@ class UniqueGuard:
             if not (nxt[:m] & pools.extends[:m]).any():
                 out.add(t)
         return out
+
+
+def _progress_mark(tracker: OutputTracker) -> tuple[int, int]:
+    """(items held by the guarded arrays open, how many are open) of ``tracker``."""
+    frames = [f[2] for sub in tracker.trackers for f in sub.stack if f[2] is not None]
+    return sum(len(seen) for seen in frames), len(frames)
+
+
+def _pending(base: tuple[int, int], tracker: OutputTracker) -> bool:
+    """Whether ``tracker`` is still inside the guarded arrays of ``base``
+    (:func:`_progress_mark`) with no new item completed and none closed (any change
+    counts as a way on: the search only ever keeps a token it cannot rule out)."""
+    return base[1] > 0 and _progress_mark(tracker) == base
 
 
 def _where(path: list[Any]) -> str:
