@@ -78,7 +78,8 @@ def _check_size(text: str, what: str, limit: int = MAX_GRAMMAR_CHARS) -> None:
 def _validate(grammar: str) -> str:
     from llguidance import LLMatcher
 
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, None, limits=parser_limits())
+    is_error, messages = _bounded(  # on a deep stack (see DEEP_STACK_BYTES)
+        lambda: LLMatcher.validate_grammar_with_warnings(grammar, None, limits=parser_limits()), None)
     if is_error:
         raise ValueError(f"it cannot be compiled: {messages[0][:500]}")
     return grammar
@@ -1031,10 +1032,23 @@ def build_tokenizer(vocab: TokenVocab) -> Any:
 MASK_TIMEOUT_S = 2.0
 
 
-def _bounded(fn: Any, seconds: float) -> Any:
-    """``fn()`` in a daemon thread, waited for at most ``seconds``; ``TimeoutError``
-    past them. The thread is left running (llguidance cannot be interrupted; it runs
-    without the GIL, so the caller goes on).
+# llguidance checks and builds a grammar recursively, a stack frame or more per level of
+# nesting (rule references, parentheses): a Lark grammar of 3000 rules each calling the
+# next (67 KB, under the size limit), or 1000 with 20 parentheses each, overflowed a
+# thread's default 8 MB stack and killed the process (segmentation fault) in the
+# front's check and in the engine's build. Those run on threads with this much stack
+# (address space, not memory, until used): 32x the default, past any grammar the size
+# limits admit. Masks and advancing do not recurse so (the same grammars' masks run
+# on an ordinary thread).
+DEEP_STACK_BYTES = 256 << 20
+_STACK_LOCK = threading.Lock()
+
+
+def _bounded(fn: Any, seconds: float | None) -> Any:
+    """``fn()`` in a daemon thread with a :data:`DEEP_STACK_BYTES` stack, waited for at
+    most ``seconds`` (None: until it ends); ``TimeoutError`` past them. The thread is
+    left running (llguidance cannot be interrupted; it runs without the GIL, so the
+    caller goes on).
 
     NOTE: llguidance 1.9.1 computes some masks forever: a greedy terminal followed by
     one it can continue (``start: A A``, ``A: /a+/``; GBNF ``root ::= a a``, ``a ::=
@@ -1050,7 +1064,12 @@ def _bounded(fn: Any, seconds: float) -> Any:
             box.append((False, e))
 
     t = threading.Thread(target=run, daemon=True, name="plait-llguidance-bounded")
-    t.start()
+    with _STACK_LOCK:  # the stack size is the process's setting for threads started next
+        old = threading.stack_size(DEEP_STACK_BYTES)
+        try:
+            t.start()
+        finally:
+            threading.stack_size(old)
     t.join(seconds)
     if not box:
         raise TimeoutError(f"llguidance did not finish within {seconds:g} s")
@@ -1112,7 +1131,7 @@ class LLGuidanceCompiler:
         import llguidance
 
         tok = self.tokenizer()
-        m = llguidance.LLMatcher(tok, grammar, log_level=0, limits=parser_limits())
+        m = _bounded(lambda: llguidance.LLMatcher(tok, grammar, log_level=0, limits=parser_limits()), None)
         if m.is_error():
             raise ValueError(m.get_error())
         # NOTE: llguidance builds a grammar that admits no text at all (a $ref cycle with
