@@ -12,6 +12,7 @@ import codecs
 import hmac
 import json
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -259,15 +260,16 @@ def _entries(results: Iterable[P.GenerateResult]) -> int:
     return sum(len(r.output_ids) + _meta_entries(r.meta_info) for r in results)
 
 
-async def json_reply(build: Callable[[], Any], entries: int) -> Response:
-    """The JSON response of ``build()``, built and encoded in a worker thread when it
-    carries more than LARGE_RESPONSE_ENTRIES token entries (128 choices of 1000 tokens
-    with 20 top logprobs are 2.7M entries: seconds of work that would stall every other
-    client on this loop)."""
-    def encode() -> bytes:
-        return _json.encode(build())
+async def off_loop(work: Callable[[], Any], entries: int) -> Any:
+    """``work()``, run in a worker thread when the response it builds carries more than
+    LARGE_RESPONSE_ENTRIES token entries (128 choices of 1000 tokens with 20 top logprobs
+    are 2.7M entries: seconds of work that would stall every other client on this loop)."""
+    return await asyncio.to_thread(work) if entries > LARGE_RESPONSE_ENTRIES else work()
 
-    body = await asyncio.to_thread(encode) if entries > LARGE_RESPONSE_ENTRIES else encode()
+
+async def json_reply(build: Callable[[], Any], entries: int) -> Response:
+    """The JSON response of ``build()``, built and encoded off the loop when large (:func:`off_loop`)."""
+    body = await off_loop(lambda: _json.encode(build()), entries)
     return Response(body, media_type="application/json")
 
 
@@ -293,8 +295,11 @@ def parse_json(body: bytes) -> Any:
         return json.loads(text)
     except RecursionError:
         raise RequestError("the request body is not valid JSON: it is nested too deeply", None) from None
-    except ValueError as e:  # JSONDecodeError, or an integer literal with too many digits
+    except json.JSONDecodeError as e:
         raise RequestError(f"the request body is not valid JSON: {str(e)[:200]}", None) from None
+    except ValueError:  # an integer literal past Python's limit (its advice to raise it is no client's)
+        raise RequestError(f"the request body holds an integer literal of more than {sys.get_int_max_str_digits()} "
+                           "digits; allowed: integers within the range each field states", None) from None
 
 
 class Submission:
@@ -616,26 +621,29 @@ def build_app(front: Front) -> ASGIApp:
     async def responses(request: Request) -> Response:
         body, size = await read_json(request, bodies)
         parse = ra.parse_response_request
-        rj = (await asyncio.to_thread(parse, front, store, body) if parse_off_loop(body, size)
-              else parse(front, store, body))
+        rj = (await asyncio.to_thread(parse, front, store, body, size) if parse_off_loop(body, size)
+              else parse(front, store, body, size))
         sub = Submission(front)
 
         async def events() -> AsyncIterator[bytes]:
-            yielded = False
-            try:
-                async for e in ra.stream(store, rj, sub.events()):
-                    yielded = True
-                    yield b"event: " + e["type"].encode() + b"\n" + sse(e)
-            except RequestError as e:
-                if not yielded:
-                    raise
-                yield b"event: error\n" + _stream_error(oa.openai_error(e, rj.job))
+            # (an error before the first event is raised: a 400; one after it, an error event)
+            async for e in ra.stream(store, rj, sub.events()):
+                head = b"event: " + e["type"].encode() + b"\n"
+                if rj.logprobs is not None and e["type"] in ra.WHOLE_OUTPUT_EVENTS:
+                    # (each repeats every token's logprobs so far: 900 tokens with 20 top ones
+                    # were 8 MB encoded on the loop at the end of the stream)
+                    yield head + await asyncio.to_thread(sse, e)
+                else:
+                    yield head + sse(e)
 
         try:  # as in _openai: errors at admission or later by the Responses API's names
             await sub.submit(rj.job.reqs, "input")
             if not rj.job.stream:
-                results = await sub.results(request)
-                return JSONResponse(ra.response(store, rj, results[(0, 0)]))
+                result = (await sub.results(request))[(0, 0)]
+                # (a large one, logprobs, is built off the loop, as chat's; stored on it)
+                obj = ra.keep(store, rj, await off_loop(lambda: ra.build_response(rj, result), _entries([result])),
+                              result)
+                return await json_reply(lambda: obj, _entries([result]))
             stream = await _first_then(request, sub, events())
         except RequestError as e:
             raise oa.openai_error(e, rj.job) from None
@@ -653,7 +661,10 @@ def build_app(front: Front) -> ASGIApp:
         obj = store.response(rid)
         if obj is None:
             raise ra.not_held(store, rid)
-        return JSONResponse(obj)
+        return await json_reply(lambda: obj, ra.logprob_entries(obj))  # (with its logprobs: encoded off the loop)
+
+    async def cancel_response(request: Request) -> Response:
+        raise ra.cancel(store, request.path_params["response_id"])
 
     async def input_items(request: Request) -> Response:
         return JSONResponse(ra.input_items_page(store, request.path_params["response_id"], request.query_params))
@@ -679,6 +690,7 @@ def build_app(front: Front) -> ASGIApp:
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
     ]
 
     app: ASGIApp = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
@@ -836,7 +848,7 @@ class _StreamOffsets:
 async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIterator[bytes]:
     fmt = oa.LogprobFormatter(front)
     offsets = _StreamOffsets(fmt)
-    completion = cached = 0
+    completion = cached = reasoning = 0
     started: set[int] = set()
     chats: dict[int, oa.ChatStream] = {}  # choice index -> its chat deltas (reasoning, tool calls)
     yielded = False
@@ -849,16 +861,17 @@ async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIte
         return sse(chunk)
 
     try:
-        if job.echo_texts:
-            for pi, text in enumerate(job.echo_texts):
-                for idx in range(job.n):
-                    index = oa.choice_index(job, pi, idx)
-                    if job.logprobs is None:
-                        yielded = True
-                        yield out(oa.stream_chunk(job, index, text, None), pi, index)
-                    else:  # the prompt's logprobs come with the first output of the choice
-                        echoes[index] = text
         async for msg in sub.events():
+            if not yielded and job.echo_texts:
+                # (sent once the engine answered: a request it refuses at admission, a
+                # constraint that cannot compile, is a 400, not a 200 stream ending in an error)
+                for pi, text in enumerate(job.echo_texts):
+                    for idx in range(job.n):
+                        index = oa.choice_index(job, pi, idx)
+                        if job.logprobs is None:
+                            yield out(oa.stream_chunk(job, index, text, None), pi, index)
+                        else:  # the prompt's logprobs come with the first output of the choice
+                            echoes[index] = text
             yielded = True
             pi = sub.prompt_of[msg.rid]
             index = oa.choice_index(job, pi, msg.index)
@@ -887,6 +900,8 @@ async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIte
                     yield out(oa.stream_chunk(job, index, msg.text, None, logprobs=lp), pi, index)
             else:
                 completion += meta.get("completion_tokens", 0)
+                if job.output is not None:
+                    reasoning += job.output.reasoning_tokens(msg.output_ids)
                 if msg.index == 0:
                     cached += meta.get("cached_tokens", 0)
                 if job.chat:
@@ -897,7 +912,7 @@ async def _openai_stream(front: Front, job: oa.Job, sub: Submission) -> AsyncIte
                     yield out(oa.stream_chunk(job, index, "", oa.finish_reason(meta),
                                               matched_stop=(meta.get("finish_reason") or {}).get("matched")), pi, index)
         if job.include_usage:
-            yield sse(oa.usage_chunk(job, completion, cached))
+            yield sse(oa.usage_chunk(job, completion, cached, reasoning))
     except RequestError as e:
         if not yielded:
             raise

@@ -11,6 +11,7 @@ import codecs
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,7 +118,9 @@ def get_field(body: dict[str, Any], name: str, kind: str, default: Any = None, l
 def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
     unknown = sorted(k for k in body if k not in allowed and k not in _IGNORED)
     if unknown:
-        raise RequestError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+        # (a name that is no identifier, "" or "max tokens", is quoted: it must be seen to be read)
+        names = ", ".join(k if k.isidentifier() else repr(k) for k in unknown)
+        raise RequestError(f"unrecognized request argument(s): {names}", unknown[0])
     for name, kind in _IGNORED.items():
         get_field(body, name, kind)
     check_metadata(body.get("metadata"))
@@ -518,6 +521,29 @@ class ChatOutput:
     tool_parser: ToolParser | None = None
     tools: list[dict[str, Any]] = field(default_factory=list)
     max_calls: int | None = None  # 1 with parallel_tool_calls false: later calls are dropped
+    token_bytes: Callable[[int], bytes] | None = None  # (Front.token_bytes: counts the reasoning's tokens)
+
+    def reasoning_tokens(self, ids: list[int]) -> int:
+        """How many of the output tokens ``ids`` wrote the reasoning section (its
+        markers included): those up to the one that completes ``</think>``, all of them
+        when the section never closed, none when the output has no section (usage's
+        ``reasoning_tokens``). Counted over the tokens' bytes: ``</think>`` is ASCII, so
+        it never starts inside a character."""
+        if self.reasoning is None or self.token_bytes is None or not ids:
+            return 0
+        data = [self.token_bytes(t) for t in ids]
+        joined = b"".join(data)
+        if self.reasoning.parse(joined.decode("utf-8", "replace"))[0] is None:
+            return 0
+        end = joined.find(REASONING_END.encode())
+        if end < 0:
+            return len(ids)
+        end += len(REASONING_END)
+        count = written = 0
+        while written < end:
+            written += len(data[count])
+            count += 1
+        return count
 
     def message(self, text: str, cut: bool = False) -> tuple[dict[str, Any], bool]:
         """The assistant message and whether it ends in whole tool calls (none cut off:
@@ -918,7 +944,8 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     extra_sp: dict[str, Any] = {}
     if parser.special_marker and choice != "none" and body.get("skip_special_tokens") is None:
         extra_sp["skip_special_tokens"] = False  # [TOOL_CALLS] (<|tool_call|>) is a special token
-    output = ChatOutput(reasoning, parser if choice != "none" else None, callable_tools or [], None if parallel else 1)
+    output = ChatOutput(reasoning, parser if choice != "none" else None, callable_tools or [], None if parallel else 1,
+                        front.token_bytes)
     return ChatRequest(ids, constraint, field_name, output, extra_sp, choice not in ("auto", "none"),
                        front.turn_end)
 
@@ -1028,10 +1055,15 @@ class LogprobFormatter:
         return self.chat(meta.get("output_token_logprobs", []), meta.get("output_top_logprobs") if top else None)
 
 
-def usage(job: Job, completion_tokens: int, cached: int) -> dict[str, Any]:
+def usage(job: Job, completion_tokens: int, cached: int, reasoning: int = 0) -> dict[str, Any]:
+    """A response's usage; ``reasoning``: the output tokens of reasoning sections
+    (:meth:`ChatOutput.reasoning_tokens`), reported when the server splits them."""
     prompt = sum(job.prompt_tokens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached}}
+    if job.output is not None and job.output.reasoning is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return out
 
 
 def chunk_usage(job: Job, prompt_i: int, completion_tokens: int) -> dict[str, Any]:
@@ -1049,10 +1081,12 @@ def response(front: Front, job: Job, results: dict[tuple[int, int], P.GenerateRe
     """The non-streaming response of ``job`` from its results keyed by (prompt, index)."""
     fmt = LogprobFormatter(front)
     choices = []
-    completion = cached = 0
+    completion = cached = reasoning = 0
     for (pi, idx), r in sorted(results.items()):
         meta = r.meta_info
         completion += meta.get("completion_tokens", 0)
+        if job.output is not None:
+            reasoning += job.output.reasoning_tokens(r.output_ids)
         if idx == 0:
             cached += meta.get("cached_tokens", 0)
         choice: dict[str, Any] = {"index": choice_index(job, pi, idx), "finish_reason": finish_reason(meta),
@@ -1086,7 +1120,7 @@ def response(front: Front, job: Job, results: dict[tuple[int, int], P.GenerateRe
         "created": job.created,
         "model": job.model,
         "choices": choices,
-        "usage": usage(job, completion, cached),
+        "usage": usage(job, completion, cached, reasoning),
     }
 
 
@@ -1110,6 +1144,7 @@ def stream_chunk(job: Job, index: int, text: str | None, finish: str | None, *, 
     return out
 
 
-def usage_chunk(job: Job, completion_tokens: int, cached: int) -> dict[str, Any]:
+def usage_chunk(job: Job, completion_tokens: int, cached: int, reasoning: int = 0) -> dict[str, Any]:
     return {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
-            "created": job.created, "model": job.model, "choices": [], "usage": usage(job, completion_tokens, cached)}
+            "created": job.created, "model": job.model, "choices": [],
+            "usage": usage(job, completion_tokens, cached, reasoning)}

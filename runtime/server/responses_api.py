@@ -9,12 +9,14 @@ API's events (``response.created`` ... ``response.completed``).
 
 Continuation is stateless for the client and bounded here: the server keeps the
 conversations of its last :data:`STORE_SIZE` stored responses (``store`` true, the
-default) in memory, least recently used first out; an id it does not hold is a 404
-naming ``previous_response_id``. ``GET /v1/responses/{id}`` returns a stored response
-object, ``GET /v1/responses/{id}/input_items`` pages its input items
-(:func:`input_items_page`) and ``DELETE /v1/responses/{id}`` forgets it (the openai
-client's ``responses.retrieve`` / ``responses.input_items.list`` / ``responses.delete``).
-Nothing survives a restart.
+default), holding at most :data:`STORE_BYTES`, in memory, least recently used first out;
+an id it does not hold is a 404 naming ``previous_response_id``. ``GET
+/v1/responses/{id}`` returns a stored response object, ``GET
+/v1/responses/{id}/input_items`` pages its input items (:func:`input_items_page`) and
+``DELETE /v1/responses/{id}`` forgets it (the openai client's ``responses.retrieve`` /
+``responses.input_items.list`` / ``responses.delete``); ``POST
+/v1/responses/{id}/cancel`` says why it cannot be cancelled (:func:`cancel`). Nothing
+survives a restart.
 
 ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` alternatives) puts
 the output tokens' logprobs on the message's ``output_text``, as chat completions'
@@ -26,6 +28,7 @@ one.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -41,6 +44,10 @@ from plait.runtime.server import openai_api as oa
 from plait.runtime.server.front import Front
 
 STORE_SIZE = 256  # responses whose conversations a server keeps for previous_response_id
+# ... and the most their requests and outputs may hold together: a response's request may
+# carry up to a 64 MiB body the prompt never shows (a reasoning item's encrypted_content, a
+# text.format schema's annotations), so 256 of them held ~16 GiB, and the front was killed
+STORE_BYTES = 256 * 1024 * 1024
 
 # fields of the openai client naming features this server lacks: accepted as null
 NULL_ONLY = {"conversation": "no stored conversations; continue one with previous_response_id",
@@ -66,6 +73,11 @@ INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "file_search_call.results
               "computer_call_output.output.image_url", "code_interpreter_call.outputs")
 
 
+# stream events that repeat the whole output so far (with its logprobs, when asked for)
+WHOLE_OUTPUT_EVENTS = frozenset({"response.output_text.done", "response.content_part.done",
+                                 "response.output_item.done", "response.completed", "response.incomplete"})
+
+
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -77,66 +89,109 @@ class Stored:
     messages: list[dict[str, Any]]  # its conversation, output included (previous_response_id)
     response: dict[str, Any] | None  # its response object (GET /v1/responses/{id})
     input_items: list[dict[str, Any]]  # its input as items, those of previous_response_id first (input_items)
+    # bytes it holds: its request body's and output text's, and those of the response it
+    # continued (whose input items it lists: they stay in memory while it is held)
+    size: int = 0
 
 
 class ResponseStore:
-    """The last ``capacity`` stored responses (:class:`Stored`), by id; LRU. One per
-    server; written only by the routes, once a response completes (and by ``DELETE``)."""
+    """The last ``capacity`` stored responses (:class:`Stored`), by id, holding at most
+    ``max_bytes`` together (a response larger than that alone is not held); LRU. One per
+    server; written only by the routes, once a response completes (and by ``DELETE``).
+    Read by requests parsed in worker threads too (a large body, a schema), so every
+    method holds the lock: an entry evicted between a reader's lookup and its
+    ``move_to_end`` was a ``KeyError``, a 500."""
 
-    def __init__(self, capacity: int = STORE_SIZE) -> None:
+    def __init__(self, capacity: int = STORE_SIZE, max_bytes: int = STORE_BYTES) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self._items: OrderedDict[str, Stored] = OrderedDict()
+        self._bytes = 0  # the sizes of the held responses, summed
+        self._lock = threading.Lock()
 
     def get(self, rid: str) -> list[dict[str, Any]] | None:
         """The conversation of a stored response (None: not held)."""
-        entry = self._items.get(rid)
-        if entry is None:
-            return None
-        self._items.move_to_end(rid)
-        return entry.messages
+        with self._lock:
+            entry = self._items.get(rid)
+            if entry is None:
+                return None
+            self._items.move_to_end(rid)
+            return entry.messages
+
+    def _entry(self, rid: str) -> Stored | None:
+        with self._lock:
+            return self._items.get(rid)
 
     def response(self, rid: str) -> dict[str, Any] | None:
         """The response object of a stored response (None: not held)."""
-        entry = self._items.get(rid)
+        entry = self._entry(rid)
         return None if entry is None else entry.response
 
     def input_items(self, rid: str) -> list[dict[str, Any]] | None:
         """The input items of a stored response (None: not held)."""
-        entry = self._items.get(rid)
+        entry = self._entry(rid)
         return None if entry is None else entry.input_items
 
     def context_items(self, rid: str) -> list[dict[str, Any]]:
         """What a response continuing ``rid`` was given before its own input: ``rid``'s
         input items and output items (none when not held)."""
-        entry = self._items.get(rid)
+        entry = self._entry(rid)
         if entry is None:
             return []
         return entry.input_items + (entry.response or {}).get("output", [])
 
+    def size(self, rid: str) -> int:
+        """The bytes stored response ``rid`` holds (0: not held)."""
+        entry = self._entry(rid)
+        return 0 if entry is None else entry.size
+
     def put(self, rid: str, messages: list[dict[str, Any]], obj: dict[str, Any] | None = None,
-            input_items: list[dict[str, Any]] | None = None) -> None:
-        self._items[rid] = Stored(messages, obj, input_items or [])
-        self._items.move_to_end(rid)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+            input_items: list[dict[str, Any]] | None = None, size: int = 0) -> None:
+        with self._lock:
+            self._pop(rid)
+            if size > self.max_bytes:  # alone past the budget: not held (the others stay)
+                return
+            self._items[rid] = Stored(messages, obj, input_items or [], size)
+            self._bytes += size
+            while len(self._items) > self.capacity or self._bytes > self.max_bytes:
+                self._bytes -= self._items.popitem(last=False)[1].size
 
     def delete(self, rid: str) -> bool:
-        return self._items.pop(rid, None) is not None
+        with self._lock:
+            return self._pop(rid)
+
+    def _pop(self, rid: str) -> bool:
+        entry = self._items.pop(rid, None)
+        if entry is None:
+            return False
+        self._bytes -= entry.size
+        return True
+
+    @property
+    def held_bytes(self) -> int:
+        """The sizes of the held responses, summed (at most ``max_bytes``)."""
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._items)
 
+    def kept(self) -> str:
+        """What this store keeps, in words (for the 404 of an id it does not hold)."""
+        return (f"it keeps the last {self.capacity} stored responses, in memory, up to "
+                f"{self.max_bytes // (1024 * 1024)} MiB of requests and outputs together")
+
 
 def not_held(store: ResponseStore, rid: str) -> RequestError:
     """The 404 for a response id this server does not hold."""
-    return RequestError(f"response_id={rid!r} is not held by this server (it keeps the last {store.capacity} "
-                        "stored responses, in memory; store=false responses are not kept)", "response_id", 404)
+    return RequestError(f"response_id={rid!r} is not held by this server ({store.kept()}; store=false responses "
+                        "are not kept)", "response_id", 404)
 
 
 # -- request ----------------------------------------------------------------------------------
-def _content_text(content: Any, where: str, role: str = "user") -> str:
-    """A message's content as text: a string or text parts (and, in an assistant
-    message, ``refusal`` parts, whose text it said: an output replayed as input)."""
+def _content_text(content: Any, where: str, role: str = "user", key: str = "content") -> str:
+    """A message's content (``key`` of item ``where``: a function_call_output's
+    ``output`` too) as text: a string or text parts (and, in an assistant message,
+    ``refusal`` parts, whose text it said: an output replayed as input)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -145,18 +200,18 @@ def _content_text(content: Any, where: str, role: str = "user") -> str:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "refusal" and role == "assistant":
                 if not isinstance(part.get("refusal"), str):
-                    raise RequestError(f"{where}.content[{k}].refusal must be a string", "input")
+                    raise RequestError(f"{where}.{key}[{k}].refusal must be a string", "input")
                 parts.append(part["refusal"])
                 continue
             if kind not in ("input_text", "output_text", "text"):
                 what = f"a {kind!r} part" if isinstance(kind, str) else repr(part)[:80]
-                raise RequestError(f"{where}.content[{k}] is {what}, which is not supported (this server reads text "
+                raise RequestError(f"{where}.{key}[{k}] is {what}, which is not supported (this server reads text "
                                    f"only); allowed: input_text and output_text parts", "input")
             if not isinstance(part.get("text"), str):
-                raise RequestError(f"{where}.content[{k}].text must be a string", "input")
+                raise RequestError(f"{where}.{key}[{k}].text must be a string", "input")
             parts.append(part["text"])
         return "".join(parts)
-    raise RequestError(f"{where}.content must be a string or an array of text parts", "input")
+    raise RequestError(f"{where}.{key} must be a string or an array of text parts", "input")
 
 
 def _reasoning_text(item: dict[str, Any], where: str) -> str:
@@ -208,9 +263,10 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or not isinstance(output, (str, list)):
-                raise RequestError(f"{where}: a function_call_output needs call_id and output (a string)", "input")
+                raise RequestError(f"{where}: a function_call_output needs call_id (a string) and output (a string "
+                                   f"or an array of input_text parts)", "input")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": output if isinstance(output, str) else _content_text(output, where)})
+                        "content": output if isinstance(output, str) else _content_text(output, where, key="output")})
         elif kind == "reasoning":
             # its text goes with the assistant turn it led to (reasoning_content), which
             # the template shows or drops (Qwen3's shows a tool loop's thinking)
@@ -253,6 +309,16 @@ def stored_input_items(store: ResponseStore, prev: str | None, items: Any) -> li
         else:  # reasoning, as given
             out.append({"summary": [], **item, "id": given or _id("rs")})
     return out
+
+
+def cancel(store: ResponseStore, rid: str) -> RequestError:
+    """``POST /v1/responses/{id}/cancel`` (the openai client's ``responses.cancel``):
+    only a background response can be cancelled, and this server runs none (``background``
+    is refused), so a held id is a 400 saying so; another one is the 404 of :func:`not_held`."""
+    if store.response(rid) is None:
+        return not_held(store, rid)
+    return RequestError(f"response {rid!r} cannot be cancelled: only background responses can be, and this server "
+                        "runs none (background=true is not supported); it has already finished", "response_id")
 
 
 def input_items_page(store: ResponseStore, rid: str, query: QueryParams) -> dict[str, Any]:
@@ -303,10 +369,13 @@ class ResponseJob:
     store: bool
     input_items: list[dict[str, Any]]  # what GET .../input_items lists once stored
     logprobs: oa.LogprobFormatter | None  # include asked for the output's logprobs
+    body_bytes: int = 0  # what storing it holds, with the output: its body's and its context's bytes
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def parse_response_request(front: Front, store: ResponseStore, body: dict[str, Any]) -> ResponseJob:
+def parse_response_request(front: Front, store: ResponseStore, body: dict[str, Any],
+                           body_bytes: int = 0) -> ResponseJob:
+    """A Responses request (``body``, of ``body_bytes`` bytes as sent) as its job."""
     oa.check_fields(body, FIELDS)
     model = oa.check_model(front, body)
     oa.check_null_only(body, NULL_ONLY)
@@ -330,8 +399,8 @@ def parse_response_request(front: Front, store: ResponseStore, body: dict[str, A
     if prev is not None:
         found = store.get(prev)
         if found is None:
-            raise RequestError(f"previous_response_id={prev!r} is not held by this server (it keeps the last "
-                               f"{store.capacity} stored responses, in memory)", "previous_response_id", 404)
+            raise RequestError(f"previous_response_id={prev!r} is not held by this server ({store.kept()})",
+                               "previous_response_id", 404)
         history = [m for m in found if m["role"] != "system"]  # instructions are not carried over
     new = input_messages(body.get("input"))
     items = stored_input_items(store, prev, body["input"])
@@ -369,7 +438,8 @@ def parse_response_request(front: Front, store: ResponseStore, body: dict[str, A
                  constraint_field=chat.constraint_field, output=chat.output,
                  logprobs=(top or 0) if want_lp else None)
     return ResponseJob(job, checked, body, oa.get_field(body, "store", "bool", True), items,
-                       oa.LogprobFormatter(front) if want_lp else None)
+                       oa.LogprobFormatter(front) if want_lp else None,
+                       body_bytes + (store.size(prev) if prev is not None else 0))
 
 
 # -- response ---------------------------------------------------------------------------------
@@ -417,7 +487,9 @@ def conversation(rj: ResponseJob, items: list[dict[str, Any]]) -> list[dict[str,
 
 
 def response_object(rj: ResponseJob, items: list[dict[str, Any]], meta: dict[str, Any] | None,
-                    status: str) -> dict[str, Any]:
+                    status: str, reasoning: int = 0) -> dict[str, Any]:
+    """The response object; ``meta``: the result's (None while in progress: no usage
+    yet), ``reasoning``: its output tokens of reasoning (:meth:`oa.ChatOutput.reasoning_tokens`)."""
     body = rj.body
     fr = oa.finish_reason(meta or {})
     if status == "completed" and fr == "length":
@@ -444,16 +516,22 @@ def response_object(rj: ResponseJob, items: list[dict[str, Any]], meta: dict[str
             # tokens computed, which the prefix cache then holds)
             "input_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0),
                                      "cache_write_tokens": max(prompt - meta.get("cached_tokens", 0), 0)},
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning},
         },
     }
 
 
-def finish(store: ResponseStore, rj: ResponseJob, items: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-    """The completed response; stored for continuation when ``store``."""
-    obj = response_object(rj, items, meta, "completed")
+def completed(rj: ResponseJob, items: list[dict[str, Any]], result: P.GenerateResult) -> dict[str, Any]:
+    """The completed response of the engine's ``result``, whose output is ``items``."""
+    reasoning = rj.job.output.reasoning_tokens(result.output_ids) if rj.job.output is not None else 0
+    return response_object(rj, items, result.meta_info, "completed", reasoning)
+
+
+def keep(store: ResponseStore, rj: ResponseJob, obj: dict[str, Any], result: P.GenerateResult) -> dict[str, Any]:
+    """``obj`` (the completed response of ``result``), stored for continuation when
+    ``store``; on the event loop, the store's one writer."""
     if rj.store:
-        store.put(rj.job.id, conversation(rj, items), obj, rj.input_items)
+        store.put(rj.job.id, conversation(rj, obj["output"]), obj, rj.input_items, rj.body_bytes + len(result.text))
     return obj
 
 
@@ -467,13 +545,26 @@ def _mark_cut(items: list[dict[str, Any]], cut: bool) -> None:
         items[-1]["status"] = "incomplete"
 
 
-def response(store: ResponseStore, rj: ResponseJob, result: P.GenerateResult) -> dict[str, Any]:
+def logprob_entries(obj: dict[str, Any]) -> int:
+    """The logprob entries a response object carries (each token's, and its alternatives)."""
+    return sum(1 + len(lp.get("top_logprobs", [])) for it in obj.get("output", []) if it.get("type") == "message"
+               for part in it.get("content", []) for lp in part.get("logprobs") or [])
+
+
+def build_response(rj: ResponseJob, result: P.GenerateResult) -> dict[str, Any]:
+    """The non-streamed response of ``result`` (not stored: :func:`keep`). Pure, so a
+    large one (logprobs) is built in a worker thread."""
     cut = oa.output_cut(result.meta_info)
     message, whole_calls = (rj.job.output or oa.ChatOutput()).message(result.text, cut)
     lps = rj.logprobs.output(result.meta_info, rj.job.logprobs or 0) if rj.logprobs is not None else None
     items = output_items(message, lps)
     _mark_cut(items, cut and not whole_calls)
-    return finish(store, rj, items, result.meta_info)
+    return completed(rj, items, result)
+
+
+def response(store: ResponseStore, rj: ResponseJob, result: P.GenerateResult) -> dict[str, Any]:
+    """The non-streamed response of ``result``, stored when ``store``."""
+    return keep(store, rj, build_response(rj, result), result)
 
 
 class _Events:
@@ -579,26 +670,43 @@ async def stream(store: ResponseStore, rj: ResponseJob, events: AsyncIterator[An
     """The stream events of one response, from the engine's chunks and result."""
     ev = _Events(rj)
     cs = (rj.job.output or oa.ChatOutput()).stream()
-    yield ev.event("response.created", response=response_object(rj, [], None, "in_progress"))
-    yield ev.event("response.in_progress", response=response_object(rj, [], None, "in_progress"))
+    try:
+        async for msg in events:
+            if ev.seq == 0:  # once the engine answered: a request it refuses at admission is a 400, not a stream
+                yield ev.event("response.created", response=response_object(rj, [], None, "in_progress"))
+                yield ev.event("response.in_progress", response=response_object(rj, [], None, "in_progress"))
+            for e in _engine_events(store, rj, ev, cs, msg):
+                yield e
+    except RequestError as e:
+        if ev.seq == 0:
+            raise
+        # OpenAI's error event; the "error" object (as chat streams write it) makes the
+        # openai client raise it
+        err = oa.openai_error(e, rj.job)
+        yield ev.event("error", code=err.error_type, message=err.message, param=err.param,
+                       error=P.error_body(err)["error"])
+
+
+def _engine_events(store: ResponseStore, rj: ResponseJob, ev: _Events, cs: oa.ChatStream,
+                   msg: P.StreamChunk | P.GenerateResult) -> list[dict[str, Any]]:
+    """The stream events of one engine message: a chunk's deltas, or the last ones and
+    the response, for the result."""
     fmt, top = rj.logprobs, rj.job.logprobs or 0
-    async for msg in events:
-        if isinstance(msg, P.StreamChunk):
-            for e in ev.deltas(cs.feed(msg.text), fmt.output(msg.meta, top) if fmt is not None else []):
-                yield e
-        else:
-            cut = oa.output_cut(msg.meta_info)
-            out = ev.deltas(cs.finish(cut), [])
-            _mark_cut(ev.items, cut and not cs.has_calls)
-            for k in cs.cut_calls:  # (a call that streamed, then was no call: not a whole one)
-                ev.items[ev.calls[k]]["status"] = "incomplete"
-            for e in out + ev.close():
-                yield e
-            parts = [it["content"][0] for it in ev.items if it["type"] == "message"]
-            if fmt is not None and parts:  # every token, as non-streamed: those after the last text delta too
-                placed = sum(len(p["logprobs"]) for p in parts)
-                parts[-1]["logprobs"] += fmt.output(msg.meta_info, top)[placed:]
-            done = finish(store, rj, ev.items, msg.meta_info)
-            # (the API has no event for a cancelled response: it ends as one that did not finish)
-            kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
-            yield ev.event(kind, response=done)
+    if isinstance(msg, P.StreamChunk):
+        return ev.deltas(cs.feed(msg.text), fmt.output(msg.meta, top) if fmt is not None else [])
+    cut = oa.output_cut(msg.meta_info)
+    out = ev.deltas(cs.finish(cut), [])
+    _mark_cut(ev.items, cut and not cs.has_calls)
+    for k in cs.cut_calls:  # (a call that streamed, then was no call: not a whole one)
+        ev.items[ev.calls[k]]["status"] = "incomplete"
+    out += ev.close()
+    parts = [it["content"][0] for it in ev.items if it["type"] == "message"]
+    if fmt is not None and parts:  # every token, as non-streamed: those after the last text delta too
+        placed = sum(len(p["logprobs"]) for p in parts)
+        tail = {k: msg.meta_info[k][placed:] for k in ("output_token_logprobs", "output_top_logprobs")
+                if isinstance(msg.meta_info.get(k), list)}  # (formatted alone: the rest was, as it streamed)
+        parts[-1]["logprobs"] += fmt.output(tail, top)
+    done = keep(store, rj, completed(rj, ev.items, msg), msg)
+    # (the API has no event for a cancelled response: it ends as one that did not finish)
+    kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
+    return out + [ev.event(kind, response=done)]
