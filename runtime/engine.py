@@ -19,6 +19,7 @@ from plait.runtime.block_cache import BlockHashCache
 from plait.runtime.chunking import attention_pairs
 from plait.runtime.config import EngineConfig
 from plait.runtime.prompt_tokens import encode_prompt
+from plait.runtime.sampler import generator_seed
 from plait.runtime.constrained.backend import Grammars
 from plait.runtime.constrained.vocab import TokenVocab
 from plait.runtime.cuda_graph import DecodeGraphRunner
@@ -325,7 +326,7 @@ class Engine:
                 base if params.n == 1 else f"{base}#{i}", inp.input_ids, params,
                 group=base, index=i, cache_salt=inp.cache_salt,
                 logprobs=LogprobState(inp.logprob_start_len, inp.top_logprobs_num) if inp.return_logprob else None,
-                generator=torch.Generator(device=self.device).manual_seed(seed + i), seed=seed + i,
+                generator=torch.Generator(device=self.device).manual_seed(generator_seed(seed + i)), seed=seed + i,
                 stream=inp.stream,
             )
             if future is not None:

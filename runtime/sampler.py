@@ -219,6 +219,17 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 _U64 = (1 << 64) - 1
 
 
+def generator_seed(seed: int) -> int:
+    """The seed given to a request's CPU ``torch.Generator`` for its ``seed``: a
+    64-bit mix (splitmix64's finaliser) of it. torch's CPU generator keeps only the
+    seed's low 32 bits, so seeds that differ by a multiple of 2**32 (0 and 2**32, -2**63
+    and 0) drew the same samples; mixed, every bit of the seed moves those 32."""
+    x = (seed + 0x9E3779B97F4A7C15) & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
+
+
 def _signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
