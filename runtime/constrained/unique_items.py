@@ -739,12 +739,18 @@ class UniqueGuard:
                 blocked.add(t)
         if ahead:
             blocked |= self._doomed(bits, tracker, blocked)
-        blocked = {t for t in blocked if _bit(mask, t)}
         if not blocked:
             return mask
-        out = mask.view(np.uint32).copy()
-        for t in blocked:
-            out[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        # (vectorised: inside a number whose text equals an item, every token that ends
+        # it is blocked, thousands of ids: a loop over them took 14 ms of a 16 ms mask)
+        idx = np.fromiter(blocked, dtype=np.int64, count=len(blocked))
+        idx = idx[(idx >= 0) & (idx < len(bits))]
+        idx = idx[bits[idx]]
+        if idx.size == 0:
+            return mask
+        keep = bits.copy()
+        keep[idx] = False
+        out = np.packbits(keep, bitorder="little").view(np.uint32)
         if ahead and not out.any() and mask.view(np.uint32).any():
             sub = next((x for x in tracker.trackers if x.guarded), None)
             where = _where(sub.path() if sub is not None else [])
