@@ -123,7 +123,7 @@ class Engine:
         self.pins = PinTable(self.cache, int((num_pages - 1) * ps * cfg.pin_budget_fraction))
         self.scheduler = Scheduler(
             cfg, self.allocator, self.req_to_token, self.cache, self.context_len, eos_ids=self.eos_ids, tier=self.tier,
-            long_rope_limit=mc.long_rope_limit,
+            long_rope_limit=mc.long_rope_limit, release_pins=self._release_active_pins,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         attn = self._attention_backend()
@@ -330,11 +330,13 @@ class Engine:
                 stream=inp.stream,
             )
             if future is not None:
-                # logprob requests keep their prompt and get one entry per sampled token
+                # logprob requests keep their prompt and get one entry per sampled token;
+                # a request that generates nothing keeps it too (healing writes the
+                # backed-off token again, and with it text past the prompt)
                 r.grammar = self.grammar_compiler.matcher(
                     future, inp.constraint,
                     jump_forward=not self.config.disable_jump_forward and not inp.return_logprob,
-                    heal=not inp.return_logprob,
+                    heal=not inp.return_logprob and params.max_new_tokens > 0,
                 )
                 self._grammar_pending.append(r)
             self.outputs.start(r)
@@ -675,6 +677,14 @@ class Engine:
         if pin.prefill is not None:
             self.scheduler.abort(pin.prefill, "pin released")
         return True
+
+    def _release_active_pins(self) -> bool:
+        """Release every active pin (the scheduler calls it rather than refuse a request
+        that fits the pool but not beside the pins: pins are hints); True if one was."""
+        active = [pin_id for pin_id in self.pins.ids() if self.pins.get(pin_id).state == "active"]
+        for pin_id in active:
+            self.unpin(pin_id)
+        return bool(active)
 
     def pin_info(self, pin_id: str) -> dict[str, Any] | None:
         """State of a pin (``pending``/``active``/``failed``, tokens locked), or None."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -71,8 +71,12 @@ class Scheduler:
         eos_ids: frozenset[int] = frozenset(),
         tier: HostTier | None = None,
         long_rope_limit: int | None = None,
+        release_pins: Callable[[], bool] | None = None,
     ) -> None:
         self.config = config
+        # drops the pinned prefixes' locks (plait.runtime.pinning; True if one was held):
+        # pins are hints, so they give way before a request is refused for lack of memory
+        self.release_pins = release_pins
         # longrope (Phi-3): a sequence longer than this is computed with the long factors
         # throughout, as transformers computes it (plait.runtime.models.llama.cos_sin_cache)
         self.long_rope_limit = long_rope_limit
@@ -270,8 +274,10 @@ class Scheduler:
             if need_tokens + reserved > available - self._evictable_in(match):
                 if self.running or batch.extends:
                     break  # wait for memory to come back
+                if extend + 1 > available - self._evictable_in(match) and self._release_pins():
+                    available = (self.allocator.num_free + self.cache.evictable_pages) * self.page_size
                 if extend + 1 > available - self._evictable_in(match):
-                    # nothing running and it still does not fit: it never will
+                    # nothing running (nor pinned) and it still does not fit: it never will
                     self.abort(r, "request does not fit in the KV cache")
                     continue
             n = self._window_room_for(match, min(extend, budget))  # this step's chunk
@@ -527,15 +533,21 @@ class Scheduler:
     def _retract_one(self) -> None:
         """Free the running request that loses least (fewest generated tokens, then the
         longest prompt, whose prefix most likely stays cached) and requeue it. A lone
-        request that still does not fit never will: it is aborted instead."""
+        request that still does not fit never will: it is aborted instead, once pinned
+        prefixes no longer hold memory."""
         if len(self.running) == 1:
-            self.abort(self.running[0], "request does not fit in the KV cache")
+            if not self._release_pins():  # (else their pages are evictable now: try again)
+                self.abort(self.running[0], "request does not fit in the KV cache")
             return
         victim = min(self.running, key=lambda r: (r.output_len, -r.prompt_len))
         self._requeue(victim)
         victim.num_retractions += 1
         self.num_retractions += 1
         self.new_token_ratio = self.config.init_new_token_ratio
+
+    def _release_pins(self) -> bool:
+        """Drop the pins' locks; True if one was held (memory may have come back)."""
+        return self.release_pins is not None and self.release_pins()
 
     def _can_take(self, pages: int) -> bool:
         """``pages`` can be had from the free list or by eviction (and as many window
