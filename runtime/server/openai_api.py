@@ -508,6 +508,27 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                                    f"it answers", "messages")
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
+    return _results_in_call_order(out)
+
+
+def _results_in_call_order(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each run of tool results put in the order of the calls they
+    answer (by ``tool_call_id``; results that answer none of them follow, as given).
+    Agents run a turn's calls concurrently and may send the results as they finished;
+    OpenAI matches them by id, but most templates (Qwen's, Hermes', plait's generic
+    tool prompt) show results without ids, in order, so a model read each result as the
+    answer to the call in its place. Calls without distinct ids are left as given."""
+    out = list(messages)
+    i = 0
+    while i < len(out):
+        j = i + 1
+        while j < len(out) and out[j]["role"] == "tool":
+            j += 1
+        ids = [c["id"] for c in out[i].get("tool_calls", [])]
+        if j - i > 2 and all(ids) and len(set(ids)) == len(ids):
+            place = {cid: k for k, cid in enumerate(ids)}
+            out[i + 1:j] = sorted(out[i + 1:j], key=lambda m: place.get(m["tool_call_id"], len(ids)))
+        i = j
     return out
 
 

@@ -510,6 +510,9 @@ def response_object(rj: ResponseJob, items: list[dict[str, Any]], meta: dict[str
         "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
         "text": {"format": text.get("format") or {"type": "text"}}, "store": rj.store,
         "metadata": body.get("metadata") or {}, "truncation": "disabled", "reasoning": None,
+        # the limits as set, as OpenAI repeats them (max_tool_calls counts built-in tool calls:
+        # there are none here, so it always holds)
+        "max_tool_calls": body.get("max_tool_calls"), "top_logprobs": body.get("top_logprobs"),
         "usage": None if meta is None else {
             "input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
             # (cache_write_tokens: the openai client's ResponseUsage requires it; here the prompt
