@@ -8,9 +8,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="plait", description="plait command line")
+    # allow_abbrev=False: an abbreviation accepted today (--prot for --protocol) becomes
+    # ambiguous, or means another option, when an option is added; spell options out
+    parser = argparse.ArgumentParser(prog="plait", description="plait command line", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text with the in-process engine")
+    gen = sub.add_parser("generate", help="generate text with the in-process engine", allow_abbrev=False)
     gen.add_argument("prompt", nargs="+", help="one or more prompts")
     gen.add_argument("--model", default=None, help="HF folder, .gguf path or hub id (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
@@ -18,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: one per core)")
     serve = sub.add_parser(
         "serve",
-        usage="%(prog)s [MODEL] [options]  (--help lists them)",
+        usage="%(prog)s [MODEL] [options]",
+        allow_abbrev=False,
         help="run the plait server (OpenAI-compatible and native HTTP API, ZMQ for language clients)",
         description="Run the plait server: a front process (HTTP + ZMQ) and an engine process. "
         "Stop it with Ctrl-C or SIGTERM.",
@@ -26,13 +29,17 @@ def main(argv: list[str] | None = None) -> int:
     lint = sub.add_parser("lint", help="check a program's prompt layout for prefix-cache reuse (plait.lint)",
                           description="Trace a plait function and report values that differ between calls (arguments, "
                           "model outputs) placed before long constant text, with the tokens of reuse lost. Exit "
-                          "status 1 when there is something to report.")
+                          "status 1 when there is something to report.", allow_abbrev=False)
     lint.add_argument("target", help="module:function or path/to/file.py:function, e.g. myapp.prompts:answer")
     lint.add_argument("--min-tokens", type=int, default=32, help="report constant text of at least this many tokens")
     from plait.runtime.server.args import add_server_arguments  # torch-free
 
     add_server_arguments(serve, default_port=30000)
-    args = parser.parse_args(argv)
+    # an unknown option is reported with its subcommand's usage, not the top-level one
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        {"serve": serve, "lint": lint, "generate": gen}[args.command].error(
+            f"unrecognized arguments: {' '.join(extra)}")
 
     if args.command == "serve":
         from plait.runtime.server.args import args_from_namespace

@@ -154,6 +154,7 @@ class GenerateRequest(_ClientMsg, tag="generate"):
 class AbortRequest(_ClientMsg, tag="abort"):
     rid: str = ""
     abort_all: bool = False
+    reason: str = ""  # the finish reason's message; empty: "aborted by request"
 
 
 class FlushCacheRequest(_ClientMsg, tag="flush_cache"):

@@ -395,12 +395,13 @@ class Engine:
                 pending.append(r)
         self._grammar_pending = pending
 
-    def abort(self, rid: str) -> bool:
+    def abort(self, rid: str, reason: str = "aborted by request") -> bool:
         """Abort a waiting or running request (all ``n`` copies); True if one was found.
-        Its final output comes from the next :meth:`step`."""
+        Its final output comes from the next :meth:`step`, its finish reason's message
+        ``reason``."""
         found = False
         for key in list(self._groups.get(rid) or ([rid] if rid in self._reqs else [])):
-            found = self.scheduler.abort(self._reqs[key]) or found
+            found = self.scheduler.abort(self._reqs[key], reason) or found
         return found
 
     def live_rids(self) -> set[str]:

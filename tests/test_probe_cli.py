@@ -222,4 +222,22 @@ def test_plait_serve_says_a_start_up_error_once():
                            "--model", "/nonexistent/model", "--port", "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if "'/nonexistent/model' does not exist" in line]
-    assert len(errors) == 1 and errors[0].startswith("error: model '/nonexistent/model'"), proc.stderr
+    # named once in the line, and no Python-API spelling (model_path=) in a command-line error
+    assert len(errors) == 1 and errors[0].startswith("error: model path '/nonexistent/model'"), proc.stderr
+    assert errors[0].count("/nonexistent/model") == 1 and "model_path=" not in errors[0], proc.stderr
+
+
+def test_options_are_not_abbreviated_and_errors_carry_the_subcommands_usage(capsys):
+    """``--prot`` is not taken for ``--protocol`` (an abbreviation accepted today becomes
+    ambiguous when an option is added), and an unknown option is reported by ``plait
+    serve`` with its own usage, not the top-level ``plait {generate,serve,lint}`` one."""
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["serve", "--max-running", "4"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: plait serve [MODEL] [options]" in err and "unrecognized arguments: --max-running" in err, err
+    assert "{generate,serve,lint}" not in err and "--help lists them" not in err
+    with pytest.raises(SystemExit):
+        cli_main(["generate", "hi", "--max-new", "3"])
+    err = capsys.readouterr().err
+    assert "usage: plait generate" in err and "unrecognized arguments: --max-new 3" in err, err

@@ -12,7 +12,7 @@ from plait.runtime.server.args import ServerArgs, add_server_arguments, args_fro
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m plait.runtime.server", usage="%(prog)s [MODEL] [options]",
-                                     description="plait server (front process)")
+                                     description="plait server (front process)", allow_abbrev=False)
     add_server_arguments(parser)
     parser.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)

@@ -124,7 +124,7 @@ class EngineLoop:
                 if msg.stream:
                     self.streams[msg.rid] = inp.params.n
             elif isinstance(msg, P.AbortRequest):
-                self.engine.abort(msg.rid)
+                self.engine.abort(msg.rid, msg.reason or "aborted by request")
             elif isinstance(msg, P.FlushCacheRequest):
                 ok = self.engine.flush_cache(msg.cache_salt)
                 self._send(P.FlushCacheResult(msg.rid, ok, "" if ok else "requests using it are running; flush when idle"))

@@ -277,17 +277,17 @@ class Front:
             r.load_requests -= 1
             self.table.pop(st.rid, None)
 
-    def abort(self, rid: str) -> bool:
+    def abort(self, rid: str, reason: str = "") -> bool:
         st = self.table.get(rid)
         if st is None or not self.replicas[st.replica].alive:
             return False
-        self.replicas[st.replica].push.send(P.encode(P.AbortRequest(rid)), zmq.NOBLOCK)
+        self.replicas[st.replica].push.send(P.encode(P.AbortRequest(rid, reason=reason)), zmq.NOBLOCK)
         return True
 
-    def abort_all(self, owner: bytes | None = None, everyone: bool = False) -> list[str]:
+    def abort_all(self, owner: bytes | None = None, everyone: bool = False, reason: str = "") -> list[str]:
         rids = [rid for rid, st in self.table.items() if everyone or st.owner == owner]
         for rid in rids:
-            self.abort(rid)
+            self.abort(rid, reason)
         return rids
 
     async def control(self, msg: P.FlushCacheRequest | P.ServerInfoRequest | P.PinRequest | P.UnpinRequest

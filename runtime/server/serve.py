@@ -138,7 +138,8 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
     try:
         source = resolve_model(args.model)
     except (OSError, ValueError) as e:
-        raise StartupError(f"model {args.model!r}: {e}") from None
+        # the loader's messages name the model already; say it once
+        raise StartupError(str(e) if repr(args.model) in str(e) else f"model {args.model!r}: {e}") from None
     ctx = zmq.asyncio.Context()
     sockets: list[zmq.asyncio.Socket] = []
 
@@ -220,7 +221,7 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
         await asyncio.wait({stop_task, serve_task}, return_when=asyncio.FIRST_COMPLETED)
         # shut down: no more restarts, end in-flight requests, stop HTTP, then the engines
         watchdog.cancel()
-        front.abort_all(everyone=True)
+        front.abort_all(everyone=True, reason="the server is shutting down")
         await asyncio.sleep(0.05)
         server.should_exit = True
         with contextlib.suppress(Exception):

@@ -1,0 +1,39 @@
+"""A server stopped (SIGTERM / Ctrl-C) while a request streams ends that request with an
+abort whose message says the server is shutting down, not "aborted by request" (which
+would tell the client it cancelled the request itself)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+
+from plait.runtime import launch
+
+
+def test_a_stream_cut_by_shutdown_says_so(tiny_model_factory):
+    rt = launch(str(tiny_model_factory("llama")), num_threads=1, kv_cache_tokens=4096)
+    events: list[dict] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        with httpx.Client(base_url=rt.url, timeout=120) as c, c.stream("POST", "/generate", json={
+                "text": "Once upon a time", "stream": True,
+                "sampling_params": {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 3000}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[len("data: "):]))
+                    first.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        assert first.wait(120), "no first piece"
+    finally:
+        code = rt.shutdown()
+    t.join(60)
+    assert not t.is_alive() and code == 0
+    reason = events[-1]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "shutting down" in reason["message"], reason
+    assert len(events[-1]["output_ids"]) < 3000
