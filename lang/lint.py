@@ -40,15 +40,17 @@ class PromptLayoutWarning(UserWarning):
 @dataclass
 class LayoutIssue:
     program: str
-    value: str  # "argument 'now'" or "output of gen 'answer'"
-    offset: int  # characters of known text before the value
+    value: str  # "argument 'now'" or "output of gen 'answer'"; several: "argument 'a', argument 'b'"
+    offset: int  # characters of constant text before the (first) value; values' own lengths are not known
     tokens_lost: int  # estimated tokens of constant text after it, recomputed per instance
     following: str  # the start of that text
+    count: int = 1  # dynamic values since the last model call, all before that text
 
     def __str__(self) -> str:
-        return (f"{self.program}: {self.value} at character {self.offset} comes before ~{self.tokens_lost} tokens of "
-                f"constant text ({self.following!r}...); every instance recomputes them. Put the constant text first "
-                "to share its KV across calls.")
+        verb = "comes" if self.count == 1 else "come"
+        return (f"{self.program}: {self.value}, after {self.offset} characters of constant text, {verb} before "
+                f"~{self.tokens_lost} tokens of constant text ({self.following!r}...); every instance recomputes them. "
+                "Put the constant text first to share its KV across calls.")
 
 
 @dataclass
@@ -120,11 +122,15 @@ def lint_graph(graph: ProgramGraph, min_tokens: int = DEFAULT_MIN_TOKENS,
     issues: list[LayoutIssue] = []
     nodes = graph.nodes if again is None else mark_changing(graph.nodes, again.nodes)
 
-    def scan(nodes: list[Node], offset: int) -> None:
+    def scan(nodes: list[Node], offset: int, pending: list[tuple[str, int]]) -> None:
+        # pending: the dynamic values (description, offset) since the last model call that
+        # no report has named yet; every one of them keeps the text after it from being
+        # shared, so a report names them all (moving only the last would not help)
+        pending = list(pending)
         for i, n in enumerate(nodes):
             if isinstance(n, ForkNode):
                 for branch in n.branches:
-                    scan(branch, offset)
+                    scan(branch, offset, pending)
                 continue
             if isinstance(n, (StopNode, JoinNode)):
                 return
@@ -132,6 +138,9 @@ def lint_graph(graph: ProgramGraph, min_tokens: int = DEFAULT_MIN_TOKENS,
             if what is None:
                 offset += len(_constant_text(n) or "")
                 continue
+            if isinstance(n, (GenNode, SelectNode)):
+                pending = []  # a model call's output differs anyway: what came before is moot
+            pending.append((what, offset))
             after: list[str] = []
             for m in nodes[i + 1 :]:
                 text = _constant_text(m)
@@ -141,9 +150,11 @@ def lint_graph(graph: ProgramGraph, min_tokens: int = DEFAULT_MIN_TOKENS,
             following = "".join(after)
             tokens = count(following)
             if tokens >= min_tokens:
-                issues.append(LayoutIssue(graph.name, what, offset, tokens, following.strip()[:40]))
+                issues.append(LayoutIssue(graph.name, ", ".join(w for w, _ in pending), pending[0][1], tokens,
+                                          following.strip()[:40], len(pending)))
+                pending = []
 
-    scan(nodes, 0)
+    scan(nodes, 0, [])
     return issues
 
 

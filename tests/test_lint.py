@@ -171,3 +171,19 @@ def test_engine_counts_early_divergences(tiny_model_factory):
         assert e.stats()["cache_early_divergences"] == 1
         e.generate(input_ids=[11, 12, 13] + body, sampling_params=params)  # a full hit
         assert e.stats()["cache_early_divergences"] == 1
+
+
+def test_every_value_before_the_constant_text_is_named():
+    """Two arguments before the instructions: moving only the last would leave the first
+    in front, so one report names both (the first's position, the text both precede)."""
+    @plait.function
+    def two_ids(s, tenant, user, question):
+        s += "Tenant " + tenant + ", user " + user + ". " + INSTRUCTIONS + question + plait.gen("a", max_tokens=4)
+
+    (issue,) = two_ids.lint()
+    assert issue.value == "argument 'tenant', argument 'user'" and issue.count == 2
+    assert issue.offset == len("Tenant ") and issue.tokens_lost == len(". " + INSTRUCTIONS) // 4
+    text = str(issue)
+    assert "after 7 characters of constant text, come before" in text, text
+    (one,) = two_ids.lint([{"tenant": "acme", "user": u, "question": "q?"} for u in ("ann", "bob")])
+    assert one.value == "argument 'user'" and one.count == 1 and "comes before" in str(one)
