@@ -92,6 +92,22 @@ def build_tiny_model(folder: Path, tokenizer_dir: Path, arch: str, seed: int = 0
     return folder
 
 
+def with_chat_template(model_dir: Path, out: Path, source: str) -> Path:
+    """``out`` holding ``model_dir``'s files with ``source`` as the tokenizer's chat template
+    (a served model that renders chats the way a real family's template does)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    for f in model_dir.iterdir():
+        if f.is_file():
+            shutil.copy(f, out / f.name)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = source
+    tok.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):
     """``factory(arch)`` -> folder of a tiny random model, built once per session."""

@@ -29,12 +29,13 @@ request in its own cache namespace (the same prompt gives the same numbers).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import openai
 import pydantic
 import pytest
+
+from conftest import with_chat_template
 
 from plait.runtime.server import launch
 
@@ -63,16 +64,8 @@ ASK = [{"role": "user", "content": "What are 2 + 3 and 2 * 3?"}]
 
 @pytest.fixture(scope="module")
 def oai(tiny_model_factory, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    model_dir = tiny_model_factory("llama")
-    folder = tmp_path_factory.mktemp("qwen3-agents19")
-    for f in model_dir.iterdir():
-        if f.is_file():
-            shutil.copy(f, folder / f.name)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.chat_template = TEMPLATE.read_text()
-    tok.save_pretrained(folder)
+    folder = with_chat_template(tiny_model_factory("llama"), tmp_path_factory.mktemp("qwen3-agents19"),
+                                TEMPLATE.read_text())
     with launch(str(folder), num_threads=1, kv_cache_tokens=8192, max_running_requests=8,
                 served_model_name=MODEL) as rt:
         yield openai.OpenAI(base_url=rt.url + "/v1", api_key="none", max_retries=0, timeout=120)

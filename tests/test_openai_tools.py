@@ -11,12 +11,13 @@ server checks of calls, and ``auto`` is checked against the parse of the same ou
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import jsonschema
 import openai
 import pytest
+
+from conftest import with_chat_template
 
 from plait.chat_template import messages_for_tool_template, messages_without_tool_support
 from plait.reasoning import get_reasoning_parser
@@ -85,16 +86,7 @@ def oai(server):
 
 @pytest.fixture(scope="module")
 def think_dir(model_dir, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("tiny-think")
-    for f in model_dir.iterdir():
-        if f.is_file():
-            shutil.copy(f, out / f.name)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.chat_template = THINK_TEMPLATE
-    tok.save_pretrained(out)
-    return out
+    return with_chat_template(model_dir, tmp_path_factory.mktemp("tiny-think"), THINK_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

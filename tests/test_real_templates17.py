@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,6 +38,7 @@ from plait.runtime.server import launch
 from plait.runtime.server.openai_api import _messages, chat_turn, render_chat, server_tool_parser
 from plait.tool_parsers import detect_tool_parser, get_tool_parser, mistral_call_id
 
+from conftest import with_chat_template
 from test_tool_parsers17b import _stream as streamed
 
 TEMPLATES = Path(__file__).parent / "data" / "templates17"
@@ -237,21 +237,9 @@ def test_parser_ids_and_forcing_regexes():
 
 
 # -- servers, through the official openai client ---------------------------------------------------
-def _serve_dir(model_dir: Path, out: Path, source: str) -> Path:
-    from transformers import AutoTokenizer
-
-    for f in model_dir.iterdir():
-        if f.is_file():
-            shutil.copy(f, out / f.name)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.chat_template = source
-    tok.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def qwen3(tiny_model_factory, tmp_path_factory):
-    folder = _serve_dir(tiny_model_factory("llama"), tmp_path_factory.mktemp("qwen3-tpl"), template("qwen3.jinja"))
+    folder = with_chat_template(tiny_model_factory("llama"), tmp_path_factory.mktemp("qwen3-tpl"), template("qwen3.jinja"))
     with launch(str(folder), num_threads=1, kv_cache_tokens=8192, max_running_requests=8, served_model_name=MODEL,
                 reasoning_parser="qwen3") as rt:
         yield openai.OpenAI(base_url=rt.url + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -259,7 +247,7 @@ def qwen3(tiny_model_factory, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mistral(tiny_model_factory, tmp_path_factory):
-    folder = _serve_dir(tiny_model_factory("llama"), tmp_path_factory.mktemp("mistral-tpl"),
+    folder = with_chat_template(tiny_model_factory("llama"), tmp_path_factory.mktemp("mistral-tpl"),
                         template("mistral-nemo.jinja"))
     with launch(str(folder), num_threads=1, kv_cache_tokens=8192, max_running_requests=8,
                 served_model_name=MODEL) as rt:
