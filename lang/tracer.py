@@ -287,10 +287,33 @@ def stop_if_tracing(program: str) -> None:
 
 
 class _ArgPlaceholder(str):
-    """An argument not given to ``trace``: a string that marks where it lands."""
+    """An argument not given to ``trace``: a string that marks where it lands. Used as
+    a sequence (a list argument: ``for q in questions``, ``", ".join(choices)``,
+    ``s.fork(len(docs))`` then ``docs[i]``) it is one item, itself, so the text it
+    contributes is still marked as the argument's (iterating the mark's characters
+    traced one chat turn or fork per character, and a layout warning named an argument
+    ``', c, h, o, ...'``). A slice that keeps that item (``context[:2000]``) is the
+    mark; indexing past it stops the trace: the items are known only at run time."""
+
+    arg_name: str
 
     def __new__(cls, name: str) -> _ArgPlaceholder:
-        return super().__new__(cls, f"{_OPEN}{name}{_CLOSE}")
+        mark = super().__new__(cls, f"{_OPEN}{name}{_CLOSE}")
+        mark.arg_name = name
+        return mark
+
+    def __iter__(self) -> Iterator[str]:
+        return iter((self,))
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, key: Any) -> str:
+        if isinstance(key, slice):
+            return self if range(1)[key] else ""
+        if key in (0, -1) and not isinstance(key, bool):
+            return self
+        raise _StopTracing(f"indexes argument {self.arg_name!r} at {key!r}, which is known only at run time")
 
 
 class TracingState(RoleScopes):
@@ -309,7 +332,7 @@ class TracingState(RoleScopes):
 
     def _record(self, e: Expr) -> None:
         if isinstance(e, Text):
-            self.nodes.extend(split_arg_marks(e.value))
+            self.nodes.extend(split_arg_marks(str.__str__(e.value)))  # (a placeholder as plain text)
         elif isinstance(e, Gen):
             self.nodes.append(GenNode(e.name, dict(e.params)))
             self._output(e.name)
