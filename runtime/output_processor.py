@@ -142,7 +142,11 @@ class OutputProcessor:
         piece, ids = text[cur.sent_text : end], r.token_ids[r.prompt_len + cur.sent_ids :]
         if reason is None and not piece and not ids:
             return None
-        meta: dict[str, Any] = {"completion_tokens": r.completion_len}
+        # each piece carries SGLang's per-chunk meta info (programs read finish_reason or
+        # prompt_tokens on every piece); the final result has them all again
+        meta: dict[str, Any] = {"id": r.rid, "prompt_tokens": r.prompt_len + r.healed,
+                                "completion_tokens": r.completion_len, "cached_tokens": r.cached_tokens,
+                                "finish_reason": None if reason is None else reason.to_dict()}
         lp = r.logprobs
         if lp is not None:
             meta["output_token_logprobs"] = lp.output_token[cur.sent_logprobs :]

@@ -186,6 +186,10 @@ def test_text_async_iter_with_meta_data_streams_each_piece_s_meta_info(backend, 
     assert all(isinstance(m, dict) for m in metas)
     counts = [m["completion_tokens"] for m in metas]
     assert counts == sorted(counts) and counts[-1] == 6 and metas[-1]["finish_reason"]["type"] == "length"
+    # SGLang's per-piece fields on every piece: finish_reason None until the end
+    assert all(m["finish_reason"] is None for m in metas[:-1])
+    assert all(m["prompt_tokens"] == want["meta_info"]["prompt_tokens"] and m["cached_tokens"] >= 0
+               and isinstance(m["id"], str) for m in metas)
     # each piece's logprob entries are its own tokens': together, the whole output's
     entries = [e for m in metas for e in m["output_token_logprobs"]]
     assert [e[1] for e in entries] == [e[1] for e in want["meta_info"]["output_token_logprobs"]]
