@@ -401,7 +401,9 @@ def parse_response_request(front: Front, store: ResponseStore, body: dict[str, A
         if found is None:
             raise RequestError(f"previous_response_id={prev!r} is not held by this server ({store.kept()})",
                                "previous_response_id", 404)
-        history = [m for m in found if m["role"] != "system"]  # instructions are not carried over
+        # (the stored conversation holds no instructions: they are not carried over, while
+        # the system and developer messages of earlier inputs are, as OpenAI keeps them)
+        history = found
     new = input_messages(body.get("input"))
     items = stored_input_items(store, prev, body["input"])
     instructions = oa.get_field(body, "instructions", "str")
@@ -472,8 +474,11 @@ def output_items(message: dict[str, Any], logprobs: list[dict[str, Any]] | None 
 
 
 def conversation(rj: ResponseJob, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation after this response (what a continuation starts from)."""
-    msgs = [dict(m) for m in rj.messages]
+    """The conversation after this response (what a continuation starts from), without
+    the request's ``instructions`` (its first message when given: a continuation has its
+    own). Input messages of role system or developer stay in it: a continuation once
+    dropped every system message, so an agent's developer prompt vanished after one turn."""
+    msgs = [dict(m) for m in rj.messages[1 if rj.body.get("instructions") else 0:]]
     text = "".join(p["text"] for it in items if it["type"] == "message" for p in it["content"])
     calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
              for it in items if it["type"] == "function_call"]
