@@ -413,3 +413,28 @@ def test_server_args_check_parser_names():
         ServerArgs(tool_call_parser="xml")
     with pytest.raises(ValueError, match="reasoning_parser='o1' is invalid; allowed: deepseek-r1, qwen3"):
         ServerArgs(reasoning_parser="o1")
+
+
+DEEP = "[" * 5000 + "]" * 5000  # past Python's JSON recursion limit
+
+
+@pytest.mark.parametrize("name,text", [
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": ' + DEEP + '}}\n</tool_call>'),
+    ("llama3_json", '{"name": "add", "parameters": {"a": ' + DEEP + '}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a": ' + DEEP + '}}]'),
+    ("granite", '<|tool_call|>[{"name": "add", "arguments": {"a": ' + DEEP + '}}]'),
+    ("phi4_mini_json", 'functools[{"name": "add", "arguments": {"a": ' + DEEP + '}}]'),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{\"a\": "
+     + DEEP + "}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    ("pythonic", "[add(a=" + DEEP + ")]"),
+])
+def test_arguments_nested_past_the_recursion_limit_are_not_a_crash(name, text):
+    """A model that writes arguments nested thousands deep (pushed there by a raw regex
+    beside tools, or a long context) gets its text back as content or a call; parsing
+    raised RecursionError, a 500 or a dead stream on the server."""
+    left, calls = get_tool_parser(name).parse(text, TOOLS)
+    assert calls or left == text
+    stream = get_tool_parser(name).stream(TOOLS)
+    for i in range(0, len(text), 4096):
+        stream.feed(text[i:i + 4096])
+    stream.finish()
