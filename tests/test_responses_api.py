@@ -257,8 +257,10 @@ def test_include_top_logprobs_and_reasoning_effort_are_checked(oai, server):
     for effort in (None, "minimal", "high"):
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                     reasoning_effort=effort)
-        oai.responses.create(model=MODEL, input="hi", max_output_tokens=1, reasoning={"effort": effort},
-                             include=["reasoning.encrypted_content"])  # (harmless to ignore: reasoning is in clear)
+        resp = oai.responses.create(model=MODEL, input="hi", max_output_tokens=1, reasoning={"effort": effort},
+                                    include=["reasoning.encrypted_content"])  # (harmless: reasoning is in clear)
+        assert resp.reasoning is not None and resp.reasoning.effort == effort  # repeated, as OpenAI does
+    assert oai.responses.create(model=MODEL, input="hi", max_output_tokens=1).reasoning is None
 
 
 def test_completion_text_offsets_of_split_characters(server):

@@ -473,6 +473,14 @@ def output_items(message: dict[str, Any], logprobs: list[dict[str, Any]] | None 
     return items
 
 
+def _echo_reasoning(reasoning: Any) -> dict[str, Any] | None:
+    """The request's ``reasoning`` as OpenAI repeats it (``effort``, ``summary``): a hint
+    here, checked when the request came, as chat's ``reasoning_effort``."""
+    if not isinstance(reasoning, dict):
+        return None
+    return {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")}
+
+
 def conversation(rj: ResponseJob, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The conversation after this response (what a continuation starts from), without
     the request's ``instructions`` (its first message when given: a continuation has its
@@ -514,7 +522,10 @@ def response_object(rj: ResponseJob, items: list[dict[str, Any]], meta: dict[str
         "temperature": body.get("temperature"), "top_p": body.get("top_p"),
         "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
         "text": {"format": text.get("format") or {"type": "text"}}, "store": rj.store,
-        "metadata": body.get("metadata") or {}, "truncation": "disabled", "reasoning": None,
+        "metadata": body.get("metadata") or {}, "truncation": "disabled",
+        # (truncation: what was done, whatever was asked; "auto" is accepted, but a
+        # conversation past the context is refused, not cut from its start)
+        "reasoning": _echo_reasoning(body.get("reasoning")),
         # the limits as set, as OpenAI repeats them (max_tool_calls counts built-in tool calls:
         # there are none here, so it always holds)
         "max_tool_calls": body.get("max_tool_calls"), "top_logprobs": body.get("top_logprobs"),
