@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from plait.errors import is_int
-from plait.regex import check_regex
+from plait.regex import MAX_PATTERN_CHARS, check_regex
 from plait.runtime.constrained.regexes import (
     BOOLEAN,
     INTEGER,
@@ -2753,21 +2753,23 @@ def multiples_regex(step: Fraction, int_digits: int, j_lo: int | None, j_hi: int
         for w in forms(v):
             whole, dot, frac = w.partition(".")
             long_tails.append((whole.zfill(int_tail) if int_tail else "") + dot + frac)
-            if v:
+            if v and len(whole) <= int_digits:
                 short.append(w)
     zero = _trie_regex(forms(Fraction(0)))
     positive = [_trie_regex(short)] if short else []
     if int_digits > int_tail:
         positive.append("[1-9]" + ("[0-9]{0,%d}" % (int_digits - int_tail - 1) if int_digits - int_tail > 1 else "")
                         + _trie_regex(long_tails))
-    pos = _alt(positive)
     parts = []
-    if j_lo is None:
-        parts.append("-" + pos)
+    if positive and j_lo is None:  # no positive multiple fits (a step of 1e20): zero alone
+        parts.append("-" + _alt(positive))
     if (j_lo is None or j_lo <= 0) and (j_hi is None or j_hi >= 0):
         parts.append(zero)
-    if j_hi is None:
-        parts.append(pos)
+    if positive and j_hi is None:
+        parts.append(_alt(positive))
+    if not parts:
+        raise SchemaError(f"no multiple of {_decimal_text(step)} on this side of zero has at most {int_digits} "
+                          "integer digits")
     return _alt(parts)
 
 
@@ -2861,6 +2863,9 @@ def _pattern_tree(pattern: Any, path: str) -> Any:
 
     if not isinstance(pattern, str):
         raise SchemaError(f"json_schema 'pattern' at {path} must be a string")
+    if len(pattern) > MAX_PATTERN_CHARS:  # before parsing: a 1 MiB alternation took seconds to refuse
+        raise SchemaError(f"json_schema 'pattern' at {path} has {len(pattern)} characters; allowed: at most "
+                          f"{MAX_PATTERN_CHARS} (the limit of a 'regex')")
     try:
         return _parser.parse(ecma_to_python(pattern))
     except Exception as e:

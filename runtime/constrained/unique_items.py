@@ -697,6 +697,7 @@ class UniqueGuard:
             return mask
         pools = pools_for(self.token_bytes, mask.shape[0])
         ahead = tracker is self.tracker
+        ahead_only = False
         bits = np.unpackbits(mask.view(np.uint8), bitorder="little").view(np.bool_)
         n = min(len(bits), len(pools.opens))
         blocked: set[int] = set()
@@ -738,7 +739,9 @@ class UniqueGuard:
             except Duplicate:
                 blocked.add(t)
         if ahead:
-            blocked |= self._doomed(bits, tracker, blocked)
+            doomed, reach = self._doomed(bits, tracker, blocked)
+            ahead_only = bool(doomed - blocked)  # some token is out only for what it leads to
+            blocked |= doomed
         if not blocked:
             return mask
         # (vectorised: inside a number whose text equals an item, every token that ends
@@ -753,11 +756,16 @@ class UniqueGuard:
         out = np.packbits(keep, bitorder="little").view(np.uint32)
         if ahead and not out.any() and mask.view(np.uint32).any():
             sub = next((x for x in tracker.trackers if x.guarded), None)
-            where = _where(sub.path() if sub is not None else [])
+            path = [] if sub is None else sub.path()
+            if sub is not None and (ahead_only or sub.scalar is None):
+                # the item that runs out: after those held (and, found ahead, after the one
+                # the next token could still complete)
+                path[-1] = max(reach, len(sub.stack[-1][2])) if ahead_only else len(sub.stack[-1][2])
+            where = _where(path)
             self._dead = f"'uniqueItems' at {where}: every token the schema allows next would repeat an earlier item"
         return out.view(np.int32)
 
-    def _doomed(self, bits: np.ndarray, tracker: OutputTracker, blocked: set[int]) -> set[int]:
+    def _doomed(self, bits: np.ndarray, tracker: OutputTracker, blocked: set[int]) -> tuple[set[int], int]:
         """Tokens after which every way on repeats an earlier item: a token that leaves
         the output inside a guarded array without completing a new item (``"a`` with
         ``"a"``, ``"aa"`` and ``"ab"`` written and items ``^[ab]{1,2}$``) is kept only
@@ -769,15 +777,16 @@ class UniqueGuard:
         after :data:`LOOKAHEAD_GIVE_UP` such searches (with none found dead) the step
         stops looking: a free string's first characters lead to masks of thousands of
         tokens, and each search would cost a mask to learn it (SmolLM2, free-string
-        tags: 36.8 ms p99 a mask against 0.4 ms without the look-ahead)."""
+        tags: 36.8 ms p99 a mask against 0.4 ms without the look-ahead). Also returns the
+        index of the furthest item the search found repeating (where the values run out)."""
         if not any(f[2] for sub in tracker.trackers for f in sub.stack if f[2] is not None):
-            return set()
+            return set(), 0
         ids = np.flatnonzero(bits).tolist()
         if len(ids) > LOOKAHEAD_TOKENS:
-            return set()
+            return set(), 0
         base = _progress_mark(tracker)
-        memo: dict[bytes, bool] = {}
-        budget = [LOOKAHEAD_NODES]
+        memo: dict[tuple[tuple[int, int], bytes], bool] = {}
+        budget = [LOOKAHEAD_NODES, 0]  # masks left; the furthest item index found repeating
         out = set()
         unknown = 0  # searches that met a large mask: past a few, the domain is large
         for t in ids:
@@ -793,29 +802,35 @@ class UniqueGuard:
                 out.add(t)
                 continue
             if not _pending(base, after):
-                continue
-            dead = self._dead_from(after, [t], data, base, memo, budget)
+                if not _goes_on(after, data):
+                    continue
+                # it completes a new item and goes on into the next one (`",` after the
+                # last value left, `","`): that one must still have a way on
+                dead = self._dead_from(after, [t], data, _progress_mark(after), memo, budget)
+            else:
+                dead = self._dead_from(after, [t], data, base, memo, budget)
             if dead is True:
                 out.add(t)
             elif dead is None:
                 unknown += 1
-        return out
+        return out, budget[1]
 
     def _dead_from(self, tracker: OutputTracker, path: list[int], written: bytes, base: tuple[int, int],
-                   memo: dict[bytes, bool], budget: list[int]) -> bool | None:
+                   memo: dict[tuple[tuple[int, int], bytes], bool], budget: list[int]) -> bool | None:
         """Whether every continuation the grammar allows after ``path`` (the tokens
         tried, ``written`` their bytes; the inner matcher does not move) repeats an item
         before one completes a new item or an array closes: True, False, or None when
         the search would pass its limits. States are the bytes written (two paths with
         the same bytes are one state for the grammar and the tracker)."""
-        if written in memo:
-            return memo[written]
+        key = (base, written)  # the same bytes from another base are another question
+        if key in memo:
+            return memo[key]
         if budget[0] <= 0 or len(path) > 32:
             return None
         budget[0] -= 1
         masks = self.inner.draft_masks(path, False)
         if len(masks) <= len(path):  # the grammar refuses the path: no way on through it
-            memo[written] = True
+            memo[key] = True
             return True
         bits = np.unpackbits(masks[-1].view(np.uint8), bitorder="little").view(np.bool_)
         ids = np.flatnonzero(bits).tolist()
@@ -828,21 +843,25 @@ class UniqueGuard:
             try:
                 after.feed(data)
             except Duplicate:
+                budget[1] = max(budget[1], _held(after))
                 continue
             if not _pending(base, after):
-                memo[written] = False
-                return False
-            todo.append((u, data, after))
+                if not _goes_on(after, data):
+                    memo[key] = False
+                    return False
+                todo.append((u, data, after, _progress_mark(after)))  # a new item, then the next
+                continue
+            todo.append((u, data, after, base))
         result: bool | None = True
-        for u, data, after in todo:
-            r = self._dead_from(after, [*path, u], written + data, base, memo, budget)
+        for u, data, after, at in todo:
+            r = self._dead_from(after, [*path, u], written + data, at, memo, budget)
             if r is False:
-                memo[written] = False
+                memo[key] = False
                 return False
             if r is None:
                 result = None
         if result is True:
-            memo[written] = True
+            memo[key] = True
         return result
 
     def _must_close(self, t: int, pools: _Pools) -> bool:
@@ -897,6 +916,22 @@ def _pending(base: tuple[int, int], tracker: OutputTracker) -> bool:
     (:func:`_progress_mark`) with no new item completed and none closed (any change
     counts as a way on: the search only ever keeps a token it cannot rule out)."""
     return base[1] > 0 and _progress_mark(tracker) == base
+
+
+def _goes_on(tracker: OutputTracker, data: bytes) -> bool:
+    """After ``data`` completed an item (or closed an array), whether it also went on into
+    the next item of a guarded array: it ends with the comma after the item, or inside the
+    next item (``",`` or ``","`` after a string item, ``,`` after a number)."""
+    if _progress_mark(tracker)[1] == 0:
+        return False
+    if any(sub.scalar is not None and sub.guarded for sub in tracker.trackers):
+        return True
+    return data.rstrip(_WS).endswith(b",") and any(sub.guarded for sub in tracker.trackers)
+
+
+def _held(tracker: OutputTracker) -> int:
+    """Items the innermost guarded array being written holds (its next item's index)."""
+    return next((len(sub.stack[-1][2]) for sub in tracker.trackers if sub.guarded), 0)
 
 
 def _where(path: list[Any]) -> str:
