@@ -202,8 +202,9 @@ def test_a_max_length_past_32_bits_compiles_and_a_min_length_is_a_400(grammars, 
     for backend in ("auto", "llguidance"):
         assert constraint(schema, backend).backend == "llguidance"
         assert admitted(grammars, vocab, schema, backend, '{"s":"abc"}'), backend
-    with pytest.raises(RequestError, match=r"counted repetition \{0,9007199254740991\} at position \d+ adds"):
-        constraint(schema, "outlines")  # refused at the edge, not by the build after admission
+    # the regex path reads a bound past u32 as none (no output reaches it; test_schema_probe20)
+    assert constraint(schema, "outlines").backend == "outlines"
+    assert admitted(grammars, vocab, schema, "outlines", '{"s":"abc"}')
     assert counted_repetition_too_large("a{12345678901}") is not None
     with pytest.raises(RequestError, match=r"minLength: 9007199254740991 at #/properties/s is past the lengths the "
                                            r"llguidance backend reads; allowed: at most 4294967295"):

@@ -209,3 +209,28 @@ def test_a_pattern_within_the_limit_still_compiles(grammars, vocab):  # noqa: F8
     for backend in ("auto", "outlines"):
         assert admitted(grammars, vocab, schema, backend, '"w199"'), backend
         assert not admitted(grammars, vocab, schema, backend, '"w200"'), backend
+
+
+def test_a_length_bound_past_u32_is_no_bound_on_the_regex_path():
+    """maxLength / maxItems of 2**40 (no output reaches them) were written as counted
+    repetitions past u32, which the regex checks refuse: a forced tool call's schema got
+    a 400 naming tool_choice and quoting the translated regex. Now they are unbounded,
+    and the regex matches what the schema allows."""
+    import json
+    import re
+
+    import jsonschema
+
+    from plait.regex import check_regex
+    from plait.runtime.constrained.unique_items import guarded_regex
+
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 2**40},
+                                               "b": {"type": "array", "items": {"type": "integer"}, "maxItems": 2**40}},
+              "required": ["a", "b"], "additionalProperties": False}
+    rx, _ = guarded_regex(schema)
+    check_regex(rx)  # raised "a repetition count above 4294967295"
+    doc = json.dumps({"a": "x" * 300, "b": list(range(50))}, separators=(",", ":"))
+    assert re.fullmatch(rx, doc) and not re.fullmatch(rx, doc.replace('"x', '"\n'))
+    jsonschema.validate(json.loads(doc), schema)
+    bounded, _ = guarded_regex({"type": "string", "maxLength": 2**32 - 1})
+    assert "{0,4294967295}" in bounded  # the largest count a backend reads is kept

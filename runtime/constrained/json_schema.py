@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from plait.errors import is_int
-from plait.regex import MAX_PATTERN_CHARS, check_regex
+from plait.regex import MAX_PATTERN_CHARS, MAX_REPEAT, check_regex
 from plait.runtime.constrained.regexes import (
     BOOLEAN,
     INTEGER,
@@ -2520,6 +2520,10 @@ def _alt(parts: list[str]) -> str:
 def _repeat(x: str, lo: int, hi: int | None) -> str:
     if hi is not None and hi <= 0:
         return ""
+    if hi is not None and hi > MAX_REPEAT:
+        # (a maxLength / maxItems of 2**40: no output reaches it, and a count past u32 is
+        # not a regex the backends read: "a repetition count above 4294967295", a 400)
+        hi = None
     if hi is None:
         return {0: "(?:" + x + ")*", 1: "(?:" + x + ")+"}.get(lo, "(?:" + x + "){%d,}" % lo)
     if lo == hi:
