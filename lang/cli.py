@@ -13,11 +13,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plait", description="plait command line", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text with the in-process engine", allow_abbrev=False)
-    gen.add_argument("prompt", nargs="+", help="one or more prompts")
+    gen.add_argument("prompt", nargs="+", help="one or more prompts, each sent as raw text (no chat template: an "
+                     "Instruct model continues the text; for chat, use plait serve and its /v1/chat/completions)")
     gen.add_argument("--model", default=None, help="HF folder, .gguf path or hub id (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0.0)")
-    gen.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: one per core)")
+    gen.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: one per core; on a machine busy with other work, 1 is often faster)")
     serve = sub.add_parser(
         "serve",
         usage="%(prog)s [MODEL] [options]",
@@ -110,7 +111,7 @@ def _lint(parser: argparse.ArgumentParser, target: str, min_tokens: int) -> int:
     for issue in issues:
         print(issue)
     if not issues:
-        print(f"{target}: no prompt-layout problems found")
+        print(f"{fn.__name__}: no prompt-layout problems found")  # (named as the reports name it)
     return 1 if issues else 0
 
 

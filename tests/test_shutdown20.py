@@ -37,3 +37,24 @@ def test_a_stream_cut_by_shutdown_says_so(tiny_model_factory):
     reason = events[-1]["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "shutting down" in reason["message"], reason
     assert len(events[-1]["output_ids"]) < 3000
+
+
+def test_plait_serve_says_it_stopped(tiny_model_factory):
+    """``plait serve`` announces its start (stderr) and ready line (stdout); on SIGTERM it
+    now says it stopped too (it went quiet, which reads as a hang in a terminal)."""
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-c", "import sys; from plait.cli import main; sys.exit(main())", "serve",
+           "--model", str(tiny_model_factory("llama")), "--port", "0", "--num-threads", "1", "--kv-cache-tokens", "4096"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("plait server ready at ")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and err.strip().splitlines()[-1] == "plait server stopped", err[-2000:]

@@ -285,7 +285,10 @@ def run(args: ServerArgs, ready_fd: int | None = None, parent_pid: int | None = 
     with open(os.path.join(tmpdir, OWNER_FILE), "w") as f:
         f.write(str(os.getpid()))
     try:
-        return asyncio.run(_serve(args, tmpdir, report, parent_pid))
+        code = asyncio.run(_serve(args, tmpdir, report, parent_pid))
+        if announce:
+            print("plait server stopped", file=sys.stderr, flush=True)
+        return code
     except StartupError as e:
         if ready_fd is None:  # a terminal: one line (the log line said the same again)
             print(f"error: {e}", file=sys.stderr)
