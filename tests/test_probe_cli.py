@@ -241,3 +241,12 @@ def test_options_are_not_abbreviated_and_errors_carry_the_subcommands_usage(caps
         cli_main(["generate", "hi", "--max-new", "3"])
     err = capsys.readouterr().err
     assert "usage: plait generate" in err and "unrecognized arguments: --max-new 3" in err, err
+
+
+def test_dp_with_tp_and_one_rendezvous_address_is_refused_before_start(capsys):
+    """dp_size 2 x tp_size 2 with --dist-init-addr: both replicas' ranks would listen on
+    that port; the second failed ~10 s into start-up with EADDRINUSE."""
+    err = serve_error(capsys, "--dp-size", "2", "--tp-size", "2", "--dist-init-addr", "127.0.0.1:29555")
+    assert "dist_init_addr='127.0.0.1:29555' is invalid with dp_size=2" in err, err
+    parse("--dp-size", "2", "--tp-size", "2")  # without it, each group finds a port of its own
+    parse("--tp-size", "2", "--dist-init-addr", "127.0.0.1:29555")

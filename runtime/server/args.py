@@ -152,6 +152,11 @@ class ServerArgs:
         if self.dp_size > 1 and self.engine.nnodes > 1:
             raise ValueError(f"dp_size={self.dp_size} is invalid with nnodes={self.engine.nnodes}; allowed: 1 (a "
                              f"multi-node tensor-parallel group is one replica; run more groups behind SMG)")
+        if self.dp_size > 1 and self.engine.tp_size > 1 and self.engine.dist_init_addr is not None:
+            # every replica's rank group would listen on that one port: the second failed
+            # after ~10 s with EADDRINUSE, naming neither option
+            raise ValueError(f"dist_init_addr={self.engine.dist_init_addr!r} is invalid with dp_size={self.dp_size}; "
+                             f"allowed: unset (each replica's tensor-parallel ranks meet on a free port of their own)")
         if not isinstance(self.restart_engine, bool):
             raise ValueError(f"restart_engine={self.restart_engine!r} is invalid; allowed: true or false")
         from plait.reasoning import REASONING_PARSERS
