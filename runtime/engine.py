@@ -86,6 +86,18 @@ class Engine:
         check_tp(mc, cfg.tp_size)
         # tensor parallelism: this process is rank 0; the other ranks start now (plait.runtime.tp)
         self._tp = TPWorkers.start(model, cfg, self.device) if cfg.tp_size > 1 else None
+        try:
+            self._start(cfg, mc, dp_rank)
+        except BaseException:
+            # the ranks wait in a broadcast: a start-up that fails past this point (no room
+            # for the KV cache, a bad attention backend) stops them, or they stay until
+            # the engine object is collected (never, while the traceback is held)
+            if self._tp is not None:
+                self._tp.close()
+            raise
+
+    def _start(self, cfg: EngineConfig, mc: ModelConfig, dp_rank: int) -> None:
+        """The rest of :meth:`__init__`, once the tensor-parallel ranks run."""
         self.model = self._load_model()
         self.weights_fingerprint = weights_fingerprint(self.source.kind, self.source.path)
 

@@ -128,6 +128,7 @@ class TPWorkers:
         self.device = device
         self.nnodes = nnodes
         self.dead = False
+        self.serving = False  # the workers took the pool geometry and wait for steps (serve)
 
     @classmethod
     def start(cls, model: str | None, cfg: EngineConfig, device: torch.device) -> TPWorkers:
@@ -205,6 +206,7 @@ class TPWorkers:
         name = type(attn).__name__.removesuffix("AttentionBackend").lower()
         geometry = torch.tensor([num_slots, context_len, ATTENTION_BACKENDS.index(name)], dtype=torch.long)
         self._collective(self._bcast, geometry)
+        self.serving = True
 
     def _bcast(self, t: torch.Tensor) -> torch.Tensor:
         dev = rank_device(self.device, 0)
@@ -217,15 +219,18 @@ class TPWorkers:
         return TPModel(model, self)
 
     def close(self) -> None:
-        """Stop the workers (asking first when the group is healthy), then kill what is
-        left; idempotent."""
-        if not self.dead and self.group.pg is not None and all(p.poll() is None for p in self.procs):
+        """Stop the workers (asking first when the group is healthy and serving), then kill
+        what is left; idempotent. NOTE: before :meth:`serve` the workers wait in the
+        geometry broadcast, where a STOP header (another size) aborts them in gloo: they
+        are killed instead."""
+        healthy = not self.dead and self.group.pg is not None and all(p.poll() is None for p in self.procs)
+        if healthy and self.serving:
             try:
                 self._bcast(_header(OP_STOP))
             except RuntimeError:
                 pass
         self.dead = True
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + (5.0 if self.serving else 0.0)
         for p in self.procs:
             try:
                 p.wait(max(deadline - time.monotonic(), 0.01))
