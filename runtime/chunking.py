@@ -33,6 +33,15 @@ fit's high-side error (:meth:`ChunkSizer._high_error`): a least-squares fit is r
 average, so half the mixed steps run over it, and p99 sees the slow ones (with both,
 p99/p50 1.54-1.92 in four runs; 1.63 and 2.24 without the margin; the long prompt's TTFT
 1.83-2.08x unchunked throughout).
+
+Where no chunk of at least ``min_chunk`` tokens keeps the target through a prompt's end
+(on CPU a step beside decodes costs about a decode step before its chunk, so a chunk
+step cannot stay within 2x a decode step and finish a long prompt within 1.5x its
+unchunked time: README), the floor is not ``min_chunk`` itself but chunks of equal
+predicted time, as many as ``min_chunk``-token chunks would take
+(:meth:`ChunkSizer._even_chunk`): about the same TTFT, a lower slowest step
+(bench_serving chunked-prefill on the Xeon: p99/p50 1.28-1.72 in five runs against
+1.58-2.03 with the fixed floor, the long prompt's TTFT 1.26-1.37x unchunked).
 """
 
 from __future__ import annotations
@@ -71,10 +80,15 @@ class ChunkSizer:
         if self._since_fit >= 8:
             self._refit()
 
-    def budget(self, decodes: int, streaming: bool = True, prefix: int = 0) -> int:
+    def budget(self, decodes: int, streaming: bool = True, prefix: int = 0, prompt: tuple[int, int] | None = None) -> int:
         """Prefill tokens for the next step with ``decodes`` decodes running;
         ``streaming``: whether any of them streams its tokens to a client; ``prefix``:
-        the tokens already computed of the prompt the chunk continues (0 for a new one)."""
+        the tokens already computed of the prompt the chunk continues (0 for a new one);
+        ``prompt``: that prompt's (first computed position, length), the tokens it was
+        admitted with from the cache and all of its tokens, when known: where even a
+        ``min_chunk``-token chunk passes the target, the floor is then the chunk that
+        spreads the prompt's work evenly over the steps ``min_chunk``-token chunks would
+        take (:meth:`_even_chunk`) instead of ``min_chunk`` itself."""
         if decodes == 0 or not streaming:
             return self.max_chunk
         if self._fit is None:  # explore: small chunks of three sizes until the fit exists
@@ -83,12 +97,38 @@ class ChunkSizer:
         decode_step = a + d * decodes
         target = self.itl_target_s if self.itl_target_s is not None else 2.0 * decode_step
         slack = target / self._margin - decode_step  # the step's prediction, scaled by its error, within the target
-        if slack <= 0:
-            return self.min_chunk
-        # the largest n with p * n + q * n * (prefix + n / 2) <= slack
-        b = p + q * prefix
-        n = 2.0 * slack / (b + math.sqrt(b * b + 2.0 * q * slack))  # the quadratic's root, stable as q -> 0
-        return max(self.min_chunk, min(self.max_chunk, int(n + 1e-6)))  # + rounding slack of the fit
+        n = _largest_chunk(p, q, prefix, slack) if slack > 0 else 0
+        floor = self.min_chunk
+        # the target cannot be kept through the prompt's end (its last min_chunk tokens
+        # attend to all before them): even steps instead of min_chunk-token ones
+        if (prompt is not None and prompt[1] - prompt[0] > self.min_chunk
+                and (slack <= 0 or _largest_chunk(p, q, prompt[1] - self.min_chunk, slack) < self.min_chunk)):
+            floor = self._even_chunk(p, q, prefix, *prompt)
+        return max(floor, min(self.max_chunk, n))
+
+    def _even_chunk(self, p: float, q: float, prefix: int, start: int, length: int) -> int:
+        """The floor where the target cannot be kept: chunks equal in predicted time, as
+        many as ``min_chunk``-token chunks of the prompt's tokens from ``start`` on would
+        be. Each step beside the decodes costs their step plus its chunk's work (``p``
+        per token, ``q`` per (query, key) pair); with ``min_chunk``-token chunks that
+        work grows with the prefix (a late chunk attends to the whole prompt before it),
+        so the last steps were the slowest, and p99 saw them (the Xeon, 8 streams, a
+        2048-token prompt in 32-token chunks: ~55 ms early, 80-86 ms at the end). The
+        same number of steps, each doing the average step's work, takes about as long in
+        all (the prompt's TTFT) with the slowest step lower: larger chunks early, smaller
+        late. Within ``[min_chunk / 2, 3 * min_chunk / 2]`` tokens: the fit's split
+        between ``p`` and ``q`` is least sure early in a prompt (fitted from chunks near
+        its start, ``q`` came out 25x too large and the first chunks 230 tokens, 285 ms
+        steps; allowing 2x ``min_chunk`` made the first steps the slowest), and never
+        past the prompt's last token."""
+        tokens, m = length - start, self.min_chunk
+        steps = -(-tokens // m)
+        work = p * tokens + q * tokens * (start + tokens / 2.0)  # the whole prompt's chunk work
+        # and no step over the last min_chunk-token step's work (the fit's split between
+        # p and q is least sure early, and a small p made the first chunks 300 tokens)
+        last = p * m + q * m * (length - m / 2.0)
+        n = _largest_chunk(p, q, prefix, min(work / steps, last))
+        return max(max(1, m // 2), min(self.max_chunk, m + m // 2, n, max(1, length - prefix)))
 
     def _refit(self) -> None:
         self._since_fit = 0
@@ -156,6 +196,13 @@ class ChunkSizer:
         """(fixed seconds per step, seconds per decode, seconds per prefill token,
         seconds per (query, key) pair of a prefill chunk)."""
         return self._fit
+
+
+def _largest_chunk(p: float, q: float, prefix: int, slack: float) -> int:
+    """The largest n with ``p * n + q * n * (prefix + n / 2) <= slack``: the quadratic's
+    root, stable as q -> 0, plus the fit's rounding slack."""
+    b = p + q * prefix
+    return int(2.0 * slack / (b + math.sqrt(b * b + 2.0 * q * slack)) + 1e-6)
 
 
 def attention_pairs(chunks: list[tuple[int, int]]) -> float:

@@ -185,9 +185,15 @@ class Scheduler:
             streaming = any(r.stream for r in batch.decodes) or any(r.stream for r, _ in batch.verifies)
             # the chunk that continues a prompt attends to all of its computed tokens (only a
             # budget that protects streaming decodes reads it)
-            prefix = max((r.num_computed for r in self.running if not r.is_decoding and r.num_pending > 0),
-                         default=0) if decoding and streaming else 0
-            budget = self.chunks.budget(decoding, streaming, prefix) - batch.num_draft_tokens
+            prefix, prompt = 0, None
+            if decoding and streaming:
+                filling = [r for r in self.running if not r.is_decoding and r.num_pending > 0]
+                if filling:
+                    r = max(filling, key=lambda r: r.num_computed)
+                    prefix, prompt = r.num_computed, (r.cached_tokens, r.seq_len)
+                elif self.waiting:  # a new prompt: the first waiting one's, if admitted (FIFO)
+                    prompt = (0, self.waiting[0].seq_len)
+            budget = self.chunks.budget(decoding, streaming, prefix, prompt) - batch.num_draft_tokens
         else:
             size = self.config.chunked_prefill_size
             # -1: no chunking, any prompt the context holds is prefilled in one step

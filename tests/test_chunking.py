@@ -55,6 +55,53 @@ def test_a_chunk_late_in_a_long_prompt_is_smaller_by_its_attention():
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > 2 * sizes[3]
 
 
+def _schedule(sizer: ChunkSizer, length: int, start: int, known: bool) -> list[tuple[int, float]]:
+    """(chunk, predicted step time) of each step of a prompt of ``length`` tokens, the
+    first ``start`` from the cache, beside 8 decodes; ``known``: the budget is told the
+    prompt."""
+    a, d, p, q = sizer.fit
+    steps, prefix = [], start
+    while prefix < length:
+        n = min(sizer.budget(8, prefix=prefix, prompt=(start, length) if known else None), length - prefix)
+        steps.append((n, a + 8 * d + p * n + q * attention_pairs([(prefix, n)])))
+        prefix += n
+    return steps
+
+
+def test_where_no_chunk_keeps_the_target_the_prompt_gets_even_steps():
+    """The CPU case: a step beside decodes costs about a decode step before its chunk,
+    and late in a long prompt even min_chunk tokens pass 2x a decode step. The fixed floor
+    made the last steps the slowest (p99); told the prompt, the budget spreads its work
+    over as many steps of equal predicted time: larger chunks early, smaller late, the
+    slowest step lower, the total (the prompt's TTFT) about the same."""
+    sizer = ChunkSizer()
+    _feed(sizer, a=0.020, d=0.001, p=0.0007, q=4e-7)  # the Xeon's fit: 28 ms decode step with 8
+    floor = _schedule(sizer, 2048, 0, known=False)
+    even = _schedule(sizer, 2048, 0, known=True)
+    assert min(n for n, _ in floor[:-1]) == floor[-2][0] == 32  # the fixed floor binds late in the prompt
+    sizes = [n for n, _ in even]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 32 > sizes[-2] and all(16 <= n <= 48 for n in sizes[:-1])
+    assert abs(len(even) - len(floor)) <= 3
+    assert sum(t for _, t in even) <= 1.03 * sum(t for _, t in floor)
+    slowest_even, slowest_floor = max(t for _, t in even), max(t for _, t in floor)
+    assert slowest_even < 0.9 * slowest_floor
+    times = [t for _, t in even[1:-1]]  # (the first at the 48-token cap, the last what is left)
+    assert max(times) < 1.1 * min(times)
+    # a prompt that came with 1024 tokens from the cache: even over the 1024 it computes
+    rest = _schedule(sizer, 2048, 1024, known=True)
+    assert abs(len(rest) - 32) <= 2 and max(t for _, t in rest) < max(t for _, t in _schedule(sizer, 2048, 1024, False))
+
+
+def test_where_the_target_holds_to_the_prompts_end_knowing_it_changes_nothing():
+    sizer = ChunkSizer()
+    _feed(sizer, a=0.010, d=0.001, p=0.0001, q=2e-8)  # chunks within 2x a decode step even at 8000
+    for prefix in (0, 500, 2000, 7900):
+        assert sizer.budget(8, prefix=prefix, prompt=(0, 8000)) == sizer.budget(8, prefix=prefix)
+    short = ChunkSizer()  # a prompt of min_chunk tokens or fewer: nothing to spread
+    _feed(short, a=0.020, d=0.001, p=0.0007, q=4e-7)
+    assert short.budget(8, prefix=2000, prompt=(2000, 2032)) == short.budget(8, prefix=2000) == 32
+
+
 def test_steps_that_run_over_the_fit_shrink_the_chunk():
     """A least-squares fit is right on average, so about half the mixed steps run over
     it, and the slow ones are what p99 sees: the budget keeps the prediction times the
@@ -172,9 +219,12 @@ def test_the_scheduler_asks_for_each_chunk_at_the_prefix_it_continues(tiny_model
         asked: list[int] = []
         real = e.scheduler.chunks.budget
 
-        def budget(decodes, streaming=True, prefix=0):
+        prompts: list[tuple[int, int] | None] = []
+
+        def budget(decodes, streaming=True, prefix=0, prompt=None):
             asked.append(prefix)
-            return 64 if decodes else real(decodes, streaming, prefix)
+            prompts.append(prompt)
+            return 64 if decodes else real(decodes, streaming, prefix, prompt)
 
         monkeypatch.setattr(e.scheduler.chunks, "budget", budget)
         params = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
@@ -182,6 +232,7 @@ def test_the_scheduler_asks_for_each_chunk_at_the_prefix_it_continues(tiny_model
         while a.output_len < 2:
             e.step()
         asked.clear()
+        prompts.clear()
         (b,) = e.submit(validate_generate("b", [5 + i % 200 for i in range(300)], {"max_new_tokens": 1}, e.limits))
         seen = []
         while b.output_len == 0:
@@ -189,6 +240,8 @@ def test_the_scheduler_asks_for_each_chunk_at_the_prefix_it_continues(tiny_model
             e.step()
         # each step after b's first chunk asked at b's computed tokens then
         assert asked[: len(seen)] == [0] + seen[1:] and seen[1:] == [64 * i for i in range(1, len(seen))]
+        # and told the prompt: b's (tokens from the cache, length), first while it waits
+        assert prompts[: len(seen)] == [(0, 300)] * len(seen)
         while e.scheduler.running or e.scheduler.waiting:
             e.step()
         e.check_invariants()
