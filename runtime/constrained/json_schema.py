@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import re
 import math
+import sys
 import time
 from decimal import Decimal
 from fractions import Fraction
@@ -283,6 +284,15 @@ def check_schema_size(schema: Any) -> None:
             elif isinstance(child, float) and not math.isfinite(child):
                 raise SchemaError(f"json_schema holds {child} at {path}/{_pointer_part(key)}; allowed: JSON numbers (NaN and "
                                   "Infinity are not JSON; a number literal past a double's range reads as Infinity)")
+            elif isinstance(child, int) and not isinstance(child, bool) and abs(child) > sys.float_info.max:
+                # an integer literal is read exactly, and the translators compare it with
+                # floats: a bound of 400 digits was an OverflowError inside them (a 400
+                # blaming the backend, with a traceback in the log). Its size in powers of
+                # ten: str() of an integer past 4300 digits raises.
+                raise SchemaError(f"json_schema holds an integer of about 10**{round(math.log10(abs(child)))} "
+                                  f"at {path}/{_pointer_part(key)}, past a 64-bit float's range (what JSON Schema "
+                                  f"numbers are read as); allowed: numbers of magnitude at most "
+                                  f"{sys.float_info.max:.4g}")
 
 
 def _pointer_part(key: Any) -> str:
