@@ -49,7 +49,7 @@ import httpx
 import openai
 import pytest
 
-from plait.errors import RequestError
+from plait.runtime.constrained.json_schema import SchemaError, check_schema_size
 from plait.runtime.server import launch
 from plait.runtime.server import openai_api as oa
 
@@ -187,14 +187,22 @@ def test_an_integer_past_a_double_in_a_response_format_is_a_400_naming_it(oai, h
     wait_idle(http)
 
 
-def test_check_schema_numbers_walks_without_recursion():
+def test_the_schema_walk_names_the_integer_and_never_recurses():
+    """Every path (tools' parameters, response formats, /generate) refuses an integer
+    past a double in ``check_schema_size``, the walk each runs first: iterative, so
+    nesting deeper than Python's recursion limit is a depth error, not a RecursionError."""
+    near: Any = BIG
+    for _ in range(3):
+        near = [near]
+    with pytest.raises(SchemaError) as e:
+        check_schema_size({"a/b": {"c~d": near}})
+    assert "#/a~1b/c~0d/0/0/0," in str(e.value) and "10**400" in str(e.value)
     deep: Any = BIG
-    for _ in range(50_000):  # (nesting the request's JSON parser could never give: no recursion limit here)
+    for _ in range(50_000):  # (nesting the request's JSON parser could never give)
         deep = [deep]
-    with pytest.raises(RequestError) as e:
-        oa.check_schema_numbers({"a/b": {"c~d": deep}}, "response_format")
-    assert e.value.param == "response_format" and "#/a~1b/c~0d/0/0/" in e.value.message
-    oa.check_schema_numbers({"maximum": 10 ** 308, "minimum": -1.5e308, "x": [True, None, "9" * 400]}, "p")
+    with pytest.raises(SchemaError, match="nested more than"):
+        check_schema_size({"a": deep})
+    check_schema_size({"maximum": 10 ** 308, "minimum": -1.5e308, "x": [True, None, "9" * 400]})
 
 
 # -- replayed calls whose arguments nest too deep -----------------------------------------------

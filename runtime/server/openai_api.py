@@ -11,7 +11,6 @@ import codecs
 import json
 import math
 import re
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -181,26 +180,6 @@ def check_echoable(value: Any, param: str) -> None:
                 stack.append(x)
         elif isinstance(v, list):
             stack.extend(v)
-
-
-def check_schema_numbers(schema: Any, param: str) -> None:
-    """A JSON Schema (a tool's ``parameters``, a response format's) holding no integer
-    past a 64-bit float's range, which JSON Schema numbers are read as: a bound of 400
-    digits in a tool's parameters was an ``OverflowError`` where the call's grammar was
-    built, a 500 (in a response format, a 400 reading "cannot be compiled
-    (OverflowError ...)")."""
-    stack: list[tuple[Any, str]] = [(schema, "#")]
-    while stack:
-        v, path = stack.pop()
-        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > sys.float_info.max:
-            # (str() of an integer past 4300 digits raises: the size is told in powers of ten)
-            raise RequestError(f"{param} holds an integer of about 10**{round(v.bit_length() * math.log10(2))} at "
-                               f"{path}, past a 64-bit float's range (what JSON Schema numbers are read as); "
-                               f"allowed: numbers of magnitude at most {sys.float_info.max:.4g}", param)
-        if isinstance(v, dict):
-            stack.extend((x, f"{path}/{str(k).replace('~', '~0').replace('/', '~1')}") for k, x in v.items())
-        elif isinstance(v, list):
-            stack.extend((x, f"{path}/{k}") for k, x in enumerate(v))
 
 
 def check_verbosity(body: dict[str, Any], param: str) -> None:
@@ -932,11 +911,6 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
                            f"call; allowed: at least one function tool, or tool_choice 'auto' or 'none'", "tools")
     if tools:  # rendered into the prompt: a lone surrogate would be blamed on the messages
         check_text(json.dumps(body["tools"], ensure_ascii=False), "tools")
-        for i, fn in enumerate(tools):
-            check_schema_numbers(fn.get("parameters"), f"tools[{i}].function.parameters" if nested_tools else
-                                 f"tools[{i}].parameters")
-    if isinstance(schema, (dict, list)):
-        check_schema_numbers(schema, schema_field)
     choice, allowed = ("none", None) if offered == [] else _tool_choice(body, tools, nested_tools)
     # an allowed_tools choice: every tool is in the prompt (as OpenAI keeps them: the
     # prefix stays cached), the allowed ones alone are constrained to and parsed as calls
