@@ -65,6 +65,8 @@ class ChunkSizer:
 
     def __init__(self, itl_target_ms: float | None = None, *, min_chunk: int = 32, max_chunk: int = 4096,
                  window: int = 128) -> None:
+        if not 1 <= min_chunk <= max_chunk:
+            raise ValueError(f"min_chunk={min_chunk} and max_chunk={max_chunk}: allowed 1 <= min_chunk <= max_chunk")
         self.itl_target_s = None if itl_target_ms is None else itl_target_ms / 1000.0
         self.min_chunk, self.max_chunk = min_chunk, max_chunk
         # (decodes, prefill tokens, attention pairs, seconds)
@@ -86,7 +88,7 @@ class ChunkSizer:
         ``streaming``: whether any of them streams its tokens to a client; ``prefix``:
         the tokens already computed of the prompt the chunk continues (0 for a new one);
         ``prompt``: that prompt's (first computed position, length), the tokens it was
-        admitted with from the cache and all of its tokens, when known: where even a
+        admitted with (its cache match) and all of its tokens, when known: where even a
         ``min_chunk``-token chunk passes the target, the floor is then the chunk that
         spreads the prompt's work evenly over the steps ``min_chunk``-token chunks would
         take (:meth:`_even_chunk`) instead of ``min_chunk`` itself."""
@@ -120,16 +122,18 @@ class ChunkSizer:
         late. Within ``[min_chunk / 2, 3 * min_chunk / 2]`` tokens: the fit's split
         between ``p`` and ``q`` is least sure early in a prompt (fitted from chunks near
         its start, ``q`` came out 25x too large and the first chunks 230 tokens, 285 ms
-        steps; allowing 2x ``min_chunk`` made the first steps the slowest), and never
-        past the prompt's last token."""
-        tokens, m = length - start, self.min_chunk
-        steps = -(-tokens // m)
-        work = p * tokens + q * tokens * (start + tokens / 2.0)  # the whole prompt's chunk work
-        # and no step over the last min_chunk-token step's work (the fit's split between
-        # p and q is least sure early, and a small p made the first chunks 300 tokens)
-        last = p * m + q * m * (length - m / 2.0)
-        n = _largest_chunk(p, q, prefix, min(work / steps, last))
-        return max(max(1, m // 2), min(self.max_chunk, m + m // 2, n, max(1, length - prefix)))
+        steps; allowing 2x ``min_chunk`` made the first steps the slowest). (A budget
+        past the prompt's end is the step's: the rest admits other prompts, as any.)"""
+        tokens, m, rest = length - start, self.min_chunk, length - prefix
+        # each step's share of the whole prompt's chunk work, over the floor's number of steps
+        share = (p * tokens + q * tokens * (start + tokens / 2.0)) / -(-tokens // m)
+        # what is left, over the fewest steps that keep each within the share, evenly (a
+        # step that took less, at the clamp, leaves more steps, not larger ones; no tail
+        # of a few tokens left for a step of its own)
+        work = p * rest + q * rest * (prefix + rest / 2.0)
+        steps = max(1, math.ceil(work / share - 1e-9))
+        n = rest if steps == 1 else math.ceil(_chunk_root(p, q, prefix, work / steps) - 1e-6)
+        return max(m // 2, min(self.max_chunk, m + m // 2, n))
 
     def _refit(self) -> None:
         self._since_fit = 0
@@ -199,11 +203,17 @@ class ChunkSizer:
         return self._fit
 
 
-def _largest_chunk(p: float, q: float, prefix: int, slack: float) -> int:
-    """The largest n with ``p * n + q * n * (prefix + n / 2) <= slack``: the quadratic's
-    root, stable as q -> 0, plus the fit's rounding slack."""
+def _chunk_root(p: float, q: float, prefix: int, slack: float) -> float:
+    """The n (real) with ``p * n + q * n * (prefix + n / 2) == slack``: the quadratic's
+    root, stable as q -> 0."""
     b = p + q * prefix
-    return int(2.0 * slack / (b + math.sqrt(b * b + 2.0 * q * slack)) + 1e-6)
+    return 2.0 * slack / (b + math.sqrt(b * b + 2.0 * q * slack))
+
+
+def _largest_chunk(p: float, q: float, prefix: int, slack: float) -> int:
+    """The largest n with ``p * n + q * n * (prefix + n / 2) <= slack`` (plus the fit's
+    rounding slack)."""
+    return int(_chunk_root(p, q, prefix, slack) + 1e-6)
 
 
 def attention_pairs(chunks: list[tuple[int, int]]) -> float:

@@ -167,6 +167,7 @@ class Req:
         self.long_rope = False
         self.row: int | None = None
         self.cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.admitted_at = 0  # tokens computed when last admitted (its cache match): where its prefill starts
         self.healed = 0  # 1 when token healing backed off the prompt's last token (written again as output)
         self.admitted_once = False
         self.num_retractions = 0

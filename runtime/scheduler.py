@@ -185,15 +185,19 @@ class Scheduler:
             streaming = any(r.stream for r in batch.decodes) or any(r.stream for r, _ in batch.verifies)
             # the chunk that continues a prompt attends to all of its computed tokens (only a
             # budget that protects streaming decodes reads it)
+            # and that prompt's (tokens computed at admission, length): a prompt not yet
+            # admitted is sized as before (which waiting one goes first, and from how much
+            # of a cached prefix, is decided in _admit)
             prefix, prompt = 0, None
-            if decoding and streaming:
-                filling = [r for r in self.running if not r.is_decoding and r.num_pending > 0]
-                if filling:
-                    r = max(filling, key=lambda r: r.num_computed)
-                    prefix, prompt = r.num_computed, (r.cached_tokens, r.seq_len)
-                elif self.waiting:  # a new prompt: the first waiting one's, if admitted (FIFO)
-                    prompt = (0, self.waiting[0].seq_len)
+            filling = [r for r in self.running if not r.is_decoding and r.num_pending > 0]
+            if decoding and streaming and filling:
+                r = max(filling, key=lambda r: r.num_computed)
+                prefix, prompt = r.num_computed, (r.admitted_at, r.seq_len)
             budget = self.chunks.budget(decoding, streaming, prefix, prompt) - batch.num_draft_tokens
+            if filling or self.waiting:
+                # drafts being verified take the budget's tokens first, but never all of
+                # it: a prompt still advances beside many verifying streams
+                budget = max(budget, self.chunks.min_chunk // 4)
         else:
             size = self.config.chunked_prefill_size
             # -1: no chunking, any prompt the context holds is prefilled in one step
@@ -458,7 +462,7 @@ class Scheduler:
         self.cache.lock(match.node)
         r.last_node = match.node
         r.prefix_slots = match.slots
-        r.cache_len = r.num_computed = match.length
+        r.cache_len = r.num_computed = r.admitted_at = match.length
         self.req_to_token.write(r.row, 0, match.slots)
         r.status = ReqStatus.RUNNING
         self.running.append(r)
