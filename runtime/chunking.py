@@ -40,9 +40,9 @@ step cannot stay within 2x a decode step and finish a long prompt within 1.5x it
 unchunked time: README), the floor is not ``min_chunk`` itself but chunks of equal
 predicted time, as many as ``min_chunk``-token chunks would take
 (:meth:`ChunkSizer._even_chunk`): about the same TTFT, a lower slowest step
-(bench_serving chunked-prefill on the Xeon: p99/p50 1.27-1.72 in six runs against
-1.58-1.99 with the fixed floor, the long prompt's TTFT 1.26-1.45x unchunked against
-1.35-1.47x).
+(bench_serving chunked-prefill on the Xeon: p99/p50 1.27-1.72 in thirteen runs against
+1.58-1.99 with the fixed floor; the long prompt's TTFT about the same, 1.26-1.76x
+unchunked as the baseline moved between 2.4 and 3.4 s: README).
 """
 
 from __future__ import annotations
