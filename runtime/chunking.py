@@ -126,11 +126,11 @@ class ChunkSizer:
         past the prompt's end is the step's: the rest admits other prompts, as any.)"""
         tokens, m, rest = length - start, self.min_chunk, length - prefix
         # each step's share of the whole prompt's chunk work, over the floor's number of steps
-        share = (p * tokens + q * tokens * (start + tokens / 2.0)) / -(-tokens // m)
+        share = _chunk_work(p, q, start, tokens) / -(-tokens // m)
         # what is left, over the fewest steps that keep each within the share, evenly (a
         # step that took less, at the clamp, leaves more steps, not larger ones; no tail
         # of a few tokens left for a step of its own)
-        work = p * rest + q * rest * (prefix + rest / 2.0)
+        work = _chunk_work(p, q, prefix, rest)
         steps = max(1, math.ceil(work / share - 1e-9))
         n = rest if steps == 1 else math.ceil(_chunk_root(p, q, prefix, work / steps) - 1e-6)
         return max(m // 2, min(self.max_chunk, m + m // 2, n))
@@ -203,15 +203,21 @@ class ChunkSizer:
         return self._fit
 
 
+def _chunk_work(p: float, q: float, prefix: int, n: int) -> float:
+    """The predicted cost of a chunk of ``n`` tokens after ``prefix`` computed ones
+    beyond its step's fixed part: ``p`` per token, ``q`` per (query, key) pair."""
+    return p * n + q * attention_pairs([(prefix, n)])
+
+
 def _chunk_root(p: float, q: float, prefix: int, slack: float) -> float:
-    """The n (real) with ``p * n + q * n * (prefix + n / 2) == slack``: the quadratic's
-    root, stable as q -> 0."""
+    """The n (real) with ``_chunk_work(p, q, prefix, n) == slack``: the quadratic's root,
+    stable as q -> 0."""
     b = p + q * prefix
     return 2.0 * slack / (b + math.sqrt(b * b + 2.0 * q * slack))
 
 
 def _largest_chunk(p: float, q: float, prefix: int, slack: float) -> int:
-    """The largest n with ``p * n + q * n * (prefix + n / 2) <= slack`` (plus the fit's
+    """The largest n with ``_chunk_work(p, q, prefix, n) <= slack`` (plus the fit's
     rounding slack)."""
     return int(_chunk_root(p, q, prefix, slack) + 1e-6)
 
