@@ -1,6 +1,7 @@
 """SGLang's ``sglang.utils`` helpers that programs and scripts import next to the
-language: reading a data file, writing program states out, and merging the text of an
-offline engine's stream (``from sglang.utils import dump_state_text`` becomes ``from
+language: reading a data file, writing program states out, merging the text of an
+offline engine's stream, and starting / waiting for / stopping a server from a script
+the way SGLang's docs do (``from sglang.utils import dump_state_text`` becomes ``from
 plait.utils import dump_state_text``).
 
 Light like the rest of the language: nothing here imports torch.
@@ -9,14 +10,22 @@ Light like the rest of the language: nothing here imports torch.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 __all__ = ["read_jsonl", "dump_state_text", "trim_overlap", "stream_and_merge", "async_stream_and_merge",
-           "print_highlight", "wait_for_server"]
+           "print_highlight", "wait_for_server", "launch_server_cmd", "terminate_process", "execute_shell_command"]
 
 
 def read_jsonl(filename: str) -> list[Any]:
@@ -89,6 +98,8 @@ def wait_for_server(base_url: str, timeout: float | None = None, process: Any = 
     raises ``TimeoutError``; ``process`` (the server's ``subprocess.Popen``) raises
     ``RuntimeError`` as soon as it has exited, instead of waiting for nothing."""
     url = base_url.rstrip("/") + "/health"
+    if process is None:  # a server launch_server_cmd started on this port: notice if it dies
+        process = _launched.get(urllib.parse.urlsplit(url).port or -1)
     start = time.monotonic()
     while True:
         if process is not None and process.poll() is not None:
@@ -103,3 +114,106 @@ def wait_for_server(base_url: str, timeout: float | None = None, process: Any = 
         if timeout is not None and time.monotonic() - start > timeout:
             raise TimeoutError(f"{base_url} did not answer {url} within {timeout} s")
         time.sleep(0.2)
+
+
+# servers started by launch_server_cmd, by port: wait_for_server(url) without a process
+# still stops waiting when the server it waits for has exited (a bad flag, a missing model)
+_launched: dict[int, subprocess.Popen] = {}
+
+# launchers of SGLang, vLLM and plait: the options after them go to plait's server, which
+# takes SGLang's and vLLM's option names (docs/serving.md)
+_PYTHON = re.compile(r"python(\d+(\.\d+)?)?(\.exe)?$")
+_MODULES = {"sglang.launch_server", "plait.runtime.server", "vllm.entrypoints.openai.api_server"}
+_SERVE = {"sglang", "vllm", "plait"}
+
+
+def _split(command: str | list[str]) -> list[str]:
+    if not isinstance(command, str):
+        return [str(part) for part in command]
+    return shlex.split(command.replace("\\\n", " "))  # shell line continuations, as in the docs
+
+
+def _server_argv(parts: list[str]) -> list[str]:
+    """``parts`` with an SGLang / vLLM / plait launcher replaced by plait's server in this
+    interpreter; any other command unchanged."""
+    head = [os.path.basename(p) for p in parts[:3]]
+    if len(parts) >= 3 and _PYTHON.match(head[0]) and parts[1] == "-m" and parts[2] in _MODULES:
+        rest = parts[3:]
+    elif len(parts) >= 2 and head[0] in _SERVE and parts[1] == "serve":
+        rest = parts[2:]
+    else:
+        return parts
+    return [sys.executable, "-m", "plait.runtime.server", *rest]
+
+
+def _port_option(parts: list[str]) -> int | None:
+    for i, part in enumerate(parts):
+        value = part.split("=", 1)[1] if part.startswith("--port=") else (
+            parts[i + 1] if part == "--port" and i + 1 < len(parts) else None)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"--port {value!r} is not a port number") from None
+    return None
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("" if host in ("0.0.0.0", "") else host, 0))
+        return s.getsockname()[1]
+
+
+def execute_shell_command(command: str | list[str]) -> subprocess.Popen:
+    """Start ``command`` (a string split as a shell would, line continuations allowed, or
+    an argument list; no shell runs it) in a process group of its own and return it;
+    :func:`terminate_process` stops the group."""
+    parts = _split(command)
+    if not parts:
+        raise ValueError("execute_shell_command: the command is empty")
+    return subprocess.Popen(parts, start_new_session=True)
+
+
+def launch_server_cmd(command: str | list[str], host: str = "0.0.0.0", port: int | None = None
+                      ) -> tuple[subprocess.Popen, int]:
+    """Start a server from its command line, as SGLang's docs do, and return ``(process,
+    port)`` at once (:func:`wait_for_server` waits until it answers). An SGLang, vLLM or
+    plait launch command (``python -m sglang.launch_server --model-path M ...``, ``vllm
+    serve M ...``, ``plait serve M ...``) runs plait's server with the same options;
+    another command runs as given. ``port``: the HTTP port, else the command's own
+    ``--port``, else a free one on ``host`` (appended as ``--port``)."""
+    parts = _server_argv(_split(command))
+    if not parts:
+        raise ValueError("launch_server_cmd: the command is empty")
+    if port is None:
+        port = _port_option(parts)
+    if port is None:
+        port = _free_port(host)
+    if _port_option(parts) != port:
+        parts = [*parts, "--port", str(port)]
+    process = execute_shell_command(parts)
+    _launched[port] = process
+    return process, port
+
+
+def terminate_process(process: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Stop a process started by :func:`launch_server_cmd` (or
+    :func:`execute_shell_command`) with everything it started (a server's engine
+    process): SIGTERM to its process group, SIGKILL after ``timeout`` seconds."""
+    for port, p in list(_launched.items()):
+        if p is process:
+            del _launched[port]
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)  # its own group (start_new_session)
+    except (ProcessLookupError, PermissionError, AttributeError):
+        process.terminate()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, AttributeError):
+            process.kill()
+        process.wait()
