@@ -46,7 +46,7 @@ _SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_
                     "no_stop_trim", "stop_regex", "spaces_between_special_tokens")
 _COMMON = {"model", "n", "stop", "stream", "temperature", "top_p", "seed", "frequency_penalty", "presence_penalty",
            "max_tokens", "min_tokens", "logit_bias", "cache_salt", "rid", "regex", "json_schema", "ebnf",
-           "grammar_backend", "include_stop_str_in_output", *_SAMPLING_EXTRAS}
+           "grammar_backend", "whitespace_pattern", "include_stop_str_in_output", *_SAMPLING_EXTRAS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                          "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "reasoning_effort",
@@ -77,6 +77,8 @@ class Job:
     logprobs: int | None = None  # number of top logprobs (0: chosen token only); None: off
     prompt_tokens: list[int] = field(default_factory=list)
     constraint_field: str | None = None  # the client's field its regex/json_schema came from (response_format...)
+    # raw field -> the vLLM field the client sent it as (guided_json...: vllm_structured_outputs)
+    field_aliases: dict[str, str] = field(default_factory=dict)
     output: ChatOutput | None = None  # chat: how the text becomes a message (reasoning, tool calls)
 
 
@@ -265,7 +267,8 @@ def sampling_params(front: Front, body: dict[str, Any], prompt_len: int, default
     bias = get_field(body, "logit_bias", "dict")
     if bias:  # OpenAI's token id (decimal text) -> bias in [-100, 100]; checked with the sampling params
         sp["logit_bias"] = bias
-    for name in ("regex", "json_schema", "ebnf", "grammar_backend"):  # constrained decoding (SGLang's extra fields)
+    # constrained decoding (SGLang's extra fields; whitespace_pattern: vLLM's, for JSON)
+    for name in ("regex", "json_schema", "ebnf", "grammar_backend", "whitespace_pattern"):
         if body.get(name) is not None:
             sp[name] = body[name]
     return sp  # validated once, with the rest of the request, by Front.submit
@@ -274,7 +277,9 @@ def sampling_params(front: Front, body: dict[str, Any], prompt_len: int, default
 def openai_error(e: RequestError, job: Job | None = None) -> RequestError:
     """A validation error under OpenAI's field names (``max_new_tokens`` is
     ``max_tokens`` here; a chat's constraint came from ``response_format`` or the tools)."""
-    if job is not None and job.constraint_field is not None and e.param in ("json_schema", "regex"):
+    if job is not None and (e.param or "") in job.field_aliases:  # vLLM's spelling of the field
+        return _aliased(e, job.field_aliases)
+    if job is not None and job.constraint_field is not None and e.param in CONSTRAINT_FIELDS:
         return e.with_param(job.constraint_field)
     new = _RENAMES.get(e.param or "")
     if new is None:
@@ -343,7 +348,144 @@ def _rid_base(front: Front, body: dict[str, Any], prefix: str) -> str:
     return rid if rid is not None else front.new_rid(prefix)
 
 
+# -- vLLM's structured outputs -------------------------------------------------------------------
+# vLLM's per-request constraint fields (the guided_* extras, and structured_outputs, which
+# replaced them in vLLM 0.10) -> SGLang's raw fields, which this server reads
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "ebnf", "guided_choice": "regex"}
+_STRUCTURED = {"json": "json_schema", "regex": "regex", "grammar": "ebnf", "choice": "regex",
+               "json_object": "json_schema"}
+# vLLM's backend names -> this server's (None: the server's own choice; xgrammar and
+# lm-format-enforcer are not here, and the constraint means the same on either engine)
+_VLLM_BACKENDS = {"auto": None, "xgrammar": None, "lm-format-enforcer": None, "guidance": "llguidance",
+                  "llguidance": "llguidance", "outlines": "outlines"}
+
+
+def _guided_value(name: str, raw: str, value: Any) -> Any:
+    """One vLLM constraint value as the raw field's, checked."""
+    if name.endswith("choice"):
+        if (not isinstance(value, list) or not value or len(value) > 4096
+                or not all(isinstance(c, str) and c for c in value)):
+            raise RequestError(f"{name}={_short(value)} is invalid; allowed: a non-empty array of (at most 4096) "
+                               f"non-empty strings", name)
+        from plait.runtime.constrained.regexes import escape
+
+        for c in value:
+            check_text(c, name)
+        return "(?:" + "|".join(escape(c) for c in dict.fromkeys(value)) + ")"
+    if name.endswith("json_object"):
+        if value is not True:
+            raise RequestError(f"{name}={_short(value)} is invalid; allowed: true (any JSON object)", name)
+        return {"type": "object"}
+    if raw == "json_schema":
+        if not isinstance(value, (dict, bool, str)):
+            raise RequestError(f"{name}={_short(value)} is invalid; allowed: a JSON Schema (an object, true/false, "
+                               f"or its JSON text)", name)
+        return value
+    if not isinstance(value, str):
+        what = "a regular expression" if raw == "regex" else "a grammar (GBNF or Lark) as a string"
+        raise RequestError(f"{name}={_short(value)} is invalid; allowed: {what}", name)
+    return value
+
+
+def vllm_structured_outputs(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``body`` with vLLM's structured-output fields as SGLang's raw ones (``guided_json``
+    -> ``json_schema``, ``guided_regex`` -> ``regex``, ``guided_grammar`` -> ``ebnf``,
+    ``guided_choice`` -> a regex of the choices; ``structured_outputs`` {json, regex,
+    grammar, choice, json_object, whitespace_pattern, ...} alike; ``guided_decoding_backend``
+    -> ``grammar_backend``; ``guided_whitespace_pattern`` -> ``whitespace_pattern``), and
+    {raw field: the client's name} so that an error names what the client sent. At most
+    one constraint, from either spelling (400 otherwise)."""
+    fields = [k for k in (*_GUIDED, "structured_outputs", "guided_decoding_backend", "guided_whitespace_pattern")
+              if k in body]
+    if not fields:
+        return body, {}
+    body = dict(body)
+    found: list[tuple[str, str, Any]] = []  # (the client's name, the raw field, its value)
+    aliases: dict[str, str] = {}
+    for name, raw in _GUIDED.items():
+        value = body.pop(name, None)
+        if value is not None:
+            found.append((name, raw, value))
+    so = body.pop("structured_outputs", None)
+    if so is not None:
+        if not isinstance(so, dict):
+            raise RequestError(f"structured_outputs={_short(so)} is invalid; allowed: an object with one of "
+                               f"{', '.join(_STRUCTURED)}", "structured_outputs")
+        for key, value in so.items():
+            name = f"structured_outputs.{key}"
+            if key in _STRUCTURED:
+                if value is not None and not (key == "json_object" and value is False):
+                    found.append((name, _STRUCTURED[key], value))
+            elif key in ("disable_fallback", "disable_any_whitespace"):
+                # no fallback between engines here; JSON is written without free whitespace already
+                if value is not None and not isinstance(value, bool):
+                    raise RequestError(f"{name}={_short(value)} is invalid; allowed: a boolean", "structured_outputs")
+            elif key == "whitespace_pattern":
+                if value is not None:
+                    body["whitespace_pattern"] = value
+                    aliases["whitespace_pattern"] = name
+            elif key == "disable_additional_properties":
+                if value not in (None, False):
+                    raise RequestError(f"{name}={_short(value)} is not supported; allowed: false (write "
+                                       f"\"additionalProperties\": false into the schema)", "structured_outputs")
+            elif key == "structural_tag":
+                if value is not None:
+                    raise RequestError(f"{name} is not supported here; send response_format "
+                                       f"{{\"type\": \"structural_tag\", ...}} instead", "structured_outputs")
+            elif key != "_backend":
+                raise RequestError(f"structured_outputs has an unknown key {key!r}; allowed: "
+                                   f"{', '.join([*_STRUCTURED, 'whitespace_pattern', 'disable_fallback'])}",
+                                   "structured_outputs")
+    given = [k for k in CONSTRAINT_FIELDS if body.get(k) is not None]
+    if len(found) + len(given) > 1:
+        names = [name for name, _, _ in found] + given
+        raise RequestError(f"{names[0]} and {names[1]} both constrain the output; give one of them", names[1])
+    for name, raw, value in found:
+        body[raw] = _guided_value(name, raw, value)
+        aliases[raw] = name
+    backend = body.pop("guided_decoding_backend", None)
+    if backend is not None:
+        if not isinstance(backend, str) or backend.split(":")[0] not in _VLLM_BACKENDS:
+            raise RequestError(f"guided_decoding_backend={_short(backend)} is invalid; allowed: "
+                               f"{', '.join(_VLLM_BACKENDS)}", "guided_decoding_backend")
+        mapped = _VLLM_BACKENDS[backend.split(":")[0]]
+        if mapped is not None and body.get("grammar_backend") is None:
+            body["grammar_backend"] = mapped
+            aliases["grammar_backend"] = "guided_decoding_backend"
+    pattern = body.pop("guided_whitespace_pattern", None)
+    if pattern is not None:
+        body["whitespace_pattern"] = pattern
+        aliases["whitespace_pattern"] = "guided_whitespace_pattern"
+    return body, aliases
+
+
+def _aliased(e: RequestError, aliases: dict[str, str]) -> RequestError:
+    """``e`` naming the client's field where it names a raw one translated from it."""
+    name = aliases.get(e.param or "")
+    if name is None:
+        return e
+    message = name + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
+    return e.with_param(name, message)
+
+
+def _with_vllm_fields(parse: Callable[[Front, dict[str, Any]], Job]) -> Callable[[Front, dict[str, Any]], Job]:
+    def wrapped(front: Front, body: dict[str, Any]) -> Job:
+        body, aliases = vllm_structured_outputs(body)
+        if not aliases:
+            return parse(front, body)
+        try:
+            job = parse(front, body)
+        except RequestError as e:
+            raise _aliased(e, aliases) from None
+        job.field_aliases = aliases  # the engine's errors name the client's field too
+        return job
+
+    wrapped.__name__, wrapped.__doc__ = parse.__name__, parse.__doc__
+    return wrapped
+
+
 # -- completions ----------------------------------------------------------------------------
+@_with_vllm_fields
 def parse_completion(front: Front, body: dict[str, Any]) -> Job:
     check_fields(body, COMPLETION_FIELDS)
     model = check_model(front, body)
@@ -993,6 +1135,7 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
                        front.turn_end)
 
 
+@_with_vllm_fields
 def parse_chat(front: Front, body: dict[str, Any]) -> Job:
     check_fields(body, CHAT_FIELDS)
     model = check_model(front, body)
