@@ -154,6 +154,21 @@ def test_a_step_past_the_cap_on_one_side_of_zero_is_a_400_naming_it():
         constraint({"type": "integer", "multipleOf": 1e20, "exclusiveMinimum": 0}, "outlines")
 
 
+@pytest.mark.parametrize("backend", ["outlines", "llguidance"])
+def test_an_if_whose_else_case_cannot_be_written_names_if(backend):
+    # (found by a new-user trial: the 400 named 'not' at #/anyOf/1/properties/a, keywords
+    # and a path the rewrite of if/then wrote, not the client)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}},
+              "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["a"]}}
+    with pytest.raises(RequestError, match=r"keyword 'if' (at # )?is not supported: .*'else' case") as e:
+        constraint(schema, backend)
+    assert "anyOf" not in str(e.value)
+    # a 'not' the client wrote is still named as theirs
+    own = {**schema, "properties": {"a": {"type": "integer", "not": {"const": 3}}}}
+    with pytest.raises(RequestError, match=r"keyword 'not' at|keys: \[\"not\"\]"):
+        constraint(own, backend)
+
+
 # -- uniqueItems: a token that completes the last new item and goes on ---------------------------------
 ABC = {"type": "array", "items": {"enum": ["a", "b", "c"]}, "uniqueItems": True, "minItems": 3}
 ONE_TO_THREE = {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 3}, "uniqueItems": True}

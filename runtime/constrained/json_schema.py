@@ -939,7 +939,16 @@ class _Translator:
         if "not" in s:  # only `not: {type: ...}` is left (check_keywords refused the rest)
             s = self.without_types(s, _type_negation(s["not"]) or set(), path)
         if "if" in s:
-            return self.value({"anyOf": self.conditional(s, path)}, path)
+            try:
+                return self.value({"anyOf": self.conditional(s, path)}, path)
+            except SchemaError as e:
+                # a case the rewrite wrote (the values failing 'if' are a 'not' of its
+                # const or enum, under an anyOf) is no keyword the client sent: name theirs
+                if "keyword 'not'" in str(e) and f"{path}/anyOf/" in str(e) and '"not"' not in json.dumps(s, default=str):
+                    raise SchemaError(f"json_schema keyword 'if' at {path} is not supported: {WHY_NOT['if']}; "
+                                      f"here its 'else' case, the values failing 'if', cannot be written: "
+                                      f"{str(e).split(': ', 1)[-1]}") from None
+                raise
         if "then" in s or "else" in s:  # without 'if' they do nothing
             s = {k: v for k, v in s.items() if k not in ("then", "else")}
         if "$ref" in s:

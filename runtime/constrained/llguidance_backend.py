@@ -802,6 +802,14 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
     try:
         return _schema_grammar(value, whitespace_pattern)
     except ValueError as e:
+        text = json.dumps(value)
+        if 'keys: ["not"]' in str(e) and '"not"' not in text and '"if"' in text:
+            # the 'not' is the rewrite's (the values failing an 'if': plain_schema), not the
+            # client's: name their keyword
+            from plait.runtime.constrained.json_schema import WHY_NOT
+
+            raise ValueError(f"json_schema keyword 'if' is not supported: {WHY_NOT['if']}; here its 'else' case, "
+                             f"the values failing 'if', cannot be written (a 'not' of its values)") from None
         if not copied:
             raise
         raise ValueError(_shown_places(str(e), copied)) from None
