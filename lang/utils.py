@@ -185,11 +185,10 @@ def launch_server_cmd(command: str | list[str], host: str = "0.0.0.0", port: int
     parts = _server_argv(_split(command))
     if not parts:
         raise ValueError("launch_server_cmd: the command is empty")
+    own = _port_option(parts)
     if port is None:
-        port = _port_option(parts)
-    if port is None:
-        port = _free_port(host)
-    if _port_option(parts) != port:
+        port = own if own is not None else _free_port(host)
+    if own != port:
         parts = [*parts, "--port", str(port)]
     process = execute_shell_command(parts)
     _launched[port] = process

@@ -281,13 +281,13 @@ def openai_error(e: RequestError, job: Job | None = None) -> RequestError:
         return _aliased(e, job.field_aliases)
     if job is not None and job.constraint_field is not None and e.param in CONSTRAINT_FIELDS:
         return e.with_param(job.constraint_field)
-    new = _RENAMES.get(e.param or "")
-    if new is None:
+    if (e.param or "") not in _RENAMES:
         return e
-    message = new + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
+    e = _aliased(e, _RENAMES)
+    message = e.message
     for engine_name, name in _RENAMES.items():  # "at most max_new_tokens (16)" names the client's field too
         message = message.replace(engine_name, name)
-    return e.with_param(new, message)
+    return e.with_param(e.param, message)
 
 
 # stream_options keys: OpenAI's (include_obfuscation: accepted, the chunks carry no
@@ -351,18 +351,20 @@ def _rid_base(front: Front, body: dict[str, Any], prefix: str) -> str:
 # -- vLLM's structured outputs -------------------------------------------------------------------
 # vLLM's per-request constraint fields (the guided_* extras, and structured_outputs, which
 # replaced them in vLLM 0.10) -> SGLang's raw fields, which this server reads
-_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "ebnf", "guided_choice": "regex"}
+# (structured_outputs' keys are the kinds; the guided_* fields name the same kinds)
 _STRUCTURED = {"json": "json_schema", "regex": "regex", "grammar": "ebnf", "choice": "regex",
                "json_object": "json_schema"}
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}
 # vLLM's backend names -> this server's (None: the server's own choice; xgrammar and
 # lm-format-enforcer are not here, and the constraint means the same on either engine)
 _VLLM_BACKENDS = {"auto": None, "xgrammar": None, "lm-format-enforcer": None, "guidance": "llguidance",
                   "llguidance": "llguidance", "outlines": "outlines"}
 
 
-def _guided_value(name: str, raw: str, value: Any) -> Any:
-    """One vLLM constraint value as the raw field's, checked."""
-    if name.endswith("choice"):
+def _guided_value(name: str, kind: str, value: Any) -> Any:
+    """One vLLM constraint value of ``kind`` (a key of :data:`_STRUCTURED`) as its raw
+    field's, checked; ``name``: the field as the client sent it."""
+    if kind == "choice":
         if (not isinstance(value, list) or not value or len(value) > 4096
                 or not all(isinstance(c, str) and c for c in value)):
             raise RequestError(f"{name}={_short(value)} is invalid; allowed: a non-empty array of (at most 4096) "
@@ -372,17 +374,17 @@ def _guided_value(name: str, raw: str, value: Any) -> Any:
         for c in value:
             check_text(c, name)
         return "(?:" + "|".join(escape(c) for c in dict.fromkeys(value)) + ")"
-    if name.endswith("json_object"):
+    if kind == "json_object":
         if value is not True:
             raise RequestError(f"{name}={_short(value)} is invalid; allowed: true (any JSON object)", name)
         return {"type": "object"}
-    if raw == "json_schema":
+    if kind == "json":
         if not isinstance(value, (dict, bool, str)):
             raise RequestError(f"{name}={_short(value)} is invalid; allowed: a JSON Schema (an object, true/false, "
                                f"or its JSON text)", name)
         return value
     if not isinstance(value, str):
-        what = "a regular expression" if raw == "regex" else "a grammar (GBNF or Lark) as a string"
+        what = "a regular expression" if kind == "regex" else "a grammar (GBNF or Lark) as a string"
         raise RequestError(f"{name}={_short(value)} is invalid; allowed: {what}", name)
     return value
 
@@ -400,12 +402,12 @@ def vllm_structured_outputs(body: dict[str, Any]) -> tuple[dict[str, Any], dict[
     if not fields:
         return body, {}
     body = dict(body)
-    found: list[tuple[str, str, Any]] = []  # (the client's name, the raw field, its value)
+    found: list[tuple[str, str, Any]] = []  # (the client's name, its kind, its value)
     aliases: dict[str, str] = {}
-    for name, raw in _GUIDED.items():
+    for name, kind in _GUIDED.items():
         value = body.pop(name, None)
         if value is not None:
-            found.append((name, raw, value))
+            found.append((name, kind, value))
     so = body.pop("structured_outputs", None)
     if so is not None:
         if not isinstance(so, dict):
@@ -415,7 +417,7 @@ def vllm_structured_outputs(body: dict[str, Any]) -> tuple[dict[str, Any], dict[
             name = f"structured_outputs.{key}"
             if key in _STRUCTURED:
                 if value is not None and not (key == "json_object" and value is False):
-                    found.append((name, _STRUCTURED[key], value))
+                    found.append((name, key, value))
             elif key in ("disable_fallback", "disable_any_whitespace"):
                 # no fallback between engines here; JSON is written without free whitespace already
                 if value is not None and not isinstance(value, bool):
@@ -440,9 +442,9 @@ def vllm_structured_outputs(body: dict[str, Any]) -> tuple[dict[str, Any], dict[
     if len(found) + len(given) > 1:
         names = [name for name, _, _ in found] + given
         raise RequestError(f"{names[0]} and {names[1]} both constrain the output; give one of them", names[1])
-    for name, raw, value in found:
-        body[raw] = _guided_value(name, raw, value)
-        aliases[raw] = name
+    for name, kind, value in found:
+        body[_STRUCTURED[kind]] = _guided_value(name, kind, value)
+        aliases[_STRUCTURED[kind]] = name
     backend = body.pop("guided_decoding_backend", None)
     if backend is not None:
         if not isinstance(backend, str) or backend.split(":")[0] not in _VLLM_BACKENDS:
