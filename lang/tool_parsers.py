@@ -44,6 +44,8 @@ from typing import Any
 from plait.errors import RequestError
 
 MAX_CONSTRAINED_CALLS = 8  # calls one constrained turn may make when parallel calls are allowed
+# the arguments of a function that is not strict, beside strict ones under tool_choice "auto"
+ANY_ARGUMENTS: dict[str, Any] = {"type": "object", "additionalProperties": {}}
 
 
 @dataclass
@@ -193,6 +195,12 @@ def schema_problem(schema: dict[str, Any]) -> str | None:
         stack.extend((v, f"{at}/{k}") for k, v in node.items()
                      if k not in _DATA_KEYWORDS and isinstance(v, (dict, list)))
     return None
+
+
+def strict_names(tools: list[dict[str, Any]]) -> set[str]:
+    """The functions of ``tools`` given ``strict: true`` (in the function for chat's
+    tools, on the tool for the Responses API's flat ones)."""
+    return {fn["name"] for fn in _functions(tools) if fn.get("strict") is True}
 
 
 def _names(tools: list[dict[str, Any]]) -> set[str]:
@@ -426,6 +434,10 @@ class ToolParser:
     hint: str = ""  # how a call looks, for the generic tool prompt
     markers: tuple[str, ...] = ()  # what only a call starts with (never content)
     special_marker = False  # the marker is a special token (kept in the text: skip_special_tokens false)
+    # what content never holds and a block of calls starts with (the first of them, as
+    # :meth:`constraint` writes the block); empty where there is none (a pythonic call
+    # starts with "[", which text holds)
+    triggers: tuple[str, ...] = ()
 
     def new_id(self) -> str:
         """The id of a call found in output (OpenAI's ``call_`` shape unless the
@@ -484,6 +496,31 @@ class ToolParser:
         kept beside the regex: :class:`CallConstraint`). Raises :class:`RequestError`
         naming the tool whose schema cannot be enforced."""
         raise NotImplementedError
+
+    def auto_constraint(self, tools: list[dict[str, Any]], choice: Collection[str] | None, parallel: bool,
+                        strict: Collection[str]) -> CallConstraint | None:
+        """``tool_choice="auto"`` with ``strict`` functions (OpenAI's ``strict: true``: a
+        call's arguments follow the schema): the output is free text holding no
+        :attr:`triggers`, or such text, one block of calls as :meth:`constraint` forces
+        them, and free text again. The model still chooses whether to call; once it
+        writes the trigger, the call is constrained (SGLang and vLLM do the same with
+        xgrammar's structural-tag triggers). Functions not in ``strict`` are called with
+        any JSON object. None where the format has no trigger (the output stays free)."""
+        if not self.triggers:
+            return None
+        from plait.runtime.constrained.structural_tag import free_text_regexes
+
+        loose = []
+        for t, fn in zip(tools, _functions(tools)):
+            if fn["name"] not in strict:
+                fn = {**fn, "parameters": ANY_ARGUMENTS}
+                t = {**t, "function": fn} if isinstance(t.get("function"), dict) else fn
+            loose.append(t)
+        calls = self.constraint(loose, choice, parallel)
+        free, _ = free_text_regexes(list(self.triggers))
+        # (a block starts with the trigger and free text cannot hold it, so where the
+        # block begins is never in doubt: no format's trigger overlaps itself)
+        return CallConstraint(f"{free}(?:{calls.regex}{free})?", calls.unique)
 
 
 def _json_call_regex(tools: list[dict[str, Any]], choice: str | Collection[str] | None,
@@ -562,6 +599,7 @@ class HermesParser(ToolParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
     markers = (START,)
+    triggers = (START,)
     hint = ('one block per call:\n<tool_call>\n{"name": "<function name>", "arguments": <arguments as a JSON object>}'
             '\n</tool_call>')
 
@@ -643,6 +681,7 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
     markers = (TAG,)
+    triggers = ('{"name": ',)  # (the calls as this parser forces them; after <|python_tag|> or not)
     hint = 'a JSON object per call, separated by "; ":\n{"name": "<function name>", "parameters": <arguments as a JSON object>}'
 
     def format_calls(self, calls: list[ToolCall]) -> str:
@@ -696,6 +735,10 @@ class MistralParser(ToolParser):
     special_marker = True
     START = "[TOOL_CALLS]"
     markers = (START,)
+
+    @property
+    def triggers(self) -> tuple[str, ...]:  # type: ignore[override]
+        return (self.START,)
     ARGS = "[ARGS]"
     hint = '[TOOL_CALLS] and a JSON array of calls:\n[TOOL_CALLS][{"name": "<function name>", "arguments": <arguments as a JSON object>}]'
 
@@ -815,6 +858,7 @@ class DeepSeekV3Parser(ToolParser):
     JOIN = "\n"  # between call blocks
     STARTS = (BEGIN, CALL)
     markers = (BEGIN, CALL, END)
+    triggers = (BEGIN, CALL)  # (a block the model starts at CALL is read, but the constraint writes BEGIN first)
     hint = ("<｜tool▁calls▁begin｜>, one block per call, then <｜tool▁calls▁end｜>:\n<｜tool▁calls▁begin｜>"
             "<｜tool▁call▁begin｜>function<｜tool▁sep｜><function name>\n```json\n<arguments as a JSON object>\n```"
             "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
@@ -974,6 +1018,7 @@ class Phi4MiniJsonParser(ToolParser):
     name = "phi4_mini_json"
     START = "functools["
     markers = (START,)
+    triggers = (START,)
     hint = ('functools and a JSON array of calls:\nfunctools[{"name": "<function name>", "arguments": <arguments as a '
             'JSON object>}]')
 

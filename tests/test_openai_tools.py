@@ -201,6 +201,59 @@ def test_parallel_calls_stream_like_the_response(oai):
     assert [json.loads(e.arguments) for e in done] == [a for _, a in calls]
 
 
+@pytest.fixture(scope="module")
+def qwen_like(tmp_path_factory, tokenizer_dir):
+    """A tiny model whose tokenizer has ``<tool_call>`` and ``</tool_call>`` as added
+    (not special) tokens, as Qwen2.5's has: one token writes the call trigger."""
+    from transformers import AutoTokenizer
+
+    from conftest import TINY_VOCAB, build_tiny_model
+
+    folder = build_tiny_model(tmp_path_factory.mktemp("qwen-like"), tokenizer_dir, "llama", vocab_size=TINY_VOCAB + 2)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    tok.save_pretrained(folder)
+    with launch(str(folder), num_threads=1, kv_cache_tokens=4096, max_running_requests=4,
+                served_model_name=MODEL) as rt:
+        yield rt, openai.OpenAI(base_url=rt.url + "/v1", api_key="none", max_retries=0, timeout=120), tok
+
+
+def test_strict_tools_under_auto_are_called_by_their_schema(qwen_like):
+    """OpenAI's ``strict: true`` under ``tool_choice="auto"``: the model may answer in
+    text, but a call it starts follows the function's schema. A logit bias makes the
+    random model write the ``<tool_call>`` token whenever it may (and else stop): with
+    strict, what follows it is a valid call, and a second trigger, which could only
+    start text between calls, is refused; without strict the same bias writes triggers
+    until max_tokens and no call."""
+    server, oai, tok = qwen_like
+    strict_add = {**ADD, "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "add", "strict": True, "parameters": strict_add}}]
+    bias = {str(tok.convert_tokens_to_ids("<tool_call>")): 100, str(tok.eos_token_id): 50}
+    kw = dict(model=MODEL, messages=ASK, tool_choice="auto", logit_bias=bias, temperature=0.0, max_tokens=80,
+              parallel_tool_calls=False)
+    r = oai.chat.completions.create(tools=tools, **kw)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls and len(calls) == 1, r
+    assert calls[0].function.name == "add"
+    jsonschema.validate(json.loads(calls[0].function.arguments), strict_add)
+    with oai.chat.completions.stream(tools=tools, **kw) as s:
+        final = s.get_final_completion()
+    assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in calls]
+    loose = [{"type": "function", "function": {"name": "add", "strict": False, "parameters": strict_add}}]
+    r = oai.chat.completions.create(tools=loose, **kw)
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls, r
+    # the Responses API's flat tools carry strict on the tool
+    resp = httpx.post(server.url + "/v1/responses", timeout=120, json={
+        "model": MODEL, "input": ASK[0]["content"], "temperature": 0.0, "max_output_tokens": 80,
+        "tools": [{"type": "function", "name": "add", "strict": True, "parameters": strict_add}],
+        "parallel_tool_calls": False, "logit_bias": bias})
+    assert resp.status_code == 200, resp.text
+    out = [o for o in resp.json()["output"] if o["type"] == "function_call"]
+    assert len(out) == 1 and out[0]["name"] == "add", resp.json()
+    jsonschema.validate(json.loads(out[0]["arguments"]), strict_add)
+
+
 def test_auto_is_the_parse_of_the_free_output_and_none_does_not_parse(oai):
     raw = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=24,
                                       temperature=0)

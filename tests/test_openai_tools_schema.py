@@ -105,6 +105,15 @@ def test_an_unenforceable_schema_is_served_unless_a_call_is_forced(http):
         assert "function 'bad'" in err["message"] and "cannot be enforced" in err["message"], err
     r = _chat(http, _tools(UNENFORCEABLE), {"type": "function", "function": {"name": "add"}})
     assert r.status_code == 200, r.text  # forcing another function does not enforce this one
+    # strict: true enforces the schema under auto too (OpenAI's promise): a 400 that says so
+    strict = _tools(UNENFORCEABLE)
+    strict[1]["function"]["strict"] = True
+    r = _chat(http, strict, "auto")
+    err = r.json()["error"] if r.status_code == 400 else {}
+    assert err.get("param") == "tools[1].function.parameters", r.text
+    assert "cannot be enforced" in err["message"] and "strict: false" in err["message"], err
+    strict[1]["function"]["strict"] = False
+    assert _chat(http, strict, "auto").status_code == 200
 
 
 # -- stop strings under auto ------------------------------------------------------------------

@@ -19,7 +19,7 @@ from plait.reasoning import REASONING_PARSERS, get_reasoning_parser
 from plait.regex import check_regex
 from plait.tool_parsers import (
     MAX_CONSTRAINED_CALLS, TOOL_PARSERS, ToolCall, check_tools, detect_tool_parser, generic_tools_prompt,
-    get_tool_parser,
+    get_tool_parser, strict_names,
 )
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -280,6 +280,72 @@ def test_forcing_regex_errors_name_the_tool():
     with pytest.raises(RequestError) as e:
         get_tool_parser("hermes").constraint(flat, None, False).regex
     assert e.value.param == "tools[0].parameters"
+
+
+# -- strict tools under tool_choice "auto" ----------------------------------------------------------
+TRIGGERED = sorted(n for n in TOOL_PARSERS if get_tool_parser(n).triggers)
+
+
+def test_every_format_but_pythonic_has_a_trigger():
+    assert TRIGGERED == sorted(set(TOOL_PARSERS) - {"pythonic"})
+    assert get_tool_parser("pythonic").auto_constraint(TOOLS, None, True, {"get_weather"}) is None
+
+
+@pytest.mark.parametrize("name", TRIGGERED)
+def test_strict_auto_regex_leaves_text_free_and_keeps_strict_calls_to_their_schema(name):
+    p = get_tool_parser(name)
+    c = p.auto_constraint(TOOLS, None, True, {"get_weather"})  # add and now are not strict
+    rx = c.regex
+    assert check_regex(rx) == rx
+    one, two = _examples(name, True)
+    trigger = p.triggers[0]
+    for text in ("", "The weather is fine.", "a < b, [x], {\"y\": 1}\n", trigger[:-1] + "x no call"):
+        assert re.fullmatch(rx, text), text  # the model may answer without a call
+    for text in (one, two, "Let me check.\n" + one, one + "\nDone."):
+        assert re.fullmatch(rx, text), text
+    assert not re.fullmatch(rx, "Let me check. " + trigger + " and then some text")  # a trigger starts a call
+    assert not re.fullmatch(rx, one.replace('"Paris"', "5"))  # the strict function's schema types its arguments
+    assert not re.fullmatch(rx, one.replace("get_weather", "get_wheather"))
+    # a function that is not strict takes any object: get_weather's arguments given to add
+    assert re.fullmatch(rx, one.replace("get_weather", "add"))
+    assert not re.fullmatch(p.auto_constraint(TOOLS, None, True, {"get_weather", "add"}).regex,
+                            one.replace("get_weather", "add"))
+    # one block of calls (several in it with parallel calls allowed), not text between calls
+    assert not re.fullmatch(rx, one + "\nand then\n" + one)
+    single = p.auto_constraint(TOOLS, None, False, {"get_weather"}).regex
+    assert re.fullmatch(single, one) and not re.fullmatch(single, two)
+    # an allowed_tools set: calls to the others are refused
+    assert not re.fullmatch(p.auto_constraint(TOOLS, {"add"}, True, {"get_weather"}).regex, one)
+
+
+@pytest.mark.parametrize("name", TRIGGERED)
+def test_every_strict_auto_output_parses_its_calls_valid(name):
+    p = get_tool_parser(name)
+    rx = p.auto_constraint(TOOLS, None, True, {"get_weather", "add", "now"}).regex
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.from_regex(re.compile(rx), fullmatch=True))
+    def check(text: str) -> None:
+        content, calls = p.parse(text, TOOLS)
+        for c in calls:
+            jsonschema.validate(json.loads(c.arguments), SCHEMAS[c.name])
+        if any(t in text for t in p.triggers):
+            assert calls, text  # the trigger was the start of calls
+        assert not any(t in content for t in p.triggers)
+
+    check()
+
+
+def test_strict_auto_names_an_unenforceable_strict_schema():
+    bad = [TOOLS[0], {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}]
+    with pytest.raises(RequestError) as e:
+        get_tool_parser("hermes").auto_constraint(bad, None, True, {"f"})
+    assert e.value.param == "tools[1].function.parameters" and "uniqueItems" in e.value.message
+    # not strict: any object, nothing to enforce
+    assert get_tool_parser("hermes").auto_constraint(bad, None, True, {"get_weather"}) is not None
+    assert strict_names(bad) == {"f"}
+    assert strict_names([{"type": "function", "name": "g", "strict": True}, {"type": "function", "name": "h"}]) == {"g"}
 
 
 @pytest.mark.parametrize("name", sorted(set(TOOL_PARSERS) - {"pythonic"}))  # pythonic: keyword arguments

@@ -26,7 +26,9 @@ from plait.reasoning import MAX_REASONING_CHARS, ReasoningParser, ReasoningStrea
 from plait.runtime.sampling_params import CONSTRAINT_FIELDS, MAX_STOP_STRINGS
 from plait.runtime.server.front import Front
 from plait.runtime.validation import check_text
-from plait.tool_parsers import ToolParser, ToolStream, check_tools, detect_tool_parser, get_tool_parser
+from plait.tool_parsers import (
+    ToolParser, ToolStream, check_tools, detect_tool_parser, get_tool_parser, strict_names,
+)
 
 MAX_TOP_LOGPROBS = 20
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
@@ -487,6 +489,25 @@ def _with_vllm_fields(parse: Callable[[Front, dict[str, Any]], Job]) -> Callable
 
 
 # -- completions ----------------------------------------------------------------------------
+def _strict_auto(parser: Any, offered: list[dict[str, Any]], callable_tools: list[dict[str, Any]],
+                 allowed: Any, parallel: bool) -> tuple[str | None, list[Any], str | None]:
+    """(regex, uniqueItems groups, the field it came from) that keep ``strict`` tools'
+    calls to their schemas under ``tool_choice="auto"`` (:meth:`ToolParser.auto_constraint`),
+    or (None, [], None) where no callable tool is strict or the format has no trigger
+    (pythonic): then the output stays free, as without strict."""
+    strict = strict_names(offered) & {fn["name"] for fn in callable_tools}
+    if not strict:
+        return None, [], None
+    try:
+        lazy = parser.auto_constraint(offered, allowed, parallel, strict)
+    except RequestError as e:
+        raise RequestError(f"{e.message}; strict: true enforces a function's parameters under tool_choice 'auto' "
+                           f"too (strict: false calls it unconstrained)", e.param) from None
+    if lazy is None:
+        return None, [], None
+    return lazy.regex, list(lazy.unique), "tools"
+
+
 @_with_vllm_fields
 def parse_completion(front: Front, body: dict[str, Any]) -> Job:
     check_fields(body, COMPLETION_FIELDS)
@@ -1089,6 +1110,10 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
         forced = parser.constraint(offered, allowed if choice == "required" else choice, parallel)
         regex, unique = forced.regex, forced.unique
         field_name = "tool_choice"
+    elif choice == "auto" and schema is None and tools:
+        # strict tools (OpenAI's strict: true, what the OpenAI Agents SDK sends): a call's
+        # arguments follow its schema once the model starts a call; it still may answer
+        regex, unique, field_name = _strict_auto(parser, offered, callable_tools, allowed, parallel)
     constraint: dict[str, Any] = {}
     if regex is None and isinstance(schema, StructuralTag):
         # free text between the structures: tool calls in it are parsed under auto
