@@ -210,6 +210,9 @@ def test_the_turn_end_joins_the_clients_stop_strings():
     for constraint in ({"json_schema": '{"const": "a<|im_end|>b"}'}, {"regex": "x"}):
         assert ChatRequest([1], constraint, None, None, {}, False, "<|im_end|>").sampling({"stop": "z"})["stop"] == "z"
         assert "stop" not in ChatRequest([1], constraint, None, None, {}, False, "<|im_end|>").sampling({})
+    # but for the free text around strict tools' calls under auto (its constraint never ends it)
+    lazy = ChatRequest([1], {"regex": "x"}, "tools", None, {}, False, "<|im_end|>", open_ended=True)
+    assert lazy.sampling({"stop": "z"})["stop"] == ["z", "<|im_end|>"]
 
 
 def test_chatml_given_to_a_base_model_leaves_a_constrained_reply_whole(base_model):

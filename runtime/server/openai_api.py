@@ -1038,6 +1038,7 @@ class ChatRequest:
     extra_sp: dict[str, Any]
     forced: bool  # tool_choice "required" or a named function: the output is the calls
     turn_end: str | None = None  # a given chat template's end-of-turn text (Front.turn_end)
+    open_ended: bool = False  # the constraint leaves the text free (strict tools under auto): it does not end it
 
     def sampling(self, sp: dict[str, Any]) -> dict[str, Any]:
         """The engine's sampling params: the request's ``sp`` with this turn's constraint.
@@ -1046,14 +1047,15 @@ class ChatRequest:
         would cut the call (agent frameworks such as smolagents send stop sequences with
         ``tool_choice="required"``). A chat template given to the server adds its
         end-of-turn text to the stop strings (beside the client's, within their limit)
-        of unconstrained turns only: a constraint ends its own output, which may hold
-        that text (a schema's ``const``), and a stop string there would cut it."""
+        of unconstrained turns and of :attr:`open_ended` ones only: a constraint ends its
+        own output, which may hold that text (a schema's ``const``), and a stop string
+        there would cut it; free text around strict calls is the model's to end."""
         out = {**sp, **self.extra_sp, **self.constraint}
         if self.forced:
             out.pop("stop", None)
             out.pop("stop_regex", None)
             out.pop("stop_token_ids", None)
-        elif self.turn_end is not None and not any(k in out for k in CONSTRAINT_FIELDS):
+        elif self.turn_end is not None and (self.open_ended or not any(k in out for k in CONSTRAINT_FIELDS)):
             stop = out.get("stop")
             stops = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, list) else []
             if self.turn_end not in stops and len(stops) < MAX_STOP_STRINGS:
@@ -1159,7 +1161,7 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     output = ChatOutput(reasoning, parser if choice != "none" else None, callable_tools or [], None if parallel else 1,
                         front.token_bytes)
     return ChatRequest(ids, constraint, field_name, output, extra_sp, choice not in ("auto", "none"),
-                       front.turn_end)
+                       front.turn_end, field_name == "tools")
 
 
 @_with_vllm_fields
