@@ -433,9 +433,9 @@ def _template_from_files(path: str) -> tuple[str, dict[str, str]] | None:
         special = {k: _token_str(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         return text, {k: v for k, v in special.items() if v is not None}
     if path.endswith(".gguf"):
-        import gguf  # light: numpy only
+        from plait.runtime.gguf_reader import FastGGUFReader  # light: gguf and numpy only
 
-        reader = gguf.GGUFReader(path)
+        reader = FastGGUFReader(path)
 
         def field(name: str) -> Any:
             f = reader.fields.get(name)

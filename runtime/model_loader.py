@@ -111,7 +111,7 @@ class ModelSource:
     kind: str
     path: str
     # the GGUF reader, opened once and shared by load_config and iter_weights (reading
-    # the header and the 49k-entry vocabulary takes seconds)
+    # the header and the vocabulary: plait.runtime.gguf_reader)
     _reader: Any = field(default=None, init=False, repr=False, compare=False)
 
     def _gguf(self) -> Any:
@@ -149,8 +149,11 @@ class ModelSource:
         from transformers import AutoTokenizer
 
         if self.kind == "gguf":
+            from plait.runtime.gguf_reader import fast_gguf
+
             folder, name = os.path.split(os.path.abspath(self.path))
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            with fast_gguf():  # (transformers reads the whole file's metadata again)
+                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         else:
             tokenizer = AutoTokenizer.from_pretrained(self.path)
         if chat_template is not None:
@@ -326,9 +329,9 @@ def _iter_checkpoint(
 
 
 def _open_gguf(path: str) -> Any:
-    import gguf
+    from plait.runtime.gguf_reader import FastGGUFReader
 
-    return gguf.GGUFReader(path)
+    return FastGGUFReader(path)
 
 
 def _gguf_value(reader: Any, key: str, default: Any = _REQUIRED) -> Any:

@@ -6,11 +6,10 @@ as one batch (one longer than the 512-token sliding window), prompt logprobs clo
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
-from conftest import hf_greedy, hf_prompt_logprobs
+from conftest import hf_from_gguf, hf_greedy, hf_prompt_logprobs
 
 from plait.runtime import Engine
 from plait.runtime.prompt_tokens import encode_prompt
@@ -33,8 +32,6 @@ LOGPROB_ATOL = 1e-3  # fp32, 18 layers, different summation order than transform
 
 
 def test_gemma3_270m_matches_transformers():
-    from transformers import AutoModelForCausalLM
-
     with Engine("gemma3-270m", kv_cache_tokens=4096, chunked_prefill_size=256) as engine:
         cfg = engine.model_config
         assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (
@@ -51,9 +48,7 @@ def test_gemma3_270m_matches_transformers():
         )
         engine.check_invariants()
         path = engine.source.path
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
+    hf = hf_from_gguf(path)
     for text, ids, out in zip(PROMPTS, prompts, outs):
         assert out["output_ids"] == hf_greedy(hf, ids, MAX_NEW), text
         got = torch.tensor([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import hf_from_gguf
 
 from plait.runtime.model_loader import DEFAULT_MODEL_PACKAGE, ModelSource, resolve_model
 from plait.runtime.models.config import ModelConfig
@@ -78,9 +79,8 @@ def default_source() -> ModelSource:
 
 @pytest.fixture(scope="module")
 def reference(default_source: ModelSource) -> transformers.PreTrainedModel:
-    """transformers' own GGUF loading of the default model (~15 s): the reference."""
-    folder, name = os.path.split(default_source.path)
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    """transformers' own GGUF loading of the default model: the reference."""
+    return hf_from_gguf(default_source.path)
 
 
 @pytest.fixture(scope="module")

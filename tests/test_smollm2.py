@@ -4,11 +4,10 @@ of different lengths submitted as one batch, prompt logprobs close."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
-from conftest import hf_greedy, hf_prompt_logprobs, smollm2_gguf_path
+from conftest import hf_from_gguf, hf_greedy, hf_prompt_logprobs, smollm2_gguf_path
 
 from plait.runtime import Engine
 
@@ -29,12 +28,7 @@ LOGPROB_ATOL = 1e-3  # fp32, 30 layers, different summation order than transform
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
+    return hf_from_gguf(smollm2_gguf_path())
 
 
 def test_default_model_matches_transformers(hf_model):
