@@ -464,7 +464,7 @@ def compare_cuda_graphs(prompts: list[str], batch_sizes: Sequence[int] = (1, 16)
                     dtype=dtype) as e:
             for batch in batch_sizes:
                 batch_prompts = [f"{prompts[i % len(prompts)]} ({i})" for i in range(batch)]
-                e.generate([f"{p} warm-up" for p in batch_prompts], {**params, "max_new_tokens": 8})
+                e.generate([f"{p} warm-up" for p in batch_prompts], {**params, "max_new_tokens": min(8, max_new_tokens)})
                 before = e.runner.graphs.replays if e.runner.graphs is not None else 0
                 torch.cuda.synchronize()
                 t = time.perf_counter()

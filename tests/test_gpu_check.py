@@ -63,7 +63,7 @@ def test_cuda_graph_comparison_bookkeeping_on_cpu(tiny_model_factory, monkeypatc
     gpu_check = load_script()
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     folder = str(tiny_model_factory("llama"))
-    res = gpu_check.compare_cuda_graphs(["Hi there", "def f(x):"], batch_sizes=(1, 3), max_new_tokens=4,
+    res = gpu_check.compare_cuda_graphs(["Hi there", "def f(x):"], batch_sizes=(1, 3), max_new_tokens=2,
                                         model=folder, dtype="float32")
     assert set(res) == {1, 3}
     for row in res.values():
