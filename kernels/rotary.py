@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+from plait.runtime.models.config import ROPE_TYPES  # (the list lives with the configs)
 
 
 def _rope_type(rope_scaling: Mapping[str, Any] | None) -> str:

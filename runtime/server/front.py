@@ -29,7 +29,7 @@ import zmq.asyncio
 import plait
 from plait import protocol as P
 from plait.errors import RequestError
-from plait.runtime.output_processor import add_token_text
+from plait.runtime.logprob_text import add_token_text
 from plait.runtime.prompt_tokens import encode_prompt
 from plait.runtime.server.args import ServerArgs
 from plait.runtime.server.metrics import Metrics

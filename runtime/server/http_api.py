@@ -29,7 +29,7 @@ from plait import protocol as P
 from plait.runtime.server import openai_api as oa
 from plait.runtime.server import responses_api as ra
 from plait.errors import RequestError, is_int
-from plait.runtime.output_processor import pad_logprob_text
+from plait.runtime.logprob_text import pad_logprob_text
 from plait.runtime.server.front import COSTLY_TEXT_CHARS, Front, ReqState
 from plait.runtime.validation import check_cache_salt, check_text
 from plait.runtime.server.metrics import CONTENT_TYPE
