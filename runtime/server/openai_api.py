@@ -1112,9 +1112,11 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
         forced = parser.constraint(offered, allowed if choice == "required" else choice, parallel)
         regex, unique = forced.regex, forced.unique
         field_name = "tool_choice"
-    elif choice == "auto" and schema is None and tools:
+    elif choice == "auto" and schema is None and tools and all(body.get(o) is None
+                                                               for o in ("regex", "json_schema", "ebnf")):
         # strict tools (OpenAI's strict: true, what the OpenAI Agents SDK sends): a call's
         # arguments follow its schema once the model starts a call; it still may answer
+        # (a raw constraint of SGLang's, given as well, is the output's shape instead, as before)
         regex, unique, field_name = _strict_auto(parser, offered, callable_tools, allowed, parallel)
     constraint: dict[str, Any] = {}
     if regex is None and isinstance(schema, StructuralTag):
