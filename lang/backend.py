@@ -24,6 +24,7 @@ from plait.chat_template import ChatTemplate
 from plait.choices import ChoicesDecision, ChoicesSamplingMethod, softmax_sample
 from plait.errors import BackendError, ProgramCancelled, RuntimeUnavailableError
 from plait.ir import ResolvedParams, plain_numbers
+from plait.runtime.logprob_text import map_logprob_entries
 
 # select: prompt tokens re-scored before the end of the context, to find where the
 # choice's tokens begin (a choice may merge with the context's last tokens)
@@ -474,20 +475,11 @@ def stream_outputs(backend: BaseBackend, req: Request) -> Iterator[dict[str, Any
             backend.abort(pending.rid)
 
 
-_LOGPROB_KEYS = ("output_token_logprobs", "input_token_logprobs")
-_TOP_LOGPROB_KEYS = ("output_top_logprobs", "input_top_logprobs")
-
-
 def logprob_tuples(meta: dict[str, Any]) -> None:
     """In place: logprob entries become ``(logprob, token_id, text)`` tuples, as SGLang
     returns them: ``text`` is None without ``return_text_in_logprobs`` (so that
     ``for lp, tid, text in entries`` works either way)."""
-    for key in _LOGPROB_KEYS:
-        if key in meta:
-            meta[key] = [_logprob_entry(e) for e in meta[key]]
-    for key in _TOP_LOGPROB_KEYS:
-        if key in meta:
-            meta[key] = [None if row is None else [_logprob_entry(e) for e in row] for row in meta[key]]
+    map_logprob_entries(meta, _logprob_entry)
 
 
 # meta info keys a stream delivers a piece at a time

@@ -12,7 +12,7 @@ _LOGPROB_KEYS = ("output_token_logprobs", "input_token_logprobs")
 _TOP_LOGPROB_KEYS = ("output_top_logprobs", "input_top_logprobs")
 
 
-def _map_logprob_entries(meta: dict[str, Any], fn: Callable[[list[Any]], list[Any]]) -> dict[str, Any]:
+def map_logprob_entries(meta: dict[str, Any], fn: Callable[[list[Any]], list[Any]]) -> dict[str, Any]:
     """In place: every logprob entry (and every entry of the top-logprob rows) through ``fn``."""
     for key in _LOGPROB_KEYS:
         if key in meta:
@@ -26,7 +26,7 @@ def _map_logprob_entries(meta: dict[str, Any], fn: Callable[[list[Any]], list[An
 def add_token_text(meta: dict[str, Any], token_text: Callable[[int], str]) -> None:
     """In place: ``[logprob, id]`` entries (and top-logprob rows) become
     ``[logprob, id, text]`` (``return_text_in_logprobs``)."""
-    _map_logprob_entries(meta, lambda e: [e[0], e[1], token_text(e[1])])
+    map_logprob_entries(meta, lambda e: [e[0], e[1], token_text(e[1])])
 
 
 def pad_logprob_text(meta: dict[str, Any]) -> dict[str, Any]:
@@ -34,4 +34,4 @@ def pad_logprob_text(meta: dict[str, Any]) -> dict[str, Any]:
     ``[logprob, id, None]``, entries with their text stay: the native HTTP API's shape,
     as SGLang's ``/generate`` returns them (``None`` text without
     ``return_text_in_logprobs``). Returns ``meta``."""
-    return _map_logprob_entries(meta, lambda e: e if len(e) > 2 else [*e, None])
+    return map_logprob_entries(meta, lambda e: e if len(e) > 2 else [*e, None])

@@ -211,7 +211,7 @@ def test_the_turn_end_joins_the_clients_stop_strings():
         assert ChatRequest([1], constraint, None, None, {}, False, "<|im_end|>").sampling({"stop": "z"})["stop"] == "z"
         assert "stop" not in ChatRequest([1], constraint, None, None, {}, False, "<|im_end|>").sampling({})
     # but for the free text around strict tools' calls under auto (its constraint never ends it)
-    lazy = ChatRequest([1], {"regex": "x"}, "tools", None, {}, False, "<|im_end|>", open_ended=True)
+    lazy = ChatRequest([1], {"regex": "x"}, "tools", None, {}, False, "<|im_end|>")
     assert lazy.sampling({"stop": "z"})["stop"] == ["z", "<|im_end|>"]
 
 

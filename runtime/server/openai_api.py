@@ -489,25 +489,6 @@ def _with_vllm_fields(parse: Callable[[Front, dict[str, Any]], Job]) -> Callable
 
 
 # -- completions ----------------------------------------------------------------------------
-def _strict_auto(parser: Any, offered: list[dict[str, Any]], callable_tools: list[dict[str, Any]],
-                 allowed: Any, parallel: bool) -> tuple[str | None, list[Any], str | None]:
-    """(regex, uniqueItems groups, the field it came from) that keep ``strict`` tools'
-    calls to their schemas under ``tool_choice="auto"`` (:meth:`ToolParser.auto_constraint`),
-    or (None, [], None) where no callable tool is strict or the format has no trigger
-    (pythonic): then the output stays free, as without strict."""
-    strict = strict_names(offered) & {fn["name"] for fn in callable_tools}
-    if not strict:
-        return None, [], None
-    try:
-        lazy = parser.auto_constraint(offered, allowed, parallel, strict)
-    except RequestError as e:
-        raise RequestError(f"{e.message}; strict: true enforces a function's parameters under tool_choice 'auto' "
-                           f"too (strict: false calls it unconstrained)", e.param) from None
-    if lazy is None:
-        return None, [], None
-    return lazy.regex, list(lazy.unique), "tools"
-
-
 @_with_vllm_fields
 def parse_completion(front: Front, body: dict[str, Any]) -> Job:
     check_fields(body, COMPLETION_FIELDS)
@@ -1038,7 +1019,12 @@ class ChatRequest:
     extra_sp: dict[str, Any]
     forced: bool  # tool_choice "required" or a named function: the output is the calls
     turn_end: str | None = None  # a given chat template's end-of-turn text (Front.turn_end)
-    open_ended: bool = False  # the constraint leaves the text free (strict tools under auto): it does not end it
+
+    @property
+    def open_ended(self) -> bool:
+        """The constraint leaves the text free (strict tools under auto, :func:`_strict_auto`):
+        it does not end the output."""
+        return self.constraint_field == "tools"
 
     def sampling(self, sp: dict[str, Any]) -> dict[str, Any]:
         """The engine's sampling params: the request's ``sp`` with this turn's constraint.
@@ -1061,6 +1047,25 @@ class ChatRequest:
             if self.turn_end not in stops and len(stops) < MAX_STOP_STRINGS:
                 out["stop"] = stops + [self.turn_end]
         return out
+
+
+def _strict_auto(parser: Any, offered: list[dict[str, Any]], callable_tools: list[dict[str, Any]],
+                 allowed: Any, parallel: bool) -> tuple[str | None, list[Any], str | None]:
+    """(regex, uniqueItems groups, the field it came from) that keep ``strict`` tools'
+    calls to their schemas under ``tool_choice="auto"`` (:meth:`ToolParser.auto_constraint`),
+    or (None, [], None) where no callable tool is strict or the format has no trigger
+    (pythonic): then the output stays free, as without strict."""
+    strict = strict_names(offered) & {fn["name"] for fn in callable_tools}
+    if not strict:
+        return None, [], None
+    try:
+        lazy = parser.auto_constraint(offered, allowed, parallel, strict)
+    except RequestError as e:
+        raise RequestError(f"{e.message}; strict: true enforces a function's parameters under tool_choice 'auto' "
+                           f"too (strict: false calls it unconstrained)", e.param) from None
+    if lazy is None:
+        return None, [], None
+    return lazy.regex, list(lazy.unique), "tools"
 
 
 def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, Any]], schema: Any,
@@ -1163,7 +1168,7 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     output = ChatOutput(reasoning, parser if choice != "none" else None, callable_tools or [], None if parallel else 1,
                         front.token_bytes)
     return ChatRequest(ids, constraint, field_name, output, extra_sp, choice not in ("auto", "none"),
-                       front.turn_end, field_name == "tools")
+                       front.turn_end)
 
 
 @_with_vllm_fields
