@@ -28,7 +28,9 @@ from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.models.config import ModelConfig
 from plait.runtime.models.linear import Linear, pack_for, packed_linear
 from plait.runtime.models.quant import QuantLinear, QuantWeight, quantized_lm_head
-from plait.runtime.models.parallel import RowParallelLinear, TPGroup, VocabParallelEmbedding, shard_config, shard_weights
+from plait.runtime.models.parallel import (
+    RowParallelLinear, TPGroup, VocabParallelEmbedding, meta_weight, on_meta_device, shard_config, shard_weights,
+)
 
 
 class RotaryEmbedding(nn.Module):
@@ -40,7 +42,11 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self._args = (head_dim, max_pos, theta, rope_scaling)
-        self.register_buffer("cos_sin_cache", cos_sin_cache(*self._args), persistent=False)
+        if on_meta_device():  # values come with recompute_cache where the model is materialised
+            cache = torch.empty(max_pos * (2 if long_rope_offset(max_pos, rope_scaling) else 1), head_dim)
+        else:
+            cache = cos_sin_cache(*self._args)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.triton_ops = triton_ops
         self._positions: torch.Tensor | None = None  # the step whose cos/sin are cached
         self._cos = self._sin = None
@@ -265,7 +271,8 @@ class DecoderModel(nn.Module):
         if tp is not None:
             self.embed_tokens: nn.Embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         else:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=meta_weight(cfg.vocab_size,
+                                                                                                 cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, triton_ops, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton_ops, cfg.norm_unit_offset)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, triton_ops)

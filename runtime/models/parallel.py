@@ -160,12 +160,25 @@ class RowParallelLinear(Linear):
         return self.tp.all_reduce(super().forward(x))
 
 
+def on_meta_device() -> bool:
+    """Whether tensors are being created on the meta device (``with torch.device("meta")``)."""
+    return torch.empty(0).is_meta
+
+
+def meta_weight(*shape: int) -> torch.Tensor | None:
+    """An empty weight on the meta device for a module whose initialisation would draw
+    random values (``nn.Embedding``'s ``normal_``): on meta, torch runs that op's Python
+    reference, whose first use imports ``torch._dynamo`` (~0.7 s of an engine's start-up).
+    ``None`` elsewhere: the module initialises itself as usual."""
+    return torch.empty(*shape) if on_meta_device() else None
+
+
 class VocabParallelEmbedding(nn.Embedding):
     """This rank's rows ``[rank * n, (rank + 1) * n)`` of the embedding table; tokens
     outside them look up zeros, and the group's sum is the full lookup."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup) -> None:
-        super().__init__(num_embeddings, embedding_dim)
+        super().__init__(num_embeddings, embedding_dim, _weight=meta_weight(num_embeddings, embedding_dim))
         self.tp = tp
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
