@@ -836,3 +836,27 @@ def test_a_required_name_the_object_does_not_list_holds_any_value(grammars, voca
         assert admits(m, vocab, text) == ok, text
         if ok:
             jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("bounds", [{"minimum": -(2**63), "maximum": 2**63 - 1}, {"minimum": -(10**30)},
+                                    {"exclusiveMinimum": -(2**63)}, {"minimum": -(2**63) + 1}])
+def test_int64_lower_bounds_compile_on_llguidance_and_every_digit_is_written(grammars, vocab, bounds):
+    """An integer whose lower bound llguidance reads as the smallest 64-bit integer
+    (an int64 range, as code generators write, or -1e30) failed its compile, and auto
+    then served it on outlines, whose index for that range could not be built with the
+    end sentinel: the reply was one digit. It is narrowed to I64_FLOOR and compiled on
+    llguidance: long numbers of either sign are written, below the floor is not."""
+    from plait.runtime.constrained.llguidance_backend import I64_FLOOR
+
+    for schema in ({"type": "integer", **bounds}, {"type": ["integer", "null"], **bounds},
+                   {"type": "object", "properties": {"n": {"type": "integer", **bounds}}, "required": ["n"]}):
+        assert SamplingParams.from_dict({"json_schema": schema}).constraint().backend == "llguidance"
+        wrap = (lambda v: '{"n":' + v + "}") if schema["type"] == "object" else (lambda v: v)
+        for value, ok in (("123456789", True), ("-1234567890123", True), ("0", True), (str(I64_FLOOR), True),
+                          (str(I64_FLOOR - 1), False), (str(-(2**63)), False), ("1" + "0" * 30, None),
+                          *(((str(2**63 - 1), True), (str(2**63), False)) if "maximum" in bounds else ())):
+            m = new_matcher(grammars, {"json_schema": schema})
+            got = admits(m, vocab, wrap(value))
+            assert got == ok or ok is None, (schema, value)  # None: either (valid without a maximum)
+            if got:
+                jsonschema.validate(json.loads(wrap(value)), schema)

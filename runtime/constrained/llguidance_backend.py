@@ -283,6 +283,36 @@ def _llg_bounds(v: int | float, type_: Any) -> list[int | float] | None:
 _UNWRITTEN = re.compile("[\x00-\x07\x0b\x0e-\x1f\x7f]")  # in a string: what llguidance's JSON cannot write
 
 
+# llguidance fails to compile an integer range whose lower end it reads as the smallest
+# 64-bit integer ("Failed to generate regex for integer range: min=Some(-9223372036854775808)"):
+# a schema's int64 minimum, or any lower bound a float reads at or below it (-1e30). Where
+# a narrowing is allowed such a bound becomes this one, the float next above it: the
+# integers below (1023 of 2**64, and those past int64) are not written.
+I64_FLOOR = -(2**63) + 1024
+
+
+def _numeric_type(types: Any) -> str | None:
+    """The numeric type a schema's bounds apply to: its ``type``, or the one numeric type
+    of a list (``["integer", "null"]``); None for neither or both."""
+    if not isinstance(types, list):
+        return types if types in ("integer", "number") else None
+    numeric = [t for t in ("integer", "number") if t in types]
+    return numeric[0] if len(numeric) == 1 else None
+
+
+def _i64_floor_keys(schema: dict[str, Any]) -> list[str]:
+    """The lower-bound keywords of an integer schema that llguidance reads at or below
+    -2**63 (:data:`I64_FLOOR`)."""
+    out = []
+    for k in ("minimum", "exclusiveMinimum"):
+        v = schema.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            got = _llg_bounds(v, "integer")
+            if got is not None and got[0] <= -(2**63):
+                out.append(k)
+    return out
+
+
 def _unwritable(value: Any) -> str | None:
     """What of a ``const`` / ``enum`` value llguidance would write as another value, or
     None. llguidance writes a listed string without the characters its JSON strings
@@ -571,9 +601,13 @@ def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, 
         raise ValueError(f"required: {str(schema['required']).lower()} (draft 3) at {path} is not supported by the "
                          "llguidance backend; allowed: a list of property names")
     integer = schema.get("type") == "integer"
+    numeric = _numeric_type(schema.get("type"))
+    floored = _i64_floor_keys(schema) if narrow and numeric == "integer" else []
     for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         v = schema.get(k)
-        moved = (_bound_moved(v, k.endswith("inimum"), narrow, schema.get("type"))
+        if k in floored:
+            continue
+        moved = (_bound_moved(v, k.endswith("inimum"), narrow, numeric)
                  if isinstance(v, (int, float)) and not isinstance(v, bool) else None)
         if moved is not None:
             shown = str(v) if abs(v) < 10**24 else f"{'-' if v < 0 else ''}10**{int(math.log10(abs(v)))} or so"
@@ -582,7 +616,7 @@ def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, 
                              "within +-2**53, or others those read exactly")
     for k in ("exclusiveMinimum", "exclusiveMaximum"):
         v = schema.get(k)
-        if v is not None and v is not False and not integer:
+        if v is not None and v is not False and numeric != "integer" and k not in floored:
             raise ValueError(f"{k} at {path} on a non-integer number is not supported by the llguidance backend "
                              "(a bound cannot be kept exclusive through float parsing)")
     patterns = schema.get("patternProperties")
@@ -621,6 +655,11 @@ def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, 
                          f"('{{\"x\":1,\"x\":2}}' has one property as JSON parsers read it); allowed: a "
                          f"'minProperties' at most 1 more than the required names ({len(listed)})")
     out = dict(schema)
+    if floored:  # a narrowing: integers below I64_FLOOR are not written
+        for k in floored:
+            del out[k]
+        if "minimum" not in out or not isinstance(out["minimum"], (int, float)) or isinstance(out["minimum"], bool):
+            out["minimum"] = I64_FLOOR
     for k in ("minLength", "maxLength"):
         v = schema.get(k)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v > MAX_LENGTH:
