@@ -290,6 +290,33 @@ def test_compiler_time_and_memory_limits(vocab):
         c.close()
 
 
+def test_a_slow_outlines_build_does_not_hold_up_other_constraints(vocab, monkeypatch):
+    """One worker built one index at a time: a regex whose build runs to the time limit
+    held every new regex of every client behind it. Once the build in flight has run past
+    SLOW_BUILD_S, a new constraint goes to another worker (and is found there again)."""
+    from plait.runtime.constrained import backend
+    from plait.runtime.sampling_params import Constraint
+
+    monkeypatch.setattr(backend, "SLOW_BUILD_S", 0.5)
+    g = backend.Grammars(lambda: vocab, timeout_s=120, memory_mb=2048, cache_size=16, jump_forward=False)
+    try:
+        slow = g.request(Constraint("regex", r'"[^"\\]{0,1000}"'))  # seconds of outlines-core's walk
+        queued = g.request(Constraint("regex", "[a-c]{3}"))  # just after: behind it, on the same worker
+        while not g.compiler(backend.OUTLINES).stalled(0.5):
+            g.wait(0.1)
+        quick = g.request(Constraint("regex", "[0-9]{2}"))
+        while not quick.done:
+            g.wait(0.1)
+        assert quick.grammar is not None and not slow.done and not queued.done
+        assert sorted(g.compilers) == [backend.OUTLINES, f"{backend.OUTLINES}#2"]
+        assert g.request(Constraint("regex", "[0-9]{2}")) is quick
+        while g.busy:
+            g.wait(0.5)
+        assert slow.done and queued.grammar is not None
+    finally:
+        g.close()
+
+
 # -- matcher ---------------------------------------------------------------------------------------
 def allowed_ids(m: GrammarMatcher, eos_ok: bool = True) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(m.allowed(eos_ok).view(np.uint8), bitorder="little"))

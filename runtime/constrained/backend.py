@@ -32,6 +32,14 @@ AUTO = "auto"
 BACKENDS = (OUTLINES, LLGUIDANCE)
 GRAMMAR_BACKENDS = (AUTO, *BACKENDS)
 
+# outlines-core builds one index at a time per worker process, and some regexes take
+# until the time limit ("(a|b)*a(a|b){22}": 2**23 states): every new regex of every client
+# waited behind such a build (30 s at the default limit). When each worker's build has
+# run past SLOW_BUILD_S, a new constraint goes to another worker, up to OUTLINES_LANES
+# (each within grammar_compile_memory_mb); a worker, once started, stays.
+OUTLINES_LANES = 3
+SLOW_BUILD_S = 2.0
+
 
 class GrammarFuture:
     """A compile in progress or done: ``grammar`` on success, ``error`` (a message) on
@@ -116,9 +124,10 @@ class Grammars:
         return self._vocab
 
     def compiler(self, backend: str) -> Any:
+        """``backend``'s compiler (for outlines, its first worker's; ``"outlines#2"``: its second)."""
         c = self.compilers.get(backend)
         if c is None:
-            if backend == OUTLINES:
+            if backend.partition("#")[0] == OUTLINES:
                 from plait.runtime.constrained.compiler import GrammarCompiler
 
                 c = GrammarCompiler(self.vocab, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
@@ -132,7 +141,19 @@ class Grammars:
 
     def request(self, constraint: Any) -> GrammarFuture:
         """Start (or find in the cache) the compile of ``constraint``."""
-        return self.compiler(constraint.backend).request(constraint.grammar)
+        if constraint.backend != OUTLINES:
+            return self.compiler(constraint.backend).request(constraint.grammar)
+        lanes = [self.compiler(OUTLINES)]
+        lanes += [self.compilers[k] for k in (f"{OUTLINES}#{i}" for i in range(2, OUTLINES_LANES + 1))
+                  if k in self.compilers]
+        lane = next((c for c in lanes if c.cached(constraint.grammar) is not None), None)
+        if lane is None:
+            lane = next((c for c in lanes if not c.busy), None)
+        if lane is None and len(lanes) < OUTLINES_LANES and all(c.stalled(SLOW_BUILD_S) for c in lanes):
+            lane = self.compiler(f"{OUTLINES}#{len(lanes) + 1}")
+        if lane is None:  # every worker busy: behind the shortest queue of one not stalled
+            lane = min(lanes, key=lambda c: (c.stalled(SLOW_BUILD_S), c.queued))
+        return lane.request(constraint.grammar)
 
     def matcher(self, future: GrammarFuture, constraint: Any, *, jump_forward: bool, heal: bool) -> Matcher:
         future.waiters += 1

@@ -201,6 +201,19 @@ class GrammarCompiler:
         self.poll()
         return fut
 
+    def cached(self, regex: str) -> GrammarFuture | None:
+        """The compile of ``regex`` this compiler has (done or not), or None."""
+        return self._cache.get((self.vocab.fingerprint, regex))
+
+    def stalled(self, seconds: float) -> bool:
+        """Whether the build in flight has run longer than ``seconds``."""
+        fut = self._inflight
+        return fut is not None and fut.started is not None and time.monotonic() - fut.started > seconds
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
     def poll(self) -> None:
         """Collect finished builds, enforce the time limit, start the next build."""
         self._collect(0.0)
