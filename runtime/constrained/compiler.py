@@ -28,6 +28,34 @@ from plait.runtime.constrained.vocab import TokenVocab
 from plait.runtime.constrained.worker import read_frame, write_frame
 
 
+NEST_HINT = 120  # group depth past which a failed outlines build is put down to nesting
+
+
+def group_depth(regex: str) -> int:
+    """How deeply ``regex``'s groups nest (escapes and character classes skipped)."""
+    depth = top = 0
+    i, n = 0, len(regex)
+    while i < n:
+        c = regex[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":
+            j = i + 1 + (regex[i + 1:i + 2] == "^")
+            j += regex[j:j + 1] == "]"
+            while j < n and regex[j] != "]":
+                j += 2 if regex[j] == "\\" else 1
+            i = j + 1
+            continue
+        if c == "(":
+            depth += 1
+            top = max(top, depth)
+        elif c == ")":
+            depth = max(depth - 1, 0)
+        i += 1
+    return top
+
+
 class CompiledGrammar:
     """An index over one vocabulary, its jump-forward automaton, and per-state caches.
 
@@ -315,6 +343,12 @@ class GrammarCompiler:
             msg = reply[2]
             if msg == "memory" or "memory allocation" in msg or "capacity overflow" in msg:
                 msg = f"compiling it needs more than the {self.memory_mb} MiB limit (grammar_compile_memory_mb)"
+            elif "Failed to build DFA" in msg and group_depth(fut.source) > NEST_HINT:
+                # outlines-core's parser nests at most ~250 levels (groups and what they hold):
+                # an integer bound of 300 digits is written as 300 nested groups
+                msg = (f"it cannot be compiled ({msg}): its regex nests groups {group_depth(fut.source)} levels "
+                       f"deep, past what outlines-core's parser takes (about 250; a JSON Schema bound of that "
+                       f"many digits is written that deep)")
             elif "Failed to build DFA" in msg:
                 msg = (f"it cannot be compiled ({msg}); the regex dialect has no look-around or back-references, "
                        "and repetition bounds must be ordered ({2,5}, not {5,2})")
