@@ -294,6 +294,21 @@ def test_compiler_time_and_memory_limits(vocab):
         c.close()
 
 
+def test_a_pattern_whose_whole_index_cannot_be_built_is_refused_not_cut_short(vocab):
+    """outlines-core's index drops the tokens that continue a match past a point where it
+    could end; the index built with the end sentinel has no such gap, but on some patterns
+    it runs out of memory (long digit runs in alternatives: an int64 range). The plain
+    index then wrote '1' for '1' followed by 17 more digits: now the constraint is refused,
+    naming the backend that compiles it."""
+    c = GrammarCompiler(vocab, timeout_s=30, memory_mb=1024, jump_forward=True)
+    try:
+        cut = build(c, "1[0-9]{17}|2[0-9]{1,17}")
+        assert cut.error is not None and "cutting replies short" in cut.error and "llguidance" in cut.error
+        assert build(c, "[0-9]+([.][0-9]+)?").grammar.sentinel is not None  # the worker goes on
+    finally:
+        c.close()
+
+
 def test_a_slow_outlines_build_does_not_hold_up_other_constraints(vocab, monkeypatch):
     """One worker built one index at a time: a regex whose build runs to the time limit
     held every new regex of every client behind it. Once the build in flight has run past

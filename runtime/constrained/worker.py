@@ -22,7 +22,10 @@ in a JSON string, takes it elsewhere too) (``compiler.CompiledGrammar`` reads it
 pseudo-token, nor any real token holding the sentinel's first byte, 0xF4: U+100000 to
 U+10FFFF, private use plane 16, cannot be written). A pattern that names a character of
 that plane itself is built without the sentinel, and so is one whose build with it runs
-past a budget (``SENTINEL_MIN_S``): the plain index, with outlines-core's gap, serves it.
+past a budget (``SENTINEL_MIN_S``) where the jump-forward automaton was not built: the
+plain index, with outlines-core's gap, serves it. Where the automaton shows that a match
+can go on (the gap would cut replies), the build gets a third of the time limit, and
+past it the constraint is refused (:data:`GAP_REFUSAL`).
 
 Its address space is capped at MEM_MB (``RLIMIT_AS``): a build that needs more dies,
 and the engine reports the limit. The engine kills it on timeout, and the worker
@@ -55,6 +58,10 @@ SENTINEL = "\U0010FFFF"  # see the module docstring
 SENTINEL_MIN_S = 1.0
 SENTINEL_FACTOR = 5.0  # (and only for a pattern whose matches can go on: CharAutomaton.extends_past_a_match)
 SENTINEL_FIRST_BYTE = SENTINEL.encode()[0]  # 0xF4
+GAP_REFUSAL = ("outlines-core could not build its whole index within the limits (some patterns, such as long "
+               "counted digit runs in alternatives, run out of time or memory), and its partial index drops the "
+               "tokens that continue a match past a point where it could end, cutting replies short; "
+               "grammar_backend 'llguidance' compiles it")
 # a pattern naming a character of plane 16 (literally or by escape) is built without it
 _PLANE16 = re.compile(r"[\U00100000-\U0010FFFF]|\\U0010[0-9a-fA-F]{4}|\\[xuU]\{0*10[0-9a-fA-F]{4}\}")
 
@@ -284,10 +291,17 @@ def main(argv: list[str]) -> None:
             if uses_sentinel(regex) and (auto is None or auto.extends_past_a_match()):
                 vocab, pseudo = sentinel_vocabs[key]
                 left = timeout_s - (time.monotonic() - t0)
-                budget = min(max(SENTINEL_MIN_S, SENTINEL_FACTOR * plain_s), timeout_s / 3, left / 2)
+                # where the automaton shows a match that goes on, the plain index would cut
+                # replies short: the sentinel build gets the time limit's share, and past it
+                # the constraint is refused; where it is not known, a bounded try
+                needed = auto is not None
+                budget = min(timeout_s / 3 if needed else max(SENTINEL_MIN_S, SENTINEL_FACTOR * plain_s),
+                             timeout_s / 3, left / 2)
                 fixed = _in_child(budget, outlines_core.Index, f"(?:{regex}){SENTINEL}", vocab) if budget > 0 else None
                 if fixed is not None:
                     index, sentinel = fixed, pseudo
+                elif needed:
+                    raise ValueError(GAP_REFUSAL)
             reply: tuple = ("ok", job, index, auto, sentinel)
         except MemoryError:
             reply = ("error", job, "memory")
