@@ -689,3 +689,16 @@ def test_protocol_is_torch_free_and_round_trips():
     assert P.decode_request(P.encode(msg)) == msg
     err = P.ErrorResponse("r", "bad", 400, "invalid_request_error", "n")
     assert P.decode_response(P.encode(err)) == err
+
+
+def test_streamed_generate_with_n_names_the_request_in_every_event(http):
+    """With n > 1 the chunk events carried each sample's internal id (``gen-...#0``) and
+    the final events the request's: every event names the request, as the final one did."""
+    body = {"text": "Hi", "stream": True, "return_logprob": True,
+            "sampling_params": {"temperature": 0.7, "ignore_eos": True, "max_new_tokens": 4, "n": 2}}
+    with http.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200
+        events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    assert {e["index"] for e in events} == {0, 1} and len(events) > 2
+    ids = {e["meta_info"]["id"] for e in events}
+    assert len(ids) == 1 and "#" not in next(iter(ids)), ids

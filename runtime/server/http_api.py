@@ -807,6 +807,8 @@ class NativeStreamState:
         for k, v in pad_logprob_text(msg.meta).items():
             if isinstance(v, list):
                 a["meta_info"].setdefault(k, []).extend(v)
+            elif k == "id":  # the request's id, as its final event has it (not its sample's, with n > 1)
+                continue
             else:
                 a["meta_info"][k] = v
         self.entries += _meta_entries(msg.meta)
