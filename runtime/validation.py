@@ -64,6 +64,13 @@ class GenerateInput:
         )
 
 
+def prompt_name(param: str) -> str:
+    """How a length error names the prompt of ``param``: a chat's is its messages rendered
+    with the template, tool definitions included (a long tool description, not the
+    messages, may be what does not fit)."""
+    return "the prompt rendered from messages (with tools, if given)" if param == "messages" else param
+
+
 def check_prompt(ids: Any, limits: ModelLimits, param: str) -> list[int]:
     """A prompt's token ids: a non-empty list of ids inside the vocabulary, shorter
     than the context. Returns it."""
@@ -76,7 +83,7 @@ def check_prompt(ids: Any, limits: ModelLimits, param: str) -> list[int]:
         raise RequestError(f"{param} contains token id {bad}, outside the vocabulary [0, {limits.vocab_size})", param)
     if len(ids) >= limits.context_len:
         raise RequestError(
-            f"{param} has {len(ids)} tokens; this model's context length is {limits.context_len}, "
+            f"{prompt_name(param)} has {len(ids)} tokens; this model's context length is {limits.context_len}, "
             f"so a prompt may have at most {limits.context_len - 1} tokens", param,
         )
     return ids

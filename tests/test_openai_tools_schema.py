@@ -227,3 +227,14 @@ def test_a_stop_string_inside_a_call_in_the_responses_api_is_an_incomplete_item(
     assert done["type"] == "response.completed"
     assert [(i["type"], i["status"], i["arguments"]) for i in done["response"]["output"]] == \
         [("function_call", "incomplete", item["arguments"])]
+
+
+def test_a_prompt_too_long_for_its_tools_says_the_tools_count(http):
+    """A tool whose description does not fit the context: the 400 blamed 'messages', which
+    were two words; it names the prompt rendered from the messages with the tools."""
+    tools = [{"type": "function", "function": {"name": "f", "description": "word " * 3000,
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    r = _chat(http, tools, "auto")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and "rendered from messages (with tools" in err["message"], err

@@ -33,7 +33,7 @@ from plait.runtime.logprob_text import add_token_text
 from plait.runtime.prompt_tokens import encode_prompt
 from plait.runtime.server.args import ServerArgs
 from plait.runtime.server.metrics import Metrics
-from plait.runtime.validation import GenerateInput, ModelLimits, check_text, validate_generate
+from plait.runtime.validation import GenerateInput, ModelLimits, check_text, prompt_name, validate_generate
 
 logger = logging.getLogger("plait.front")
 
@@ -146,8 +146,8 @@ class Front:
         refused before the tokenizer runs."""
         if len(text) > self.max_prompt_chars:
             raise RequestError(
-                f"{param} has {len(text)} characters; this model's context length is {self.context_len} tokens "
-                f"of at most {self.max_token_chars} characters, so at most {self.max_prompt_chars} characters fit",
+                f"{prompt_name(param)} has {len(text)} characters; this model's context length is "
+                f"{self.context_len} tokens of at most {self.max_token_chars} characters, so at most {self.max_prompt_chars} characters fit",
                 param,
             )
         check_text(text, param)
