@@ -159,6 +159,12 @@ def test_errors_name_the_field(oai, server):
             assert r.json()["error"]["param"] == param, (body, r.text)
             if "'function': {" in str(body.get("tools")):
                 assert "the Responses API's tools are flat" in r.json()["error"]["message"], r.text
+        # a format without its schema: the shape shown is the Responses API's flat one, not chat's
+        r = http.post("/v1/responses", json={"model": MODEL, "input": "hi",
+                                             "text": {"format": {"type": "json_schema", "name": "x"}}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+        assert '"name": str, "schema": {...}}' in r.json()["error"]["message"], r.text
+        assert '"json_schema": {' not in r.json()["error"]["message"], r.text
         r = http.post("/v1/responses", json={"model": "gpt-4o", "input": "hi"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 

@@ -999,10 +999,13 @@ def response_format_schema(fmt: dict[str, Any] | None, param: str = "response_fo
     if fmt.get("type") == "json_object":
         schema = {"type": "object"}
     if not isinstance(schema, (dict, bool)):
+        # the Responses API's text.format is flat: name and schema beside the type
+        shape = ('{"type": "json_schema", "name": str, "schema": {...}}' if param == "text.format"
+                 else '{"type": "json_schema", "json_schema": {"name": str, "schema": {...}}}')
         raise RequestError(
             f"{param}={_short(fmt)} is invalid; allowed: {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}}, "
-            f"{{\"type\": \"json_schema\", \"json_schema\": {{\"schema\": {{...}}}}}} or {{\"type\": "
-            f"\"structural_tag\", \"format\": {{...}}}} (or the legacy \"structures\": [...], \"triggers\": [...])",
+            f"{shape} or {{\"type\": \"structural_tag\", \"format\": {{...}}}} (or the legacy \"structures\": "
+            f"[...], \"triggers\": [...])",
             param,
         )
     return schema
