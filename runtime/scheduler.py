@@ -724,5 +724,12 @@ def constraint_dead_end(r: Req) -> FinishReason:
         why = ("no token of this model's vocabulary continues it (the text it requires next cannot be written with the "
                "tokenizer's ordinary tokens)")
     n = max(r.output_len - 1, 0)  # the refused token is the last one
+    least = r.params.min_new_tokens
+    if not error and not getattr(g, "stuck", False) and getattr(g, "is_final", False) and n < least:
+        # complete, and only the end may follow: what refused it is min_new_tokens
+        message = (f"min_new_tokens={least} cannot be met: {kind} is complete after {n} output "
+                   f"token{'' if n == 1 else 's'} and allows nothing more, and the output may not end before "
+                   f"{least} tokens")
+        return FinishReason.abort(message, RequestError(message, "min_new_tokens"))
     message = f"{kind} cannot be followed after {n} output token{'' if n == 1 else 's'}: {why}"
     return FinishReason.abort(message, RequestError(message, kind))

@@ -424,6 +424,17 @@ def test_engine_follows_recursive_schemas_and_ebnf(engine):
     assert engine.generate("Still?", {"regex": "(yes|no)", "temperature": 0.0})["text"] in ("yes", "no")
 
 
+@pytest.mark.parametrize("backend", ["outlines", "llguidance"])
+def test_min_tokens_past_a_complete_constraint_is_a_400_naming_min_tokens(engine, backend):
+    """A constraint complete after 1 token ('x') with min_new_tokens 5: the 400 said the
+    regex 'cannot be followed' as if no token could write it; it names min_new_tokens."""
+    with pytest.raises(RequestError) as info:
+        engine.generate("x", {"regex": "x", "grammar_backend": backend, "min_new_tokens": 5, "max_new_tokens": 8})
+    assert info.value.status == 400 and info.value.param == "min_new_tokens", info.value.message
+    assert "complete after 1 output token" in info.value.message, info.value.message
+    assert engine.generate("x", {"regex": "x", "grammar_backend": backend, "max_new_tokens": 8})["text"] == "x"
+
+
 @pytest.mark.parametrize("params, param", [
     ({"json_schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}, "json_schema"),
     ({"json_schema": {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"}}, "json_schema"),
