@@ -260,6 +260,10 @@ def test_hand_made_invalid_instances_are_refused(grammars, vocab, backend, case)
     except RequestError as e:
         assert backend == "outlines" and "recursive" in e.message  # outlines-core cannot express these
         return
+    except AssertionError as e:  # the build failed: outlines-core's whole index is too costly for a
+        # top-level value whose matches go on (its partial one would cut a top-level integer short)
+        assert backend == "outlines" and "cutting replies short" in str(e), e
+        return
     assert not admits(m, vocab, text)
 
 

@@ -24,8 +24,8 @@ U+10FFFF, private use plane 16, cannot be written). A pattern that names a chara
 that plane itself is built without the sentinel, and so is one whose build with it runs
 past a budget (``SENTINEL_MIN_S``) where the jump-forward automaton was not built: the
 plain index, with outlines-core's gap, serves it. Where the automaton shows that a match
-can go on (the gap would cut replies), the build gets a third of the time limit, and
-past it the constraint is refused (:data:`GAP_REFUSAL`).
+can go on (the gap would cut replies), the build gets ``SENTINEL_NEEDED_S``, and past it
+the constraint is refused (:data:`GAP_REFUSAL`).
 
 Its address space is capped at MEM_MB (``RLIMIT_AS``): a build that needs more dies,
 and the engine reports the limit. The engine kills it on timeout, and the worker
@@ -56,6 +56,7 @@ SENTINEL = "\U0010FFFF"  # see the module docstring
 # some patterns it is far slower (a recursive schema's regex: 1.5 s plain, past 200 s),
 # and then the plain index serves
 SENTINEL_MIN_S = 1.0
+SENTINEL_NEEDED_S = 5.0  # ... and where the plain index would cut replies (then refused past it)
 SENTINEL_FACTOR = 5.0  # (and only for a pattern whose matches can go on: CharAutomaton.extends_past_a_match)
 SENTINEL_FIRST_BYTE = SENTINEL.encode()[0]  # 0xF4
 GAP_REFUSAL = ("outlines-core could not build its whole index within the limits (some patterns, such as long "
@@ -295,7 +296,7 @@ def main(argv: list[str]) -> None:
                 # replies short: the sentinel build gets the time limit's share, and past it
                 # the constraint is refused; where it is not known, a bounded try
                 needed = auto is not None
-                budget = min(timeout_s / 3 if needed else max(SENTINEL_MIN_S, SENTINEL_FACTOR * plain_s),
+                budget = min(max(SENTINEL_NEEDED_S if needed else SENTINEL_MIN_S, SENTINEL_FACTOR * plain_s),
                              timeout_s / 3, left / 2)
                 fixed = _in_child(budget, outlines_core.Index, f"(?:{regex}){SENTINEL}", vocab) if budget > 0 else None
                 if fixed is not None:
