@@ -716,20 +716,6 @@ class Llama3JsonParser(ToolParser):
             if seen is not None and (seen.complete or not final):
                 calls.append(seen)
             elif end is not None or final:
-                if final and not calls and not rest and i == m:
-                    # the first start is text ('{"name":{...' that is no call): a later start may
-                    # begin the calls (strict auto's free text never holds the trigger '{"name": '
-                    # but may hold this looser start)
-                    later = self._START.search(text, m + 1)
-                    if later is not None:
-                        token = _MEMO.set(None)
-                        try:
-                            sub = self.scan(text[later.start():], names, final)
-                        finally:
-                            _MEMO.reset(token)
-                        if sub.calls:
-                            return _Scan(_content_before(text, later.start() + sub.content_end), sub.calls,
-                                         sub.rest)
                 rest.append(text[i:end if end is not None else len(text)])
             if end is None:
                 break
