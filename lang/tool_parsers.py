@@ -681,7 +681,9 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
     markers = (TAG,)
-    triggers = ('{"name": ',)  # (the calls as this parser forces them; after <|python_tag|> or not)
+    # (the calls as this parser forces them begin with it; free text never holds it: not
+    # '{"name": ' alone, since this parser also starts a call at '{"name":' or '{"name" :')
+    triggers = ('{"name"',)
     hint = 'a JSON object per call, separated by "; ":\n{"name": "<function name>", "parameters": <arguments as a JSON object>}'
 
     def format_calls(self, calls: list[ToolCall]) -> str:

@@ -24,8 +24,10 @@ U+10FFFF, private use plane 16, cannot be written). A pattern that names a chara
 that plane itself is built without the sentinel, and so is one whose build with it runs
 past a budget (``SENTINEL_MIN_S``) where the jump-forward automaton was not built: the
 plain index, with outlines-core's gap, serves it. Where the automaton shows that a match
-can go on (the gap would cut replies), the build gets ``SENTINEL_NEEDED_S``, and past it
-the constraint is refused (:data:`GAP_REFUSAL`).
+can go on (the gap would cut replies), the build gets ``SENTINEL_NEEDED_S``, and where
+it fails (its memory limit: some patterns need far more than their plain index, an int64
+range's tens of GB) the constraint is refused (:data:`GAP_REFUSAL`); one past its time
+(which a busy machine may cause) is served by the plain index as before.
 
 Its address space is capped at MEM_MB (``RLIMIT_AS``): a build that needs more dies,
 and the engine reports the limit. The engine kills it on timeout, and the worker
@@ -56,12 +58,12 @@ SENTINEL = "\U0010FFFF"  # see the module docstring
 # some patterns it is far slower (a recursive schema's regex: 1.5 s plain, past 200 s),
 # and then the plain index serves
 SENTINEL_MIN_S = 1.0
-SENTINEL_NEEDED_S = 5.0  # ... and where the plain index would cut replies (then refused past it)
+SENTINEL_NEEDED_S = 5.0  # ... and where the plain index would cut replies (or a sixth of the limit)
 SENTINEL_FACTOR = 5.0  # (and only for a pattern whose matches can go on: CharAutomaton.extends_past_a_match)
 SENTINEL_FIRST_BYTE = SENTINEL.encode()[0]  # 0xF4
-GAP_REFUSAL = ("outlines-core could not build its whole index within the limits (some patterns, such as long "
-               "counted digit runs in alternatives, run out of time or memory), and its partial index drops the "
-               "tokens that continue a match past a point where it could end, cutting replies short; "
+GAP_REFUSAL = ("outlines-core's whole index for it needs more than the memory limit (grammar_compile_memory_mb; "
+               "some patterns, such as long counted digit runs in alternatives, need tens of GB), and its partial "
+               "index drops the tokens that continue a match past a point where it could end, cutting replies short; "
                "grammar_backend 'llguidance' compiles it")
 # a pattern naming a character of plane 16 (literally or by escape) is built without it
 _PLANE16 = re.compile(r"[\U00100000-\U0010FFFF]|\\U0010[0-9a-fA-F]{4}|\\[xuU]\{0*10[0-9a-fA-F]{4}\}")
@@ -121,9 +123,13 @@ def _with_alarm(seconds: float, fn: Any, *args: Any) -> Any:
         signal.signal(signal.SIGALRM, old)
 
 
+TIMED_OUT = object()  # _in_child's answer for a child past its time
+
+
 def _in_child(seconds: float, fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` computed in a forked child and unpickled here, or None if the child
-    fails or runs past ``seconds`` (then it is killed: native code ignores SIGALRM)."""
+    """``fn(*args)`` computed in a forked child and unpickled here; None if the child
+    fails (its memory limit), :data:`TIMED_OUT` if it runs past ``seconds`` (then it is
+    killed: native code ignores SIGALRM)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: compute, write, leave without cleanup of the parent's state
@@ -144,7 +150,7 @@ def _in_child(seconds: float, fn: Any, *args: Any) -> Any:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([r], [], [], left)[0]:
                 os.kill(pid, signal.SIGKILL)
-                chunks = []
+                chunks = [b""]
                 break
             chunk = os.read(r, 1 << 20)
             if not chunk:
@@ -153,6 +159,8 @@ def _in_child(seconds: float, fn: Any, *args: Any) -> Any:
     finally:
         os.close(r)
         _, status = os.waitpid(pid, 0)
+    if chunks == [b""]:
+        return TIMED_OUT
     if not chunks or not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
         return None
     return pickle.loads(b"".join(chunks))
@@ -296,13 +304,13 @@ def main(argv: list[str]) -> None:
                 # replies short: the sentinel build gets the time limit's share, and past it
                 # the constraint is refused; where it is not known, a bounded try
                 needed = auto is not None
-                budget = min(max(SENTINEL_NEEDED_S if needed else SENTINEL_MIN_S, SENTINEL_FACTOR * plain_s),
-                             timeout_s / 3, left / 2)
+                least = max(SENTINEL_NEEDED_S, timeout_s / 6) if needed else SENTINEL_MIN_S
+                budget = min(max(least, SENTINEL_FACTOR * plain_s), timeout_s / 3, left / 2)
                 fixed = _in_child(budget, outlines_core.Index, f"(?:{regex}){SENTINEL}", vocab) if budget > 0 else None
-                if fixed is not None:
-                    index, sentinel = fixed, pseudo
-                elif needed:
+                if fixed is None and needed:  # it failed, past the memory limit: not a matter of load
                     raise ValueError(GAP_REFUSAL)
+                if fixed is not None and fixed is not TIMED_OUT:
+                    index, sentinel = fixed, pseudo
             reply: tuple = ("ok", job, index, auto, sentinel)
         except MemoryError:
             reply = ("error", job, "memory")
