@@ -343,10 +343,10 @@ class GrammarCompiler:
             msg = reply[2]
             if msg == "memory" or "memory allocation" in msg or "capacity overflow" in msg:
                 msg = f"compiling it needs more than the {self.memory_mb} MiB limit (grammar_compile_memory_mb)"
-            elif "Failed to build DFA" in msg and group_depth(fut.source) > NEST_HINT:
+            elif "Failed to build DFA" in msg and (depth := group_depth(fut.source)) > NEST_HINT:
                 # outlines-core's parser nests at most ~250 levels (groups and what they hold):
                 # an integer bound of 300 digits is written as 300 nested groups
-                msg = (f"it cannot be compiled ({msg}): its regex nests groups {group_depth(fut.source)} levels "
+                msg = (f"it cannot be compiled ({msg}): its regex nests groups {depth} levels "
                        f"deep, past what outlines-core's parser takes (about 250; a JSON Schema bound of that "
                        f"many digits is written that deep)")
             elif "Failed to build DFA" in msg:

@@ -658,8 +658,7 @@ def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, 
     if floored:  # a narrowing: integers below I64_FLOOR are not written
         for k in floored:
             del out[k]
-        if "minimum" not in out or not isinstance(out["minimum"], (int, float)) or isinstance(out["minimum"], bool):
-            out["minimum"] = I64_FLOOR
+        out.setdefault("minimum", I64_FLOOR)  # (a minimum kept is above it)
     for k in ("minLength", "maxLength"):
         v = schema.get(k)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v > MAX_LENGTH:

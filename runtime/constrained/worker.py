@@ -144,13 +144,14 @@ def _in_child(seconds: float, fn: Any, *args: Any) -> Any:
             os._exit(code)
     os.close(w)
     chunks: list[bytes] = []
+    timed_out = False
     deadline = time.monotonic() + seconds
     try:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([r], [], [], left)[0]:
                 os.kill(pid, signal.SIGKILL)
-                chunks = [b""]
+                timed_out = True
                 break
             chunk = os.read(r, 1 << 20)
             if not chunk:
@@ -159,7 +160,7 @@ def _in_child(seconds: float, fn: Any, *args: Any) -> Any:
     finally:
         os.close(r)
         _, status = os.waitpid(pid, 0)
-    if chunks == [b""]:
+    if timed_out:
         return TIMED_OUT
     if not chunks or not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
         return None
@@ -301,8 +302,8 @@ def main(argv: list[str]) -> None:
                 vocab, pseudo = sentinel_vocabs[key]
                 left = timeout_s - (time.monotonic() - t0)
                 # where the automaton shows a match that goes on, the plain index would cut
-                # replies short: the sentinel build gets the time limit's share, and past it
-                # the constraint is refused; where it is not known, a bounded try
+                # replies short: the sentinel build gets longer, and where it fails (not where
+                # it runs out of time, which load may cause) the constraint is refused
                 needed = auto is not None
                 least = max(SENTINEL_NEEDED_S, timeout_s / 6) if needed else SENTINEL_MIN_S
                 budget = min(max(least, SENTINEL_FACTOR * plain_s), timeout_s / 3, left / 2)
