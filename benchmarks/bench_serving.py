@@ -395,7 +395,7 @@ async def chunked_prefill_once(url: str, model: str, tok: Any, args: argparse.Na
     return {
         "decode_streams": len(results), "ok": all(r.ok for r in results) and long_res.ok,
         "p50_itl_ms": 1000 * pct(itl, 50), "p99_itl_ms": 1000 * pct(itl, 99), "max_itl_ms": 1000 * max(itl),
-        "long_prompt_ttft_ms": 1000 * long_res.ttft,
+        "long_prompt_ttft_ms": 1000 * long_res.ttft, "itl_s": [r.itl for r in results],
     }
 
 
@@ -412,6 +412,10 @@ def chunked_prefill_scenario(args: argparse.Namespace, tok: Any) -> list[dict[st
         with launch(args.model, served_model_name="bench", echo_logs=False, **config) as rt:
             row = asyncio.run(chunked_prefill_once(rt.url, "bench", tok, args, {}))
         row["config"] = "not chunked" if size == NO_CHUNKING else f"chunked_prefill_size={size}"
+        gaps = row.pop("itl_s")
+        if args.dump_itl:  # each stream's gaps, one JSON line per run (which steps p99 saw)
+            with open(args.dump_itl, "a") as f:
+                f.write(json.dumps({"config": row["config"], "itl_s": gaps}) + "\n")
         row["p99_over_median"] = row["p99_itl_ms"] / row["p50_itl_ms"]
         rows.append(row)
     unchunked = rows[-1]["long_prompt_ttft_ms"]
@@ -459,6 +463,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-streams", type=int, default=8, help="chunked-prefill scenario: decoding streams")
     p.add_argument("--decode-output-len", type=int, default=128, help="chunked-prefill scenario: their output length")
     p.add_argument("--long-prompt-len", type=int, default=2048, help="chunked-prefill scenario: the long prompt")
+    p.add_argument("--dump-itl", default=None, help="chunked-prefill scenario: append each run's per-stream "
+                   "inter-token gaps (seconds) to this file as JSON lines")
     p.add_argument("--long-prompt-delay", type=float, default=1.0, help="seconds after the streams start")
     p.add_argument("--chunk-size", default="auto", type=lambda v: v if v == "auto" else int(v),
                    help="chunked-prefill scenario: chunked_prefill_size (a number or auto)")

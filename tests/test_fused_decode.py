@@ -52,6 +52,48 @@ def test_fused_decode_gives_the_module_paths_tokens(tiny_model_factory, arch, mo
             assert abs(x - y) < 1e-3
 
 
+@pytest.mark.parametrize("mode", ["none", "q4"])
+def test_whole_prompts_take_the_fused_path(tiny_model_factory, mode):
+    """Prompts prefilled in one step each (no chunking), many tiles of 16 tokens: float32
+    models take them on the fused path, quantized ones while the step has fewer rows than
+    PACK_MIN_ROWS (from there the module path packs the weights for oneDNN); the module
+    path's tokens and prompt logprobs either way."""
+    from plait.runtime.models.quant import PACK_MIN_ROWS
+
+    folder = tiny_model_factory("llama")
+    # distinct from their first token on (a shared prefix would hold the second back for the cache)
+    prompts = [[3 + (i * 7 + 13 * k) % 90 for i in range(n)] for k, n in enumerate((150, 300, 610, 620))]
+    kw = {"chunked_prefill_size": 4096, "kv_cache_tokens": 4096, "cpu_gemm": "native"}
+
+    def run(fused):
+        with Engine(str(folder), quantization=mode, fused_decode=fused, **kw) as engine:
+            calls = []
+            if engine.runner.fused is not None:
+                forward = engine.runner.fused.forward
+                engine.runner.fused.forward = lambda fb: calls.append(sum(fb.extend_seq_lens)) or forward(fb)
+            outs = [engine.generate(input_ids=prompts[:2], sampling_params=GREEDY, return_logprob=True,
+                                    logprob_start_len=0)]
+            outs.append(engine.generate(input_ids=prompts[2:], sampling_params=GREEDY, return_logprob=True,
+                                        logprob_start_len=0))
+            return [o for batch in outs for o in batch], calls, engine
+
+    ref, ref_calls, _ = run(False)
+    outs, calls, engine = run(True)
+    assert ref_calls == [] and engine.runner.fused is not None
+    if engine.runner.fused.max_extend:
+        assert 450 in calls  # the first two prompts' step
+        # the last two (1230 rows) on the fused path only for float32 weights
+        assert (1230 in calls) == (mode == "none") and 1230 >= PACK_MIN_ROWS
+    for a, b in zip(ref, outs):
+        assert a["output_ids"] == b["output_ids"]
+        for x, y in zip(_logprobs(a), _logprobs(b)):
+            assert abs(x - y) < 1e-3
+        prompt_a = [lp for lp, *_ in a["meta_info"]["input_token_logprobs"][1:]]
+        prompt_b = [lp for lp, *_ in b["meta_info"]["input_token_logprobs"][1:]]
+        assert len(prompt_a) == len(prompt_b) > 100
+        assert max(abs(x - y) for x, y in zip(prompt_a, prompt_b)) < 1e-3
+
+
 @pytest.mark.parametrize("isa", ["avx2", "portable"])
 def test_float32_fused_per_token_work_on_each_isa(tiny_model_factory, monkeypatch, isa):
     """A float32 model's per-token work in C (the SiLU's vector exp) on the AVX2 and the

@@ -12,13 +12,19 @@ function pointer), attention on the native kernel (``plait_paged_extend_f32``, a
 through its pointer), and the small per-token work in C. One Python -> C call per step;
 the embedding lookup and the LM head stay in torch.
 
-Steps with prompt chunks beside the decodes take it too, up to :data:`MAX_EXTEND_TOKENS`
-chunk tokens: each token is a query row attending to its request's context up to its
-own position, a chunk's tokens in tiles of 16 that read the context once per tile.
-Measured on the 2-core Xeon (SmolLM2-135M float32, 8 greedy streams): a decode-only
-step 39 -> 29 ms, a step of 24 prompt tokens beside them 67 -> 55 ms early in a
-2048-token prompt (README). Longer prefills keep the module path (one masked SDPA call
-per layer for the whole chunk).
+Steps with prompt chunks take it too, beside decodes or alone: each token is a query row
+attending to its request's context up to its own position, a chunk's tokens in tiles of
+16 that read the context once per tile. Measured on the 2-core Xeon (SmolLM2-135M
+float32, 8 greedy streams): a decode-only step 39 -> 29 ms, a step of 24 prompt tokens
+beside them 67 -> 55 ms early in a 2048-token prompt (README). Whole prompts too: on the
+2-core Zen 4 (SmolLM2-135M float32, 2 threads) a 2048-token prompt in one step takes
+3.05-3.2 s against 3.6-3.9 s on the module path (whose one masked SDPA call per layer is
+1.24 s of it), a 512-token one 0.59-0.66 s against 0.72 s; with torch and the kernels
+held to AVX2, 3.27-3.40 s against 3.59-3.69 s and 0.60-0.67 s against 0.71-0.74 s.
+Quantized models take chunks of fewer than :data:`plait.runtime.models.quant.PACK_MIN_ROWS`
+rows: from there the module path packs the dequantized weights for oneDNN's GEMM, faster
+than the kernel's panels (q4, 2048 tokens on the Zen 4: 3.53-3.82 s fused against
+3.64-3.81 s; 512 tokens 0.69 against 0.76-0.79 s).
 
 Not bit for bit the module path (float32 sums of the norms and SiLU in another order,
 the attention's own exp): tests check the same greedy tokens and logprobs within 1e-3 on
@@ -44,11 +50,12 @@ import torch
 from plait.kernels import cpu_attention, gemm_cpu, quant_cpu
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.models.linear import Linear
-from plait.runtime.models.quant import QuantLinear, kernel_takes
+from plait.runtime.models.quant import PACK_MIN_ROWS, QuantLinear, kernel_takes
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-# prefill-chunk tokens a fused step takes (their attention reads the context once per token)
-MAX_EXTEND_TOKENS = 64
+# prompt-chunk tokens a fused step of a float32 model takes (a step's buffers hold
+# ~8 floats per hidden unit for each of its rows; chunked_prefill_size bounds it)
+MAX_EXTEND_TOKENS = 1 << 20
 
 
 class _QWeight(ctypes.Structure):
@@ -135,9 +142,6 @@ class FusedDecoder:
         self.lib.plait_fused_decode_f32.argtypes = [_int, _p, _i64, _p, _p, _int]
         attention = cpu_attention.load()
         self.attend = ctypes.cast(attention.plait_paged_extend_f32, _p)
-        # prompt chunks only where their tiles run on vector intrinsics (AVX-512, AVX2):
-        # the portable tile is slower than the module path's SDPA
-        self.max_extend = MAX_EXTEND_TOKENS if attention.plait_paged_extend_vectorized() else 0
         self.model, self.attn = model, attn
         layers, pool = model.model.layers, attn.pool
         projections = [p for la in layers for p in (la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj,
@@ -160,15 +164,20 @@ class FusedDecoder:
             for i, la in enumerate(layers)
         ])
         self.eps = layers[0].input_layernorm.eps  # every norm's (why_not)
+        # prompt chunks only where their tiles run on vector intrinsics (AVX-512, AVX2):
+        # the portable tile is slower than the module path's SDPA; quantized weights up to
+        # the rows from which the module path packs them for oneDNN (module docstring)
+        self.max_extend = MAX_EXTEND_TOKENS if attention.plait_paged_extend_vectorized() else 0
+        self.max_rows = PACK_MIN_ROWS - 1 if quantized else None
 
     def applies(self, fb: ForwardBatch) -> bool:
         """Whether this step is one the fused path runs: decode rows and prefill chunks of
-        at most :data:`MAX_EXTEND_TOKENS` tokens in all (none where the attention's tiles
-        are not vectorized: ``plait_paged_extend_vectorized``; their attention is one query row
-        per token, reading the request's context: a long prefill takes the module path's
-        attention, which reads it once per chunk), as many rows as the kernels take."""
+        at most ``max_extend`` tokens in all (none where the attention's tiles are not
+        vectorized: ``plait_paged_extend_vectorized``; fewer than ``PACK_MIN_ROWS`` rows
+        for quantized weights), as many rows as the kernels take."""
         rows = fb.num_decodes + sum(fb.extend_seq_lens)
         return (rows >= 1 and rows - fb.num_decodes <= self.max_extend and fb.windowed is None
+                and (self.max_rows is None or rows <= self.max_rows)
                 and (self.isa_name is None or kernel_takes(self.isa_name, rows)))
 
     @torch.inference_mode()
