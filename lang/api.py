@@ -203,7 +203,8 @@ class Function:
         ``global_config.enable_precache_with_tracing``) and they are submitted grouped
         by shared prefix. Tracing runs each body up to its first model output, so a
         body that does something before that (a retrieval call) does it once more per
-        instance; with ``global_config.enable_precache_with_tracing = False`` (and no
+        instance (on copies of its plain-data arguments, placeholders for the others:
+        an iterator argument reaches the run unconsumed); with ``global_config.enable_precache_with_tracing = False`` (and no
         ``pin_prefixes=True``) nothing is traced, as in SGLang, and instances run in
         input order. States come back in input order: as a list, or with
         ``generator_style=True`` as an iterator that yields each state as soon as it

@@ -501,7 +501,10 @@ def trace_program(fn: Callable[..., Any], name: str, arg_names: list[str], defau
     if unknown and not var_kwargs:
         raise TypeError(f"{name}() got unexpected argument(s) {', '.join(unknown)}; its arguments: {', '.join(arg_names)}")
     arg_names = list(arg_names) + unknown
-    bound = {k: kwargs[k] if k in kwargs else defaults[k] for k in arg_names if k in kwargs or k in defaults}
+    given = {k: kwargs[k] if k in kwargs else defaults[k] for k in arg_names if k in kwargs or k in defaults}
+    # the trace runs the body once more than the program does (run_batch plans with each
+    # instance's arguments): it gets copies of plain data, never the caller's objects
+    bound = {k: c for k, c in ((k, _traceable(v)) for k, v in given.items()) if c is not _OPAQUE}
     call_args = {k: bound.get(k, _ArgPlaceholder(k)) for k in arg_names}
     graph = ProgramGraph(name, list(arg_names), bound)
     state = TracingState(graph.nodes)
@@ -516,6 +519,28 @@ def trace_program(fn: Callable[..., Any], name: str, arg_names: list[str], defau
         _TRACING.reset(token)
     graph.nodes[:] = _mark_bound_args(graph.nodes, bound)
     return graph
+
+
+_OPAQUE = object()
+_PLAIN = (str, bytes, int, float, complex, bool, type(None))
+
+
+def _traceable(value: Any, depth: int = 0) -> Any:
+    """``value`` for a trace to use without touching the caller's: plain data (strings,
+    numbers, None) as it is, lists / tuples / dicts / sets of plain data copied; anything
+    else, ``_OPAQUE`` (the argument is then a placeholder, as SGLang's tracer passes for
+    every argument). A one-shot iterator (``map(...)``, a generator) the trace consumed
+    reached the real run empty, and a body's ``options.append(...)`` on the caller's list
+    ran twice; an object's methods may do anything."""
+    if isinstance(value, _PLAIN):  # immutable
+        return value
+    if depth > 8 or type(value) not in (list, tuple, dict, set, frozenset):
+        return _OPAQUE
+    if isinstance(value, dict):
+        items = [(_traceable(k, depth + 1), _traceable(v, depth + 1)) for k, v in value.items()]
+        return _OPAQUE if any(k is _OPAQUE or v is _OPAQUE for k, v in items) else dict(items)
+    items = [_traceable(v, depth + 1) for v in value]
+    return _OPAQUE if any(v is _OPAQUE for v in items) else type(value)(items)
 
 
 # -- batches ----------------------------------------------------------------------------------------

@@ -612,6 +612,37 @@ def test_run_batch_returns_input_order(fake):
     assert [s["answer"] for s in states] == [f"{c}{i}" for i, c in enumerate("zyxwvu")]
 
 
+@sgl.function
+def summarize(s, docs, options, tag):
+    options.append("None of the above")  # changes the caller's list when given it
+    s += "Pick one of: " + ", ".join(options) + "\nDocuments:\n"
+    for d in docs:
+        s += "- " + d + "\n"
+    s += f"[{tag}] Summary:" + sgl.gen("summary", max_tokens=4)
+
+
+def test_run_batch_traces_never_consume_or_change_the_instances_arguments(fake):
+    """Planning traces each instance with its arguments before the run: a one-shot
+    iterator (map, a generator) reached the run empty, and a list the body appends to
+    got the item twice. Plain data is copied for the trace, anything else a placeholder."""
+    fake.reply = lambda prompt, params: "ok"
+    lists = [["A", "B"], ["C", "D"]]
+    batch = [{"docs": map(str.strip, [" alpha ", " beta "]), "options": lists[0], "tag": "x"},
+             {"docs": (d for d in ["gamma", "delta"]), "options": lists[1], "tag": "y"}]
+    states = summarize.run_batch(batch, backend=fake)
+    texts = [s.text() for s in states]
+    assert texts[0] == "Pick one of: A, B, None of the above\nDocuments:\n- alpha\n- beta\n[x] Summary:ok"
+    assert texts[1] == "Pick one of: C, D, None of the above\nDocuments:\n- gamma\n- delta\n[y] Summary:ok"
+    assert lists == [["A", "B", "None of the above"], ["C", "D", "None of the above"]]  # once each
+    # the same as run() on fresh arguments; and plain-data arguments still give the plan its prefixes
+    one = summarize.run(docs=iter(["alpha", "beta"]), options=["A", "B"], tag="x", backend=fake)
+    assert one.text() == texts[0]
+    plan = summarize.plan([{"docs": ["p", "q"], "options": ["A"], "tag": "x"},
+                           {"docs": map(str, "pq"), "options": ["A"], "tag": "y"}])
+    assert plan.prefixes[0].startswith("Pick one of: A, None of the above\nDocuments:\n- p\n- q\n[x]")
+    assert "- p" not in plan.prefixes[1] and plan.prefixes[1].startswith("Pick one of: A, None of the above")
+
+
 def test_run_batch_generator_style_yields_in_order_and_unpins_at_the_end(fake):
     fake.reply = lambda prompt, params: prompt.split("Q: ")[-1].split("?")[0]
     qs = [{"question": f"{c}{i}?"} for i, c in enumerate("zyxwvu")]
