@@ -384,12 +384,16 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
     if choices is not None:
         return select(name, choices, 0.0 if temperature is None else temperature,
                       token_length_normalized if choices_method is None else choices_method)
+    if dtype is not None and regex is not None:  # SGLang warns and keeps dtype's regex
+        warnings.warn(f"gen({name!r}): both dtype and regex were given; only dtype is used (as in SGLang)",
+                      stacklevel=2)
+        regex = None
     constraints = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("ebnf", ebnf), ("dtype", dtype))
                    if v is not None]
     if len(constraints) > 1:
         raise ValueError(f"{' and '.join(constraints)} were both given; allowed: at most one constraint per gen")
     if regex is not None:
-        check_regex(regex)
+        regex = check_regex(regex)  # without end anchors
     if json_schema is not None:
         json_schema = check_json_schema(json_schema)
     if dtype is not None:

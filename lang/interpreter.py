@@ -144,7 +144,12 @@ class Executor:
             self.cond.notify_all()
 
     def get_meta_info(self, name: str) -> Any:
-        self.get_var(name)
+        """The variable's meta info once it is done; None for a name the program never
+        defines (SGLang's ``meta_info.get(name)``)."""
+        try:
+            self.get_var(name)
+        except UnknownVariableError:
+            return None
         return self.meta_info.get(name)
 
     def has_var(self, name: str) -> bool:
@@ -435,7 +440,12 @@ class ProgramState(RoleScopes):
         self.executor.set_var(name, value)
 
     def get_meta_info(self, name: str) -> Any:
-        self.get_var(name)
+        """The variable's meta info once it is done; None for a name the program never
+        defines (as SGLang); a program that failed before defining it raises."""
+        try:
+            self.get_var(name)
+        except UnknownVariableError:
+            return None
         return self.executor.get_meta_info(name)
 
     def text(self) -> str:

@@ -22,8 +22,10 @@ or the compile limits (time, memory). Accepted:
   where Rust would nest it, so ``a*+a`` would admit ``a``; group it, ``(a*)+``, to
   repeat a repetition).
 
-Rejected with the reason: anchors and word boundaries (the whole output always
-matches the pattern; outlines-core cannot start a DFA that looks behind), look-around,
+``^`` at the start and ``$`` at the end (of the pattern or of a top-level
+alternative) are dropped: the whole output always matches the pattern, and SGLang's
+default backend (xgrammar) ignores them alike. Rejected with the reason: other anchors
+and word boundaries (outlines-core cannot start a DFA that looks behind), look-around,
 backreferences, conditionals, atomic groups, comments, other flags, octal escapes, and
 what Rust's parser refuses (``a{`` and ``{,n}``, ``{5,2}``, ``[b-a]``, ``\\Z``...).
 Pure Python, linear time, no imports beyond the standard library.
@@ -52,7 +54,8 @@ _ESCAPABLE = set("!\"#$%&'()*+,-./:;=?@[\\]^_`{|}~ \t\n\r\v\f")
 _FLAGS = set("imsU")
 _CATEGORIES = set("CLMNPSZ")  # one-letter general categories (\pL)
 
-_ANCHOR = "a pattern without anchors (the whole output always matches it: drop '^' and '$')"
+_ANCHOR = ("'^' only at the pattern's start and '$' only at its end (or at those of a top-level alternative): "
+           "the whole output always matches the pattern")
 _NO_LOOK = "regular expressions without look-around, backreferences or conditionals"
 
 
@@ -68,15 +71,19 @@ class _Invalid(Exception):
 
 
 def check_regex(pattern: object, name: str = "regex") -> str:
-    """Return ``pattern`` if the engine can compile it; else raise ``ValueError``
-    naming ``name`` (the parameter or schema location), the position and what is
-    allowed. The dialect is in this module's docstring."""
+    """Return ``pattern`` if the engine can compile it, without a ``^`` at its start and
+    a ``$`` at its end (those of a top-level alternative too), which say nothing where
+    the whole output always matches (SGLang's default backend, xgrammar, ignores them
+    alike); else raise ``ValueError`` naming ``name`` (the parameter or schema
+    location), the position and what is allowed. The dialect is in this module's
+    docstring."""
     if not isinstance(pattern, str) or not pattern:
         raise ValueError(f"{name}={pattern!r} is invalid; allowed: a non-empty regular expression string")
     if len(pattern) > MAX_PATTERN_CHARS:
         raise ValueError(f"{name} is invalid: {len(pattern)} characters; allowed: at most {MAX_PATTERN_CHARS}")
+    parser = _Parser(pattern)
     try:
-        _Parser(pattern).parse()
+        parser.parse()
     except _Invalid as e:
         if e.feature is None:
             raise ValueError(
@@ -86,6 +93,12 @@ def check_regex(pattern: object, name: str = "regex") -> str:
             f"{name}={_short(pattern)} uses {e.feature} at position {e.pos}, which constrained decoding does "
             f"not support; allowed: {e.allowed}"
         ) from None
+    if parser.end_anchors:
+        drop = set(parser.end_anchors)
+        pattern = "".join(c for i, c in enumerate(pattern) if i not in drop)
+        if not pattern:
+            raise ValueError(f"{name}={_short(parser.p)} matches only the empty output; allowed: a regular expression "
+                             "that writes something")
     return pattern
 
 
@@ -154,17 +167,19 @@ class _Frame:
     item_depth: int = 0  # deepest item of the current branch
     last: int | None = None  # depth of the last item; None when there is nothing to repeat
     repeated: bool = False  # the last item is a repetition
+    flag_items: int = 0  # flag groups in the current branch
 
     def add(self, depth: int | None) -> None:
         """An item; ``depth`` None for one that cannot be repeated (a flag group)."""
         self.items += 1
+        self.flag_items += depth is None
         self.last = depth
         self.repeated = False
         self.item_depth = max(self.item_depth, depth or 0)
 
     def end_branch(self) -> None:
         self.depth = max(self.depth, (1 if self.items > 1 else 0) + self.item_depth)
-        self.items, self.item_depth, self.last = 0, 0, None
+        self.items, self.item_depth, self.last, self.flag_items = 0, 0, None, 0
 
     def close(self) -> int:
         """Depth of the finished group's content."""
@@ -180,6 +195,7 @@ class _Parser:
         self.names: set[str] = set()
         self.perl: list[tuple[int, bool]] = []  # each \\d \\w \\s (or negation): (its '\\', inside a class)
         self.case_insensitive = False  # some flag group turns on 'i'
+        self.end_anchors: list[int] = []  # '^' / '$' at a top-level branch's start / end (no-ops)
 
     def parse(self) -> None:
         p, n = self.p, len(self.p)
@@ -226,8 +242,14 @@ class _Parser:
             elif c == "\\":
                 i, _ = self._escape(i, in_class=False)
                 top.add(0)
+            elif c == "^" and len(stack) == 1 and top.items == top.flag_items:
+                self.end_anchors.append(i)  # a top-level branch's start: the whole output always matches
+                i += 1
+            elif c == "$" and len(stack) == 1 and (i + 1 == n or p[i + 1] == "|"):
+                self.end_anchors.append(i)  # a top-level branch's end
+                i += 1
             elif c in "^$":
-                raise _Invalid("", i, f"an anchor ('{c}')", _ANCHOR)
+                raise _Invalid("", i, f"an anchor ('{c}') inside the pattern", _ANCHOR)
             else:
                 top.add(0)
                 i += 1

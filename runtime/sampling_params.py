@@ -260,7 +260,7 @@ class SamplingParams:
             from plait.runtime.constrained.regexes import ascii_classes, check_regex
 
             try:
-                check_regex(value, "regex")
+                value = check_regex(value, "regex")  # without end anchors
             except ValueError as e:
                 raise RequestError(str(e), kind) from None
             value = ascii_classes(value)

@@ -158,7 +158,7 @@ def test_invalid_regex_raises_at_gen_time(pattern, message):
     ({"json_schema": "{not json"}, "json_schema is not valid JSON"),
     ({"json_schema": "[1, 2]"}, "JSON object"),
     ({"dtype": complex}, "dtype"),
-    ({"regex": "a+", "dtype": int}, "at most one constraint"),
+    ({"regex": "a+", "ebnf": 'root ::= "a"'}, "at most one constraint"),
     ({"stop_regex": "x("}, "stop_regex"),
     ({"stop": 5}, "stop"),
     ({"name": 3}, "name"),
@@ -166,6 +166,19 @@ def test_invalid_regex_raises_at_gen_time(pattern, message):
 def test_bad_gen_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         sgl.gen(**{"name": "x", **kwargs})
+
+
+def test_dtype_beside_a_regex_wins_with_a_warning():
+    """SGLang's runtime endpoint warns and keeps only dtype's regex."""
+    with pytest.warns(UserWarning, match="only dtype is used"):
+        both = sgl.gen("x", regex="[0-9]{1,3}", dtype=int)
+    assert both.params == sgl.gen("x", dtype=int).params
+
+
+def test_meta_info_of_a_name_never_defined_is_none(fake):
+    st = few_shot.run(question="2+2?", backend=fake)
+    assert st.get_meta_info("never_defined") is None  # SGLang's meta_info.get(name)
+    assert st.get_meta_info("answer") is not None
 
 
 def test_select_and_choices_validation():

@@ -90,7 +90,7 @@ def test_what_the_check_accepts_outlines_core_compiles(pattern):
     # property names are left to the compiler; only known ones are generated intact
     assume(all(name in ("Greek", "L") for name in re.findall(r"\\[pP]\{([^}]*)\}?", pattern)))
     try:
-        check_regex(pattern)
+        pattern = check_regex(pattern)  # what the engine compiles (end anchors dropped)
     except ValueError:
         return
     # every byte is a token: a failure can only come from the pattern
@@ -109,6 +109,20 @@ def test_accepted(pattern):
     assert lang_error(pattern) is None and engine_error(pattern) is None
 
 
+@pytest.mark.parametrize("pattern,stripped", [
+    (r"^\d{3}-\d{4}$", r"\d{3}-\d{4}"), ("^a", "a"), ("a$", "a"), ("^(a|b)$", "(a|b)"), ("^a|b$", "a|b"),
+    ("^a$|^b$", "a|b"), ("(?i)^yes$", "(?i)yes"), ("^(?i)yes$", "(?i)yes"), (r"a\$", r"a\$"), (r"\^a", r"\^a"),
+    (r"[$^]a", r"[$^]a"),
+])
+def test_anchors_at_the_ends_are_dropped(pattern, stripped):
+    """The whole output always matches: '^' at the start and '$' at the end (of the
+    pattern or of a top-level alternative) say nothing, and SGLang's default backend
+    (xgrammar) ignores them; an SGLang program's gen(regex="^...$") runs unchanged."""
+    assert check_regex(pattern) == stripped
+    assert lang_error(pattern) is None and engine_error(pattern) is None
+    assert sgl.gen("x", regex=pattern).params["regex"] == stripped
+
+
 @pytest.mark.parametrize("pattern,message", [
     ("(ab", "not a valid regular expression at position 0: a '(' that is never closed"),
     ("ab)", "unbalanced ')'"),
@@ -125,8 +139,11 @@ def test_accepted(pattern):
     ("a?+", "possessive"),
     ("a{2}+", "possessive"),
     ("a{1,3}?+", "possessive"),
-    ("^a", "anchor"),
-    ("a$", "anchor"),
+    ("a^b", "an anchor ('^') inside the pattern at position 1"),
+    ("a$b", "an anchor ('$') inside the pattern"),
+    ("(^a)", "anchor"),
+    ("(a$)", "anchor"),
+    ("^$", "matches only the empty output"),
     (r"a\Z", "anchor"),
     (r"\bfoo", "word boundary"),
     ("a(?=b)", "uses a lookaround at position 1"),

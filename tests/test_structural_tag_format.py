@@ -140,7 +140,7 @@ BAD = [  # (format, words the message holds)
      ["format.json_schema", "uniqueItems"]),
     ({"type": "json_schema", "json_schema": WEATHER, "style": "qwen_xml"}, ["format.style=\"qwen_xml\"", "\"json\""]),
     ({"type": "json_schema", "json_schema": WEATHER, "any_order": True}, ["format.any_order=true"]),
-    ({"type": "regex", "pattern": "^a$"}, ["format.pattern", "anchors"]),
+    ({"type": "regex", "pattern": "a^b"}, ["format.pattern", "anchor"]),
     ({"type": "regex", "pattern": "(a"}, ["format.pattern"]),
     ({"type": "any_text", "max_tokens": 10}, ["format.max_tokens=10", "not supported"]),
     ({"type": "any_text", "max_chars": -1}, ["format.max_chars=-1"]),

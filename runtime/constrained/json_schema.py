@@ -305,7 +305,7 @@ def check_whitespace(pattern: Any) -> str:
 
     from plait.runtime.constrained.fsm_limits import FsmTooLarge, fsm_deadline
 
-    check_regex(pattern, "whitespace_pattern")
+    pattern = check_regex(pattern, "whitespace_pattern")
     try:
         with fsm_deadline():  # (a|b)*a(a|b){15}-like patterns have exponential automata
             ok = interegular.parse_pattern(pattern).to_fsm().issubset(
