@@ -478,6 +478,7 @@ class Runtime:
             config["startup_timeout"] = config.pop("launch_timeout")
         self.handle = launch(model_path, **config)
         self.url: str = self.handle.url
+        self.generate_url: str = self.url + "/generate"  # SGLang's Runtime attribute (scripts post to it)
         self.zmq_address: str = self.handle.zmq_address
         self.pid: int = self.handle.pid
         try:

@@ -91,7 +91,8 @@ def test_max_tokens_zero_top_logprobs_in_process(engine, ref):
 
 
 def test_max_tokens_zero_top_logprobs_over_http(runtime, ref):
-    r = httpx.post(runtime.url + "/generate", timeout=60, json={
+    assert runtime.generate_url == runtime.url + "/generate"  # SGLang's attribute, which scripts post to
+    r = httpx.post(runtime.generate_url, timeout=60, json={
         "text": PROMPT, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "top_logprobs_num": 4,
         "return_text_in_logprobs": True})
     assert r.status_code == 200, r.text
