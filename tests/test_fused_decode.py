@@ -94,6 +94,22 @@ def test_whole_prompts_take_the_fused_path(tiny_model_factory, mode):
         assert max(abs(x - y) for x, y in zip(prompt_a, prompt_b)) < 1e-3
 
 
+def test_a_step_too_large_for_the_fused_buffers_takes_the_module_path(tiny_model_factory, monkeypatch):
+    """The fused step holds every row's activations at once: a step with more rows than
+    MAX_STEP_BUFFER_BYTES allows runs on the torch modules (same tokens)."""
+    from plait.runtime.models import fused_decode
+
+    cfg = tiny_model_factory("llama")
+    monkeypatch.setattr(fused_decode, "MAX_STEP_BUFFER_BYTES", 100 * 4 * (4 * 64 + 2 * (4 + 2) * 16 + 3 * 128))
+    prompts = [[3 + (i * 7) % 90 for i in range(150)]]
+    kw = {"chunked_prefill_size": 4096, "cpu_gemm": "native"}
+    ref, _, _ = _run(cfg, "none", False, prompts, **kw)
+    outs, calls, engine = _run(cfg, "none", True, prompts, **kw)
+    assert engine.runner.fused.max_extend in (0, 100)
+    assert calls and max(e for e, _ in calls) == 0  # the prompt's step on the modules, decodes fused
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
+
+
 @pytest.mark.parametrize("isa", ["avx2", "portable"])
 def test_float32_fused_per_token_work_on_each_isa(tiny_model_factory, monkeypatch, isa):
     """A float32 model's per-token work in C (the SiLU's vector exp) on the AVX2 and the

@@ -53,9 +53,10 @@ from plait.runtime.models.linear import Linear
 from plait.runtime.models.quant import PACK_MIN_ROWS, QuantLinear, kernel_takes
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-# prompt-chunk tokens a fused step of a float32 model takes (a step's buffers hold
-# ~8 floats per hidden unit for each of its rows; chunked_prefill_size bounds it)
-MAX_EXTEND_TOKENS = 1 << 20
+# a fused step's scratch buffers (all layers' activations of every row, held at once):
+# steps whose rows would need more take the module path (SmolLM2-135M: ~32 KB a row,
+# ~33k rows; a 1B Llama ~143 KB a row, ~7.5k rows)
+MAX_STEP_BUFFER_BYTES = 1 << 30
 
 
 class _QWeight(ctypes.Structure):
@@ -167,7 +168,10 @@ class FusedDecoder:
         # prompt chunks only where their tiles run on vector intrinsics (AVX-512, AVX2):
         # the portable tile is slower than the module path's SDPA; quantized weights up to
         # the rows from which the module path packs them for oneDNN (module docstring)
-        self.max_extend = MAX_EXTEND_TOKENS if attention.plait_paged_extend_vectorized() else 0
+        cfg = model.config
+        row_floats = (4 * cfg.hidden_size + (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                      + 3 * cfg.intermediate_size)
+        self.max_extend = MAX_STEP_BUFFER_BYTES // (4 * row_floats) if attention.plait_paged_extend_vectorized() else 0
         self.max_rows = PACK_MIN_ROWS - 1 if quantized else None
 
     def applies(self, fb: ForwardBatch) -> bool:
