@@ -333,7 +333,12 @@ class Engine:
         future = self.grammar_compiler.request(inp.constraint) if inp.constraint is not None else None
         reqs = []
         for i in range(params.n):
-            seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._ids)
+            # a request without a seed: a 64-bit mix of the engine's seed and a counter, so
+            # its samples (seed + i, as vLLM derives a seeded request's) never repeat another
+            # request's (consecutive bases repeated them: a same-prompt request after one with
+            # n > 1 drew that one's second sample again)
+            seed = params.seed if params.seed is not None else generator_seed(
+                self.config.seed * 1_000_003 + next(self._ids)) - (1 << 63)
             r = Req(
                 base if params.n == 1 else f"{base}#{i}", inp.input_ids, params,
                 group=base, index=i, cache_salt=inp.cache_salt,

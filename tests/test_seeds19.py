@@ -36,3 +36,16 @@ def test_seeds_32_bits_apart_sample_differently(engine):
     # n > 1 at the top of the range: each sample its own seed, no overflow
     outs = sample(engine, 2**63 - 1, n=3)
     assert len(outs) == 3 and len(set(outs)) == 3
+
+
+def test_requests_without_a_seed_never_repeat_each_others_samples(engine):
+    """Without a seed, each sample's seed came from a counter plus its index, so the
+    second sample of one request (counter c+1, index 1) and the first of the request
+    after it (counter c+2) had the same seed: the same prompt sent again drew the same
+    text. Seeds are now a 64-bit mix of the counter."""
+    params = {"temperature": 1.5, "max_new_tokens": 12, "ignore_eos": True}
+    texts = []
+    for n in (3, 1, 2, 1, 3):
+        outs = engine.generate("Once", {**params, "n": n})
+        texts += [o["text"] for o in (outs if isinstance(outs, list) else [outs])]
+    assert len(texts) == 10 and len(set(texts)) == 10
