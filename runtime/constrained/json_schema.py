@@ -31,6 +31,7 @@ count once); a parser that rejects duplicate names may reject such an output.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import math
@@ -211,7 +212,32 @@ def load_schema(schema: Any) -> dict[str, Any] | bool:
     if value is False:
         raise SchemaError("json_schema at # is false: no value can satisfy it, so no output would be valid; "
                           "allowed: an object schema, or true for any JSON value")
+    if isinstance(value, dict) and isinstance(value.get("$schema"), str):
+        canonical = _DIALECTS().get(_dialect_key(value["$schema"]))
+        if canonical is not None and canonical != value["$schema"]:
+            value = {**value, "$schema": canonical}
     return value
+
+
+def _dialect_key(uri: str) -> str:
+    return uri.strip().lower().removeprefix("https://").removeprefix("http://").rstrip("#").rstrip("/")
+
+
+@functools.cache
+def _DIALECTS() -> dict[str, str]:  # noqa: N802
+    """The metaschema URIs ``jsonschema`` knows, by :func:`_dialect_key`: a document's
+    ``$schema`` written with the other scheme (``https://json-schema.org/draft-04/schema#``,
+    common in the wild) or without the trailing ``#`` is read as the draft it names (it
+    was read as an unknown dialect: 2020-12, with the URI left for a registry to fetch)."""
+    import jsonschema
+
+    out = {}
+    for cls in (jsonschema.Draft3Validator, jsonschema.Draft4Validator, jsonschema.Draft6Validator,
+                jsonschema.Draft7Validator, jsonschema.Draft201909Validator, jsonschema.Draft202012Validator):
+        uri = cls.ID_OF(cls.META_SCHEMA)
+        if uri:
+            out[_dialect_key(uri)] = uri
+    return out
 
 
 def _schema_shape(value: Any) -> dict[str, Any] | bool:
@@ -692,8 +718,14 @@ def fold_vacuous(root: Any) -> Any:
     def vacuous(sub: Any) -> bool:  # every value satisfies it
         return sub is True or isinstance(sub, dict) and not any(_validates(k) for k in sub)
 
+    # local references: a node one points into is a container of definitions, not a schema
+    # whose keywords fold (buildkite's '#/definitions/common/if' names a definition 'if')
+    pointed = {ref for ref in _local_refs(root)}
+
     def fold(s: dict[str, Any], path: str) -> Any:
         if ref_alone and "$ref" in s:
+            return s
+        if any(ref.startswith(path + "/") for ref in pointed):
             return s
         for k in ("exclusiveMinimum", "exclusiveMaximum"):
             if isinstance(s.get(k), bool) and not draft4 and declared:
@@ -725,6 +757,25 @@ def fold_vacuous(root: Any) -> Any:
         return fold(out, path)
 
     return walk(root, "#", 0)
+
+
+def _local_refs(root: Any) -> list[str]:
+    """Every ``$ref`` of ``root`` that is a local JSON pointer (``#/...``), as written
+    (percent-decoded)."""
+    from urllib.parse import unquote
+
+    refs, stack, seen = [], [root], 0
+    while stack and seen < 1_000_000:
+        node = stack.pop()
+        seen += 1
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/"):
+                refs.append(unquote(ref))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return refs
 
 
 def plain_schema(schema: Any) -> Any:
@@ -2080,8 +2131,8 @@ class _Translator:
         prefix, key = s.get("prefixItems", []), "prefixItems"
         if isinstance(items, list):  # draft 4: items as a list, additionalItems for the rest
             prefix, items, key = items, s.get("additionalItems", True), "items"
-        elif "additionalItems" in s:
-            raise SchemaError(f"json_schema 'additionalItems' at {path} needs 'items' to be a list")
+        # (beside a single 'items' schema, or none, 'additionalItems' is ignored: drafts 4 to
+        # 2019-09 say so, and 2020-12 has no such keyword; jsonschema ignores it alike)
         if not isinstance(prefix, list):
             raise SchemaError(f"json_schema 'prefixItems' at {path} must be a list")
         pre = []

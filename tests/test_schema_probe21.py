@@ -1,0 +1,59 @@
+"""Round 8 of the schema probes (real-world schemas: SchemaStore's third-party schemas,
+pydantic models, agent tool schemas). What it found, one test each:
+
+- a definition named like a keyword (buildkite's ``#/definitions/common/if``) was folded
+  away as an ``if`` without ``then``/``else``, and its ``$ref`` then "pointed nowhere";
+- ``$schema: "https://json-schema.org/draft-04/schema#"`` (https, common in the wild) was
+  an unknown dialect: read as 2020-12, and llguidance's registry tried to fetch the URI;
+- ``additionalItems`` beside a single ``items`` schema was refused, where every draft
+  ignores it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_llguidance import engine, grammars, tokenizer, vocab  # noqa: F401 (fixtures)
+from test_schema_probe16 import admitted, constraint
+from test_schema_probe18 import BACKENDS, assert_sound
+
+BUILDKITE = {  # the shape of buildkite's pipeline schema: definitions grouped under 'common'
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "definitions": {"common": {"if": {"type": "string", "maxLength": 5}, "key": {"type": "string", "maxLength": 5}}},
+    "type": "object", "properties": {"cond": {"$ref": "#/definitions/common/if"}, "k": {"$ref": "#/definitions/common/key"}},
+    "required": ["cond", "k"], "additionalProperties": False,
+}
+
+
+def test_a_definition_named_like_a_keyword_is_not_folded_away(grammars, vocab):  # noqa: F811
+    assert_sound(grammars, vocab, BUILDKITE)
+    for backend in BACKENDS:
+        assert admitted(grammars, vocab, BUILDKITE, backend, '{"cond":"ab","k":"c"}'), backend
+        assert not admitted(grammars, vocab, BUILDKITE, backend, '{"cond":"abcdef","k":"c"}'), backend
+    # a real 'if' without then/else still constrains nothing
+    plain = {"type": "object", "properties": {"a": {"if": {"type": "string"}, "type": "integer"}},
+             "required": ["a"], "additionalProperties": False}
+    assert admitted(grammars, vocab, plain, "outlines", '{"a":3}')
+
+
+@pytest.mark.parametrize("uri", ["https://json-schema.org/draft-04/schema#", "https://json-schema.org/draft-04/schema",
+                                 "http://json-schema.org/draft-04/schema", "HTTP://JSON-SCHEMA.ORG/draft-04/schema#"])
+def test_a_draft_named_with_the_other_scheme_is_that_draft(grammars, vocab, uri):  # noqa: F811
+    """Draft 4's boolean exclusiveMaximum: read as draft 4 (the bound excluded), not as
+    an unknown dialect (2020-12, which refused it, or llguidance fetching the URI)."""
+    schema = {"$schema": uri, "type": "object", "required": ["n"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 3, "exclusiveMaximum": True}}}
+    for backend in BACKENDS:
+        assert admitted(grammars, vocab, schema, backend, '{"n":2}'), backend
+        assert not admitted(grammars, vocab, schema, backend, '{"n":3}'), backend
+
+
+@pytest.mark.parametrize("uri", ["https://json-schema.org/draft-07/schema#", "http://json-schema.org/draft-04/schema#",
+                                 "https://json-schema.org/draft/2020-12/schema"])
+def test_additional_items_beside_one_items_schema_is_ignored(grammars, vocab, uri):  # noqa: F811
+    schema = {"$schema": uri, "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+              "additionalItems": False, "maxItems": 3}
+    assert_sound(grammars, vocab, schema)
+    for backend in BACKENDS:
+        assert admitted(grammars, vocab, schema, backend, "[1,2]"), backend
+        assert constraint(schema, backend) is not None
