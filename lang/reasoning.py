@@ -102,8 +102,8 @@ class ReasoningStream:
                 return "", ""  # could still open a section
             elif self.parser.forced:
                 self.mode = "reasoning"
-            else:
-                self.mode = "content"
+            else:  # no reasoning section: the text as it is, leading whitespace too (parse's)
+                self.mode, self.lead = "content", False
         if self.mode == "reasoning":
             k = self.buf.find(END)
             if k >= 0:
