@@ -391,7 +391,9 @@ class Engine:
                     self.grammar_compiler.release(g.future)
                 continue
             if g.error is not None:
-                error = RequestError(f"{g.kind} is invalid: {g.error}", g.kind)
+                # a build past its time is not the constraint's fault: say it could not be built
+                verb = "could not be compiled" if "took longer than" in g.error else "is invalid"
+                error = RequestError(f"{g.kind} {verb}: {g.error}", g.kind)
                 self.scheduler.abort(r, FinishReason.abort(error.message, error))
             elif g.ready:
                 if g.start(r.prompt_ids):

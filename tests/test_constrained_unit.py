@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 
 import jsonschema
 import numpy as np
@@ -290,8 +291,21 @@ def test_compiler_time_and_memory_limits(vocab):
             big.close()
         assert build(c, r"[a-c]").grammar is not None
         assert c.request(r'"[^"\\]{0,300}"').error == slow.error  # failures are cached too
+        # ... a build past its time only for TIMEOUT_RETRY_S: it may have been slow because the
+        # machine was busy (it was a lasting refusal); other failures stay
+        cached = c.request(r'"[^"\\]{0,300}"')
+        assert cached.retry_at is not None and bad_is_kept(c)
+        cached.retry_at = time.monotonic() - 1
+        again = c.request(r'"[^"\\]{0,300}"')
+        assert again is not cached and c.cached(r'"[^"\\]{0,300}"') is again
     finally:
         c.close()
+
+
+def bad_is_kept(c) -> bool:
+    """A failure that is the pattern's (not its time) stays cached without a retry time."""
+    bad = build(c, r"(?<=a)b")
+    return bad.error is not None and bad.retry_at is None and c.request(r"(?<=a)b") is bad
 
 
 def test_a_pattern_whose_whole_index_cannot_be_built_is_refused_not_cut_short(vocab):

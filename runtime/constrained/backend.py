@@ -21,6 +21,7 @@ matcher a constraint needs. Torch-free; llguidance is imported only when used.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -39,6 +40,7 @@ GRAMMAR_BACKENDS = (AUTO, *BACKENDS)
 # (each within grammar_compile_memory_mb); a worker, once started, stays.
 OUTLINES_LANES = 3
 SLOW_BUILD_S = 2.0
+TIMEOUT_RETRY_S = 60.0  # how long a build that ran past its time stays a cached refusal
 
 
 class GrammarFuture:
@@ -46,7 +48,7 @@ class GrammarFuture:
     failure. ``source`` is what the backend compiles; ``waiters``: the requests' matchers
     made on it while it was not done and not released (:meth:`Grammars.release`)."""
 
-    __slots__ = ("key", "source", "grammar", "error", "started", "waiters")
+    __slots__ = ("key", "source", "grammar", "error", "started", "waiters", "retry_at")
 
     def __init__(self, key: tuple[str, str], source: str) -> None:
         self.key = key
@@ -55,10 +57,23 @@ class GrammarFuture:
         self.error: str | None = None
         self.started: float | None = None
         self.waiters = 0
+        self.retry_at: float | None = None  # a failure that may pass another time (a build past its time)
 
     @property
     def done(self) -> bool:
         return self.grammar is not None or self.error is not None
+
+    def timed_out(self, message: str) -> None:
+        """Fail it for running past its time: a cache keeps that answer only for
+        TIMEOUT_RETRY_S (a build slow because the machine was busy is tried again later;
+        the same pathological one sent again meanwhile is refused at once)."""
+        self.error = message
+        self.retry_at = time.monotonic() + TIMEOUT_RETRY_S
+
+    @property
+    def stale(self) -> bool:
+        """A cached failure to drop: a timeout older than TIMEOUT_RETRY_S."""
+        return self.retry_at is not None and time.monotonic() >= self.retry_at
 
 
 class Matcher(Protocol):

@@ -218,7 +218,7 @@ class GrammarCompiler:
     def request(self, regex: str) -> GrammarFuture:
         key = (self.vocab.fingerprint, regex)
         fut = self._cache.get(key)
-        if fut is not None:
+        if fut is not None and not fut.stale:
             self._cache.move_to_end(key)
             self.cache_hits += 1
             return fut
@@ -231,7 +231,8 @@ class GrammarCompiler:
 
     def cached(self, regex: str) -> GrammarFuture | None:
         """The compile of ``regex`` this compiler has (done or not), or None."""
-        return self._cache.get((self.vocab.fingerprint, regex))
+        fut = self._cache.get((self.vocab.fingerprint, regex))
+        return None if fut is None or fut.stale else fut
 
     def stalled(self, seconds: float) -> bool:
         """Whether the build in flight has run longer than ``seconds``."""
@@ -266,7 +267,10 @@ class GrammarCompiler:
                 self._finish(reply)
             elif time.monotonic() - self._inflight.started > self.timeout_s:
                 self._kill()
-                self._fail(f"compiling it took longer than the {self.timeout_s:g} s limit (grammar_compile_timeout)")
+                if self._inflight is not None:
+                    self._inflight.timed_out(
+                        f"compiling it took longer than the {self.timeout_s:g} s limit (grammar_compile_timeout)")
+                    self._inflight = None
             if self._inflight is None and self._queue:
                 self._start(self._queue.popleft())
             if time.monotonic() >= end:

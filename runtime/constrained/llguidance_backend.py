@@ -1205,7 +1205,7 @@ class LLGuidanceCompiler:
     def request(self, grammar: str) -> GrammarFuture:
         key = (self.vocab.fingerprint, grammar)
         fut = self._cache.get(key)
-        if fut is not None:
+        if fut is not None and not fut.stale:
             self._cache.move_to_end(key)
             self.cache_hits += 1
             return fut
@@ -1229,7 +1229,7 @@ class LLGuidanceCompiler:
                 except Exception as e:  # noqa: BLE001 - llguidance's message is the client's answer
                     fut.error = f"it cannot be compiled: {e}"
             elif fut.started is not None and now - fut.started > self.timeout_s:
-                fut.error = f"compiling it took longer than the {self.timeout_s:g} s limit (grammar_compile_timeout)"
+                fut.timed_out(f"compiling it took longer than the {self.timeout_s:g} s limit (grammar_compile_timeout)")
             else:
                 left.append((fut, job))
         self._inflight = left
