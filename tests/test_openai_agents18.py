@@ -184,3 +184,29 @@ def test_sglang_stop_regex_passes_through_the_openai_api(oai):
         oai.chat.completions.create(model=MODEL, messages=ASK, max_completion_tokens=3,
                                     extra_body={"stop_regex": ["(a"]})
     assert e.value.body["param"] == "stop_regex"
+
+
+def test_a_strict_tool_under_auto_behind_qwen3s_optional_section(tiny_model_factory, tmp_path_factory):
+    """Qwen3's thinking section is optional, and the free text a strict tool's reply may
+    hold under auto can itself begin '<think>': outlines-core's automaton held both
+    readings at once (one small tool: 30 s, past the compile limit, a 400 that called
+    the regex invalid; 2-4 s without the section), so on a server whose grammar backend
+    is auto such a constraint goes to llguidance, which follows it lazily (0.6 s).
+    Under a 5 s compile limit the request is served and a call in it parsed."""
+    folder = with_chat_template(tiny_model_factory("llama"), tmp_path_factory.mktemp("qwen3-strict-auto"),
+                                TEMPLATE.read_text())
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+            "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": city, "strict": True}}]
+    with launch(str(folder), num_threads=1, kv_cache_tokens=4096, max_running_requests=4, served_model_name=MODEL,
+                reasoning_parser="qwen3", grammar_compile_timeout=5.0) as rt:
+        client = openai.OpenAI(base_url=rt.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                           tools=tools, max_tokens=24, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        # the call the constraint keeps to its schema, written by hand and parsed from the reply
+        done = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools, max_tokens=40,
+            temperature=0, extra_body={"continue_final_message": False})
+        for call in done.choices[0].message.tool_calls or []:
+            assert len(json.loads(call.function.arguments)["city"]) <= 8

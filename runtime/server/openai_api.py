@@ -23,7 +23,7 @@ from plait.chat_template import (
 from plait.errors import RequestError, is_int
 from plait.reasoning import END as REASONING_END
 from plait.reasoning import MAX_REASONING_CHARS, ReasoningParser, ReasoningStream, get_reasoning_parser
-from plait.runtime.sampling_params import CONSTRAINT_FIELDS, MAX_STOP_STRINGS
+from plait.runtime.sampling_params import AUTO, CONSTRAINT_FIELDS, LLGUIDANCE, MAX_STOP_STRINGS
 from plait.runtime.server.front import Front
 from plait.runtime.validation import check_text
 from plait.tool_parsers import (
@@ -1158,6 +1158,13 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
         field_name = field_name or "max_reasoning_chars"
         # a JSON kept from the output's start may come after the section instead
         unique = unique + [(REASONING_END, sites) for a, sites in unique if a == ""]
+        if (choice == "auto" and max_reasoning is None and not reasoning.forced and body.get("grammar_backend") is None
+                and front.limits.grammar_backend == AUTO):
+            # free text that may itself begin '<think>' behind an optional section that does:
+            # outlines-core's automaton holds both readings at once (a strict tool under auto
+            # with Qwen3's parser: 30 s, past the compile limit, against 2-4 s without the
+            # section); llguidance follows the regex lazily (0.6 s)
+            constraint["grammar_backend"] = LLGUIDANCE
     if regex is not None:
         constraint["regex"] = regex
         if unique:
