@@ -312,6 +312,7 @@ class EngineGenerate(_Msg, tag="engine_generate"):
     constraint_regex: str | None = None
     constraint_backend: str | None = None  # "outlines" (constraint_regex is a regex) | "llguidance" (a grammar)
     constraint_unique: str | None = None  # uniqueItems the matcher keeps (Constraint.unique)
+    constraint_fallback: str | None = None  # llguidance's grammar of an auto-chosen regex (Constraint.fallback)
     stream: bool = False
     return_logprob: bool = False
     logprob_start_len: int = -1

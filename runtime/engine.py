@@ -20,7 +20,7 @@ from plait.runtime.chunking import attention_pairs
 from plait.runtime.config import EngineConfig
 from plait.runtime.prompt_tokens import encode_prompt
 from plait.runtime.sampler import generator_seed
-from plait.runtime.constrained.backend import Grammars
+from plait.runtime.constrained.backend import LLGUIDANCE, Grammars
 from plait.runtime.constrained.vocab import TokenVocab
 from plait.runtime.cuda_graph import DecodeGraphRunner
 from plait.runtime.eviction import make_policy
@@ -38,13 +38,18 @@ from plait.runtime.output_processor import OutputProcessor, RequestOutput
 from plait.runtime.pinning import MAX_PIN_TTL_S, PinTable
 from plait.runtime.radix_cache import RadixCache
 from plait.runtime.request import FinishReason, LogprobState, Req, ReqKind, long_rope_namespace
-from plait.runtime.sampling_params import SamplingParams
+from plait.runtime.sampling_params import Constraint, SamplingParams
 from plait.runtime.scheduler import ScheduleBatch, Scheduler
 from plait.runtime.models.parallel import check_tp
 from plait.runtime.tp import TPError, TPWorkers
 from plait.runtime.validation import GenerateInput, ModelLimits, check_cache_salt, check_prompt, check_ttl, validate_generate
 
 logger = logging.getLogger(__name__)
+
+
+def _resource_failure(error: str) -> bool:
+    """Whether a grammar build failed for its time or memory (not for what it says)."""
+    return "(grammar_compile_timeout)" in error or "grammar_compile_memory_mb" in error
 
 
 
@@ -350,11 +355,12 @@ class Engine:
                 # logprob requests keep their prompt and get one entry per sampled token;
                 # a request that generates nothing keeps it too (healing writes the
                 # backed-off token again, and with it text past the prompt)
-                r.grammar = self.grammar_compiler.matcher(
-                    future, inp.constraint,
-                    jump_forward=not self.config.disable_jump_forward and not inp.return_logprob,
-                    heal=not inp.return_logprob and params.max_new_tokens > 0,
-                )
+                options = {"jump_forward": not self.config.disable_jump_forward and not inp.return_logprob,
+                           "heal": not inp.return_logprob and params.max_new_tokens > 0}
+                r.grammar = self.grammar_compiler.matcher(future, inp.constraint, **options)
+                c = inp.constraint
+                if c.fallback:
+                    r.grammar_fallback = (Constraint(c.kind, c.fallback, LLGUIDANCE, c.unique), options)
                 self._grammar_pending.append(r)
             self.outputs.start(r)
             self._reqs[r.rid] = r
@@ -389,6 +395,16 @@ class Engine:
             if r.finished:  # aborted while its constraint compiled
                 if not g.ready and g.error is None:
                     self.grammar_compiler.release(g.future)
+                continue
+            if g.error is not None and r.grammar_fallback is not None and _resource_failure(g.error):
+                # auto's regex on outlines-core ran past its time or memory: llguidance follows
+                # the same regex lazily (a forced tool call's URL field, 2083 characters long)
+                constraint, options = r.grammar_fallback
+                r.grammar_fallback = None
+                logger.info("a regex's outlines-core build failed (%s); building it on llguidance", g.error)
+                r.grammar = self.grammar_compiler.matcher(self.grammar_compiler.request(constraint), constraint,
+                                                          **options)
+                pending.append(r)
                 continue
             if g.error is not None:
                 # a build past its time is not the constraint's fault: say it could not be built

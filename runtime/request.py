@@ -172,6 +172,9 @@ class Req:
         self.admitted_once = False
         self.num_retractions = 0
         self.grammar: GrammarMatcher | None = None  # constrained decoding
+        # (constraint, matcher options) built instead if the grammar's build fails for its
+        # time or memory (Constraint.fallback: auto's regex on llguidance)
+        self.grammar_fallback: tuple[Any, dict[str, bool]] | None = None
 
     @property
     def kv_namespace(self) -> str | None:

@@ -110,7 +110,7 @@ SLOW = r'"[^"\\]{0,800}"'  # an index of ~800 states x the vocabulary: many seco
 
 def test_slow_index_builds_fail_cleanly_while_others_decode(tiny_model_factory):
     with Engine(str(tiny_model_factory("llama")), kv_cache_tokens=2048, max_running_requests=4,
-                grammar_compile_timeout=3.0) as e:
+                grammar_compile_timeout=3.0, grammar_backend="outlines") as e:
         slow = e.add_request(e.tokenizer.encode("Name:", add_special_tokens=False), {"regex": SLOW, "max_new_tokens": 8})[0]
         free = e.add_request(e.tokenizer.encode("Hello", add_special_tokens=False), FREE)[0]
         order = []
@@ -124,6 +124,19 @@ def test_slow_index_builds_fail_cleanly_while_others_decode(tiny_model_factory):
         with pytest.raises(ValueError, match="grammar_compile_timeout"):
             e.generate("Name:", {"regex": SLOW})  # the failure is cached: immediate
         assert e.generate("Ok?", {"regex": "(yes|no)"})["text"] in ("yes", "no")
+        e.check_invariants()
+
+
+def test_auto_builds_a_regex_on_llguidance_when_outlines_runs_past_its_limit(tiny_model_factory):
+    """grammar_backend auto sends a regex to outlines-core; a build past its time (or
+    memory) is then built on llguidance, which follows the regex lazily, instead of
+    failing the request (a forced tool call's 2083-character URL field took 30 s)."""
+    with Engine(str(tiny_model_factory("llama")), kv_cache_tokens=2048, max_running_requests=4,
+                grammar_compile_timeout=3.0) as e:
+        out = e.generate("Name:", {"regex": SLOW, "max_new_tokens": 12, "temperature": 0})
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+        assert re.fullmatch(r'"[^"\\]*', out["text"]), out["text"]  # a prefix of the pattern's strings
+        assert "grammar_compile_timeout" in e.grammar_compiler.compiler("outlines").cached(SLOW).error
         e.check_invariants()
 
 

@@ -470,7 +470,11 @@ def test_sampling_params_validate_constraints_naming_the_field():
     p = SamplingParams.from_dict({"json_schema": json.dumps({"type": "integer", "minimum": 1, "maximum": 9})})
     assert p.constraint("outlines").grammar == "[1-9]" and SamplingParams.from_dict(p).constraint("outlines").grammar == "[1-9]"
     assert p.constraint().kind == "json_schema"
-    assert SamplingParams.from_dict({"regex": "a+"}).constraint() == Constraint("regex", "a+")
+    auto = SamplingParams.from_dict({"regex": "a+"}).constraint()
+    assert (auto.kind, auto.grammar, auto.backend, auto.unique) == ("regex", "a+", "outlines", "")
+    # auto's regex carries llguidance's grammar of it, built if outlines-core's build fails for time or memory
+    assert auto.fallback == SamplingParams.from_dict({"regex": "a+", "grammar_backend": "llguidance"}).constraint().grammar
+    assert SamplingParams.from_dict({"regex": "a+"}).constraint("outlines") == Constraint("regex", "a+")
     assert SamplingParams().constraint() is None
     for bad, field in [({"regex": "(a"}, "regex"), ({"regex": 5}, "regex"), ({"json_schema": 5}, "json_schema"),
                        ({"json_schema": {"type": "object", "not": {}}}, "'not'"),
