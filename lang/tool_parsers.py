@@ -166,14 +166,19 @@ def schema_problem(schema: dict[str, Any]) -> str | None:
     import jsonschema
 
     from plait.runtime.constrained.json_schema import (
-        _DATA_KEYWORDS, NOWHERE, SchemaError, check_schema_size, local_pointer, nested_resource_ref, pointer_target,
+        _DATA_KEYWORDS, NOWHERE, SchemaError, boolean_bounds, canonical_dialect, check_schema_size, local_pointer,
+        nested_resource_ref, pointer_target,
     )
 
     try:
         check_schema_size(schema)
     except SchemaError as e:
         return str(e)
+    schema = canonical_dialect(schema)  # https://json-schema.org/draft-04/schema# is draft 4
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    if isinstance(schema, dict) and "$schema" not in schema and boolean_bounds(schema):
+        # OpenAPI 3.0's boolean bounds, as the constraint reads them (docs/constrained.md)
+        cls = jsonschema.Draft4Validator
     try:
         cls.check_schema(schema, format_checker=None)
     except jsonschema.SchemaError as e:

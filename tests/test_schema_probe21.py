@@ -57,3 +57,22 @@ def test_additional_items_beside_one_items_schema_is_ignored(grammars, vocab, ur
     for backend in BACKENDS:
         assert admitted(grammars, vocab, schema, backend, "[1,2]"), backend
         assert constraint(schema, backend) is not None
+
+
+OPENAPI30 = {"type": "object", "required": ["query", "k"], "additionalProperties": False,
+             "properties": {"query": {"type": "string", "maxLength": 3},
+                            "k": {"type": "integer", "minimum": 1, "maximum": 50, "exclusiveMaximum": True}}}
+
+
+@pytest.mark.parametrize("schema", [OPENAPI30, {**OPENAPI30, "$schema": "https://json-schema.org/draft-04/schema#"}],
+                         ids=["openapi30", "https-draft4"])
+def test_a_tools_draft4_bounds_are_read_as_response_format_reads_them(grammars, vocab, schema):  # noqa: F811
+    """A tool's parameters with OpenAPI 3.0's boolean bound (LangChain sends it), or
+    with draft 4 named over https: the tool check refused them against draft 2020-12's
+    metaschema, where response_format read them as draft 4 (docs/constrained.md)."""
+    from plait.tool_parsers import check_tools
+
+    (fn,) = check_tools([{"type": "function", "function": {"name": "search", "parameters": schema}}], "tools")
+    assert fn["name"] == "search"
+    assert admitted(grammars, vocab, schema, "outlines", '{"query":"ab","k":49}')
+    assert not admitted(grammars, vocab, schema, "outlines", '{"query":"ab","k":50}')

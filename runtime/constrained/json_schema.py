@@ -212,11 +212,31 @@ def load_schema(schema: Any) -> dict[str, Any] | bool:
     if value is False:
         raise SchemaError("json_schema at # is false: no value can satisfy it, so no output would be valid; "
                           "allowed: an object schema, or true for any JSON value")
+    return canonical_dialect(value)
+
+
+def canonical_dialect(value: Any) -> Any:
+    """``value`` with its ``$schema`` as ``jsonschema`` names that draft (:func:`_DIALECTS`)."""
     if isinstance(value, dict) and isinstance(value.get("$schema"), str):
         canonical = _DIALECTS().get(_dialect_key(value["$schema"]))
         if canonical is not None and canonical != value["$schema"]:
             value = {**value, "$schema": canonical}
     return value
+
+
+def boolean_bounds(root: Any) -> bool:
+    """Whether any subschema has a boolean ``exclusiveMinimum`` / ``exclusiveMaximum``
+    (draft 4's form; OpenAPI 3.0 writes it)."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("exclusiveMinimum"), bool) or isinstance(node.get("exclusiveMaximum"), bool):
+                return True
+            stack.extend(v for k, v in node.items() if k not in _DATA_KEYWORDS and isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
 def _dialect_key(uri: str) -> str:
