@@ -238,3 +238,20 @@ def test_a_prompt_too_long_for_its_tools_says_the_tools_count(http):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "messages" and "rendered from messages (with tools" in err["message"], err
+
+
+def test_a_tool_constraint_too_large_names_the_tools_not_a_regex(http):
+    """A forced call's constraint is a regex built from the tools' parameters; a refusal
+    of it said 'regex is invalid: ... characters', though the client sent no regex."""
+    # a short schema whose regex is long: four levels of four copies of a 40-word enum
+    defs = {"d0": {"enum": [f"w{i:02d}-" + "x" * 12 for i in range(40)]}}
+    for level in range(1, 5):
+        defs[f"d{level}"] = {"type": "object", "required": list("abcd"), "additionalProperties": False,
+                             "properties": {k: {"$ref": f"#/$defs/d{level - 1}"} for k in "abcd"}}
+    params = {"$defs": defs, "type": "object", "properties": {"pick": {"$ref": "#/$defs/d4"}}, "required": ["pick"]}
+    r = _chat(http, _tools(params), "required")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tool_choice", err
+    assert err["message"].startswith("the constraint built from the tools' parameters"), err
+    assert "regex is invalid" not in err["message"]

@@ -282,7 +282,12 @@ def openai_error(e: RequestError, job: Job | None = None) -> RequestError:
     if job is not None and (e.param or "") in job.field_aliases:  # vLLM's spelling of the field
         return _aliased(e, job.field_aliases)
     if job is not None and job.constraint_field is not None and e.param in CONSTRAINT_FIELDS:
-        return e.with_param(job.constraint_field)
+        message = e.message
+        if job.constraint_field in ("tools", "tool_choice") and e.param and message.startswith(e.param + " "):
+            # the client sent no regex: say what the constraint was built from
+            message = ("the constraint built from the tools' parameters (a call's arguments follow its function's "
+                       "JSON Schema)" + message[len(e.param):])
+        return e.with_param(job.constraint_field, message)
     if (e.param or "") not in _RENAMES:
         return e
     e = _aliased(e, _RENAMES)
