@@ -433,6 +433,11 @@ REASONING = [
     ("qwen3", "Hello, no thinking here.", None, "Hello, no thinking here."),
     ("qwen3", "<think>still thinking", "still thinking", ""),
     ("qwen3", "x</think>y", None, "x</think>y"),
+    # no section: the text as it is, leading whitespace too (the stream dropped it: a probe)
+    ("qwen3", " Hello", None, " Hello"),
+    ("qwen3", "\n\nHi <think>x", None, "\n\nHi <think>x"),
+    ("qwen3", "  <think> why </think> answer", "why", "answer"),
+    ("deepseek-r1", "  plain", "plain", ""),
 ]
 
 
