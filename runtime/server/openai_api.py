@@ -1131,10 +1131,12 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
         # arguments follow its schema once the model starts a call; it still may answer
         # (a raw constraint of SGLang's, given as well, is the output's shape instead, as before)
         regex, unique, field_name = _strict_auto(parser, offered, callable_tools, allowed, parallel)
+    free_text = field_name == "tools"  # strict tools under auto: the reply may be text before any call
     constraint: dict[str, Any] = {}
     if regex is None and isinstance(schema, StructuralTag):
         # free text between the structures: tool calls in it are parsed under auto
         field_name, regex, unique = schema_field, schema.regex, schema.unique
+        free_text = True
     elif regex is None and schema is not None:
         field_name = schema_field
         # tools under "auto" beside a JSON format (the OpenAI Agents SDK's tools + output
@@ -1163,7 +1165,7 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
         field_name = field_name or "max_reasoning_chars"
         # a JSON kept from the output's start may come after the section instead
         unique = unique + [(REASONING_END, sites) for a, sites in unique if a == ""]
-        if (choice == "auto" and max_reasoning is None and not reasoning.forced and body.get("grammar_backend") is None
+        if (free_text and max_reasoning is None and not reasoning.forced and body.get("grammar_backend") is None
                 and front.limits.grammar_backend == AUTO):
             # free text that may itself begin '<think>' behind an optional section that does:
             # outlines-core's automaton holds both readings at once (a strict tool under auto
