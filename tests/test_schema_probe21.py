@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 
+from plait.errors import RequestError
+
 from test_llguidance import engine, grammars, tokenizer, vocab  # noqa: F401 (fixtures)
 from test_schema_probe16 import admitted, constraint
 from test_schema_probe18 import BACKENDS, assert_sound
@@ -30,6 +32,12 @@ def test_a_definition_named_like_a_keyword_is_not_folded_away(grammars, vocab): 
     for backend in BACKENDS:
         assert admitted(grammars, vocab, BUILDKITE, backend, '{"cond":"ab","k":"c"}'), backend
         assert not admitted(grammars, vocab, BUILDKITE, backend, '{"cond":"abcdef","k":"c"}'), backend
+    # a node that holds referenced definitions still has its own keywords read: a later
+    # draft's boolean bound at the root is refused as before (not skipped for the refs)
+    bounded = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$defs": {"n": {"type": "integer"}},
+               "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "minimum": 1, "exclusiveMinimum": True}
+    with pytest.raises(RequestError, match="exclusiveMinimum"):
+        constraint(bounded, "outlines")
     # a real 'if' without then/else still constrains nothing
     plain = {"type": "object", "properties": {"a": {"if": {"type": "string"}, "type": "integer"}},
              "required": ["a"], "additionalProperties": False}

@@ -738,14 +738,12 @@ def fold_vacuous(root: Any) -> Any:
     def vacuous(sub: Any) -> bool:  # every value satisfies it
         return sub is True or isinstance(sub, dict) and not any(_validates(k) for k in sub)
 
-    # local references: a node one points into is a container of definitions, not a schema
-    # whose keywords fold (buildkite's '#/definitions/common/if' names a definition 'if')
-    pointed = {ref for ref in _local_refs(root)}
+    # what local references point at or into: a keyword-named member one does is a
+    # definition, not a keyword to fold away (buildkite's '#/definitions/common/if')
+    pointed = {ref[:i] for ref in _local_refs(root) for i in range(2, len(ref) + 1) if i == len(ref) or ref[i] == "/"}
 
     def fold(s: dict[str, Any], path: str) -> Any:
         if ref_alone and "$ref" in s:
-            return s
-        if any(ref.startswith(path + "/") for ref in pointed):
             return s
         for k in ("exclusiveMinimum", "exclusiveMaximum"):
             if isinstance(s.get(k), bool) and not draft4 and declared:
@@ -755,6 +753,8 @@ def fold_vacuous(root: Any) -> Any:
                     f"{bound!r}), but this document's '$schema' is {draft}, where {k!r} is the bound itself and jsonschema compares "
                     f"with the boolean as {int(s[k])}; allowed: a number ({k!r}: <the {bound}>), or '$schema': "
                     "'http://json-schema.org/draft-04/schema#' for the draft-4 reading")
+        if any(f"{path}/{k}" in pointed for k in ("not", "if", "then", "else")):
+            return s
         if "not" in s and vacuous(s["not"]):
             return False
         if s.get("not") is False:
