@@ -20,7 +20,7 @@ from plait.runtime.chunking import attention_pairs
 from plait.runtime.config import EngineConfig
 from plait.runtime.prompt_tokens import encode_prompt
 from plait.runtime.sampler import generator_seed
-from plait.runtime.constrained.backend import LLGUIDANCE, Grammars
+from plait.runtime.constrained.backend import LLGUIDANCE, OUTLINES, Grammars
 from plait.runtime.constrained.vocab import TokenVocab
 from plait.runtime.cuda_graph import DecodeGraphRunner
 from plait.runtime.eviction import make_policy
@@ -359,8 +359,8 @@ class Engine:
                            "heal": not inp.return_logprob and params.max_new_tokens > 0}
                 r.grammar = self.grammar_compiler.matcher(future, inp.constraint, **options)
                 c = inp.constraint
-                if c.fallback:
-                    r.grammar_fallback = (Constraint(c.kind, c.fallback, LLGUIDANCE, c.unique), options)
+                if c.auto and c.kind == "regex" and c.backend == OUTLINES:
+                    r.grammar_fallback = (c, options)
                 self._grammar_pending.append(r)
             self.outputs.start(r)
             self._reqs[r.rid] = r
@@ -399,13 +399,20 @@ class Engine:
             if g.error is not None and r.grammar_fallback is not None and _resource_failure(g.error):
                 # auto's regex on outlines-core ran past its time or memory: llguidance follows
                 # the same regex lazily (a forced tool call's URL field, 2083 characters long)
-                constraint, options = r.grammar_fallback
+                from plait.runtime.constrained.llguidance_backend import regex_grammar
+
+                c, options = r.grammar_fallback
                 r.grammar_fallback = None
-                logger.info("a regex's outlines-core build failed (%s); building it on llguidance", g.error)
-                r.grammar = self.grammar_compiler.matcher(self.grammar_compiler.request(constraint), constraint,
-                                                          **options)
-                pending.append(r)
-                continue
+                try:  # the same regex (outlines-core's grammar is the regex itself)
+                    constraint = Constraint(c.kind, regex_grammar(c.grammar), LLGUIDANCE, c.unique)
+                except ValueError:
+                    constraint = None  # llguidance refuses it too: outlines-core's error stands
+                if constraint is not None:
+                    logger.info("a regex's outlines-core build failed (%s); building it on llguidance", g.error)
+                    r.grammar = self.grammar_compiler.matcher(self.grammar_compiler.request(constraint), constraint,
+                                                              **options)
+                    pending.append(r)
+                    continue
             if g.error is not None:
                 # a build past its time is not the constraint's fault: say it could not be built
                 verb = "could not be compiled" if "took longer than" in g.error else "is invalid"

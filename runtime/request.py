@@ -172,8 +172,8 @@ class Req:
         self.admitted_once = False
         self.num_retractions = 0
         self.grammar: GrammarMatcher | None = None  # constrained decoding
-        # (constraint, matcher options) built instead if the grammar's build fails for its
-        # time or memory (Constraint.fallback: auto's regex on llguidance)
+        # (constraint, matcher options) of an auto-chosen regex on outlines-core, built on
+        # llguidance instead if its build fails for its time or memory (Engine)
         self.grammar_fallback: tuple[Any, dict[str, bool]] | None = None
 
     @property

@@ -273,14 +273,8 @@ class SamplingParams:
             unique = groups_text([(a, sites) for a, sites in self.unique_items])
         for b in order:
             try:
-                grammar = _translate(b, kind, value, self.whitespace_pattern)
-                fallback = ""
-                if b == OUTLINES and kind == "regex" and LLGUIDANCE in order:
-                    try:
-                        fallback = _translate(LLGUIDANCE, kind, value, self.whitespace_pattern)
-                    except Exception:  # noqa: BLE001  (no fallback then; outlines' answer stands)
-                        fallback = ""
-                return Constraint(kind, grammar, b, unique or "", fallback)
+                return Constraint(kind, _translate(b, kind, value, self.whitespace_pattern), b, unique or "",
+                                  backend == AUTO)
             except ValueError as e:  # the translators' messages name the keyword and its location
                 errors.append(f"{e} (llguidance backend)" if b == LLGUIDANCE and len(order) > 1 else str(e))
             except Exception as e:  # noqa: BLE001  (a translator's bug on a value it did not expect)
@@ -390,9 +384,9 @@ class Constraint:
     # JSON Schema ``uniqueItems`` the grammar does not enforce: the instance paths of the
     # arrays the matcher keeps distinct (plait.runtime.constrained.unique_items), as JSON
     unique: str = ""
-    # ``auto`` chose outlines-core for a regex: llguidance's grammar of the same regex, built
-    # instead when outlines-core's build runs past its time or memory (Engine)
-    fallback: str = ""
+    # grammar_backend ``auto`` chose ``backend``: a regex on outlines-core whose build runs
+    # past its time or memory is then built on llguidance instead (Engine)
+    auto: bool = False
 
 
 def choose_backend(kind: str) -> list[str]:

@@ -48,7 +48,7 @@ class GenerateInput:
             self.rid, self.input_ids, self.params.to_dict(),
             constraint_kind=None if c is None else c.kind, constraint_regex=None if c is None else c.grammar,
             constraint_backend=None if c is None else c.backend, constraint_unique=None if c is None else c.unique,
-            constraint_fallback=None if c is None or not c.fallback else c.fallback,
+            constraint_auto=c is not None and c.auto,
             stream=self.stream, return_logprob=self.return_logprob, logprob_start_len=self.logprob_start_len,
             top_logprobs_num=self.top_logprobs_num, cache_salt=self.cache_salt,
         )
@@ -58,7 +58,7 @@ class GenerateInput:
         """Rebuild what the front validated (trusted: nothing is checked again)."""
         constraint = None if m.constraint_regex is None else Constraint(
             m.constraint_kind or "regex", m.constraint_regex, m.constraint_backend or "outlines",
-            m.constraint_unique or "", m.constraint_fallback or "")
+            m.constraint_unique or "", m.constraint_auto)
         return cls(
             m.rid, m.input_ids, SamplingParams(**m.sampling_params), constraint, m.cache_salt,
             m.return_logprob, m.logprob_start_len, m.top_logprobs_num, m.stream,

@@ -472,8 +472,9 @@ def test_sampling_params_validate_constraints_naming_the_field():
     assert p.constraint().kind == "json_schema"
     auto = SamplingParams.from_dict({"regex": "a+"}).constraint()
     assert (auto.kind, auto.grammar, auto.backend, auto.unique) == ("regex", "a+", "outlines", "")
-    # auto's regex carries llguidance's grammar of it, built if outlines-core's build fails for time or memory
-    assert auto.fallback == SamplingParams.from_dict({"regex": "a+", "grammar_backend": "llguidance"}).constraint().grammar
+    # auto's choice is marked (a regex whose outlines-core build fails for time or memory is then built on
+    # llguidance); a backend named is not
+    assert auto.auto and not SamplingParams.from_dict({"regex": "a+"}).constraint("outlines").auto
     assert SamplingParams.from_dict({"regex": "a+"}).constraint("outlines") == Constraint("regex", "a+")
     assert SamplingParams().constraint() is None
     for bad, field in [({"regex": "(a"}, "regex"), ({"regex": 5}, "regex"), ({"json_schema": 5}, "json_schema"),
