@@ -267,10 +267,8 @@ class GrammarCompiler:
                 self._finish(reply)
             elif time.monotonic() - self._inflight.started > self.timeout_s:
                 self._kill()
-                if self._inflight is not None:
-                    self._inflight.timed_out(
-                        f"compiling it took longer than the {self.timeout_s:g} s limit (grammar_compile_timeout)")
-                    self._inflight = None
+                self._fail(f"compiling it took longer than the {self.timeout_s:g} s limit (grammar_compile_timeout)",
+                           timed_out=True)
             if self._inflight is None and self._queue:
                 self._start(self._queue.popleft())
             if time.monotonic() >= end:
@@ -366,9 +364,12 @@ class GrammarCompiler:
                 f"the compile worker exited with code {reply[2]}"
             )
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, timed_out: bool = False) -> None:
         if self._inflight is not None:
-            self._inflight.error = message
+            if timed_out:  # cached for a while only (GrammarFuture.timed_out)
+                self._inflight.timed_out(message)
+            else:
+                self._inflight.error = message
             self._inflight = None
 
     def _kill(self) -> None:
