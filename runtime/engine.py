@@ -359,8 +359,8 @@ class Engine:
                            "heal": not inp.return_logprob and params.max_new_tokens > 0}
                 r.grammar = self.grammar_compiler.matcher(future, inp.constraint, **options)
                 c = inp.constraint
-                if c.auto and c.kind == "regex" and c.backend == OUTLINES:
-                    r.grammar_fallback = (c, options)
+                if c.auto and c.kind in ("regex", "json_schema") and c.backend == OUTLINES:
+                    r.grammar_fallback = (c, options)  # a JSON Schema here is llguidance's refusal, as a regex
                 self._grammar_pending.append(r)
             self.outputs.start(r)
             self._reqs[r.rid] = r
@@ -398,7 +398,9 @@ class Engine:
                 continue
             if g.error is not None and r.grammar_fallback is not None and _resource_failure(g.error):
                 # auto's regex on outlines-core ran past its time or memory: llguidance follows
-                # the same regex lazily (a forced tool call's URL field, 2083 characters long)
+                # the same regex lazily (a forced tool call's URL field, 2083 characters long;
+                # a JSON Schema llguidance refused as given, e.g. for its uniqueItems over an
+                # enum, is here the regex plait translated it to, uniqueItems included)
                 from plait.runtime.constrained.llguidance_backend import regex_grammar
 
                 c, options = r.grammar_fallback
@@ -408,7 +410,8 @@ class Engine:
                 except ValueError:
                     constraint = None  # llguidance refuses it too: outlines-core's error stands
                 if constraint is not None:
-                    logger.info("a regex's outlines-core build failed (%s); building it on llguidance", g.error)
+                    logger.info("a %s's outlines-core build failed (%s); building its regex on llguidance", c.kind,
+                                g.error)
                     r.grammar = self.grammar_compiler.matcher(self.grammar_compiler.request(constraint), constraint,
                                                               **options)
                     pending.append(r)

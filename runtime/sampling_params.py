@@ -384,8 +384,9 @@ class Constraint:
     # JSON Schema ``uniqueItems`` the grammar does not enforce: the instance paths of the
     # arrays the matcher keeps distinct (plait.runtime.constrained.unique_items), as JSON
     unique: str = ""
-    # grammar_backend ``auto`` chose ``backend``: a regex on outlines-core whose build runs
-    # past its time or memory is then built on llguidance instead (Engine)
+    # grammar_backend ``auto`` chose ``backend``: a regex (or a JSON Schema's regex
+    # translation) on outlines-core whose build runs past its time or memory is then built
+    # on llguidance instead (Engine)
     auto: bool = False
 
 

@@ -140,6 +140,32 @@ def test_auto_builds_a_regex_on_llguidance_when_outlines_runs_past_its_limit(tin
         e.check_invariants()
 
 
+def test_auto_builds_a_schemas_regex_on_llguidance_when_outlines_runs_past_its_limit(tiny_model_factory):
+    """A JSON Schema llguidance refuses as given (uniqueItems) goes to outlines-core as
+    plait's regex translation; when that build runs past its time, llguidance follows the
+    same regex instead of the request failing (WordPress' block.json: a 400 after the
+    limit). The output keeps the translation, uniqueItems over the enum included."""
+    import regex
+
+    from plait.runtime.constrained.json_schema import schema_to_regex
+
+    schema = {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "uniqueItems": True},
+        "name": {"type": "string", "maxLength": 800}}, "required": ["tags", "name"], "additionalProperties": False}
+    with Engine(str(tiny_model_factory("llama")), kv_cache_tokens=2048, max_running_requests=4,
+                grammar_compile_timeout=3.0) as e:
+        out = e.generate("Name:", {"json_schema": json.dumps(schema), "max_new_tokens": 24, "temperature": 0})
+        translated = schema_to_regex(schema)
+        assert "grammar_compile_timeout" in e.grammar_compiler.compiler("outlines").cached(translated).error
+        assert any("lark_grammar" in source for source in e.grammar_compiler.build_times)  # built on llguidance
+        if out["meta_info"]["finish_reason"]["type"] == "stop":  # the object closed: valid
+            jsonschema.validate(json.loads(out["text"]), schema)
+        else:
+            assert out["meta_info"]["finish_reason"]["type"] == "length"
+            assert regex.fullmatch(translated, out["text"], partial=True), out["text"]  # a prefix of the schema's
+        e.check_invariants()
+
+
 # -- an oracle model: writes a target text in its canonical tokens --------------------------------
 class Oracle:
     """Replaces the model's logits: the next token of ``tokenizer(prompt + target)``
