@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,7 +288,7 @@ class SamplingParams:
                 return guarded
             if guarded is not None:  # why the guard cannot keep it either (items that may be objects)
                 errors = [guarded]
-        message = "; ".join(reversed(errors) if len(order) > 1 and order[0] == LLGUIDANCE else errors)
+        message = "; ".join(_distinct(reversed(errors) if len(order) > 1 and order[0] == LLGUIDANCE else errors))
         raise RequestError(message if message.startswith(kind) else f"{kind} is invalid: {message}", kind)
 
     def stop_regex_program(self) -> StopRegex | None:
@@ -388,6 +389,22 @@ class Constraint:
     # translation) on outlines-core whose build runs past its time or memory is then built
     # on llguidance instead (Engine)
     auto: bool = False
+
+
+def _distinct(errors: Any) -> list[str]:
+    """The backends' refusals, each reason once: where two say the same thing of the
+    same place (plait checks a pattern alike for both; one names the keyword's own path,
+    ``#/properties/c/pattern``), the first is kept (a pydantic model's one ``\\p{L}``
+    pattern read as the same long explanation twice)."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for e in errors:
+        key = re.sub(r" \(llguidance backend\)$", "", e)
+        key = re.sub(r"(#[^\s']*?)/(?:pattern|format|multipleOf|enum|const)\b", r"\1", key)
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
 
 
 def choose_backend(kind: str) -> list[str]:

@@ -84,3 +84,23 @@ def test_a_tools_draft4_bounds_are_read_as_response_format_reads_them(grammars, 
     assert fn["name"] == "search"
     assert admitted(grammars, vocab, schema, "outlines", '{"query":"ab","k":49}')
     assert not admitted(grammars, vocab, schema, "outlines", '{"query":"ab","k":50}')
+
+
+@pytest.mark.parametrize("pattern, reason", [(r"^\p{L}+$", "Unicode property escape"), (r"^(?=a)b$", "look-ahead")])
+def test_a_refusal_both_backends_give_alike_is_said_once(pattern, reason):
+    """A pydantic model's ``constr(pattern=r"^\\p{L}+$")`` under auto: both backends
+    refuse the pattern for the same reason (plait's own check, one at the property's
+    path, one at its ``/pattern``); the 400 said the long explanation twice."""
+    import json
+
+    from plait.runtime.sampling_params import SamplingParams
+
+    schema = {"type": "object", "properties": {"c": {"type": "string", "pattern": pattern}}, "required": ["c"]}
+    with pytest.raises(RequestError) as e:
+        SamplingParams(json_schema=json.dumps(schema)).constraint()
+    assert e.value.message.count(reason) == 1 and "#/properties/c" in e.value.message, e.value.message
+    # reasons that differ are both kept (the regex translation's, then llguidance's)
+    multiple = {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.1}}, "required": ["x"]}
+    with pytest.raises(RequestError) as e:
+        SamplingParams(json_schema=json.dumps(multiple)).constraint()
+    assert "not a binary fraction" in e.value.message and "llguidance backend reads multipleOf only" in e.value.message

@@ -639,8 +639,8 @@ def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, 
         _check_patterns_exclusive(list(keys.values()), f"{path}/patternProperties")
     m = schema.get("multipleOf")
     if m is not None and not (integer and isinstance(m, int) and not isinstance(m, bool)):
-        raise ValueError(f"multipleOf: {m} at {path} is supported by the llguidance backend only as an integer on "
-                         "type integer")
+        raise ValueError(f"multipleOf: {m} at {path}: the llguidance backend reads multipleOf only as an integer "
+                         "on type integer")
     for k in ("const", "enum"):
         bad = _unwritable(schema[k]) if k in schema else None
         if bad is not None:
