@@ -25,7 +25,8 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 __all__ = ["read_jsonl", "dump_state_text", "trim_overlap", "stream_and_merge", "async_stream_and_merge",
-           "print_highlight", "wait_for_server", "launch_server_cmd", "terminate_process", "execute_shell_command"]
+           "print_highlight", "wait_for_server", "launch_server_cmd", "terminate_process", "execute_shell_command",
+           "http_request", "HttpResponse", "download_and_cache_file"]
 
 
 def read_jsonl(filename: str) -> list[Any]:
@@ -216,3 +217,167 @@ def terminate_process(process: subprocess.Popen, timeout: float = 30.0) -> None:
         except (ProcessLookupError, PermissionError, AttributeError):
             process.kill()
         process.wait()
+
+
+# -- HTTP helpers SGLang's scripts import (sglang.utils.http_request, download_and_cache_file) --
+class HttpResponse:
+    """A reply of :func:`http_request`, read the way SGLang's scripts read one (the
+    parts of ``requests.Response`` they use): ``status_code``, ``headers``, ``json()``,
+    ``text``, ``content``; a streamed one also ``iter_lines()`` / ``iter_content()``,
+    which read the body as it arrives. An HTTP error status is a reply too, not an
+    exception (``raise_for_status()`` raises it)."""
+
+    def __init__(self, resp: Any, url: str) -> None:
+        self._resp = resp
+        self.url = url
+        self.status_code: int = getattr(resp, "status", None) or resp.getcode()
+        self.headers = resp.headers
+        self._body: bytes | None = None
+
+    @property
+    def content(self) -> bytes:
+        if self._body is None:
+            try:
+                self._body = self._resp.read()
+            finally:
+                self._resp.close()
+        return self._body
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    @property
+    def ok(self) -> bool:
+        return self.status_code < 400
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+    def iter_content(self, chunk_size: int | None = 1, decode_unicode: bool = False) -> Iterable[Any]:
+        """The body in pieces of up to ``chunk_size`` bytes as they arrive (None: what
+        each read returns)."""
+        if self._body is not None:
+            pieces: Iterable[bytes] = [self._body]
+        else:
+            pieces = self._reads(chunk_size or 65536, whole=chunk_size is not None)
+        if not decode_unicode:
+            yield from pieces
+            return
+        import codecs
+
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for piece in pieces:
+            text = decoder.decode(piece)
+            if text:
+                yield text
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            yield tail
+
+    def _reads(self, size: int, whole: bool) -> Iterable[bytes]:
+        try:
+            while True:
+                piece = self._resp.read(size) if whole else getattr(self._resp, "read1", self._resp.read)(size)
+                if not piece:
+                    return
+                yield piece
+        finally:
+            self._resp.close()
+
+    def iter_lines(self, chunk_size: int = 512, decode_unicode: bool = False,
+                   delimiter: bytes | str | None = None) -> Iterable[Any]:
+        """The body's lines as they arrive, without their line ends (SGLang's
+        streaming scripts read ``data: ...`` events this way); bytes unless
+        ``decode_unicode``."""
+        sep = (delimiter.encode() if isinstance(delimiter, str) else delimiter) or b"\n"
+        pending = b""
+        for piece in self.iter_content(None):
+            *lines, pending = (pending + piece).split(sep)
+            for line in lines:
+                line = line if delimiter else line.rstrip(b"\r")
+                yield line.decode("utf-8", errors="replace") if decode_unicode else line
+        if pending:
+            yield pending.decode("utf-8", errors="replace") if decode_unicode else pending
+
+    def raise_for_status(self) -> None:
+        if not self.ok:
+            raise urllib.error.HTTPError(self.url, self.status_code, self.text[:500], self.headers, None)
+
+    def close(self) -> None:
+        self._resp.close()
+
+    def __enter__(self) -> HttpResponse:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<HttpResponse [{self.status_code}]>"
+
+
+def _ssl_context(url: str, verify: Any) -> Any:
+    if not url.lower().startswith("https:"):
+        return None
+    import ssl
+
+    if verify is False:
+        return ssl._create_unverified_context()  # noqa: S323 - asked for by the caller
+    return ssl.create_default_context(cafile=verify if isinstance(verify, str) else None)
+
+
+def http_request(url: str, json: Any = None, stream: bool = False, api_key: str | None = None,
+                 verify: Any = None, method: str | None = None, timeout: float | None = None) -> HttpResponse:
+    """Send ``json`` (any JSON value; None: no body) to ``url`` and return the reply
+    (:class:`HttpResponse`), as SGLang's ``sglang.utils.http_request``: a POST when
+    there is a body (or ``stream``), else a GET, unless ``method`` says otherwise;
+    ``api_key`` as a Bearer token; ``verify`` a CA file, or False for an HTTPS server's
+    unchecked certificate; ``stream``: the body is read as it arrives (``iter_lines``).
+    An HTTP error status is returned, not raised."""
+    import json as _json
+
+    headers = {"Content-Type": "application/json; charset=utf-8"}
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
+    data = None if json is None else _json.dumps(json).encode("utf-8")
+    if method is None and stream:
+        method = "POST"
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        resp = urllib.request.urlopen(request, timeout=timeout, context=_ssl_context(url, verify))
+    except urllib.error.HTTPError as e:  # a reply with an error status: the caller reads it
+        resp = e
+    return HttpResponse(resp, url)
+
+
+def download_and_cache_file(url: str, filename: str | None = None) -> str:
+    """The path of ``url``'s content on disk, downloaded once: ``filename``, else the
+    URL's last segment in the temporary directory (SGLang's benchmarks fetch their
+    datasets this way). An existing file is taken as it is; a download goes to a
+    temporary name first, so an interrupted one is not mistaken for the file later."""
+    import tempfile
+
+    import tqdm
+
+    if filename is None:
+        name = urllib.parse.urlsplit(url).path.rstrip("/").rsplit("/", 1)[-1]
+        if not name:
+            raise ValueError(f"download_and_cache_file: {url!r} names no file; pass filename")
+        filename = os.path.join(tempfile.gettempdir(), name)
+    if os.path.exists(filename):
+        return filename
+    print(f"Downloading from {url} to {filename}")
+    partial = f"{filename}.part{os.getpid()}"
+    try:
+        with urllib.request.urlopen(url, timeout=60) as resp, open(partial, "wb") as f, tqdm.tqdm(
+                desc=os.path.basename(filename), total=int(resp.headers.get("Content-Length") or 0) or None,
+                unit="B", unit_scale=True, unit_divisor=1024) as bar:
+            while piece := resp.read(1 << 16):
+                f.write(piece)
+                bar.update(len(piece))
+        os.replace(partial, filename)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return filename
