@@ -38,7 +38,21 @@ def constraint(schema: object, backend: str):
 
 
 def validator(schema: object):
+    """``jsonschema``'s validator of ``schema``, formats checked, with ``pattern`` read by
+    the ``regex`` module where it holds a Unicode property class (``\\p{L}``: ECMA-262,
+    the dialect JSON Schema names, reads it; Python's ``re`` does not)."""
+    import regex
+
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    plain = cls.VALIDATORS["pattern"]
+
+    def pattern(v, patrn, instance, s):
+        if not re.search(r"\\[pP]\{", patrn):
+            yield from plain(v, patrn, instance, s)
+        elif v.is_type(instance, "string") and not regex.search(patrn, instance):
+            yield jsonschema.ValidationError(f"{instance!r} does not match {patrn!r}")
+
+    cls = jsonschema.validators.extend(cls, {"pattern": pattern})
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 

@@ -2472,6 +2472,10 @@ def bounded_search(pattern: str, text: str) -> bool:
 
     import regex
 
+    try:  # ECMA-262's spellings Python reads otherwise (a \\p{L} as its explicit class)
+        pattern = ecma_to_python(pattern)
+    except ValueError as e:
+        raise _re.error(str(e)) from None
     _re.compile(pattern)  # what re refuses is refused here too
     try:
         compiled = regex.compile(pattern)
@@ -2907,24 +2911,126 @@ _SHORT_ESCAPES = {'"': r'\\"', "\\": r"\\\\", "\n": r"\\n", "\t": r"\\t", "\r": 
 _CLASS_ESCAPES = frozenset("dDwWsS")
 
 
+# ECMA-262's Unicode property classes (``\\p{L}``, ``\\P{Lu}``, ``\\p{Letter}``,
+# ``\\p{gc=Nd}``) by General_Category: JSON Schema's patterns are ECMA-262, and pydantic,
+# whose patterns Rust's regex reads, writes them (``constr(pattern=r"^\\p{L}+$")``).
+# Python's ``re`` has none, so each becomes the explicit class of its code points
+# (Python's Unicode tables; surrogates left out, as no valid text holds one alone).
+_CATEGORY_ALIASES = {
+    "Letter": "L", "Cased_Letter": "LC", "Uppercase_Letter": "Lu", "Lowercase_Letter": "Ll",
+    "Titlecase_Letter": "Lt", "Modifier_Letter": "Lm", "Other_Letter": "Lo", "Mark": "M", "Combining_Mark": "M",
+    "Nonspacing_Mark": "Mn", "Spacing_Mark": "Mc", "Enclosing_Mark": "Me", "Number": "N", "Decimal_Number": "Nd",
+    "digit": "Nd", "Letter_Number": "Nl", "Other_Number": "No", "Punctuation": "P", "punct": "P",
+    "Connector_Punctuation": "Pc", "Dash_Punctuation": "Pd", "Open_Punctuation": "Ps", "Close_Punctuation": "Pe",
+    "Initial_Punctuation": "Pi", "Final_Punctuation": "Pf", "Other_Punctuation": "Po", "Symbol": "S",
+    "Math_Symbol": "Sm", "Currency_Symbol": "Sc", "Modifier_Symbol": "Sk", "Other_Symbol": "So", "Separator": "Z",
+    "Space_Separator": "Zs", "Line_Separator": "Zl", "Paragraph_Separator": "Zp", "Other": "C", "Control": "Cc",
+    "cntrl": "Cc", "Format": "Cf", "Private_Use": "Co", "Unassigned": "Cn",
+}
+_UNICODE_MAX = 0x10FFFF
+
+
+@functools.lru_cache(maxsize=1)
+def _category_ranges() -> dict[str, tuple[tuple[int, int], ...]]:
+    """Each two-letter General_Category's code points as ranges (one pass, ~0.3 s, once
+    per process)."""
+    import unicodedata
+
+    ranges: dict[str, list[list[int]]] = {}
+    for cp in range(_UNICODE_MAX + 1):
+        if 0xD800 <= cp <= 0xDFFF:
+            continue
+        rs = ranges.setdefault(unicodedata.category(chr(cp)), [])
+        if rs and rs[-1][1] == cp - 1:
+            rs[-1][1] = cp
+        else:
+            rs.append([cp, cp])
+    return {k: tuple((a, b) for a, b in v) for k, v in ranges.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def _property_ranges(name: str) -> tuple[tuple[int, int], ...]:
+    """The code points of ECMA-262's ``\\p{name}`` as sorted, merged ranges, or
+    ``ValueError`` naming what is supported."""
+    for prefix in ("gc=", "General_Category="):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    name = _CATEGORY_ALIASES.get(name, name)
+    if name == "Any":
+        return ((0, 0xD7FF), (0xE000, _UNICODE_MAX))
+    if name == "ASCII":
+        return ((0, 0x7F),)
+    table = _category_ranges()
+    if name == "LC":
+        cats = ["Lu", "Ll", "Lt"]
+    elif len(name) == 1 and name in "LMNPSZC":
+        cats = [k for k in table if k[0] == name and k != "Cs"]
+    elif len(name) == 2 and (name in table or name in ("Cn", "Co")) and name != "Cs":
+        cats = [name]
+    else:
+        raise ValueError(f"\\p{{{name}}} is not supported; allowed: General_Category values (\\p{{L}}, \\p{{Lu}}, "
+                         "\\p{N}, \\p{Letter}, \\p{gc=Nd}...), \\p{ASCII} and \\p{Any} (not scripts or other "
+                         "properties)")
+    merged: list[list[int]] = []
+    for a, b in sorted(r for k in cats for r in table.get(k, ())):
+        if merged and a <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return tuple((a, b) for a, b in merged)
+
+
+def _complement(ranges: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """The code points outside ``ranges`` (surrogates left out)."""
+    out, at = [], 0
+    for a, b in sorted([*ranges, (0xD800, 0xDFFF)]):
+        if a > at:
+            out.append((at, a - 1))
+        at = max(at, b + 1)
+    if at <= _UNICODE_MAX:
+        out.append((at, _UNICODE_MAX))
+    return out
+
+
+def _class_body(ranges: Any) -> str:
+    def esc(cp: int) -> str:
+        return f"\\u{cp:04x}" if cp <= 0xFFFF else f"\\U{cp:08x}"
+
+    return "".join(esc(a) if a == b else f"{esc(a)}-{esc(b)}" for a, b in ranges)
+
+
 def ecma_to_python(pattern: str) -> str:
     """An ECMA-262 ``pattern`` (the dialect JSON Schema names) in Python's ``re`` syntax,
-    for the two ECMA-262 spellings Python reads differently or not at all: a named group
-    ``(?<name>...)`` becomes ``(?P<name>...)`` (look-behinds ``(?<=``/``(?<!`` stay), and a
+    for the ECMA-262 spellings Python reads differently or not at all: a named group
+    ``(?<name>...)`` becomes ``(?P<name>...)`` (look-behinds ``(?<=``/``(?<!`` stay), a
     ``-`` next to a class escape inside a class (``[\\w-_]``), a literal hyphen in
-    ECMA-262, is escaped. Everything else is passed through as written."""
+    ECMA-262, is escaped, and a Unicode property class (``\\p{L}``, ``\\P{Nd}``) becomes
+    the explicit class of its code points (``ValueError`` for a property other than a
+    General_Category). Everything else is passed through as written."""
     out: list[str] = []
-    i, n, in_class = 0, len(pattern), False
+    i, n, in_class, prop_at = 0, len(pattern), False, -1
     while i < n:
         c = pattern[i]
         if c == "\\":
+            prop = re.match(r"\\([pP])\{([A-Za-z_=&]+)\}", pattern[i:])
+            if prop is not None:
+                ranges = _property_ranges(prop.group(2))
+                if prop.group(1) == "P":
+                    ranges = tuple(_complement(ranges))
+                if not ranges:
+                    raise ValueError(f"{prop.group(0)} matches no character")
+                out.append(_class_body(ranges) if in_class else f"[{_class_body(ranges)}]")
+                prop_at = len(out)  # a '-' right after it inside a class is a literal
+                i += prop.end()
+                continue
             out.append(pattern[i:i + 2])
             i += 2
             continue
         if in_class:
             if c == "]":
                 in_class = False
-            elif c == "-" and (_is_class_escape(out[-1]) or _is_class_escape(pattern[i + 1:i + 3])):
+            elif c == "-" and (_is_class_escape(out[-1]) or _is_class_escape(pattern[i + 1:i + 3])
+                               or prop_at == len(out) or pattern[i + 1:i + 3] in ("\\p", "\\P")):
                 c = "\\-"
             out.append(c)
         elif c == "[":
@@ -2961,12 +3067,12 @@ def _pattern_tree(pattern: Any, path: str) -> Any:
         raise SchemaError(f"json_schema 'pattern' at {path} has {len(pattern)} characters; allowed: at most "
                           f"{MAX_PATTERN_CHARS} (the limit of a 'regex')")
     try:
-        return _parser.parse(ecma_to_python(pattern))
+        python = ecma_to_python(pattern)
+    except ValueError as e:  # a Unicode property other than a General_Category
+        raise SchemaError(f"json_schema 'pattern' at {path} ({pattern[:80]!r}): {e}") from None
+    try:
+        return _parser.parse(python)
     except Exception as e:
-        if re.search(r"(?<!\\)(?:\\\\)*\\[pP]\{", pattern):  # ECMA-262's /u property classes: \p{L}
-            raise SchemaError(f"json_schema 'pattern' at {path} ({pattern[:80]!r}) uses a Unicode property escape "
-                              "(\\p{...}), which is not supported: Python's re, which jsonschema validates patterns "
-                              "with, has none; allowed: explicit classes (e.g. [A-Za-z\\u00C0-\\u024F])") from None
         raise SchemaError(f"json_schema 'pattern' at {path} ({pattern[:80]!r}) cannot be parsed: {e}") from None
 
 
