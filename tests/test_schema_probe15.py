@@ -237,3 +237,18 @@ def test_tiny_model_generations_validate_against_the_original_schemas(engine):  
             finished += 1
             assert_valid(p["json_schema"], [o["text"]])
     assert finished >= len(outs) // 3
+
+
+@pytest.mark.parametrize("pattern, matches, refuses", [
+    (r"^\pL+$", "Zoë", "a1"),  # Rust's one-letter form (pydantic's regex reads it)
+    (r"^[\p{L&}]+$", "aBǅ", "日"),  # cased letters
+    (r"^x\\p{L}$", "x\\p{L}", "xa"),  # an escaped backslash: p{L} is literal text
+    (r"^\P{L}+$", "1-2", "1a"),
+    (r"^[\p{Nd}_-]+$", "٣_-", "a"),  # a hyphen beside a property class inside a class is literal
+    (r"^\p{gc=Lu}\p{Ll}*$", "Ωmega", "ωmega"),
+])
+def test_unicode_property_spellings_read_as_ecma_and_rust_read_them(pattern, matches, refuses):
+    from plait.runtime.constrained.json_schema import ecma_to_python
+
+    python = ecma_to_python(pattern)
+    assert re.search(python, matches) and not re.search(python, refuses)

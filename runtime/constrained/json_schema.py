@@ -2928,6 +2928,7 @@ _CATEGORY_ALIASES = {
     "cntrl": "Cc", "Format": "Cf", "Private_Use": "Co", "Unassigned": "Cn",
 }
 _UNICODE_MAX = 0x10FFFF
+_PROPERTY = re.compile(r"\\([pP])(?:\{([A-Za-z_=&]+)\}|([A-Z]))")  # \p{Lu}, or \pL as Rust's regex writes it
 
 
 @functools.lru_cache(maxsize=1)
@@ -2955,7 +2956,7 @@ def _property_ranges(name: str) -> tuple[tuple[int, int], ...]:
     for prefix in ("gc=", "General_Category="):
         if name.startswith(prefix):
             name = name[len(prefix):]
-    name = _CATEGORY_ALIASES.get(name, name)
+    name = _CATEGORY_ALIASES.get(name, "LC" if name == "L&" else name)
     if name == "Any":
         return ((0, 0xD7FF), (0xE000, _UNICODE_MAX))
     if name == "ASCII":
@@ -3012,16 +3013,16 @@ def ecma_to_python(pattern: str) -> str:
     while i < n:
         c = pattern[i]
         if c == "\\":
-            prop = re.match(r"\\([pP])\{([A-Za-z_=&]+)\}", pattern[i:])
+            prop = _PROPERTY.match(pattern, i)
             if prop is not None:
-                ranges = _property_ranges(prop.group(2))
+                ranges = _property_ranges(prop.group(2) or prop.group(3))
                 if prop.group(1) == "P":
                     ranges = tuple(_complement(ranges))
                 if not ranges:
                     raise ValueError(f"{prop.group(0)} matches no character")
                 out.append(_class_body(ranges) if in_class else f"[{_class_body(ranges)}]")
                 prop_at = len(out)  # a '-' right after it inside a class is a literal
-                i += prop.end()
+                i = prop.end()
                 continue
             out.append(pattern[i:i + 2])
             i += 2
