@@ -482,7 +482,8 @@ class ProgramState(RoleScopes):
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         """New text as it is produced: of the whole program, or of one variable. On a
         state that was not run with ``stream=True``, yields the final text once. A
-        streamed body that raised raises here once the stream is over."""
+        streamed body that raised raises here once the stream is over. A variable the
+        finished program never set yields one ``""`` (as SGLang's iterator does)."""
         ex = self.executor
         if not ex.stream:
             yield self.text() if var_name is None else self.get_var(var_name)
@@ -497,6 +498,8 @@ class ProgramState(RoleScopes):
                 error = self._stream_error(var_name)
                 if error is not None:
                     raise error
+                if pos == 0 and var_name is not None and not ex.has_var(var_name):
+                    yield ""  # as SGLang's: one empty piece for a variable the program never set
                 return
 
     async def text_async_iter(self, var_name: str | None = None, return_meta_data: bool = False) -> AsyncIterator[Any]:
@@ -532,6 +535,8 @@ class ProgramState(RoleScopes):
                     error = await loop.run_in_executor(None, self._stream_error, var_name)
                     if error is not None:
                         raise error
+                    if pos == 0 and var_name is not None and not ex.has_var(var_name):
+                        yield ""  # as SGLang's (with return_meta_data too): the variable was never set
                     return
         except asyncio.CancelledError:
             self.abort("the streaming consumer was cancelled")

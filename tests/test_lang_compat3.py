@@ -99,6 +99,28 @@ def test_a_streamed_body_that_returns_raises_nothing_and_run_without_stream_stil
         boom.run(backend=fake)
 
 
+def test_a_variable_the_finished_program_never_set_streams_one_empty_piece():
+    """SGLang's ``text_iter(name)`` / ``text_async_iter(name)`` yield one ``""`` for a
+    name the program never set once it has finished (plait's yielded nothing); a set
+    but empty variable yields nothing, as there."""
+    @sgl.function
+    def fine(s):
+        s += "Q: hi\n" + sgl.gen("a", max_tokens=4)
+        s += sgl.gen("empty", max_tokens=4)
+
+    fake = FakeBackend()
+    fake.reply = lambda prompt, params: "" if prompt.endswith("<out>") else "<out>"
+    state = fine.run(stream=True, backend=fake)
+    assert list(state.text_iter("never")) == [""] and list(state.text_iter("empty")) == []
+    assert "".join(state.text_iter("a")) == "<out>" and state["empty"] == ""
+
+    async def consume(name: str, meta: bool) -> list:
+        return [p async for p in fine.run(stream=True, backend=fake).text_async_iter(name, return_meta_data=meta)]
+
+    assert asyncio.run(consume("never", False)) == [""] == asyncio.run(consume("never", True))
+    assert asyncio.run(consume("empty", False)) == []
+
+
 def test_a_streamed_body_failing_on_an_aborted_program_is_not_logged_as_an_error(caplog):
     fake = FakeBackend()
     fake.hold = threading.Event()
