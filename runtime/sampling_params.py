@@ -6,7 +6,6 @@ import dataclasses
 import json
 import logging
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -392,15 +391,13 @@ class Constraint:
 
 
 def _distinct(errors: Any) -> list[str]:
-    """The backends' refusals, each reason once: where two say the same thing of the
-    same place (plait checks a pattern alike for both; one names the keyword's own path,
-    ``#/properties/c/pattern``), the first is kept (a pydantic model's one ``\\p{L}``
-    pattern read as the same long explanation twice)."""
+    """The backends' refusals, each reason once: plait checks a pattern alike for both,
+    and the same long explanation was said twice (a pydantic model's look-ahead); the
+    first is kept."""
     out: list[str] = []
     seen: set[str] = set()
     for e in errors:
-        key = re.sub(r" \(llguidance backend\)$", "", e)
-        key = re.sub(r"(#[^\s']*?)/(?:pattern|format|multipleOf|enum|const)\b", r"\1", key)
+        key = e.removesuffix(" (llguidance backend)")
         if key not in seen:
             seen.add(key)
             out.append(e)

@@ -89,8 +89,7 @@ def test_a_tools_draft4_bounds_are_read_as_response_format_reads_them(grammars, 
 @pytest.mark.parametrize("pattern, reason", [(r"^\p{Script=Latin}+$", "is not supported"), (r"^(?=a)b$", "look-ahead")])
 def test_a_refusal_both_backends_give_alike_is_said_once(pattern, reason):
     """A pydantic model's pattern under auto: both backends refuse it for the same
-    reason (plait's own check, one at the property's path, one at its ``/pattern``);
-    the 400 said the long explanation twice."""
+    reason (plait's own check of the pattern); the 400 said the long explanation twice."""
     import json
 
     from plait.runtime.sampling_params import SamplingParams

@@ -3000,6 +3000,7 @@ def _class_body(ranges: Any) -> str:
     return "".join(esc(a) if a == b else f"{esc(a)}-{esc(b)}" for a, b in ranges)
 
 
+@functools.lru_cache(maxsize=256)  # bounded_search reads the same pattern for every value it checks
 def ecma_to_python(pattern: str) -> str:
     """An ECMA-262 ``pattern`` (the dialect JSON Schema names) in Python's ``re`` syntax,
     for the ECMA-262 spellings Python reads differently or not at all: a named group

@@ -671,8 +671,10 @@ def _rewrite(schema: Any, parts: list[str], narrow: bool, exact: set[tuple[str, 
     if schema.get("uniqueItems") is False:
         del out["uniqueItems"]  # constrains nothing (llguidance refuses the keyword whatever its value)
     if isinstance(schema.get("pattern"), str):
-        where = f"{path}/pattern"
-        out["pattern"] = value_pattern(schema["pattern"], where) if narrow else _exact_classes(schema["pattern"], where)
+        # value_pattern's refusals name the keyword ("'pattern' at #/..."), as the regex
+        # translation's do of the same pattern; _exact_classes' begin with where they are
+        out["pattern"] = (value_pattern(schema["pattern"], path) if narrow
+                          else _exact_classes(schema["pattern"], f"{path}/pattern"))
         _check_delete(out["pattern"], schema["pattern"], f"pattern at {path}")
     fmt = schema.get("format")
     if isinstance(fmt, str) and fmt not in _LLG_FORMATS:
