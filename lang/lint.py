@@ -44,7 +44,7 @@ class LayoutIssue:
     offset: int  # characters of constant text before the (first) value; values' own lengths are not known
     tokens_lost: int  # estimated tokens of constant text after it, recomputed per instance
     following: str  # the start of that text
-    count: int = 1  # dynamic values since the last model call, all before that text
+    count: int = 1  # dynamic values (arguments, model outputs) no earlier report named, all before that text
 
     def __str__(self) -> str:
         verb = "comes" if self.count == 1 else "come"
@@ -123,7 +123,7 @@ def lint_graph(graph: ProgramGraph, min_tokens: int = DEFAULT_MIN_TOKENS,
     nodes = graph.nodes if again is None else mark_changing(graph.nodes, again.nodes)
 
     def scan(nodes: list[Node], offset: int, pending: list[tuple[str, int]]) -> None:
-        # pending: the dynamic values (description, offset) since the last model call that
+        # pending: the dynamic values (description, offset), model outputs included, that
         # no report has named yet; every one of them keeps the text after it from being
         # shared, so a report names them all (moving only the last would not help)
         pending = list(pending)
@@ -138,8 +138,8 @@ def lint_graph(graph: ProgramGraph, min_tokens: int = DEFAULT_MIN_TOKENS,
             if what is None:
                 offset += len(_constant_text(n) or "")
                 continue
-            if isinstance(n, (GenNode, SelectNode)):
-                pending = []  # a model call's output differs anyway: what came before is moot
+            # a model call's output is one more value: the text after it is shared only when it
+            # moves before the call and before every unreported value that came earlier
             pending.append((what, offset))
             after: list[str] = []
             for m in nodes[i + 1 :]:
