@@ -107,9 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF folder, .gguf path or hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--runtime", action="store_true", help="run on a runtime sidecar instead of in process")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine")
     parser.add_argument("--question", default="What is the population of Berlin plus the population of Rome?")
     args = parser.parse_args(argv)
-    backend = sgl.Runtime(args.model) if args.runtime else sgl.Engine(args.model)
+    config = {} if args.num_threads is None else {"num_threads": args.num_threads}
+    backend = sgl.Runtime(args.model, **config) if args.runtime else sgl.Engine(args.model, **config)
     try:
         state = agent.run(question=args.question, backend=backend)
         for m in state.messages()[1:]:

