@@ -72,7 +72,7 @@ class BlockHashCache(RadixCache):
         node: TreeNode = self._roots[None]
         pieces: list[torch.Tensor] = []
         if not self.disable:
-            node = self._root(salt)
+            node = self._lookup_root(salt)
             self._clock += 1
             digest = self._salt_digest(salt)
             for pos in range(0, n, self.page_size):

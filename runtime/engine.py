@@ -637,13 +637,15 @@ class Engine:
                 self.tier.tree.reset()
             self.publish_kv_events()
             return True
-        for pin_id in self.pins.ids():
-            if self.pins.get(pin_id).cache_salt == cache_salt:
-                self.unpin(pin_id)
-        if any(r.cache_salt == cache_salt for r in self.scheduler.running):
-            return False
+        namespaces = (cache_salt, long_rope_namespace(cache_salt))  # (Req.kv_namespace)
+        pins = [pin_id for pin_id in self.pins.ids() if self.pins.get(pin_id).cache_salt == cache_salt]
+        pin_prefills = {id(self.pins.get(pin_id).prefill) for pin_id in pins}  # aborted with their pins
+        if any(r.kv_namespace in namespaces and id(r) not in pin_prefills for r in self.scheduler.running):
+            return False  # refused before anything changes (pins included)
+        for pin_id in pins:
+            self.unpin(pin_id)
         self.scheduler.release_prefetches()  # waiting requests' locks (taken again next step)
-        for namespace in (cache_salt, long_rope_namespace(cache_salt)):  # (Req.kv_namespace)
+        for namespace in namespaces:
             self.cache.drop_namespace(namespace)
             if self.tier is not None:
                 self.tier.tree.drop_namespace(namespace)

@@ -133,7 +133,7 @@ class RadixCache:
         node = self._roots[None]
         pieces: list[torch.Tensor] = []
         if not self.disable:
-            node, pieces = self._walk(self._root(salt), tokens, n)
+            node, pieces = self._walk(self._lookup_root(salt), tokens, n)
         slots = torch.cat(pieces) if pieces else _EMPTY
         if count:
             self.queried_tokens += len(tokens)
@@ -325,6 +325,13 @@ class RadixCache:
         if root is None:
             root = self._roots[salt] = self._new_root()
         return root
+
+    def _lookup_root(self, salt: str | None) -> TreeNode:
+        """The root of ``salt`` for a match: a salt with nothing cached gets an empty root
+        that is not kept (a lookup must not keep a namespace per distinct salt a client
+        sends; :meth:`insert` registers the namespace, :meth:`evict` drops it when empty)."""
+        root = self._roots.get(salt)
+        return self._new_root() if root is None else root
 
     def _child_key(self, key: Sequence[int]) -> Hashable:
         return key[0] if self.page_size == 1 else tuple(key[: self.page_size])

@@ -107,7 +107,7 @@ class LogprobState:
 def long_rope_namespace(salt: str | None) -> str:
     """The cache namespace of long-rope requests of ``salt`` (user salts never hold a
     NUL character: :func:`plait.runtime.validation.check_cache_salt`)."""
-    return "\x00long-rope\x00" + (salt or "")
+    return "\x00long-rope" if salt is None else "\x00long-rope\x00" + salt  # "" is a salt of its own, as elsewhere
 
 
 class Req:

@@ -156,6 +156,23 @@ def test_engine_in_block_hash_mode_matches_radix(tiny_model_factory):
 
 
 @pytest.mark.parametrize("cls", [RadixCache, BlockHashCache])
+def test_lookups_keep_no_namespace_per_salt(cls):
+    # every distinct salt a client sends was kept as an empty namespace (with its string)
+    # until an eviction: a lookup must not hold memory; an insert registers the namespace
+    alloc = PageAllocator(32, 2)
+    cache = cls(alloc)
+    for i in range(500):
+        m = cache.match_prefix([1, 1, 2, 2], salt=f"tenant-{i}" * 100)
+        cache.lock(m.node)
+        cache.unlock(m.node)
+        assert m.length == 0
+    assert set(cache._roots) == {None}
+    put(cache, [1, 1, 2, 2, 3], salt="a")
+    assert set(cache._roots) == {None, "a"} and cache.match_prefix([1, 1, 2, 2], salt="a").length == 4
+    check(alloc, cache)
+
+
+@pytest.mark.parametrize("cls", [RadixCache, BlockHashCache])
 def test_drop_namespace_frees_exactly_that_salt(cls):
     alloc = PageAllocator(32, 2)
     cache = cls(alloc)

@@ -135,6 +135,24 @@ def test_longrope_across_and_beyond_the_original_context_matches_hf(phi3):
         assert engine.cache.match_prefix(beyond, long_rope_namespace(None)).length >= 116
         with pytest.raises(RequestError, match="cache_salt must not contain NUL"):
             engine.generate(input_ids=[short], sampling_params=params, cache_salt="\x00long-rope\x00t")
+        # "" is a salt of its own for long factors too (its namespace was the unsalted one's)
+        assert engine.generate(input_ids=beyond, sampling_params=params, cache_salt="")["meta_info"]["cached_tokens"] == 0
+        assert engine.flush_cache(cache_salt="")
+        assert engine.cache.match_prefix(beyond, long_rope_namespace(None)).length >= 116
+        # a per-salt flush is refused, before anything changes, only while that salt's requests
+        # of either factors run (an unsalted long-factor request does not block salt "")
+        (req,) = engine.add_request(beyond, {**params, "max_new_tokens": 64}, cache_salt="t")
+        engine.step()
+        assert req in engine.scheduler.running and req.long_rope
+        assert engine.flush_cache(cache_salt="t") is False
+        assert engine.abort(req.rid)
+        (req,) = engine.add_request(beyond, {**params, "max_new_tokens": 64})
+        engine.step()
+        assert req in engine.scheduler.running
+        assert engine.flush_cache(cache_salt="") is True and engine.flush_cache() is False
+        engine.abort(req.rid)
+        while engine.scheduler.has_work():
+            engine.step()
 
 
 # ----------------------------------------------------------------------------- GGUF

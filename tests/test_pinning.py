@@ -161,6 +161,32 @@ def test_flush_cache_releases_pins(engine):
     engine.check_invariants()
 
 
+def test_refused_salt_flush_keeps_that_salts_pins(folder):
+    # a flush refused because the salt's requests run changes nothing: the pins stay
+    with Engine(folder, kv_cache_tokens=POOL_TOKENS, page_size=16, num_threads=1, chunked_prefill_size=32) as engine:
+        refused_salt_flush(engine)
+
+
+def refused_salt_flush(engine: Engine) -> None:
+    pin_id = engine.pin_prefix(rand_ids(64, 16), ttl_s=60, cache_salt="a")
+    settle(engine)
+    (req,) = engine.add_request(rand_ids(40, 17), {**GREEDY, "max_new_tokens": 32}, cache_salt="a")
+    engine.step()
+    assert req in engine.scheduler.running
+    assert engine.flush_cache("a") is False
+    assert engine.pin_info(pin_id)["state"] == "active"
+    engine.abort(req.rid)
+    settle(engine)
+    assert engine.flush_cache("a") is True and engine.pin_info(pin_id) is None
+    # a pin still prefilling is released with the flush, not counted as a running request
+    pending = engine.pin_prefix(rand_ids(96, 18), ttl_s=60, cache_salt="b")
+    engine.step()  # its first 32-token chunk: the pin's prefill runs
+    assert engine.pin_info(pending)["state"] == "pending" and engine.scheduler.running
+    assert engine.flush_cache("b") is True and engine.pin_info(pending) is None
+    settle(engine)
+    engine.check_invariants()
+
+
 def test_pin_budget_fraction_is_a_config_field(folder):
     with Engine(folder, kv_cache_tokens=256, page_size=16, num_threads=1, pin_budget_fraction=0.25) as e:
         pool_tokens = e.allocator.total_pages * 16

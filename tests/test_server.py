@@ -400,11 +400,25 @@ def test_flush_cache_of_one_salt_keeps_the_others(http):
     for query in ({"cache-salt": "tenant-a"}, [("cache_salt", "tenant-a"), ("cache_salt", "tenant-b")]):
         bad = http.post("/flush_cache", params=query)
         assert bad.status_code == 400 and bad.json()["error"]["param"] in ("cache-salt", "cache_salt"), bad.text
+    # a body was ignored (a flush of every tenant); an undecodable salt became U+FFFD and was
+    # flushed; an empty parameter name was named as nothing
+    for kwargs, param in (({"json": {"cache_salt": "tenant-a", "x": 1}}, "x"), ({"content": b"not json"}, None),
+                          ({"json": {"cache_salt": None}}, "cache_salt"), ({"json": ["tenant-a"]}, None),
+                          ({"json": {"cache_salt": "tenant-b"}, "params": {"cache_salt": "tenant-a"}}, "cache_salt")):
+        bad = http.post("/flush_cache", **kwargs)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (kwargs, bad.text)
+    for raw, needle in (("cache_salt=%FF", "UTF-8"), ("=x", "''")):
+        bad = http.post("/flush_cache?" + raw)
+        assert bad.status_code == 400 and needle in bad.json()["error"]["message"], bad.text
     assert generate(http, text, 2, cache_salt="tenant-a")["meta_info"]["cached_tokens"] > 0
     r = http.post("/flush_cache", params={"cache_salt": "tenant-a"}).json()
     assert r["success"] is True and "tenant-a" in r["message"]
     assert generate(http, text, 2, cache_salt="tenant-a")["meta_info"]["cached_tokens"] == 0
     assert generate(http, text, 2, cache_salt="tenant-b")["meta_info"]["cached_tokens"] > 0
+    wait_idle(http)
+    r = http.post("/flush_cache", json={"cache_salt": "tenant-b"})  # the salt in a JSON body, as the query's
+    assert r.status_code == 200 and "tenant-b" in r.json()["message"], r.text
+    assert generate(http, text, 2, cache_salt="tenant-b")["meta_info"]["cached_tokens"] == 0
 
 
 def test_update_weights_from_disk_drops_the_cache(http, tiny_model_factory, tmp_path):

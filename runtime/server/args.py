@@ -33,8 +33,8 @@ ENGINE_HELP: dict[str, str] = {
                      "(default: 2x a decode-only step)",
     "schedule_policy": "order of admission: lpm (longest prefix match), dfs-weight (keeps prefix sharers together), fcfs",
     "disable_radix_cache": "turn the prefix cache off (every prompt is prefilled in full)",
-    "prefix_cache_mode": "prefix cache: radix (token-level tree, partial pages shared) or block_hash "
-                         "(vLLM's chained hashes of full pages, for comparison)",
+    "prefix_cache_mode": "prefix cache: radix (a token tree; matches end on a page boundary, so page size 1 "
+                         "shares every token) or block_hash (vLLM's chained hashes of full pages, for comparison)",
     "enable_hierarchical_cache": "keep prefixes evicted from the KV pool in a host-memory pool and copy them back on "
                                  "a hit instead of recomputing them (SGLang's HiCache)",
     "hicache_ratio": "host pool size as a multiple of the device KV pool",

@@ -15,6 +15,7 @@ import logging
 import sys
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
+from urllib.parse import parse_qsl
 
 import msgspec
 from starlette.applications import Starlette
@@ -203,6 +204,12 @@ async def _next_chunk(stream: AsyncIterator[bytes]) -> bytes:
         async with asyncio.timeout(BODY_IDLE_TIMEOUT_S):
             return await stream.__anext__()
     return await asyncio.wait_for(stream.__anext__(), BODY_IDLE_TIMEOUT_S)
+
+
+def body_given(request: Request) -> bool:
+    """Whether the request carries a body (a Content-Length other than 0, or a chunked one)."""
+    length = request.headers.get("content-length")
+    return (length is not None and length.strip() != "0") or "transfer-encoding" in request.headers
 
 
 async def read_json(request: Request, budget: BodyBudget | None = None) -> tuple[dict[str, Any], int]:
@@ -530,13 +537,31 @@ def build_app(front: Front) -> ASGIApp:
     async def flush_cache(request: Request) -> Response:
         # only that namespace (absent: everything); a misspelt or repeated parameter must
         # not turn a one-tenant flush into a flush of every tenant's cache
-        unknown = sorted(set(request.query_params) - {"cache_salt"})
+        query = request.scope.get("query_string", b"").decode("latin-1")
+        try:  # strict: an undecodable salt must not become another salt (U+FFFD) and be flushed
+            pairs = parse_qsl(query, keep_blank_values=True, encoding="utf-8", errors="strict")
+        except UnicodeDecodeError:
+            raise RequestError("the query string of /flush_cache is not valid UTF-8 once percent-decoded",
+                               "cache_salt") from None
+        unknown = sorted({k for k, _ in pairs} - {"cache_salt"})
         if unknown:
-            raise RequestError(f"/flush_cache takes only cache_salt; unknown parameter(s): {', '.join(unknown)}",
-                               unknown[0])
-        salts = request.query_params.getlist("cache_salt")
+            names = ", ".join(map(repr, unknown))
+            raise RequestError(f"/flush_cache takes only cache_salt; unknown parameter(s): {names}", unknown[0] or None)
+        salts = [v for k, v in pairs if k == "cache_salt"]
+        if body_given(request):  # a salt sent in a JSON body counts too; anything else there is refused
+            body, _ = await read_json(request, bodies)
+            extra = sorted(set(body) - {"cache_salt"})
+            if extra:
+                raise RequestError(f"/flush_cache takes only cache_salt; unknown field(s) in the body: "
+                                   f"{', '.join(map(repr, extra))}", extra[0])
+            if "cache_salt" in body:
+                if not isinstance(body["cache_salt"], str):  # null would mean every tenant: leave the field out
+                    raise RequestError(f"cache_salt={body['cache_salt']!r} is invalid; allowed: a string (leave it out "
+                                       "to flush every namespace)", "cache_salt")
+                salts.append(body["cache_salt"])
         if len(salts) > 1:
-            raise RequestError(f"cache_salt was given {len(salts)} times; flush one salt per request", "cache_salt")
+            raise RequestError(f"cache_salt was given {len(salts)} times (query and body together); flush one salt "
+                               "per request", "cache_salt")
         salt = check_cache_salt(salts[0] if salts else None)
         reply = await front.control(P.FlushCacheRequest("", cache_salt=salt))
         if isinstance(reply, P.ErrorResponse):
