@@ -148,16 +148,18 @@ class EngineConfig:
         _require(self.dtype in DTYPES, "dtype", self.dtype, ", ".join(DTYPES))
         _require(is_int(self.page_size) and 1 <= self.page_size <= 256, "page_size", self.page_size, "an integer in [1, 256]")
         _require(
-            self.kv_cache_tokens is None or (is_int(self.kv_cache_tokens) and self.kv_cache_tokens >= 1),
-            "kv_cache_tokens", self.kv_cache_tokens, "None or a positive integer",
+            self.kv_cache_tokens is None or (is_int(self.kv_cache_tokens) and 1 <= self.kv_cache_tokens <= 2**40),
+            "kv_cache_tokens", self.kv_cache_tokens, "None or a positive integer up to 2**40 (the memory it needs is "
+            "checked at start-up)",
         )
         _require(self.mem_fraction_static is None or (_is_num(self.mem_fraction_static) and 0 < self.mem_fraction_static <= 0.95),
                  "mem_fraction_static", self.mem_fraction_static, "None or a number in (0, 0.95]")
         _require(is_int(self.max_running_requests) and 1 <= self.max_running_requests <= 4096,
                  "max_running_requests", self.max_running_requests, "an integer in [1, 4096]")
-        _require(self.chunked_prefill_size == "auto" or (is_int(self.chunked_prefill_size)
-                                                          and (self.chunked_prefill_size >= 1 or self.chunked_prefill_size == -1)),
-                 "chunked_prefill_size", self.chunked_prefill_size, "auto, a positive integer or -1 (no chunking)")
+        _require(self.chunked_prefill_size == "auto" or (is_int(self.chunked_prefill_size) and (
+                     1 <= self.chunked_prefill_size <= 2**31 - 1 or self.chunked_prefill_size == -1)),
+                 "chunked_prefill_size", self.chunked_prefill_size,
+                 "auto, a positive integer up to 2**31 - 1 or -1 (no chunking)")
         _require(self.itl_target_ms is None or (_is_num(self.itl_target_ms) and self.itl_target_ms > 0),
                  "itl_target_ms", self.itl_target_ms, "None or a number of milliseconds > 0")
         _require(self.schedule_policy in SCHEDULE_POLICIES, "schedule_policy", self.schedule_policy, ", ".join(SCHEDULE_POLICIES))
@@ -169,8 +171,8 @@ class EngineConfig:
                  "True only with prefix_cache_mode='radix' and the radix cache on")
         _require(_is_num(self.hicache_ratio) and 0 < self.hicache_ratio <= 1000, "hicache_ratio", self.hicache_ratio,
                  "a number in (0, 1000] (host pool size / device pool size)")
-        _require(_is_num(self.hicache_size) and self.hicache_size >= 0, "hicache_size", self.hicache_size,
-                 "a number of GiB >= 0 (0: sized by hicache_ratio)")
+        _require(_is_num(self.hicache_size) and 0 <= self.hicache_size <= 2**20, "hicache_size", self.hicache_size,
+                 "a number of GiB in [0, 2**20] (0: sized by hicache_ratio; the memory is checked at start-up)")
         _require(self.hicache_write_policy in ("write_back", "write_through"), "hicache_write_policy",
                  self.hicache_write_policy, "write_back, write_through")
         _require(self.hicache_prefetch_policy in ("best_effort", "off"), "hicache_prefetch_policy",

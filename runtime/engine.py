@@ -233,12 +233,17 @@ class Engine:
         cfg = self.config
         if not cfg.enable_hierarchical_cache:
             return None
+        mc = self.model_config
+        per_page = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype) * cfg.page_size
         if cfg.hicache_size > 0:
-            mc = self.model_config
-            per_page = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype) * cfg.page_size
             pages = int(cfg.hicache_size * 2**30) // per_page
         else:
             pages = int((device_pages - 1) * cfg.hicache_ratio)
+        free = _available_system_memory()
+        if (max(pages, 1) + 1) * per_page > free:  # its buffers are filled as prefixes spill: fail now, not then
+            option = f"hicache_size={cfg.hicache_size}" if cfg.hicache_size > 0 else f"hicache_ratio={cfg.hicache_ratio}"
+            raise ValueError(f"{option} asks for a host KV pool of {(max(pages, 1) + 1) * per_page / 2**30:.2f} GiB; "
+                             f"{free / 2**30:.2f} GiB of memory are available; lower it")
         events = KVEventSink(cfg.page_size, tier_media(self.device.type)[1]) if cfg.kv_events_endpoint else None
         return HostTier(self.pool, max(pages, 1) + 1, cfg.hicache_write_policy, events)  # + the reserved page
 
@@ -265,14 +270,21 @@ class Engine:
 
     def _kv_cache_tokens(self, windowed: frozenset[int]) -> int:
         cfg, mc = self.config, self.model_config
-        if cfg.kv_cache_tokens is not None:
-            return max(cfg.kv_cache_tokens, cfg.page_size)
         kv_heads = self.model.config.num_kv_heads
         # a token's KV: full layers' in the main pool, windowed layers' (a share) in theirs
         per_token = (KVPool.bytes_per_token(mc.num_layers - len(windowed), kv_heads, mc.head_dim, self.dtype)
                      + math.ceil(cfg.swa_full_tokens_ratio
                                  * KVPool.bytes_per_token(len(windowed), kv_heads, mc.head_dim, self.dtype)))
         weights = sum(t.nbytes for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+        if cfg.kv_cache_tokens is not None:
+            tokens = max(cfg.kv_cache_tokens, cfg.page_size)
+            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else _available_system_memory()
+            if tokens * per_token > free:  # (numpy's "maximum dimension" or a MemoryError traceback otherwise)
+                raise ValueError(
+                    f"kv_cache_tokens={cfg.kv_cache_tokens} needs {tokens * per_token / 2**30:.2f} GiB for the KV pool "
+                    f"({per_token} bytes a token); {free / 2**30:.2f} GiB are free after loading the weights; lower "
+                    "kv_cache_tokens, or leave it out to size the pool by mem_fraction_static")
+            return tokens
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # memory the allocator caches but does not use counts as free
             free, total = torch.cuda.mem_get_info(self.device)
@@ -300,7 +312,8 @@ class Engine:
     # -- requests ---------------------------------------------------------------------
     @property
     def limits(self) -> ModelLimits:
-        return ModelLimits(self.model_config.vocab_size, self.context_len, self.config.grammar_backend)
+        return ModelLimits(self.model_config.vocab_size, self.context_len, self.config.grammar_backend,
+                           self.allocator.total_pages * self.config.page_size)
 
     def add_request(
         self,

@@ -26,6 +26,7 @@ class ModelLimits:
     vocab_size: int
     context_len: int
     grammar_backend: str = "auto"  # the engine's option: a request's constraint goes to it unless it names one
+    pool_tokens: int | None = None  # the KV pool's size: a prompt needs its tokens + 1 there (None: not checked)
 
 
 @dataclass
@@ -86,6 +87,13 @@ def check_prompt(ids: Any, limits: ModelLimits, param: str) -> list[int]:
         raise RequestError(
             f"{prompt_name(param)} has {len(ids)} tokens; this model's context length is {limits.context_len}, "
             f"so a prompt may have at most {limits.context_len - 1} tokens", param,
+        )
+    if limits.pool_tokens is not None and len(ids) >= limits.pool_tokens:
+        # it could never be admitted: it was a 200 with finish_reason abort and no text
+        raise RequestError(
+            f"{prompt_name(param)} has {len(ids)} tokens; the server's KV cache holds {limits.pool_tokens} tokens "
+            f"(kv_cache_tokens / mem_fraction_static), so a prompt may have at most {limits.pool_tokens - 1} tokens",
+            param,
         )
     return ids
 

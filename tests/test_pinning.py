@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plait.errors import RequestError
 from plait.runtime import Engine
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 2}
@@ -204,9 +205,7 @@ def test_pin_budget_fraction_is_a_config_field(folder):
 def test_pin_prefill_that_cannot_fit_fails_cleanly(folder):
     with Engine(folder, kv_cache_tokens=64, page_size=16, num_threads=1, context_length=256) as e:
         e.pins.budget_tokens = 10_000
-        pin_id = e.pin_prefix(rand_ids(200, 16), ttl_s=60)
-        settle(e)
-        info = e.pin_info(pin_id)
-        assert info["state"] == "failed" and "KV cache" in info["error"]
-        assert e.pins.used_tokens == 0
+        with pytest.raises(RequestError, match="KV cache holds 64 tokens"):  # refused up front, as requests are
+            e.pin_prefix(rand_ids(200, 16), ttl_s=60)
+        assert e.pins.used_tokens == 0 and not e.scheduler.has_work()
         e.check_invariants()

@@ -77,6 +77,36 @@ def test_engine_start_failure_raises_with_the_engines_error(tmp_path, tiny_model
     assert "did not stop" not in str(e.value), str(e.value)[-1500:]
 
 
+def test_memory_options_past_the_machine_fail_at_start_up_naming_them(tiny_model_factory):
+    # a traceback from numpy or a MemoryError before; a host pool larger than RAM started and
+    # would have failed once prefixes spilled into it
+    model = str(tiny_model_factory("llama"))
+    for options, needle in (({"kv_cache_tokens": 10**11}, "kv_cache_tokens=100000000000 needs"),
+                            ({"kv_cache_tokens": 4096, "enable_hierarchical_cache": True, "hicache_size": 10**5},
+                             "hicache_size=100000 asks for a host KV pool")):
+        with pytest.raises(RuntimeError, match=needle):
+            launch(model, startup_timeout=120, echo_logs=False, num_threads=1, **options)
+    for options, field in (({"kv_cache_tokens": 10**20}, "kv_cache_tokens"), ({"chunked_prefill_size": 10**20},
+                           "chunked_prefill_size"), ({"hicache_size": 1e9}, "hicache_size")):
+        with pytest.raises(ValueError, match=field):  # out of range: before any process starts
+            launch(model, **options)
+
+
+def test_a_prompt_longer_than_the_kv_pool_is_a_400(tiny_model_factory):
+    # it could never be admitted: a 200 with finish_reason "abort" and no text before
+    with launch(str(tiny_model_factory("llama")), echo_logs=False, num_threads=1, kv_cache_tokens=256) as rt:
+        ids = list(range(5, 305))
+        for path, body, param in (("/generate", {"input_ids": ids}, "input_ids"),
+                                  ("/v1/completions", {"model": "default", "prompt": ids, "max_tokens": 2}, "prompt")):
+            r = httpx.post(rt.url + path, json=body, timeout=60)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == param and "KV cache holds 256 tokens" in err["message"], err
+        ok = httpx.post(rt.url + "/generate", json={"input_ids": ids[:200], "sampling_params": {"max_new_tokens": 2}},
+                        timeout=60)
+        assert ok.status_code == 200 and ok.json()["meta_info"]["finish_reason"]["type"] == "length", ok.text
+
+
 # -- engine death ---------------------------------------------------------------------------------
 def _read_stream(url: str, body: dict[str, Any], seen_first: Any) -> list[str]:
     """Stream /generate; after the first event call ``seen_first``; return all events."""

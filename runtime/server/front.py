@@ -106,13 +106,16 @@ class Front:
     dispatcher sends them (each replica spends its own pin budget on it)."""
 
     def __init__(self, args: ServerArgs, tokenizer: Any, model_info: dict[str, Any], *,
-                 replicas: list[Replica], router: zmq.asyncio.Socket, zmq_address: str) -> None:
+                 replicas: list[Replica], router: zmq.asyncio.Socket, zmq_address: str,
+                 replica_infos: list[dict[str, Any]] | None = None) -> None:
         self.args = args
         self.tokenizer = tokenizer
         self.model_info = model_info  # context_len, vocab_size, ... from the engine
         self.context_len: int = model_info["context_len"]
         self.vocab_size: int = model_info["vocab_size"]
-        self.limits = ModelLimits(self.vocab_size, self.context_len, args.engine.grammar_backend)
+        pools = [info.get("max_total_num_tokens") for info in replica_infos or [model_info]]
+        self.limits = ModelLimits(self.vocab_size, self.context_len, args.engine.grammar_backend,
+                                  min(pools) if pools and None not in pools else None)
         # no token is longer than this many characters: a longer text cannot fit
         self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer else 1
         self.max_prompt_chars = self.context_len * max(self.max_token_chars, 1)

@@ -183,7 +183,8 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
             return (lambda: start_engine(args, source.path, a_in, a_out, rank)) if args.restart_engine else None
 
         replicas = [Replica(rank, proc, push, restarter(rank)) for rank, (proc, push) in enumerate(zip(procs, pushes))]
-        front = Front(args, tokenizer, infos[0], replicas=replicas, router=router, zmq_address=zmq_address)
+        front = Front(args, tokenizer, infos[0], replicas=replicas, router=router, zmq_address=zmq_address,
+                      replica_infos=list(infos))
         stop = asyncio.Event()
         watchdog = asyncio.ensure_future(front.watchdog())
         tasks = [watchdog, *(asyncio.ensure_future(c) for c in (
