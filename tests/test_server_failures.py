@@ -185,11 +185,17 @@ def test_engine_restarts_after_death_and_stops_in_a_crash_loop(tiny_model_factor
         first = rt.engine_pid
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             plain = pool.submit(httpx.post, rt.url + "/generate", timeout=30.0,
-                                json={"text": "in flight", "sampling_params": LONG})
+                                json={"text": "in flight " * 20, "sampling_params": LONG})
             for _ in range(400):
                 if httpx.get(rt.url + "/server_info", timeout=30).json()["running"] == 1:
                     break
                 time.sleep(0.05)
+            for _ in range(400):  # the engine reports its counters with its outputs
+                queried = _counter(rt.url, "plait_prefix_cache_queried_tokens_total")
+                if queried >= 20:
+                    break
+                time.sleep(0.05)
+            assert queried >= 20
             os.kill(first, signal.SIGKILL)
             health = _wait_health(rt.url, 503, seconds=5.0)  # as soon as the process is gone
             assert health.headers["Retry-After"].isdigit() and "restarting" in health.json()["error"]["message"]
@@ -202,6 +208,8 @@ def test_engine_restarts_after_death_and_stops_in_a_crash_loop(tiny_model_factor
         assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 3
         assert re.search(r"^plait_engine_restarts_total\{[^}]*\} 1\.0$",
                          httpx.get(rt.url + "/metrics", timeout=5).text, re.M)
+        # the engine's counters carry on from the dead process's (they went back to 0)
+        assert _counter(rt.url, "plait_prefix_cache_queried_tokens_total") > queried
         for _ in range(2):  # two more deaths within the window: a crash loop
             os.kill(httpx.get(rt.url + "/server_info", timeout=30).json()["engine_pid"], signal.SIGKILL)
             _wait_health(rt.url, 503, seconds=5.0)
@@ -210,6 +218,12 @@ def test_engine_restarts_after_death_and_stops_in_a_crash_loop(tiny_model_factor
         down = httpx.get(rt.url + "/health", timeout=30.0)
         assert down.status_code == 503 and "not restarting" in down.json()["error"]["message"]
         assert httpx.get(rt.url + "/server_info", timeout=30).json()["engine_state"] == "down"
+
+
+def _counter(url: str, name: str) -> float:
+    """The one sample of ``name`` in /metrics (a single replica)."""
+    (value,) = re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", httpx.get(url + "/metrics", timeout=30).text, re.M)
+    return float(value)
 
 
 def _wait_any_health(url: str, seconds: float = 60.0) -> int:

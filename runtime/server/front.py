@@ -32,7 +32,7 @@ from plait.errors import RequestError
 from plait.runtime.logprob_text import add_token_text
 from plait.runtime.prompt_tokens import encode_prompt
 from plait.runtime.server.args import ServerArgs
-from plait.runtime.server.metrics import Metrics
+from plait.runtime.server.metrics import COUNTER_FIELDS, Metrics
 from plait.runtime.validation import GenerateInput, ModelLimits, check_text, prompt_name, validate_generate
 
 logger = logging.getLogger("plait.front")
@@ -86,6 +86,20 @@ class Replica:
     stats: P.EngineStats = field(default_factory=P.EngineStats)
     load_tokens: int = 0
     load_requests: int = 0
+    # the counters of this replica's earlier (dead) engine processes: /metrics counters
+    # carry on from them instead of going back to 0 after a restart
+    carried: dict[str, float] = field(default_factory=dict)
+
+    def reported_stats(self) -> P.EngineStats:
+        """``stats`` with the counters of earlier processes added (for /metrics)."""
+        if not self.carried:
+            return self.stats
+        return msgspec.structs.replace(self.stats, **{k: getattr(self.stats, k) + v for k, v in self.carried.items()})
+
+    def carry_counters(self) -> None:
+        """Keep the counters of the engine process that just died (before ``stats`` resets)."""
+        for name in COUNTER_FIELDS:
+            self.carried[name] = self.carried.get(name, 0) + getattr(self.stats, name)
 
     def state(self) -> str:
         """``ok``, ``restarting`` or ``down``."""
@@ -129,7 +143,7 @@ class Front:
         # a client's pin id -> (expiry, [(replica rank, that replica's pin id)])
         self.pins: dict[str, tuple[float, list[tuple[int, str]]]] = {}
         self.replicas = replicas
-        self.metrics = Metrics(args.model_name, lambda: [r.stats for r in self.replicas], len(replicas))
+        self.metrics = Metrics(args.model_name, lambda: [r.reported_stats() for r in self.replicas], len(replicas))
         self.router = router
         self.zmq_address = zmq_address
         self._engine_decoder = msgspec.msgpack.Decoder(P.EngineMessage)
@@ -528,6 +542,7 @@ class Front:
             return
         r.alive = False
         r.exit_code = code
+        r.carry_counters()
         r.stats = P.EngineStats()
         lost = {rid: st for rid, st in self.table.items() if st.replica == r.rank}
         logger.error("engine replica %d exited with code %s; failing %d in-flight requests", r.rank, code, len(lost))

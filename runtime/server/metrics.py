@@ -16,6 +16,13 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
+# the EngineStats fields /metrics reports as counters (monotone over engine restarts:
+# the front carries a dead engine's values over, Replica.carry_counters)
+COUNTER_FIELDS = ("cache_queried_tokens", "cache_hit_tokens", "cache_evicted_tokens", "retractions",
+                  "cache_early_divergences", "hicache_saved_tokens", "hicache_loaded_tokens", "hicache_prefetched_tokens",
+                  "spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens")
+
+
 class _ByReplica:
     """The replicas' stats by field: ``s.running`` is ``[replica 0's, replica 1's, ...]``."""
 
