@@ -11,6 +11,7 @@ server checks of calls, and ``auto`` is checked against the parse of the same ou
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import jsonschema
@@ -402,3 +403,35 @@ def test_parallel_tool_calls_false_keeps_only_the_first_call_a_model_writes():
         assert [tc["function"]["name"] for tc in calls if "id" in tc] == names
         assert {tc["index"] for tc in calls} == set(range(len(names)))
         assert not any(d.get("content", "").strip() for d in deltas)
+
+
+def test_free_text_around_strict_calls_goes_to_llguidance(monkeypatch):
+    """A strict tool under auto (and a structural tag) constrains free text around the
+    calls: outlines-core built that whole automaton before the first token (7-12 s for one
+    5-field tool on the default model, on a 2-core machine); on a server whose grammar
+    backend is auto it goes to llguidance, which follows the same regex lazily. A server
+    or request naming a backend keeps it; a forced call stays on auto's own choice."""
+    from types import SimpleNamespace
+
+    from plait.runtime.server import openai_api as oa
+    from plait.runtime.validation import ModelLimits
+
+    monkeypatch.setattr(oa, "render_chat", lambda *args, **kwargs: "prompt")
+    monkeypatch.setattr(oa, "server_tool_parser", lambda front: "hermes")
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    strict = [{"type": "function", "function": {"name": "weather", "parameters": params, "strict": True}}]
+
+    def constraint(backend: str, **body: Any) -> dict[str, Any]:
+        front = SimpleNamespace(args=SimpleNamespace(reasoning_parser=None), limits=ModelLimits(100, 1000, backend),
+                                encode=lambda text, param, bos=True: [1, 2], token_bytes=lambda t: b"",
+                                turn_end=None)
+        return oa.chat_request(front, body, [{"role": "user", "content": "hi"}], None, "response_format").constraint
+
+    auto = constraint("auto", tools=strict)
+    assert auto["grammar_backend"] == "llguidance" and "weather" in auto["regex"]
+    assert "grammar_backend" not in constraint("outlines", tools=strict)
+    assert constraint("auto", tools=strict, grammar_backend="outlines").get("grammar_backend") is None
+    assert "grammar_backend" not in constraint("auto", tools=strict, tool_choice="required")
+    loose = [{"type": "function", "function": {"name": "weather", "parameters": params}}]
+    assert constraint("auto", tools=loose) == {}  # not strict: the reply is free

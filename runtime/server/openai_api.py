@@ -1165,13 +1165,13 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
         field_name = field_name or "max_reasoning_chars"
         # a JSON kept from the output's start may come after the section instead
         unique = unique + [(REASONING_END, sites) for a, sites in unique if a == ""]
-        if (free_text and max_reasoning is None and not reasoning.forced and body.get("grammar_backend") is None
-                and front.limits.grammar_backend == AUTO):
-            # free text that may itself begin '<think>' behind an optional section that does:
-            # outlines-core's automaton holds both readings at once (a strict tool under auto
-            # with Qwen3's parser: 30 s, past the compile limit, against 2-4 s without the
-            # section); llguidance follows the regex lazily (0.6 s)
-            constraint["grammar_backend"] = LLGUIDANCE
+    if free_text and regex is not None and body.get("grammar_backend") is None and front.limits.grammar_backend == AUTO:
+        # free text around the structures (strict tools under auto, structural tags):
+        # outlines-core builds the automaton of free text and every call whole before the
+        # first token (7-12 s for one strict tool of 5 fields on the default model; with
+        # Qwen3's optional '<think>' section in front, 30 s, past the compile limit);
+        # llguidance follows the same regex lazily (the same request in 2-4 s, tokens included)
+        constraint["grammar_backend"] = LLGUIDANCE
     if regex is not None:
         constraint["regex"] = regex
         if unique:
