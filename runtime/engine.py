@@ -630,6 +630,12 @@ class Engine:
         return out
 
     # -- introspection --------------------------------------------------------------------
+    def check_workers(self) -> None:
+        """Raise :class:`~plait.runtime.tp.TPError` when a tensor-parallel rank of this
+        machine has exited (steps find it in their collectives; an idle engine calls this)."""
+        if self._tp is not None:
+            self._tp._check_alive()
+
     def pool_usage(self) -> dict[str, int]:
         return self.scheduler.pool_usage()
 

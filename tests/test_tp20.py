@@ -106,3 +106,23 @@ def test_a_killed_rank_fails_every_in_flight_request_and_the_restarted_engine_se
         new_workers = [w for e in _children(rt.pid) if pid_alive(e) for w in _children(e)]
         assert len(new_workers) == 1
     assert not pid_alive(worker) and not any(pid_alive(w) for w in new_workers)
+
+
+def test_a_rank_killed_while_idle_restarts_the_engine_before_a_request_fails(tiny_model_factory):
+    """An idle engine noticed a dead rank only in the next request's step: /health said ok
+    and that request was a 500. The idle loop checks its ranks, so the engine exits and is
+    restarted, and a request sent later is served."""
+    from plait.runtime.server import launch
+
+    with launch(str(tiny_model_factory("llama")), echo_logs=False, restart_engine=True, tp_size=2, **SMALL) as rt:
+        (worker,) = _children(rt.engine_pid)
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 90.0
+        while time.monotonic() < deadline:  # the engine exits: the front restarts it (another pid)
+            info = httpx.get(rt.url + "/server_info", timeout=30).json()
+            if info["engine_pids"] != [rt.engine_pid] and info["engine_state"] == "ok":
+                break
+            time.sleep(0.2)
+        assert info["engine_pids"] != [rt.engine_pid] and info["engine_state"] == "ok", info
+        r = httpx.post(rt.url + "/generate", timeout=60.0, json={"text": "after", "sampling_params": {"max_new_tokens": 4}})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 4

@@ -80,6 +80,9 @@ class EngineLoop:
                 if os.getppid() != self.parent_pid:
                     logger.warning("front process is gone; engine exits")
                     return
+                # a rank that died while the engine idled: exit now (the front restarts the
+                # engine) rather than fail the next request with a 500 and report health meanwhile
+                engine.check_workers()
 
     def _send_outputs(self, out: P.EngineOutputs) -> None:
         """Send a step's outputs in messages of at most :data:`OUTPUTS_PER_MESSAGE`

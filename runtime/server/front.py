@@ -383,6 +383,9 @@ class Front:
             for key in _SUMMED:
                 if all(key in i for i in infos):
                     info[key] = sum(i[key] for i in infos)
+            for key in ("max_total_num_tokens", "max_req_input_len"):  # what one request may use: the smallest
+                if all(key in i for i in infos):  # replica's (as the front checks prompts), not replica 0's
+                    info[key] = min(i[key] for i in infos)
             if all("pool" in i for i in infos):
                 info["pool"] = {k: sum(i["pool"].get(k, 0) for i in infos) for k in infos[0]["pool"]}
             info["invariant_ok"] = all(i.get("invariant_ok", True) for i in infos)
