@@ -239,13 +239,14 @@ class Engine:
             pages = int(cfg.hicache_size * 2**30) // per_page
         else:
             pages = int((device_pages - 1) * cfg.hicache_ratio)
+        pages = max(pages, 1) + 1  # + the reserved page
         free = _available_system_memory()
-        if (max(pages, 1) + 1) * per_page > free:  # its buffers are filled as prefixes spill: fail now, not then
+        if pages * per_page > free:  # its buffers are filled as prefixes spill: fail now, not then
             option = f"hicache_size={cfg.hicache_size}" if cfg.hicache_size > 0 else f"hicache_ratio={cfg.hicache_ratio}"
-            raise ValueError(f"{option} asks for a host KV pool of {(max(pages, 1) + 1) * per_page / 2**30:.2f} GiB; "
+            raise ValueError(f"{option} asks for a host KV pool of {pages * per_page / 2**30:.2f} GiB; "
                              f"{free / 2**30:.2f} GiB of memory are available; lower it")
         events = KVEventSink(cfg.page_size, tier_media(self.device.type)[1]) if cfg.kv_events_endpoint else None
-        return HostTier(self.pool, max(pages, 1) + 1, cfg.hicache_write_policy, events)  # + the reserved page
+        return HostTier(self.pool, pages, cfg.hicache_write_policy, events)
 
     def _windowed_layers(self) -> frozenset[int]:
         """Layers whose KV goes to a pool of its own (plait.runtime.memory.WindowPages):
@@ -275,7 +276,6 @@ class Engine:
         per_token = (KVPool.bytes_per_token(mc.num_layers - len(windowed), kv_heads, mc.head_dim, self.dtype)
                      + math.ceil(cfg.swa_full_tokens_ratio
                                  * KVPool.bytes_per_token(len(windowed), kv_heads, mc.head_dim, self.dtype)))
-        weights = sum(t.nbytes for t in itertools.chain(self.model.parameters(), self.model.buffers()))
         if cfg.kv_cache_tokens is not None:
             tokens = max(cfg.kv_cache_tokens, cfg.page_size)
             free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else _available_system_memory()
@@ -285,6 +285,7 @@ class Engine:
                     f"({per_token} bytes a token); {free / 2**30:.2f} GiB are free after loading the weights; lower "
                     "kv_cache_tokens, or leave it out to size the pool by mem_fraction_static")
             return tokens
+        weights = sum(t.nbytes for t in itertools.chain(self.model.parameters(), self.model.buffers()))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # memory the allocator caches but does not use counts as free
             free, total = torch.cuda.mem_get_info(self.device)
@@ -634,7 +635,7 @@ class Engine:
         """Raise :class:`~plait.runtime.tp.TPError` when a tensor-parallel rank of this
         machine has exited (steps find it in their collectives; an idle engine calls this)."""
         if self._tp is not None:
-            self._tp._check_alive()
+            self._tp.check_alive()
 
     def pool_usage(self) -> dict[str, int]:
         return self.scheduler.pool_usage()

@@ -164,7 +164,7 @@ class TPWorkers:
         deadline = time.monotonic() + START_TIMEOUT_S
         keys = [f"joined/{rank}" for rank in range(1, self.group.size)]
         while not self.store.check(keys):
-            self._check_alive()
+            self.check_alive()
             for node in range(1, self.nnodes):
                 if self.store.check([f"refused/{node}"]):
                     raise TPError(f"node {node} did not join the tensor-parallel group: "
@@ -175,7 +175,7 @@ class TPWorkers:
                 raise TPError(f"tensor-parallel ranks {missing} did not join within {START_TIMEOUT_S:.0f} s{hint}")
             time.sleep(0.05)
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         for rank, p in enumerate(self.procs, start=1):
             code = p.poll()
             if code is not None:
@@ -186,7 +186,7 @@ class TPWorkers:
         """Run ``fn(*args)`` (a step of the group); any failure of a rank is a TPError."""
         if self.dead:
             raise TPError("a tensor-parallel rank died earlier; the engine must be restarted")
-        self._check_alive()
+        self.check_alive()
         try:
             return fn(*args)
         except TPError:
@@ -194,7 +194,7 @@ class TPWorkers:
         except RuntimeError as e:
             time.sleep(0.2)  # let a dying worker's exit code land
             try:
-                self._check_alive()
+                self.check_alive()
             finally:
                 self.dead = True
             where = " (a rank on another node died or cannot be reached)" if self.nnodes > 1 else ""
