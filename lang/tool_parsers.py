@@ -307,6 +307,9 @@ class _Memo:
 
     ends: dict[int, tuple[str, int, bool, bool, int | None]] = field(default_factory=dict)
     settled: tuple[str, Any] | None = None
+    # per call object's start: the last end tag seen inside one of its strings (it stays
+    # there as the text grows: the next scan looks for the end tag after it)
+    quoted: dict[int, int] = field(default_factory=dict)
 
 
 _MEMO: ContextVar[_Memo | None] = ContextVar("_MEMO", default=None)
@@ -316,13 +319,19 @@ def json_end(text: str, start: int, stop: int | None = None) -> int | None:
     """The index just past the JSON object or array that opens at ``text[start]``, or
     None when it is not closed yet (strings and escapes are respected); ``stop``: read
     ``text[:stop]`` only (without copying it)."""
+    return _json_scan(text, start, stop)[0]
+
+
+def _json_scan(text: str, start: int, stop: int | None = None) -> tuple[int | None, bool]:
+    """:func:`json_end`, and whether ``stop`` (when the value is not closed before it)
+    falls inside one of its strings."""
     n = len(text) if stop is None else min(stop, len(text))
     depth, in_str, esc, i = 0, False, False, start
     memo = _MEMO.get()
     hit = memo.ends.get(start) if memo is not None else None
     if hit is not None and start + len(hit[0]) <= n and text.startswith(hit[0], start):  # (the same text: resume)
         if hit[4] is not None:
-            return hit[4]
+            return hit[4], False
         depth, in_str, esc, i = hit[1], hit[2], hit[3], start + len(hit[0])
     end = None
     while i < n:
@@ -353,7 +362,7 @@ def json_end(text: str, start: int, stop: int | None = None) -> int | None:
                 break
     if memo is not None and i - start > 256:  # (a short scan is cheaper than its memo)
         memo.ends[start] = (text[start:i], depth, in_str, esc, end)
-    return end
+    return end, end is None and (in_str or esc)
 
 
 _HEADER = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
@@ -661,20 +670,25 @@ class HermesParser(ToolParser):
     def _close(self, text: str, body: int, k: int) -> int:
         """Where the end tag of the block whose body starts at ``body`` is (-1: not
         yet). An end tag inside a JSON string of the call (an argument that mentions
-        ``</tool_call>``) does not end it: when the first tag falls inside the call
-        object, the tag right after a valid object (or the end of the text) is the end."""
+        ``</tool_call>``) does not end it, whether or not the call is complete yet (a
+        forced call cut by the length limit inside such a string used to be split at
+        the tag, its rest coming back as content)."""
         close = text.find(self.END, body)
-        if close < 0 or k >= close or text[k] != "{" or json_end(text, k, close) is not None:
+        if close < 0 or k >= close or text[k] != "{":
             return close
-        end = json_end(text, k)
-        tail = text[end:].lstrip() if end is not None else ""
-        if end is None or (tail and not tail.startswith(self.END)):
-            return close
-        try:
-            json.loads(text[k:end])
-        except ValueError:
-            return close
-        return text.find(self.END, end)
+        memo = _MEMO.get()
+        if memo is not None and k in memo.quoted:
+            close = text.find(self.END, memo.quoted[k] + 1)
+        while close >= 0:
+            # (read through the tag: it holds nothing that changes the scan's state, and a
+            # stream's scan resumes where the last one stopped only if this one goes further)
+            end, in_str = _json_scan(text, k, close + len(self.END))
+            if end is not None or not in_str:
+                return close
+            if memo is not None:
+                memo.quoted[k] = close
+            close = text.find(self.END, close + 1)
+        return -1
 
     def constraint(self, tools: list[dict[str, Any]], choice: str | Collection[str] | None,
                    parallel: bool) -> CallConstraint:

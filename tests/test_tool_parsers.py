@@ -194,6 +194,27 @@ def test_stream_arguments_grow_before_the_call_is_closed():
     assert s.calls[0].arguments == '{"a": 1, "b": 2}'
 
 
+@pytest.mark.parametrize("tail", ['b', 'b", "unit": "cel', 'b\\"</tool_call>'])
+def test_hermes_end_tag_inside_an_argument_string_of_a_cut_call(tail):
+    # a forced call cut by max_tokens after an argument string that mentions the end tag
+    # was split there: the call's arguments stopped before the tag, the rest came back as
+    # content (and streamed and not differed)
+    p = get_tool_parser("hermes")
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>' + tail
+    content, calls = p.parse(text, TOOLS, cut=True)
+    assert content == "" and [(c.name, c.cut) for c in calls] == [("get_weather", True)]
+    assert calls[0].arguments == text[text.index('{"city"'):]
+    s = p.stream(TOOLS)
+    deltas = [d for i in range(0, len(text), 3) for d in s.feed(text[i:i + 3])] + s.finish(cut=True)
+    assert not any(d.get("content") for d in deltas), deltas
+    assert [(c.name, c.arguments) for c in s.calls] == [(c.name, c.arguments) for c in calls]
+    # finished with its end tag, then a second call: both, nothing as content
+    whole = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}\n</tool_call>\n' \
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    assert [(c.name, c.arguments) for c in p.parse(whole, TOOLS)[1]] == [
+        ("get_weather", '{"city": "a</tool_call>b"}'), ("add", '{"a": 1, "b": 2}')]
+
+
 # -- forcing regexes ---------------------------------------------------------------------------------
 def _examples(name: str, parallel: bool) -> list[str]:
     one = {
