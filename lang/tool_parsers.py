@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import json
+import keyword
 import re
 import uuid
 import warnings
@@ -1126,6 +1127,9 @@ class PythonicParser(ToolParser):
 
         alts, unique = [], []
         for at, fn in _chosen(tools, choice):
+            if not _python_name(fn["name"]):
+                raise RequestError(f"{at}.name {fn['name']!r} is not a Python identifier, so the {self.name} tool "
+                                   f"parser cannot read a call to it (the output would be no call)", at + ".name")
             where = at + ".parameters"
             params = fn.get("parameters") or {}
             allowed = {"type", "properties", "required", "additionalProperties", "title", "description", "$schema"}
@@ -1138,9 +1142,9 @@ class PythonicParser(ToolParser):
             required = params.get("required") or []
             pairs = []
             for key, sub in props.items():
-                if not key.isidentifier():
-                    raise RequestError(f"{where}: property {key!r} is not a Python identifier, so it cannot be a "
-                                       f"keyword argument", where)
+                if not _python_name(key):
+                    raise RequestError(f"{where}: property {key!r} is not a Python identifier (or is a keyword), so "
+                                       f"it cannot be a keyword argument", where)
                 try:
                     value, sites = guarded_regex(sub)
                 except ValueError as e:
@@ -1151,6 +1155,12 @@ class PythonicParser(ToolParser):
             alts.append(escape(fn["name"]) + r"\(" + _keyword_list(pairs) + r"\)")
         call = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
         return CallConstraint(r"\[" + _repeat_calls(call, ", ", parallel) + r"\]", unique)
+
+
+def _python_name(name: str) -> bool:
+    """``name`` can be a function's or a keyword argument's name in a call ``ast`` reads
+    (``API-post-search`` and ``from`` cannot)."""
+    return name.isidentifier() and not keyword.iskeyword(name)
 
 
 def _keyword_list(pairs: list[tuple[str, bool]]) -> str:

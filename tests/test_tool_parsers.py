@@ -296,6 +296,27 @@ def test_forcing_regex_errors_name_the_tool():
     with pytest.raises(RequestError, match="not-an-identifier") as e:
         get_tool_parser("pythonic").constraint(odd, None, False).regex
     assert e.value.param == "tools[0].function.parameters"
+    # a Python keyword as a property, or a function name ast cannot read as a call (an MCP
+    # server's "API-post-search"), forced calls that never parsed: no tool_calls came back
+    kw = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"from": {"type": "string"}}}}}]
+    with pytest.raises(RequestError, match="'from'") as e:
+        get_tool_parser("pythonic").constraint(kw, None, False).regex
+    assert e.value.param == "tools[0].function.parameters"
+    dashed = [TOOLS[1], {"type": "function", "function": {"name": "API-post-search", "parameters": ADD}}]
+    for choice in (None, "API-post-search"):
+        with pytest.raises(RequestError, match="API-post-search") as e:
+            get_tool_parser("pythonic").constraint(dashed, choice, False).regex
+        assert e.value.param == "tools[1].function.name"
+    assert get_tool_parser("pythonic").constraint(dashed, "add", False).regex  # (not the one called)
+    for name, ok in (("f", True), ("match", True), ("class", False), ("a-b", False), ("None", False)):
+        tools = [{"type": "function", "function": {"name": name, "parameters": ADD}}]
+        assert bool(get_tool_parser("pythonic").parse(f"[{name}(a=1, b=2)]", tools)[1]) == ok, name
+        if ok:
+            assert get_tool_parser("pythonic").constraint(tools, None, False).regex
+        else:
+            with pytest.raises(RequestError):
+                get_tool_parser("pythonic").constraint(tools, None, False)
     # the Responses API's flat tools are named without .function
     flat = [{"type": "function", "name": "f", "parameters": bad[1]["function"]["parameters"]}]
     with pytest.raises(RequestError) as e:
