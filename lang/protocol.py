@@ -328,6 +328,13 @@ class EngineStartupError(_Msg, tag="startup_error"):
     message: str
 
 
+class EngineFatal(_Msg, tag="fatal"):
+    """Engine -> front, just before an engine process exits on an error of its own (a
+    crashed step, a tensor-parallel rank that died): why, for /health and /server_info."""
+
+    message: str
+
+
 class EngineShutdown(_Msg, tag="shutdown"):
     pass
 
@@ -351,8 +358,8 @@ EngineInput = Union[
     UpdateWeightsRequest,
 ]
 EngineMessage = Union[
-    EngineOutputs, EngineReady, EngineStartupError, FlushCacheResult, ServerInfo, PinResult, UnpinResult, ErrorResponse,
-    UpdateWeightsResult,
+    EngineOutputs, EngineReady, EngineStartupError, EngineFatal, FlushCacheResult, ServerInfo, PinResult, UnpinResult,
+    ErrorResponse, UpdateWeightsResult,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -199,11 +199,13 @@ def test_engine_restarts_after_death_and_stops_in_a_crash_loop(tiny_model_factor
             os.kill(first, signal.SIGKILL)
             health = _wait_health(rt.url, 503, seconds=5.0)  # as soon as the process is gone
             assert health.headers["Retry-After"].isdigit() and "restarting" in health.json()["error"]["message"]
+            assert "killed by SIGKILL" in health.json()["error"]["message"]
             r = plain.result()
             assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
         _wait_health(rt.url, 200)
         info = httpx.get(rt.url + "/server_info", timeout=30).json()
         assert info["engine_pid"] != first and info["engine_state"] == "ok"
+        assert info["last_engine_exit"] == "exit code -9: killed by SIGKILL"  # (kept after the restart)
         ok = httpx.post(rt.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3}}, timeout=30)
         assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 3
         assert re.search(r"^plait_engine_restarts_total\{[^}]*\} 1\.0$",

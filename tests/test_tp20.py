@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import signal
 import time
 
@@ -124,5 +125,9 @@ def test_a_rank_killed_while_idle_restarts_the_engine_before_a_request_fails(tin
                 break
             time.sleep(0.2)
         assert info["engine_pids"] != [rt.engine_pid] and info["engine_state"] == "ok", info
+        # why the engine went is reported (it was only in the log), after the restart too
+        assert re.fullmatch(rf"exit code 1: TPError: tensor-parallel rank 1 \(pid {worker}\) exited with code -9",
+                            info["last_engine_exit"]), info["last_engine_exit"]
+        assert info["replicas"][0]["last_engine_exit"] == info["last_engine_exit"]
         r = httpx.post(rt.url + "/generate", timeout=60.0, json={"text": "after", "sampling_params": {"max_new_tokens": 4}})
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 4

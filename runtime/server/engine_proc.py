@@ -216,7 +216,7 @@ def main(spec_json: str) -> int:
     code = 0
     try:
         loop.run()
-    except Exception:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
         # a bug in a step may have left the engine inconsistent: fail what is in flight, exit
         msg = traceback.format_exc()
         logger.error("engine loop crashed:\n%s", msg)
@@ -225,6 +225,7 @@ def main(spec_json: str) -> int:
             for rid in engine.live_rids()
         ]
         push.send(P.encode(P.EngineOutputs(errors=errors)))
+        push.send(P.encode(P.EngineFatal(f"{type(e).__name__}: {e}")))
         code = 1
     engine.shutdown()
     pull.close(linger=0)

@@ -14,6 +14,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -82,6 +83,12 @@ class Replica:
     restarting: bool = False
     exit_code: int | None = None
     last_error: str = ""
+    # why its engine process last exited: what the process said before it went (a crashed
+    # step, a dead tensor-parallel rank) or the signal that killed it; kept after a restart
+    # until the next exit. ``fatal``: said by the live process, not yet exited
+    exit_reason: str = ""
+    fatal: str = ""
+    last_code: int | None = None  # that exit's code (exit_code goes back to None once a restart is ready)
     deaths: list[float] = field(default_factory=list)
     stats: P.EngineStats = field(default_factory=P.EngineStats)
     load_tokens: int = 0
@@ -89,6 +96,12 @@ class Replica:
     # the counters of this replica's earlier (dead) engine processes: /metrics counters
     # carry on from them instead of going back to 0 after a restart
     carried: dict[str, float] = field(default_factory=dict)
+
+    def last_exit(self) -> str:
+        """How its last engine process ended ("" while none has): exit code and reason."""
+        if self.last_code is None and not self.exit_reason:
+            return ""
+        return f"exit code {self.last_code}" + (f": {self.exit_reason}" if self.exit_reason else "")
 
     def reported_stats(self) -> P.EngineStats:
         """``stats`` with the counters of earlier processes added (for /metrics)."""
@@ -214,13 +227,17 @@ class Front:
         r = next((r for r in self.replicas if r.state() == state), self.replicas[0])
         which = "the engine process" if len(self.replicas) == 1 else f"every engine replica is down; replica {r.rank}"
         if state == "restarting":
-            raise RequestError(f"{which} exited (code {r.exit_code}) and is restarting; retry shortly",
+            raise RequestError(f"{which} exited (code {r.exit_code}{self._reason(r)}) and is restarting; retry shortly",
                                None, 503, "server_error")
         raise RequestError(
-            f"{which} is not running (exit code {r.exit_code}); the server cannot serve requests"
+            f"{which} is not running (exit code {r.exit_code}{self._reason(r)}); the server cannot serve requests"
             + (f" ({r.last_error})" if r.last_error else ""),
             None, 503, "server_error",
         )
+
+    @staticmethod
+    def _reason(r: Replica) -> str:
+        return f": {r.exit_reason}" if r.exit_reason else ""
 
     def pick_replica(self) -> Replica:
         """The dispatch policy: the live replica with the fewest tokens in flight
@@ -374,7 +391,8 @@ class Front:
             # the pid from the front's own handle: a replica that did not answer (just
             # restarted, or busy past the ask's deadline) still says which process it is
             entry.update(dp_rank=r.rank, engine_pid=r.proc.pid, engine_state=self._poll(r),
-                         last_engine_error=r.last_error, load_tokens=r.load_tokens, load_requests=r.load_requests)
+                         last_engine_error=r.last_error, last_engine_exit=r.last_exit(),
+                         load_tokens=r.load_tokens, load_requests=r.load_requests)
             replicas.append(entry)
         info: dict[str, Any] = {}
         if by_rank:  # else every engine died while asked
@@ -401,6 +419,8 @@ class Front:
             healthy=state == "ok",
             engine_state=state,
             last_engine_error="; ".join(r.last_error for r in self.replicas if r.last_error),
+            last_engine_exit="; ".join((f"replica {r.rank}: " if len(self.replicas) > 1 else "") + r.last_exit()
+                                       for r in self.replicas if r.last_exit()),
             dp_size=len(self.replicas),
             tp_size=self.args.engine.tp_size,
             engine_pids=[r.proc.pid for r in self.replicas],
@@ -449,6 +469,12 @@ class Front:
                 await asyncio.sleep(0)
             elif isinstance(msg, P.EngineReady):
                 self._on_engine_ready(replica, msg)
+            elif isinstance(msg, P.EngineFatal):
+                if replica.alive:
+                    replica.fatal = msg.message
+                else:  # (its death was seen first)
+                    replica.exit_reason = msg.message
+                logger.error("replica %d: the engine exits: %s", replica.rank, msg.message)
             elif isinstance(msg, P.EngineStartupError):
                 replica.last_error = f"the restarted engine failed to start: {msg.message}"
                 logger.error("replica %d: %s", replica.rank, replica.last_error)
@@ -520,7 +546,7 @@ class Front:
             return
         if len(r.deaths) >= CRASH_LOOP_DEATHS:
             r.last_error = (f"the engine died {len(r.deaths)} times within {CRASH_LOOP_WINDOW_S:g} s "
-                            f"(last exit code {code}); not restarting it again"
+                            f"(last exit code {code}{self._reason(r)}); not restarting it again"
                             + (f"; {r.last_error}" if r.last_error else ""))
             logger.error("replica %d: %s", r.rank, r.last_error)
             return
@@ -544,7 +570,8 @@ class Front:
         if not r.alive:
             return
         r.alive = False
-        r.exit_code = code
+        r.exit_code = r.last_code = code
+        r.exit_reason, r.fatal = r.fatal or _exit_signal(code), ""
         r.carry_counters()
         r.stats = P.EngineStats()
         lost = {rid: st for rid, st in self.table.items() if st.replica == r.rank}
@@ -678,6 +705,16 @@ def _rid_of(payload: bytes) -> str:
         return rid if isinstance(rid, str) else ""
     except Exception:  # noqa: BLE001
         return ""
+
+
+def _exit_signal(code: int | None) -> str:
+    """A process's exit code as the signal that ended it ("" for a plain exit)."""
+    if code is None or code >= 0:
+        return ""
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 # -- process entry ---------------------------------------------------------------------------
