@@ -31,6 +31,11 @@ def check_sound(schema: dict, n: int = 60) -> str:
     return regex
 
 
+ZOD_UUID = (r"^([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[1-8][0-9a-fA-F]{3}-[89abAB][0-9a-fA-F]{3}-[0-9a-fA-F]{12}|"
+            r"00000000-0000-0000-0000-000000000000|ffffffff-ffff-ffff-ffff-ffffffffffff)$")
+ZOD_DATETIME = (r"^(?:(?:\d\d[2468][048]|\d\d[13579][26]|\d\d0[48]|[02468][048]00|[13579][26]00)-02-29|\d{4}-"
+                r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\d|30)|(?:02)-"
+                r"(?:0[1-9]|1\d|2[0-8])))T(?:(?:[01]\d|2[0-3]):[0-5]\d(?::[0-5]\d(?:\.\d+)?)?(?:Z))$")
 CASES = [
     # (schema, valid values the regex admits, invalid values it must refuse)
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "patternProperties": {"^a": {"minimum": 3}}},
@@ -192,6 +197,16 @@ CASES = [
     ({"type": "string", "format": "relative-json-pointer"}, ["0", "1/a", "2#"], ["-1", "/a"]),
     ({"type": "string", "format": "regex"}, ["abc"], ["a("]),
     ({"type": "string", "format": "byte"}, ["", "YWJj", "YQ=="], ["YQ", "a b"]),
+    # a pattern beside a format (zod v4's z.uuid() and z.iso.datetime() write both): the
+    # strings both admit (it was refused: "'pattern' and 'format' cannot be combined")
+    ({"type": "string", "format": "uuid", "pattern": ZOD_UUID},
+     ["123e4567-e89b-42d3-a456-426614174000", "00000000-0000-0000-0000-000000000000"],
+     ["123e4567-e89b-02d3-a456-426614174000", "123e4567e89b42d3a456426614174000", "x"]),
+    ({"type": "string", "format": "date-time", "pattern": ZOD_DATETIME},
+     ["2024-02-28T12:30:00Z", "2023-12-31T23:59:59.123Z"],
+     ["2024-01-31T12:30Z", "2024-01-31T12:30:00+01:00", "2024-13-01T00:00:00Z"]),
+    ({"type": "string", "format": "date", "pattern": "^2024-", "maxLength": 10},
+     ["2024-01-31"], ["2023-01-31", "2024-02-30"]),
     ({"type": "string", "format": "idn-hostname"}, ["example.com"], ["-a.com"]),
     ({"type": "string", "format": "date-time", "maxLength": 40}, ["2024-01-02T03:04:05Z"], ["2024-01-02"]),
     ({"type": "integer", "format": "int64"}, [1], ["1"]),  # not a format of any draft: an annotation
@@ -233,7 +248,7 @@ def test_unsatisfiable_branches_and_properties_are_left_out():
         ({"type": "string", "pattern": "^(?i)abc$"}, "pattern"),
         ({"type": "string", "pattern": "^a(?=b)"}, "pattern"),
         ({"type": "string", "pattern": "a^b"}, "pattern"),
-        ({"type": "string", "pattern": "^[a-z]+$", "format": "date"}, "format"),
+        ({"type": "string", "pattern": "^[a-z]+$", "format": "date"}, "no string satisfies both"),
         ({"type": "string", "maxLength": 3, "not": {"enum": ["abc"]}}, "'not'"),
         ({"type": "integer", "not": {"const": 0}}, "'not'"),
         ({"type": "string", "not": {"const": "a/b"}}, "'not'"),

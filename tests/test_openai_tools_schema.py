@@ -156,6 +156,30 @@ def _both(text: str, finish: dict) -> tuple[tuple, tuple]:
     return whole, (fr, content.strip(), [calls[k] for k in sorted(calls)])
 
 
+ZOD = {"type": "object", "properties": {  # zod v4 (z.uuid(), z.iso.datetime()) as the OpenAI Agents SDK sends it
+    "id": {"type": "string", "format": "uuid", "pattern": r"^([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[1-8][0-9a-fA-F]{3}-"
+           r"[89abAB][0-9a-fA-F]{3}-[0-9a-fA-F]{12}|00000000-0000-0000-0000-000000000000|"
+           r"ffffffff-ffff-ffff-ffff-ffffffffffff)$"},
+    "at": {"type": "string", "format": "date-time", "pattern": r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z$"}},
+    "required": ["id", "at"], "additionalProperties": False}
+
+
+def test_a_pattern_beside_a_format_is_enforced_in_forced_and_strict_calls(http):
+    # served in response_format (llguidance) but a 400 in tools ("'pattern' and 'format'
+    # cannot be combined"): the forcing regex now holds the strings both admit
+    import re
+
+    tools = [{"type": "function", "function": {"name": "book", "parameters": ZOD, "strict": True}}]
+    rx = get_tool_parser("hermes").constraint(tools, None, False).regex
+    call = '<tool_call>\n{"name": "book", "arguments": {"id":"%s","at":"%s"}}\n</tool_call>'
+    assert re.fullmatch(rx, call % ("123e4567-e89b-42d3-a456-426614174000", "2024-02-28T12:30:00Z"))
+    assert not re.fullmatch(rx, call % ("123e4567-e89b-02d3-a456-426614174000", "2024-02-28T12:30:00Z"))  # version 0
+    assert not re.fullmatch(rx, call % ("123e4567-e89b-42d3-a456-426614174000", "2024-02-30T12:30:00Z"))  # no such day
+    for choice in ("required", {"type": "function", "function": {"name": "book"}}, "auto"):
+        r = _chat(http, tools, choice)
+        assert r.status_code == 200, (choice, r.text)
+
+
 @pytest.mark.parametrize("stop", ["}", ", ", "\n</tool_call>"])
 def test_a_stop_string_inside_a_call_gives_the_call_so_far(stop):
     text = CALL[:CALL.index(stop, len('<tool_call>\n{"name": "add", "arguments": {'))]

@@ -1709,8 +1709,8 @@ class _Translator:
                                   f"{', '.join(sorted(FORMATS))} (other values are annotations)")
             fmt = None  # not a format of any draft (OpenAPI's "password", vendors'): an annotation
         lengths = (lo, hi) if "minLength" in s or "maxLength" in s else None
-        if "pattern" in s and fmt is not None:
-            raise SchemaError(f"json_schema keywords 'pattern' and 'format' at {path} cannot be combined")
+        if "pattern" in s and fmt is not None:  # (zod v4's z.uuid(), z.iso.datetime() write both)
+            return '"' + _pattern_and_format(s["pattern"], fmt, path, lengths) + '"'
         if "pattern" in s:
             return '"' + _json_safe_pattern(s["pattern"], path, lengths) + '"'
         if fmt is not None:
@@ -2521,6 +2521,115 @@ def _bounded_patterns(cls: Any) -> Any:
 
     return extend(cls, {"pattern": pattern, "patternProperties": pattern_properties,
                         "additionalProperties": additional_properties})
+
+
+MAX_INTERSECTION_CHARS = 20_000  # the regex of a pattern and a format together (state elimination may grow it)
+
+
+def _pattern_and_format(pattern: Any, fmt: str, path: str, lengths: tuple[int, int | None] | None) -> str:
+    """The strings both ``pattern`` and ``format`` (and ``lengths``) admit, as a regex
+    of a JSON string's content: the automata of the two intersected, written back as a
+    regex by state elimination. Every format's characters need no JSON escape, so the
+    written text is the value. Raises :class:`SchemaError` when no string satisfies
+    both, or the automaton or its regex grows past the limits."""
+    import interegular
+
+    from plait.runtime.constrained.fsm_limits import FsmTooLarge, fsm_deadline
+
+    both = f"json_schema keywords 'pattern' and 'format' {fmt!r} at {path}"
+    content = _json_safe_pattern(pattern, path)
+    # a match anywhere, as the schema asks (a full match alone, the stricter choice a
+    # pattern on its own takes, would leave "^2024-" and a date no string)
+    if not pattern.startswith("^"):
+        content = JSON_CHAR + "*" + content
+    if not (pattern.endswith("$") and not pattern.endswith("\\$")):
+        content += JSON_CHAR + "*"
+    try:
+        with fsm_deadline():
+            fsm = interegular.parse_pattern(content).to_fsm() & interegular.parse_pattern(FORMATS[fmt]).to_fsm()
+            if lengths is not None:
+                lo, hi = lengths
+                fsm = fsm & interegular.parse_pattern(f"[^\\x00]{{{lo},{'' if hi is None else hi}}}").to_fsm()
+            fsm = fsm.reduce()
+    except FsmTooLarge as e:
+        raise SchemaError(f"{both}: their automata are too complex to combine ({e})") from None
+    if fsm.empty():
+        raise SchemaError(f"{both}: no string satisfies both")
+    return _fsm_regex(fsm, both)
+
+
+def _fsm_regex(fsm: Any, what: str) -> str:
+    """The regex of an interegular automaton (state elimination, the state with the
+    fewest paths through it first); ``what`` names it in the errors."""
+    from interegular.fsm import anything_else
+
+    classes: dict[Any, list[str]] = {}
+    for sym, chars in fsm.alphabet.by_transition.items():
+        if anything_else in chars:  # (a format's alphabet is listed: "any other character" never is needed)
+            continue
+        classes[sym] = sorted(chars)
+    live = {q for q in fsm.states if fsm.islive(q)}
+    start, end = "start", "end"
+    edges: dict[tuple[Any, Any], list[str]] = {}
+    for q in live:
+        by_target: dict[Any, list[str]] = {}
+        for sym, nxt in fsm.map.get(q, {}).items():
+            if nxt in live and sym in classes:
+                by_target.setdefault(nxt, []).extend(classes[sym])
+        for nxt, chars in by_target.items():
+            edges[(q, nxt)] = [_char_class(chars)]
+        if q in fsm.finals:
+            edges.setdefault((q, end), []).append("")
+    if fsm.initial not in live:
+        raise SchemaError(f"{what}: no string satisfies both")
+    edges[(start, fsm.initial)] = [""]
+    todo = set(live)
+    while todo:
+        state = min(todo, key=lambda q: (sum(1 for a, b in edges if b == q and a != q)
+                                          * sum(1 for a, b in edges if a == q and b != q), str(q)))
+        todo.discard(state)
+        loop = edges.pop((state, state), [])
+        self_r = f"(?:{_alternation(loop)})*" if loop else ""
+        ins = [(a, edges.pop((a, state))) for a in [a for (a, b) in list(edges) if b == state]]
+        outs = [(b, edges.pop((state, b))) for b in [b for (a, b) in list(edges) if a == state]]
+        for a, ra in ins:
+            for b, rb in outs:
+                edges.setdefault((a, b), []).append(_group(_alternation(ra)) + self_r + _group(_alternation(rb)))
+        if sum(len(r) for rs in edges.values() for r in rs) > MAX_INTERSECTION_CHARS:
+            raise SchemaError(f"{what}: together they make a regex past {MAX_INTERSECTION_CHARS} characters; "
+                              "supported: a pattern and a format that combine into a smaller one")
+    return _group(_alternation(edges.get((start, end), [])))
+
+
+def _char_class(chars: list[str]) -> str:
+    """A class of ``chars``, runs of consecutive ones as ranges (``[0-9a-f]``)."""
+    chars = sorted(set(chars))
+    if len(chars) == 1:
+        return re.escape(chars[0])
+    runs: list[list[str]] = []
+    for c in chars:
+        if runs and ord(c) == ord(runs[-1][-1]) + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+
+    def lit(c: str) -> str:
+        return "\\" + c if c in "]\\^-[" else c
+
+    return "[" + "".join(lit(r[0]) + ("-" + lit(r[-1]) if len(r) > 2 else lit(r[-1]) if len(r) == 2 else "")
+                         for r in runs) + "]"
+
+
+def _alternation(parts: list[str]) -> str:
+    rest = sorted(set(parts) - {""})
+    body = rest[0] if len(rest) == 1 else "|".join(rest)
+    if "" in parts and rest:
+        return f"(?:{body})?"
+    return body
+
+
+def _group(r: str) -> str:
+    return f"(?:{r})" if "|" in r else r
 
 
 def _check_keys_exclusive(key: str, others: list[str], path: str) -> None:
