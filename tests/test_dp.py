@@ -68,6 +68,35 @@ def test_two_replicas_serve_what_one_serves(servers):
     assert all(r["pool"]["evictable"] == 0 for r in httpx.get(two.url + "/server_info", timeout=30).json()["replicas"])
 
 
+def test_a_flush_or_update_a_busy_replica_refuses_changes_no_replica(servers, tiny_model_factory):
+    # each replica refused only for its own requests: a whole flush (or a weight update)
+    # while replica 0 was busy flushed replica 1 and answered 400 naming replica 0
+    two, _ = servers
+    _idle(two.url)
+    warm = httpx.post(two.url + "/generate", timeout=120,
+                      json={"text": [p * 6 for p in PROMPTS[:4]], "sampling_params": GREEDY, "cache_salt": "t"})
+    assert warm.status_code == 200
+    cached = [r["pool"]["evictable"] for r in _idle(two.url)["replicas"]]
+    assert all(c > 0 for c in cached), cached
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        a = pool.submit(httpx.post, two.url + "/generate", timeout=120,
+                        json={"text": "busy one", "sampling_params": LONG, "rid": "busy-a", "cache_salt": "u"})
+        info = _wait(lambda i: sum(r["running"] for r in i["replicas"]) == 1, two.url)
+        busy = next(r["dp_rank"] for r in info["replicas"] if r["running"] == 1)
+        for path, body in (("/flush_cache", None), ("/flush_cache?cache_salt=u", None),
+                           ("/update_weights_from_disk", {"model_path": str(tiny_model_factory("llama"))})):
+            r = httpx.post(two.url + path, json=body, timeout=30)
+            assert r.status_code == 400 and f"replica {busy}:" in r.text and "no replica was" in r.text, (path, r.text)
+        assert [r["pool"]["evictable"] for r in httpx.get(two.url + "/server_info", timeout=30).json()["replicas"]
+                if r["dp_rank"] != busy] == [c for i, c in enumerate(cached) if i != busy]
+        # another tenant's flush does not touch the busy request's: it goes through
+        assert httpx.post(two.url + "/flush_cache?cache_salt=t", timeout=30).json()["success"] is True
+        httpx.post(two.url + "/abort_request", json={"rid": "busy-a"}, timeout=10)
+        assert a.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
+    _idle(two.url)
+    assert httpx.post(two.url + "/flush_cache", timeout=30).json()["success"] is True
+
+
 def test_a_dead_replica_fails_its_requests_and_restarts_while_the_other_serves(servers):
     two, _ = servers
     with concurrent.futures.ThreadPoolExecutor(2) as pool:

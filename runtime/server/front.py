@@ -66,6 +66,7 @@ class ReqState:
     created: float = field(default_factory=time.monotonic)
     done: set[int] = field(default_factory=set)
     last_token: dict[int, float] = field(default_factory=dict)
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -295,7 +296,7 @@ class Front:
         replica = self.pick_replica()
         cost = len(ids) + inp.params.max_new_tokens
         st = ReqState(req.rid, inp.params.n, req.stream, sink, owner, len(ids), req.return_text_in_logprobs,
-                      replica.rank, cost)
+                      replica.rank, cost, cache_salt=req.cache_salt)
         self.table[req.rid] = st
         replica.load_tokens += cost * st.n
         replica.load_requests += 1
@@ -334,10 +335,35 @@ class Front:
         if isinstance(msg, P.UnpinRequest):
             return await self._unpin(msg, client_rid)
         live = [r for r in self.replicas if r.alive]
+        if len(live) > 1 and isinstance(msg, (P.FlushCacheRequest, P.UpdateWeightsRequest)):
+            refusal = self._refused_before(msg, client_rid)
+            if refusal is not None:
+                return refusal
         replies = await asyncio.gather(*(self._ask(r, msg, client_rid) for r in live))
         if isinstance(msg, P.ServerInfoRequest):
             return replies[0]
         return _all_ok(replies, [r.rank for r in live])
+
+    def _refused_before(self, msg: P.FlushCacheRequest | P.UpdateWeightsRequest,
+                        client_rid: str) -> P.FlushCacheResult | P.UpdateWeightsResult | None:
+        """With several replicas, the refusal a flush or weight update gets while a
+        request it would disturb is in flight on any of them, before any replica is
+        asked: each replica refuses only for its own requests, so an idle one applied it
+        while a busy one refused (the answer said so, but the cache or the weights
+        differed between replicas). The engines still check (a request the front does
+        not track, a pin's prefill, is theirs to see)."""
+        if isinstance(msg, P.FlushCacheRequest) and msg.cache_salt is not None:
+            busy = sorted({st.replica for st in self.table.values() if st.cache_salt == msg.cache_salt})
+        else:
+            busy = sorted({st.replica for st in self.table.values()})
+        if not busy:
+            return None
+        which = "replica " + ", ".join(str(rank) for rank in busy)
+        if isinstance(msg, P.UpdateWeightsRequest):
+            return P.UpdateWeightsResult(client_rid, False, f"{which}: requests are running; update when idle "
+                                                            "(no replica was updated)")
+        return P.FlushCacheResult(client_rid, False, f"{which}: requests using it are running; flush when idle "
+                                                     "(no replica was flushed)")
 
     async def _ask(self, replica: Replica, msg: Any, client_rid: str) -> Any:
         """One control message to one replica, and its answer (``rid``: ``client_rid``)."""
