@@ -284,3 +284,40 @@ def test_serve_help_explains_every_option():
         assert f.name in ENGINE_HELP, f"no help text for engine option {f.name}"
     for flag in ("--model", "--host", "--port", "--api-key", "--served-model-name", "--zmq-address", "--log-level"):
         assert flag in out
+
+
+def test_a_message_to_an_engine_that_exited_is_refused_not_lost(tmp_path):
+    # the front's asyncio PUSH socket answers a send nobody can take with a future holding
+    # zmq.Again: unawaited, the message was lost silently and asyncio logged "Future
+    # exception was never retrieved" (seen in crash loops)
+    import asyncio
+    import gc
+
+    import zmq
+    import zmq.asyncio
+
+    from plait.runtime.server.front import _push
+
+    unretrieved = []
+
+    async def main() -> tuple[bool, bool]:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unretrieved.append(ctx))
+        ctx = zmq.asyncio.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.bind(f"ipc://{tmp_path}/engine-in.sock")
+        alone = _push(push, b"lost")  # no engine connected
+        pull = ctx.socket(zmq.PULL)
+        pull.connect(f"ipc://{tmp_path}/engine-in.sock")
+        await asyncio.sleep(0.2)
+        taken = _push(push, b"taken")
+        got = await asyncio.wait_for(pull.recv(), 5)
+        push.close(0)
+        pull.close(0)
+        ctx.term()
+        gc.collect()
+        await asyncio.sleep(0)
+        return alone, taken and got == b"taken"
+
+    assert asyncio.run(main()) == (False, True)
+    assert not unretrieved, unretrieved

@@ -204,7 +204,11 @@ def main(spec_json: str) -> int:
         engine = Engine(spec["model"], config=build_trusted(EngineConfig, spec["engine"]), dp_rank=spec["dp_rank"],
                         dp_size=spec.get("dp_size", 1))
     except Exception as e:  # noqa: BLE001  (any load failure is reported to the front)
-        logger.error("engine failed to start:\n%s", traceback.format_exc())
+        if isinstance(e, ValueError):  # a refusal that names its option: its message is the news
+            logger.error("engine failed to start: %s", e)
+            logger.debug("engine start-up refusal:\n%s", traceback.format_exc())
+        else:
+            logger.error("engine failed to start:\n%s", traceback.format_exc())
         push.send(P.encode(P.EngineStartupError(f"{type(e).__name__}: {e}")))
         pull.close(linger=0)  # (left open, ctx.term() blocked until the front killed the process 5 s later)
         push.close(linger=5000)

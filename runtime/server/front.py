@@ -294,14 +294,19 @@ class Front:
         except (OverflowError, TypeError, UnicodeEncodeError, msgspec.EncodeError) as e:  # (a lone surrogate)
             raise RequestError(f"the request holds a value that cannot be sent to the engine: {e}", "sampling_params") from None
         replica = self.pick_replica()
+        if not _push(replica.push, data):
+            raise RequestError(f"{self._which(replica)} is not reading its requests (its process has exited); "
+                               "retry shortly", None, 503, "server_error")
         cost = len(ids) + inp.params.max_new_tokens
         st = ReqState(req.rid, inp.params.n, req.stream, sink, owner, len(ids), req.return_text_in_logprobs,
                       replica.rank, cost, cache_salt=req.cache_salt)
         self.table[req.rid] = st
         replica.load_tokens += cost * st.n
         replica.load_requests += 1
-        replica.push.send(data, zmq.NOBLOCK)
         return st
+
+    def _which(self, r: Replica) -> str:
+        return "the engine process" if len(self.replicas) == 1 else f"engine replica {r.rank}"
 
     def _settle(self, st: ReqState, sequences: int, ended: bool) -> None:
         """``sequences`` of ``st`` ended: their tokens leave the replica's load; when the
@@ -316,8 +321,7 @@ class Front:
         st = self.table.get(rid)
         if st is None or not self.replicas[st.replica].alive:
             return False
-        self.replicas[st.replica].push.send(P.encode(P.AbortRequest(rid, reason=reason)), zmq.NOBLOCK)
-        return True
+        return _push(self.replicas[st.replica].push, P.encode(P.AbortRequest(rid, reason=reason)))
 
     def abort_all(self, owner: bytes | None = None, everyone: bool = False, reason: str = "") -> list[str]:
         rids = [rid for rid, st in self.table.items() if everyone or st.owner == owner]
@@ -369,9 +373,11 @@ class Front:
         """One control message to one replica, and its answer (``rid``: ``client_rid``)."""
         cid = f"ctl-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         msg = msgspec.structs.replace(msg, rid=cid, api_key=None)
+        if not _push(replica.push, P.encode(msg)):
+            return P.ErrorResponse(client_rid, f"{self._which(replica)} is not reading its requests (its process "
+                                               "has exited); retry shortly", 503, "server_error")
         fut = asyncio.get_running_loop().create_future()
         self.pending[cid] = (fut, client_rid, replica.rank)
-        replica.push.send(P.encode(msg), zmq.NOBLOCK)
         try:
             return await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
         finally:
@@ -731,6 +737,22 @@ def _rid_of(payload: bytes) -> str:
         return rid if isinstance(rid, str) else ""
     except Exception:  # noqa: BLE001
         return ""
+
+
+def _push(sock: Any, data: bytes) -> bool:
+    """Send ``data`` to an engine without waiting; False when it cannot take it (no
+    process connected: it exited). An asyncio socket answers with a future holding
+    ``zmq.Again``, which nobody awaited (asyncio logged "Future exception was never
+    retrieved" in crash loops, and the message was lost without a word)."""
+    try:
+        fut = sock.send(data, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    if isinstance(fut, asyncio.Future):
+        if fut.done():
+            return fut.cancelled() or fut.exception() is None
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return True
 
 
 def _exit_signal(code: int | None) -> str:
