@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 MAX_PATTERN_CHARS = 100_000
 # Rust's parser refuses an AST nested deeper than 250 (groups, alternations,
@@ -57,6 +58,19 @@ _CATEGORIES = set("CLMNPSZ")  # one-letter general categories (\pL)
 _ANCHOR = ("'^' only at the pattern's start and '$' only at its end (or at those of a top-level alternative): "
            "the whole output always matches the pattern")
 _NO_LOOK = "regular expressions without look-around, backreferences or conditionals"
+
+
+class RegexError(ValueError, re.error):
+    """A pattern that is not a valid regular expression: a ``ValueError`` as plait's
+    other refusals, and a ``re.error`` as SGLang's ``gen()`` raises (it compiles the
+    pattern with ``re``), so either ``except`` catches it. ``pos``: where it fails."""
+
+    def __init__(self, message: str, pattern: str | None = None, pos: int | None = None) -> None:
+        re.error.__init__(self, message)  # (without pos: the message names the position already)
+        self.pattern, self.pos = pattern, pos
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (a worker process's error comes back whole)
+        return (RegexError, (self.msg, self.pattern, self.pos))
 
 
 class _Invalid(Exception):
@@ -86,8 +100,9 @@ def check_regex(pattern: object, name: str = "regex") -> str:
         parser.parse()
     except _Invalid as e:
         if e.feature is None:
-            raise ValueError(
-                f"{name}={_short(pattern)} is not a valid regular expression at position {e.pos}: {e.message}"
+            raise RegexError(
+                f"{name}={_short(pattern)} is not a valid regular expression at position {e.pos}: {e.message}",
+                pattern, e.pos,
             ) from None
         raise ValueError(
             f"{name}={_short(pattern)} uses {e.feature} at position {e.pos}, which constrained decoding does "

@@ -390,3 +390,30 @@ def test_agent_example_runs_on_a_tiny_model(engine):
     assert isinstance(state.ret_value, str) and state.ret_value == state["answer"]
     steps = [m for m in state.messages() if m["role"] == "assistant"]
     assert 2 <= len(steps) <= 3
+
+
+def test_sglang_lang_module_paths_and_regex_errors():
+    # a program whose "sglang" became "plait" imports from plait.lang.* (SGLang's tutorial:
+    # "from sglang.lang.api import set_default_backend"; its tests: "from sglang.lang.ir
+    # import REGEX_INT"): ModuleNotFoundError before
+    import importlib
+    import re
+
+    import plait.backend
+    import plait.runtime_endpoint
+
+    for path, own in (("plait.lang.api", sgl.api), ("plait.lang.ir", sgl.ir), ("plait.lang.interpreter", sgl.interpreter),
+                      ("plait.lang.chat_template", sgl.chat_template), ("plait.lang.choices", sgl.choices),
+                      ("plait.lang.tracer", sgl.tracer), ("plait.lang.backend.runtime_endpoint", plait.runtime_endpoint),
+                      ("plait.lang.backend.base_backend", plait.backend)):
+        assert importlib.import_module(path) is own, path
+    from plait.lang.api import set_default_backend
+    from plait.lang.backend.runtime_endpoint import RuntimeEndpoint
+    from plait.lang.ir import REGEX_INT
+
+    assert set_default_backend is sgl.set_default_backend and RuntimeEndpoint is sgl.RuntimeEndpoint
+    assert REGEX_INT == sgl.ir.REGEX_INT
+    # SGLang's gen() compiles a regex with re: a program catches re.error (a ValueError too here)
+    for caught in (re.error, ValueError):
+        with pytest.raises(caught, match="not a valid regular expression at position 0"):
+            sgl.gen("x", regex="[a-")
