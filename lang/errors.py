@@ -33,6 +33,9 @@ class RequestError(PlaitError, ValueError):
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  error_type: str = "invalid_request_error", code: str | None = None) -> None:
+        # the field named as the client sent it may hold a lone surrogate (an unknown key
+        # "\ud800"): written as its escape, the error can be sent (UTF-8 refused it: a 500)
+        message, param = _sendable(message), _sendable(param) if isinstance(param, str) else param
         super().__init__(message)
         self.message = message
         self.param = param
@@ -54,6 +57,15 @@ class RequestError(PlaitError, ValueError):
 
     def __reduce__(self) -> tuple:
         return (RequestError, (self.message, self.param, self.status, self.error_type, self.code))
+
+
+def _sendable(text: str) -> str:
+    """``text`` with each lone surrogate (which UTF-8 cannot encode) as its ``\\udXXX`` escape."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def is_int(v: object) -> bool:

@@ -213,3 +213,17 @@ def test_values_openai_refuses_are_refused_by_name(http, body, param):
     ok = {"service_tier": "auto"} if "service_tier" in body else {"tools": [{"type": "function", "function": {
         "name": "f", "strict": True, "parameters": {"type": "object"}}}]}
     assert http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, **ok}).status_code == 200
+
+
+@pytest.mark.parametrize("path,raw", [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "\\ud800": 1}'),
+    ("/v1/completions", '{"prompt": "a", "max_tokens": 2, "\\ud800": 1}'),
+    ("/v1/responses", '{"input": "x", "max_output_tokens": 2, "\\ud800": 1}'),
+    ("/generate", '{"text": "x", "\\ud800": 1}'),
+    ("/flush_cache", '{"\\ud800": 1}'),
+])
+def test_an_unknown_field_named_with_a_lone_surrogate_is_a_400(http, path, raw):
+    # the error named the field as sent, which UTF-8 cannot encode: a 500 from the error path
+    r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    assert r.json()["error"]["param"] == "\\ud800" and "\\ud800" in r.json()["error"]["message"], r.text
