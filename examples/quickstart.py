@@ -73,12 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     backend = sgl.EngineBackend(args.model, **config) if args.in_process else sgl.Runtime(args.model, **config)
     sgl.set_default_backend(backend)
     try:
+        print("The program as plait traces it (run_batch pins the prefix every review shares, once):\n")
         print(label_review.trace(review="...").pretty(), end="\n\n")
         batch = [{"review": r} for r in REVIEWS]
         states = label_review.run_batch(batch, temperature=0)
         if regex_unsupported(states):
             print("note: this runtime has no constrained decoding yet; using stop strings for the regex fields\n")
             states = label_review.run_batch([{**b, "constrained": False} for b in batch], temperature=0)
+        print("Labels (a 135M model: the JSON shape is enforced, the judgement is the small model's):\n")
         for review, state in zip(REVIEWS, states):
             if state.error() is not None:
                 print(f"{review}\n  error: {state.error()}")
