@@ -2558,47 +2558,65 @@ def _pattern_and_format(pattern: Any, fmt: str, path: str, lengths: tuple[int, i
     return _fsm_regex(fsm, both)
 
 
+MAX_INTERSECTION_STATES = 2_000  # the automaton of a pattern and a format together, before elimination
+
+
 def _fsm_regex(fsm: Any, what: str) -> str:
     """The regex of an interegular automaton (state elimination, the state with the
     fewest paths through it first); ``what`` names it in the errors."""
     from interegular.fsm import anything_else
 
+    if len(fsm.states) > MAX_INTERSECTION_STATES:
+        raise SchemaError(f"{what}: together they make an automaton of {len(fsm.states)} states; supported: at most "
+                          f"{MAX_INTERSECTION_STATES}")
     classes: dict[Any, list[str]] = {}
     for sym, chars in fsm.alphabet.by_transition.items():
         if anything_else in chars:  # (a format's alphabet is listed: "any other character" never is needed)
             continue
         classes[sym] = sorted(chars)
     live = {q for q in fsm.states if fsm.islive(q)}
+    if fsm.initial not in live:
+        raise SchemaError(f"{what}: no string satisfies both")
     start, end = "start", "end"
-    edges: dict[tuple[Any, Any], list[str]] = {}
+    outs: dict[Any, dict[Any, list[str]]] = {q: {} for q in (*live, start, end)}
+    ins: dict[Any, set[Any]] = {q: set() for q in (*live, start, end)}
+
+    def add(a: Any, b: Any, r: str) -> None:
+        outs[a].setdefault(b, []).append(r)
+        ins[b].add(a)
+
     for q in live:
         by_target: dict[Any, list[str]] = {}
         for sym, nxt in fsm.map.get(q, {}).items():
             if nxt in live and sym in classes:
                 by_target.setdefault(nxt, []).extend(classes[sym])
         for nxt, chars in by_target.items():
-            edges[(q, nxt)] = [_char_class(chars)]
+            add(q, nxt, _char_class(chars))
         if q in fsm.finals:
-            edges.setdefault((q, end), []).append("")
-    if fsm.initial not in live:
-        raise SchemaError(f"{what}: no string satisfies both")
-    edges[(start, fsm.initial)] = [""]
+            add(q, end, "")
+    add(start, fsm.initial, "")
+    total = sum(len(r) for e in outs.values() for rs in e.values() for r in rs)
     todo = set(live)
     while todo:
-        state = min(todo, key=lambda q: (sum(1 for a, b in edges if b == q and a != q)
-                                          * sum(1 for a, b in edges if a == q and b != q), str(q)))
+        state = min(todo, key=lambda q: (len(ins[q] - {q}) * len(set(outs[q]) - {q}), str(q)))
         todo.discard(state)
-        loop = edges.pop((state, state), [])
+        loop = outs[state].pop(state, [])
+        ins[state].discard(state)
         self_r = f"(?:{_alternation(loop)})*" if loop else ""
-        ins = [(a, edges.pop((a, state))) for a in [a for (a, b) in list(edges) if b == state]]
-        outs = [(b, edges.pop((state, b))) for b in [b for (a, b) in list(edges) if a == state]]
-        for a, ra in ins:
-            for b, rb in outs:
-                edges.setdefault((a, b), []).append(_group(_alternation(ra)) + self_r + _group(_alternation(rb)))
-        if sum(len(r) for rs in edges.values() for r in rs) > MAX_INTERSECTION_CHARS:
+        into = [(a, outs[a].pop(state)) for a in ins.pop(state)]
+        out = list(outs.pop(state).items())
+        for b, _ in out:
+            ins[b].discard(state)
+        total -= sum(len(r) for rs in [loop] + [rs for _, rs in into] + [rs for _, rs in out] for r in rs)
+        for a, ra in into:
+            for b, rb in out:
+                r = _group(_alternation(ra)) + self_r + _group(_alternation(rb))
+                add(a, b, r)
+                total += len(r)
+        if total > MAX_INTERSECTION_CHARS:
             raise SchemaError(f"{what}: together they make a regex past {MAX_INTERSECTION_CHARS} characters; "
                               "supported: a pattern and a format that combine into a smaller one")
-    return _group(_alternation(edges.get((start, end), [])))
+    return _group(_alternation(outs[start].get(end, [])))
 
 
 def _char_class(chars: list[str]) -> str:
