@@ -249,6 +249,7 @@ def test_unsatisfiable_branches_and_properties_are_left_out():
         ({"type": "string", "pattern": "^a(?=b)"}, "pattern"),
         ({"type": "string", "pattern": "a^b"}, "pattern"),
         ({"type": "string", "pattern": "^[a-z]+$", "format": "date"}, "no string satisfies both"),
+        ({"type": "string", "pattern": "^https://[a-z.]+/x$", "format": "uri"}, "past 20000 characters"),
         ({"type": "string", "maxLength": 3, "not": {"enum": ["abc"]}}, "'not'"),
         ({"type": "integer", "not": {"const": 0}}, "'not'"),
         ({"type": "string", "not": {"const": "a/b"}}, "'not'"),
