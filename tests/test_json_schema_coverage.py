@@ -207,6 +207,8 @@ CASES = [
      ["2024-01-31T12:30Z", "2024-01-31T12:30:00+01:00", "2024-13-01T00:00:00Z"]),
     ({"type": "string", "format": "date", "pattern": "^2024-", "maxLength": 10},
      ["2024-01-31"], ["2023-01-31", "2024-02-30"]),
+    ({"type": "string", "format": "date-time", "pattern": ZOD_DATETIME, "maxLength": 20},
+     ["2024-02-28T12:30:00Z"], ["2024-02-28T12:30:00.5Z"]),
     ({"type": "string", "format": "idn-hostname"}, ["example.com"], ["-a.com"]),
     ({"type": "string", "format": "date-time", "maxLength": 40}, ["2024-01-02T03:04:05Z"], ["2024-01-02"]),
     ({"type": "integer", "format": "int64"}, [1], ["1"]),  # not a format of any draft: an annotation

@@ -2549,7 +2549,9 @@ def _pattern_and_format(pattern: Any, fmt: str, path: str, lengths: tuple[int, i
             fsm = interegular.parse_pattern(content).to_fsm() & interegular.parse_pattern(FORMATS[fmt]).to_fsm()
             if lengths is not None:
                 lo, hi = lengths
-                fsm = fsm & interegular.parse_pattern(f"[^\\x00]{{{lo},{'' if hi is None else hi}}}").to_fsm()
+                wmin, wmax = _pattern_tree(FORMATS[fmt], path).getwidth()
+                if lo > wmin or (hi is not None and hi < wmax):  # (else every value of the format fits)
+                    fsm = fsm & interegular.parse_pattern(f"[^\\x00]{{{lo},{'' if hi is None else hi}}}").to_fsm()
             fsm = fsm.reduce()
     except FsmTooLarge as e:
         raise SchemaError(f"{both}: their automata are too complex to combine ({e})") from None
