@@ -252,6 +252,11 @@ def test_a_killed_rank_behind_a_server_fails_its_request_and_leaves_no_process(t
             assert r.status_code >= 500 and "tensor-parallel rank 1" in r.json()["error"]["message"]
         # the engine process exits with its rank (a server with restart_engine starts another)
         assert wait_dead(engine)
+        # (/proc calls a process dead once its main thread is a zombie, which can be before
+        # the parent can reap it: /health was once still 200 right then; it must turn 503)
+        deadline = time.monotonic() + 10.0
+        while httpx.get(rt.url + "/health", timeout=30.0).status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert httpx.get(rt.url + "/health", timeout=30.0).status_code == 503
     assert not pid_alive(worker) and not pid_alive(rt.pid)
 
