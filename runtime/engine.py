@@ -285,13 +285,13 @@ class Engine:
         # on CPU the processes sharing this machine's memory: its tensor-parallel ranks (each
         # holds its share of the heads for every token) and the server's data-parallel
         # replicas (each took the whole budget: --dp-size 2 could claim ~1.8x the RAM)
-        sharing = max(cfg.tp_size // cfg.nnodes, 1) * self.dp_size if self.device.type == "cpu" else 1
+        replicas = self.dp_size if self.device.type == "cpu" else 1
+        sharing = max(cfg.tp_size // cfg.nnodes, 1) * replicas if self.device.type == "cpu" else 1
         if cfg.kv_cache_tokens is not None:
             tokens = max(cfg.kv_cache_tokens, cfg.page_size)
             free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else _available_system_memory()
-            free_share = free // (self.dp_size if self.device.type == "cpu" else 1)
-            if tokens * per_token > free_share:  # (numpy's "maximum dimension" or a MemoryError traceback otherwise)
-                each = f" (for each of the {self.dp_size} replicas)" if free_share < free else ""
+            if tokens * per_token > free // replicas:  # (numpy's "maximum dimension" or a MemoryError traceback otherwise)
+                each = f" (for each of the {replicas} replicas)" if replicas > 1 else ""
                 raise ValueError(
                     f"kv_cache_tokens={cfg.kv_cache_tokens} needs {tokens * per_token / 2**30:.2f} GiB for the KV pool "
                     f"({per_token} bytes a token){each}; {free / 2**30:.2f} GiB are free after loading the weights; "

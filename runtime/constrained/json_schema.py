@@ -2555,9 +2555,7 @@ def _pattern_and_format(pattern: Any, fmt: str, path: str, lengths: tuple[int, i
             fsm = fsm.reduce()
     except FsmTooLarge as e:
         raise SchemaError(f"{both}: their automata are too complex to combine ({e})") from None
-    if fsm.empty():
-        raise SchemaError(f"{both}: no string satisfies both")
-    return _fsm_regex(fsm, both)
+    return _fsm_regex(fsm, both)  # (refused there when no string satisfies both)
 
 
 MAX_INTERSECTION_STATES = 2_000  # the automaton of a pattern and a format together, before elimination
@@ -2576,7 +2574,18 @@ def _fsm_regex(fsm: Any, what: str) -> str:
         if anything_else in chars:  # (a format's alphabet is listed: "any other character" never is needed)
             continue
         classes[sym] = sorted(chars)
-    live = {q for q in fsm.states if fsm.islive(q)}
+    # the states a final one is reachable from: one backward search (islive per state
+    # searched forward from each again)
+    back: dict[Any, set[Any]] = {}
+    for q, row in fsm.map.items():
+        for nxt in row.values():
+            back.setdefault(nxt, set()).add(q)
+    live, todo = set(fsm.finals), list(fsm.finals)
+    while todo:
+        for p in back.get(todo.pop(), ()):
+            if p not in live:
+                live.add(p)
+                todo.append(p)
     if fsm.initial not in live:
         raise SchemaError(f"{what}: no string satisfies both")
     start, end = "start", "end"
