@@ -52,7 +52,9 @@ from plait.runtime.constrained.regexes import (
     JSON_STRING,
     NULL,
     NUMBER,
+    eliminate,
     escape,
+    union,
 )
 
 ANNOTATIONS = frozenset({
@@ -2589,45 +2591,23 @@ def _fsm_regex(fsm: Any, what: str) -> str:
     if fsm.initial not in live:
         raise SchemaError(f"{what}: no string satisfies both")
     start, end = "start", "end"
-    outs: dict[Any, dict[Any, list[str]]] = {q: {} for q in (*live, start, end)}
-    ins: dict[Any, set[Any]] = {q: set() for q in (*live, start, end)}
-
-    def add(a: Any, b: Any, r: str) -> None:
-        outs[a].setdefault(b, []).append(r)
-        ins[b].add(a)
-
+    edges: dict[tuple[Any, Any], list[str]] = {(start, fsm.initial): [""]}
     for q in live:
         by_target: dict[Any, list[str]] = {}
         for sym, nxt in fsm.map.get(q, {}).items():
             if nxt in live and sym in classes:
                 by_target.setdefault(nxt, []).extend(classes[sym])
         for nxt, chars in by_target.items():
-            add(q, nxt, _char_class(chars))
+            edges[(q, nxt)] = [_char_class(chars)]
         if q in fsm.finals:
-            add(q, end, "")
-    add(start, fsm.initial, "")
-    total = sum(len(r) for e in outs.values() for rs in e.values() for r in rs)
-    todo = set(live)
-    while todo:
-        state = min(todo, key=lambda q: (len(ins[q] - {q}) * len(set(outs[q]) - {q}), str(q)))
-        todo.discard(state)
-        loop = outs[state].pop(state, [])
-        ins[state].discard(state)
-        self_r = f"(?:{_alternation(loop)})*" if loop else ""
-        into = [(a, outs[a].pop(state)) for a in ins.pop(state)]
-        out = list(outs.pop(state).items())
-        for b, _ in out:
-            ins[b].discard(state)
-        total -= sum(len(r) for rs in [loop] + [rs for _, rs in into] + [rs for _, rs in out] for r in rs)
-        for a, ra in into:
-            for b, rb in out:
-                r = _group(_alternation(ra)) + self_r + _group(_alternation(rb))
-                add(a, b, r)
-                total += len(r)
-        if total > MAX_INTERSECTION_CHARS:
-            raise SchemaError(f"{what}: together they make a regex past {MAX_INTERSECTION_CHARS} characters; "
-                              "supported: a pattern and a format that combine into a smaller one")
-    return _group(_alternation(outs[start].get(end, [])))
+            edges[(q, end)] = [""]
+
+    def too_large() -> SchemaError:
+        return SchemaError(f"{what}: together they make a regex past {MAX_INTERSECTION_CHARS} characters; "
+                           "supported: a pattern and a format that combine into a smaller one")
+
+    left = eliminate(edges, list(live), max_chars=MAX_INTERSECTION_CHARS, too_large=too_large)
+    return union(left.get((start, end), [""]))
 
 
 def _char_class(chars: list[str]) -> str:
@@ -2647,18 +2627,6 @@ def _char_class(chars: list[str]) -> str:
 
     return "[" + "".join(lit(r[0]) + ("-" + lit(r[-1]) if len(r) > 2 else lit(r[-1]) if len(r) == 2 else "")
                          for r in runs) + "]"
-
-
-def _alternation(parts: list[str]) -> str:
-    rest = sorted(set(parts) - {""})
-    body = rest[0] if len(rest) == 1 else "|".join(rest)
-    if "" in parts and rest:
-        return f"(?:{body})?"
-    return body
-
-
-def _group(r: str) -> str:
-    return f"(?:{r})" if "|" in r else r
 
 
 def _check_keys_exclusive(key: str, others: list[str], path: str) -> None:

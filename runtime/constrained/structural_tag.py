@@ -20,6 +20,9 @@ import json
 import re
 from typing import Any
 
+from plait.runtime.constrained.regexes import eliminate
+from plait.runtime.constrained.regexes import union as _union
+
 MAX_TRIGGERS = 8
 MAX_TRIGGER_CHARS = 64  # each trigger's length
 MAX_STRUCTURES = 64
@@ -32,12 +35,6 @@ def _lit(s: str) -> str:
 
 def _char(c: str) -> str:
     return re.escape(c) if c not in "\n\t" else {"\n": r"\n", "\t": r"\t"}[c]
-
-
-def _union(parts: list[str]) -> str:
-    """The alternation of ``parts``, grouped (so concatenating unions needs no more groups)."""
-    parts = sorted(set(parts))
-    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
 
 
 def _star(r: str) -> str:
@@ -75,19 +72,13 @@ def free_text_regexes(triggers: list[str]) -> tuple[str, dict[str, str]]:
             nxt = next(s[j:] for j in range(len(s) + 1) if s[j:] in index)
             add(i, index[nxt], _char(c))
         add(i, index[""], other)
-    for k in range(n):  # eliminate the prefix states, the longest first
-        state = n - 1 - k
-        loop = edges.pop((state, state), [])
-        self_r = _star(_union(loop)) if loop else ""
-        ins = [(a, edges.pop((a, state))) for a in [a for (a, b) in list(edges) if b == state]]
-        outs = [(b, edges.pop((state, b))) for b in [b for (a, b) in list(edges) if a == state]]
-        for a, ra in ins:
-            for b, rb in outs:
-                add(a, b, _union(ra) + self_r + _union(rb))
-        total = sum(len(r) for rs in edges.values() for r in rs)
-        if total > MAX_FREE_REGEX_CHARS:
-            raise ValueError(f"the triggers' free-text regex grows past {MAX_FREE_REGEX_CHARS} characters; "
-                             f"allowed: shorter or fewer triggers")
+    def too_large() -> ValueError:
+        return ValueError(f"the triggers' free-text regex grows past {MAX_FREE_REGEX_CHARS} characters; "
+                          f"allowed: shorter or fewer triggers")
+
+    # the prefix states, the longest first
+    edges = eliminate(edges, list(range(n - 1, -1, -1)), max_chars=MAX_FREE_REGEX_CHARS, too_large=too_large,
+                      fixed_order=True)
     free = _union(edges.get((start, free_end), [""]))
     firsts = {t: _union(edges[(start, n + 2 + k)]) for k, t in enumerate(triggers) if (start, n + 2 + k) in edges}
     return free, firsts
