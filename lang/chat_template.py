@@ -130,6 +130,25 @@ class ChatTemplate:
                 f"the model's chat template cannot render a {role!r} message after roles {list(history)}: {e}{hint}"
             ) from None
 
+    def default_system(self, role: str) -> str | None:
+        """The system text the template writes on its own before a first message of
+        ``role`` when the messages have no system one (SmolLM2's "You are a helpful AI
+        assistant named SmolLM...", Qwen's "You are Qwen..."), or None. Read from the
+        markers: that first prefix is then the system prefix, the text and the system
+        suffix, followed by the prefix ``role`` has after a system message."""
+        if role == "system":
+            return None
+        try:
+            first, _ = self.markers(role)
+            opens, closes = self.markers("system")
+            after, _ = self.markers(role, ("system",))
+        except ChatTemplateError:
+            return None
+        end = len(first) - len(closes) - len(after)
+        if end < len(opens) or not first.startswith(opens) or not first.endswith(closes + after):
+            return None
+        return first[len(opens):end].strip() or None
+
     @property
     def stop_str(self) -> tuple[str, ...]:
         """The assistant's end-of-turn text (stripped), as stop strings."""
@@ -145,7 +164,9 @@ class Transcript:
     """The text of a program so far, and its chat messages.
 
     ``messages`` holds what the program's roles said (OpenAI format); ``text`` is the
-    full prompt, role markers included.
+    full prompt, role markers included; ``default_system`` the system text the template
+    wrote on its own before a first message that was not a system one (SGLang makes it
+    a system turn: :meth:`chat_messages`).
     """
 
     def __init__(self) -> None:
@@ -153,11 +174,19 @@ class Transcript:
         self.messages: list[dict[str, str]] = []
         self.role: str | None = None
         self.role_start = 0
+        self.default_system: str | None = None
 
     def copy(self) -> Transcript:
         t = Transcript()
         t.text, t.messages, t.role, t.role_start = self.text, [dict(m) for m in self.messages], self.role, self.role_start
+        t.default_system = self.default_system
         return t
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """The messages with the template's default system text as the system turn it
+        is in the text (as SGLang's ``messages()``), copies."""
+        head = [{"role": "system", "content": self.default_system}] if self.default_system else []
+        return head + [dict(m) for m in self.messages]
 
     def history(self) -> tuple[str, ...]:
         return tuple(m["role"] for m in self.messages)
@@ -169,6 +198,8 @@ class Transcript:
         if self.role is not None:
             raise ValueError(f"role {role!r} begins inside role {self.role!r}; roles do not nest, end {self.role!r} first")
         prefix, _ = _need(template).markers(role, self.history())
+        if not self.messages and template is not None:
+            self.default_system = template.default_system(role)
         self.fill(prefix)
         self.role, self.role_start = role, len(self.text)
 

@@ -454,7 +454,7 @@ class ProgramState(RoleScopes):
 
     def messages(self) -> list[dict[str, str]]:
         self._wait()
-        return [dict(m) for m in self.executor.ts.messages]
+        return self.executor.ts.chat_messages()
 
     def sync(self) -> None:
         """Wait until everything appended so far is done (for a streamed program read

@@ -200,14 +200,20 @@ class VarScopeEnd(Expr):
     name: str
 
 
+class AppendError(TypeError, ValueError):
+    """Something a program state cannot hold was appended (``s += None``, a number).
+    Both a ``TypeError`` and the ``ValueError`` SGLang raises for it, so a program that
+    catches either keeps working."""
+
+
 def as_expr(x: Any) -> Expr:
     if isinstance(x, Expr):
         return x
     if isinstance(x, str):
         return Text(x)
     if x is None:
-        raise TypeError("cannot append None to a program state; allowed: a string or a plait expression")
-    raise TypeError(
+        raise AppendError("cannot append None to a program state; allowed: a string or a plait expression")
+    raise AppendError(
         f"cannot append a {type(x).__name__} to a program state; allowed: a string or a plait "
         f"expression (gen, select, a role); convert it with str() first"
     )

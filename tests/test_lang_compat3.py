@@ -243,4 +243,5 @@ def test_a_constrained_reply_may_contain_the_end_of_turn_text(backend):
     assert state["only"] == "<|im_end|>x"
     assert re.fullmatch(r"(<\|im_end\|>|<\|im_fin\|>)x", state["either"]), state["either"]
     assert state.get_meta_info("only")["finish_reason"].get("matched") != "<|im_end|>"
-    assert state.messages()[1] == {"role": "assistant", "content": "<|im_end|>x"}
+    # (messages()[0] is the system text the template writes when a program has none)
+    assert state.messages()[2] == {"role": "assistant", "content": "<|im_end|>x"}

@@ -268,6 +268,44 @@ def test_transcript_renders_what_the_template_renders():
     assert [m["role"] for m in ts.messages] == ["system", "user", "assistant", "user"]
 
 
+def test_the_templates_default_system_text_is_a_system_message_as_in_sglang():
+    render = jinja_render(SMOLLM2_TEMPLATE)
+    t = ChatTemplate(render)
+    default = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    assert t.default_system("user") == default and t.default_system("system") is None
+    assert ChatTemplate(jinja_render(LLAMA3_TEMPLATE, {"bos_token": "<b>"})).default_system("user") is None
+    for roles, head in [(["user", "assistant"], [{"role": "system", "content": default}]), (["system", "user"], [])]:
+        ts = Transcript()
+        for role in roles:
+            ts.begin_role(role, t)
+            ts.fill(role + " says")
+            ts.end_role(role, t)
+        assert ts.chat_messages() == head + [{"role": r, "content": r + " says"} for r in roles]
+        assert render(ts.chat_messages()) == ts.text and ts.copy().chat_messages() == ts.chat_messages()
+        assert [m["role"] for m in ts.messages] == roles  # the history the markers follow is unchanged
+
+    @sgl.function
+    def chat(s):
+        s += sgl.user("Hi")
+        s += sgl.assistant(sgl.gen("a", max_tokens=4))
+
+    st = chat.run(backend=FakeBackend(template=t))
+    assert st.messages() == [{"role": "system", "content": default}, {"role": "user", "content": "Hi"},
+                             {"role": "assistant", "content": "<out>"}]
+    assert render(st.messages()) == st.text()
+
+
+def test_appending_none_or_a_number_raises_sglangs_valueerror_and_a_typeerror():
+    @sgl.function
+    def bad(s, x):
+        s += x
+
+    for x in (None, 5):
+        with pytest.raises(ValueError, match="cannot append") as e:
+            bad.run(x, backend=FakeBackend())
+        assert isinstance(e.value, TypeError)
+
+
 def test_template_errors_are_clear():
     t = ChatTemplate(jinja_render(ALTERNATING_TEMPLATE))
     ts = Transcript()
