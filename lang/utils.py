@@ -26,7 +26,7 @@ from typing import Any
 
 __all__ = ["read_jsonl", "dump_state_text", "trim_overlap", "stream_and_merge", "async_stream_and_merge",
            "print_highlight", "wait_for_server", "launch_server_cmd", "terminate_process", "execute_shell_command",
-           "http_request", "HttpResponse", "download_and_cache_file"]
+           "http_request", "HttpResponse", "download_and_cache_file", "normalize_base_url"]
 
 
 def read_jsonl(filename: str) -> list[Any]:
@@ -86,6 +86,27 @@ async def async_stream_and_merge(llm: Any, prompt: str,
         piece = trim_overlap(merged, chunk["text"])
         merged += piece
         yield piece
+
+
+def normalize_base_url(host: str, port: int | str | None = None) -> str:
+    """The server URL for ``host`` (and ``port``), as SGLang's benchmark scripts build
+    it from ``--host`` / ``--port``: ``http://`` added when there is no scheme, trailing
+    slashes dropped, ``:port`` added unless the host names one already
+    (``normalize_base_url("http://127.0.0.1", 30000)`` is ``http://127.0.0.1:30000``)."""
+    url = str(host).strip()
+    if "://" not in url:
+        url = "http://" + url
+    url = url.rstrip("/")
+    if port is not None and str(port).strip():
+        parts = urllib.parse.urlsplit(url)
+        try:
+            has_port = parts.port is not None
+        except ValueError as e:
+            raise ValueError(f"host={host!r} has an invalid port: {e}") from None
+        if not has_port:
+            netloc = parts.netloc + f":{int(port)}"
+            url = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    return url
 
 
 def print_highlight(content: Any) -> None:

@@ -226,6 +226,40 @@ def test_runtime_endpoint_model_name(runtime, folder):
         endpoint.shutdown()
 
 
+def test_a_benchmark_scripts_common_options_select_the_server(runtime, ref, monkeypatch):
+    """SGLang's benchmark/*/bench_sglang.py scripts: options from
+    add_common_sglang_args_and_parse, the backend from select_sglang_backend, run_batch
+    with --parallel threads; the same program on the selected server matches the
+    reference engine."""
+    from plait.test.test_utils import add_common_sglang_args_and_parse, select_sglang_backend
+    from plait.utils import normalize_base_url
+
+    host, port = runtime.url.rsplit(":", 1)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-questions", type=int, default=200)
+    monkeypatch.setattr("sys.argv", ["bench_sglang.py", "--host", host, "--port", port, "--parallel", "2",
+                                     "--num-questions", "3"])
+    args = add_common_sglang_args_and_parse(parser)
+    assert (args.parallel, args.num_questions, args.backend, args.result_file) == (2, 3, "srt", "result.jsonl")
+    backend = select_sglang_backend(args)
+    try:
+        questions = [{"question": f"What is {i} plus {i}?"} for i in range(args.num_questions)]
+        states = few_shot_qa.run_batch(questions, temperature=0, num_threads=args.parallel, backend=backend)
+        for q, state in zip(questions, states):
+            prompt = state.text()[: len(state.text()) - len(state["answer"])]
+            assert q["question"] in prompt
+            assert state["answer"] == ref.generate(prompt, {"max_new_tokens": 6, "temperature": 0,
+                                                            "stop": "\n"})["text"]
+    finally:
+        backend.shutdown()
+    args.backend = "gpt-4o-mini"
+    with pytest.raises(ValueError, match="gpt-4o-mini"):
+        select_sglang_backend(args)
+    assert normalize_base_url("http://127.0.0.1", 30000) == "http://127.0.0.1:30000"
+    assert normalize_base_url("localhost:8000/", 30000) == "http://localhost:8000"
+    assert normalize_base_url("https://h.example/") == "https://h.example"
+
+
 def test_global_config(engine, capsys, monkeypatch):
     cfg = sgl.global_config
     with pytest.raises(AttributeError):
