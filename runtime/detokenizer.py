@@ -56,9 +56,10 @@ class IncrementalDetokenizer:
         st.text += piece
         return piece
 
-    def flush(self, r: Req, st: TextState) -> str:
-        """At the end: emit whatever is held back, replacement characters included."""
-        ids = r.token_ids
+    def flush(self, r: Req, st: TextState, end: int | None = None) -> str:
+        """At the end: emit whatever is held back (up to position ``end``, default all),
+        replacement characters included."""
+        ids = r.token_ids if end is None else r.token_ids[:end]
         if st.read >= len(ids):
             return ""
         prefix, full = self._decode(r, ids[st.prefix : st.read]), self._decode(r, ids[st.prefix :])

@@ -129,7 +129,11 @@ class OutputProcessor:
         elif r.token_ids and st.read < r.seq_len and not ended_by_token:
             self.detokenizer.step(r, st)
         if reason is not None and not (reason.type == "stop" and isinstance(reason.matched, str)):
-            self.detokenizer.flush(r, st)
+            # the EOS / stop id that ended the output stays in output_ids and out of the
+            # text (SGLang trims it, vLLM too): with skip_special_tokens=false its text
+            # ('<|im_end|>', '</s>') would end every reply; no_stop_trim keeps it
+            trim = ended_by_token and not r.params.no_stop_trim
+            self.detokenizer.flush(r, st, r.seq_len - 1 if trim else None)
         if reason is not None and reason.error is not None:
             return RequestOutput(r.rid, r.group, r.index, "", [], {}, reason, error=reason.error)
 

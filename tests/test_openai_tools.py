@@ -435,3 +435,20 @@ def test_free_text_around_strict_calls_goes_to_llguidance(monkeypatch):
     assert "grammar_backend" not in constraint("auto", tools=strict, tool_choice="required")
     loose = [{"type": "function", "function": {"name": "weather", "parameters": params}}]
     assert constraint("auto", tools=loose) == {}  # not strict: the reply is free
+
+
+def test_the_eos_that_ends_a_reply_is_not_its_content_with_special_tokens_kept(oai, tokenizer):
+    """Parsers whose markers are special tokens (mistral, granite, deepseek_v3) decode
+    with skip_special_tokens=false; the EOS that ended the reply came back as the end of
+    every message's content ('Hello.<|im_end|>'), streamed and not."""
+    eos = tokenizer.eos_token_id
+    eos_text = tokenizer.convert_ids_to_tokens(eos)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0,
+              logit_bias={str(eos): 100}, extra_body={"min_tokens": 2, "skip_special_tokens": False})
+    r = oai.chat.completions.create(**kw)
+    content = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 3
+    assert content and eos_text not in content
+    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(**kw, stream=True)
+                       if c.choices)
+    assert streamed == content

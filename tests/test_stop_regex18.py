@@ -185,6 +185,31 @@ def test_ascii_classes_translation():
             assert bool(re.fullmatch(py, ch)) == bool(re.fullmatch(rx, ch, re.ASCII)), (rx, ch)
 
 
+def test_the_token_that_ends_the_output_stays_out_of_its_text(ref):
+    """EOS or a stop id ends the output: the token is in output_ids, its text is not,
+    even with skip_special_tokens=false (SGLang and vLLM trim it; a tool-call parser that
+    keeps special tokens for its markers ended every reply with '<|im_end|>');
+    no_stop_trim keeps it, streamed pieces add up to the same text."""
+    tok = ref.tokenizer
+    eos, dot = tok.eos_token_id, tok.convert_tokens_to_ids(".")
+    cases = [({"logit_bias": {eos: 100}}, eos, "<|im_end|>"),
+             ({"logit_bias": {dot: 100}, "stop_token_ids": [dot]}, dot, ".")]
+    for extra, end, end_text in cases:
+        for keep in (False, True):
+            params = {**GREEDY, "ignore_eos": False, "max_new_tokens": 8, "min_new_tokens": 2,
+                      "skip_special_tokens": False, "no_stop_trim": keep, **extra}
+            out = ref.generate(PROMPT, params)
+            ids = out["output_ids"]
+            assert ids[-1] == end and len(ids) == 3 and out["meta_info"]["finish_reason"]["matched"] == end
+            want = tok.decode(ids if keep else ids[:-1], skip_special_tokens=False)
+            assert out["text"] == want and out["text"].endswith(end_text) == keep
+            (r,) = ref.add_request(tok.encode(PROMPT, add_special_tokens=False), params)
+            sent = ""
+            while ref.has_work():
+                sent += "".join(o.text for o in ref.step() if o.rid == r.rid)
+            assert sent == want == ref.result(r)["text"]
+
+
 # -- spaces_between_special_tokens ----------------------------------------------------------------
 def test_spaces_between_special_tokens_decodes_as_hf(ref):
     tok = ref.tokenizer
