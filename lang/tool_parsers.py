@@ -367,6 +367,7 @@ def _json_scan(text: str, start: int, stop: int | None = None) -> tuple[int | No
 
 
 _HEADER = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_NAMED = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,')  # the name written, another key next
 
 
 @dataclass
@@ -391,8 +392,9 @@ def _json_string(raw: str) -> str | None:
 def _object_call(text: str, start: int, stop: int, names: set[str]) -> tuple[_Seen | None, int | None]:
     """The call object opening at ``text[start]`` (``{``), looking no further than
     ``stop``: (the call or None, the index past the object or None if unclosed). A
-    partial object is a call once its name (first key) is a known function and its
-    arguments object has begun."""
+    partial object is a call once its name (first key) is a known function and a key
+    follows it: its arguments so far are empty until their object begins (a forced call
+    cut by ``max_tokens`` at ``{"name": "f", "arguments`` was lost: no call, no content)."""
     end = json_end(text, start, stop)
     head = _HEADER.match(text, start, stop)
     if end is not None:
@@ -424,6 +426,9 @@ def _object_call(text: str, start: int, stop: int, names: set[str]) -> tuple[_Se
         assert name is not None
         a_end = json_end(text, head.end(), stop)
         return _Seen(start, name, text[head.end():a_end if a_end is not None else stop], False), None
+    named = _NAMED.match(text, start, stop)
+    if named is not None and _json_string(named.group(1)) in names:
+        return _Seen(start, _json_string(named.group(1)) or "", "", False), None
     return None, None
 
 
@@ -482,9 +487,9 @@ class ToolParser:
     def parse(self, text: str, tools: list[dict[str, Any]], cut: bool = False) -> tuple[str, list[ToolCall]]:
         """``(content, calls)``: the content is the text outside valid calls (stripped);
         output with no valid call is ``(text, [])``. ``cut``: the text was cut off (by
-        the length limit or a stop string), so a call in progress (its name known, its
-        arguments begun) is a call too, its arguments as far as they were written (what
-        a stream sent), marked :attr:`ToolCall.cut`."""
+        the length limit or a stop string), so a call in progress (its name known) is a
+        call too, its arguments as far as they were written (what a stream sent; empty
+        when the cut came before they began), marked :attr:`ToolCall.cut`."""
         try:
             s = self.scan(text, _names(tools), not cut)
         except Exception:  # noqa: BLE001 - a parser bug must not fail a request; the text stays content

@@ -11,6 +11,7 @@ server checks of calls, and ``auto`` is checked against the parse of the same ou
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -134,6 +135,38 @@ def test_forced_calls_parse_and_validate(oai, tokenizer, choice):
     want = tokenizer.apply_chat_template(messages_without_tool_support(ASK, _fns()), tokenize=False,
                                          add_generation_prompt=True)
     assert r.usage.prompt_tokens == len(tokenizer.encode(want, add_special_tokens=False))
+
+
+def test_a_forced_call_cut_by_max_tokens_comes_back_as_the_call_so_far(oai):
+    """Every cut of a forced call: once its name is written (and the next key begun) it is
+    a call whose arguments are a prefix of the whole call's, streamed and not; a cut
+    before that is no call and no content. A cut between the name and the arguments
+    came back empty (no call, no content: the output was lost)."""
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+              parallel_tool_calls=False, temperature=0.0)
+    whole = oai.chat.completions.create(**kw, max_tokens=400)
+    full_args = whole.choices[0].message.tool_calls[0].function.arguments
+    named = 0
+    for mt in range(1, whole.usage.completion_tokens):
+        r = oai.chat.completions.create(**kw, max_tokens=mt, logprobs=True)
+        text = "".join(t.token for t in r.choices[0].logprobs.content)
+        message, calls = r.choices[0].message, r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "length" and message.content is None, (mt, text)
+        if re.search(r'"name"\s*:\s*"add"\s*,', text):
+            named += 1
+            assert [c.function.name for c in calls] == ["add"], (mt, text)
+            assert full_args.startswith(calls[0].function.arguments), (mt, text)
+            streamed = {}
+            # (with logprobs, as above: a request with them never jumps forward, so it writes the same tokens)
+            for chunk in oai.chat.completions.create(**kw, max_tokens=mt, stream=True, logprobs=True):
+                for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                    e = streamed.setdefault(d.index, ["", ""])
+                    e[0] += d.function.name or ""
+                    e[1] += d.function.arguments or ""
+            assert streamed == {0: ["add", calls[0].function.arguments]}, (mt, text)
+        else:
+            assert not calls, (mt, text)
+    assert named >= 3  # cuts right after the name, inside the arguments key, inside the arguments
 
 
 def test_allowed_tools_choice(oai, server, tokenizer):

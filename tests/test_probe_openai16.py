@@ -199,6 +199,24 @@ def test_a_length_cut_after_a_block_that_is_no_call_keeps_the_text(parser, text)
     assert tp.get_tool_parser(parser).parse("Let me look. " + text[:7], FN, cut=True) == ("Let me look.", [])
 
 
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", '<tool_call>\n{"name": "f", "arguments'),
+    ("mistral", '[TOOL_CALLS][{"name": "f", '),
+    ("llama3_json", '{"name": "f", "parameters": '),
+])
+def test_a_call_cut_after_its_name_is_the_call_so_far(parser, text):
+    """Cut by the length limit between a known name and its arguments: a call with empty
+    arguments, streamed and not (it was no call and no content: the output was lost);
+    cut inside the name, markup."""
+    p = tp.get_tool_parser(parser)
+    content, calls = p.parse(text, FN, cut=True)
+    assert content == "" and [(c.name, c.arguments, c.cut) for c in calls] == [("f", "", True)]
+    st, deltas = _stream(parser, text, cut=True)
+    assert _content(deltas) == "" and [(c.name, c.arguments, c.cut) for c in st.calls] == [("f", "", True)]
+    if text.startswith(p.markers):  # (llama3_json's bare object has no marker: cut in its name, it is text)
+        assert p.parse(text[:text.index('"f"') + 2], FN, cut=True) == ("", [])
+
+
 @pytest.mark.parametrize("tail", ['}}}\n</tool_call>', '}, null}\n</tool_call>'])
 def test_a_streamed_call_that_turns_out_no_call_does_not_end_the_turn_as_tool_calls(tail):
     """The call's name and arguments streamed while they read as a call; the text after
