@@ -232,3 +232,23 @@ def test_replayed_arguments_nested_too_deep_are_a_400_naming_the_call(oai, http)
         assert r.choices[0].finish_reason == "length", r
     assert oa.json_depth('{"a": [1, {"b": "]]}\\"[["}], "c": {}}') == 3
     wait_idle(http)
+
+
+def test_the_server_answers_an_unreadable_head_with_json_and_serves_a_long_query(server, http):
+    """The server runs runtime/server/http_protocol.py's protocol (tests/test_http_protocol.py
+    checks its deadlines): a head that is no HTTP is a JSON 400 (uvicorn's was plain
+    text), and a 60 KB query string, past uvicorn's 16 KB, reaches the routes."""
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.url)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as s:
+        s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["type"] == "invalid_request_error"
+    r = http.get("/health", params={"x": "a" * 60_000})
+    assert r.status_code == 200

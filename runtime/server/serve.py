@@ -32,6 +32,7 @@ from plait.runtime.process import freeze_startup_objects
 from plait.runtime.server.args import ServerArgs, setup_logging
 from plait.runtime.server.front import Front, Replica, start_engine
 from plait.runtime.server.http_api import build_app
+from plait.runtime.server.http_protocol import MAX_HEAD_BYTES, GuardedH11Protocol
 
 logger = logging.getLogger("plait.serve")
 
@@ -204,7 +205,8 @@ async def _serve(args: ServerArgs, tmpdir: str, report: Any, parent_pid: int | N
         if parent_pid is not None:
             tasks.append(asyncio.ensure_future(_watch_parent(parent_pid, stop)))
         config = uvicorn.Config(build_app(front), log_level=args.log_level_http or args.log_level, access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=3, timeout_keep_alive=30)
+                                lifespan="off", timeout_graceful_shutdown=3, timeout_keep_alive=30,
+                                http=GuardedH11Protocol, h11_max_incomplete_event_size=MAX_HEAD_BYTES)
         server = _Server(config)
         serve_task = asyncio.ensure_future(server.serve(sockets=[sock]))
         while not server.started:
