@@ -139,6 +139,29 @@ def test_a_batch_past_the_prompt_limit_is_a_400_before_any_work(http, path, body
     assert len(r.json() if path == "/generate" else r.json()["choices"]) == 2048
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": ["x"] * 2048, "n": 128, "max_tokens": 1}, "n"),
+    ("/v1/completions", {"prompt": ["x"] * 17, "n": 121, "max_tokens": 1}, "n"),
+    ("/generate", {"text": ["x"] * 2048, "sampling_params": {"n": 2, "max_new_tokens": 1}}, "sampling_params.n"),
+    ("/generate", {"text": ["x"] * 20, "sampling_params": [{"n": 128, "max_new_tokens": 1}] * 16
+                   + [{"n": 1, "max_new_tokens": 1}] * 4}, "sampling_params.n"),
+])
+def test_prompts_times_n_past_the_limit_is_a_400_before_any_work(http, path, body, param):
+    """n multiplied the 2048-prompt limit: 2048 prompts with n=128 queued 262,144
+    sequences ahead of every later client (~30 min on this CPU)."""
+    r = http.post(path, json=body)
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["param"] == param and "sequences" in err["message"] and "2048" in err["message"], err
+    if body.get("n") != 128:
+        return
+    # the limit itself is served; an n past n's own limit keeps its own error
+    r = http.post("/v1/completions", json={"prompt": ["x"] * 16, "n": 128, "max_tokens": 1})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2048
+    r = http.post("/v1/completions", json={"prompt": ["x"] * 16, "n": 129, "max_tokens": 1})
+    assert r.status_code == 400 and "128" in r.json()["error"]["message"]
+
+
 def test_chat_template_kwargs_reach_the_template(tokenizer_dir):
     # vLLM's and SGLang's extra ({"enable_thinking": false} for Qwen3) was an
     # "unrecognized request argument"

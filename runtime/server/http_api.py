@@ -780,6 +780,7 @@ def parse_native(front: Front, body: dict[str, Any]) -> tuple[list[P.GenerateReq
     count = len(prompts)
     oa.check_batch_size(count, "text" if text is not None else "input_ids")
     sps = _per_item(body, "sampling_params", count, "dict", {})
+    oa.check_sequences(count, [sp.get("n", 1) for sp in sps], "sampling_params.n")
     lp = _per_item(body, "return_logprob", count, "bool", False)
     start = _per_item(body, "logprob_start_len", count, "int", -1)
     top = _per_item(body, "top_logprobs_num", count, "int", 0)

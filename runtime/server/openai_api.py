@@ -23,7 +23,7 @@ from plait.chat_template import (
 from plait.errors import RequestError, is_int
 from plait.reasoning import END as REASONING_END
 from plait.reasoning import MAX_REASONING_CHARS, ReasoningParser, ReasoningStream, get_reasoning_parser
-from plait.runtime.sampling_params import AUTO, CONSTRAINT_FIELDS, LLGUIDANCE, MAX_STOP_STRINGS
+from plait.runtime.sampling_params import AUTO, CONSTRAINT_FIELDS, LLGUIDANCE, MAX_N, MAX_STOP_STRINGS
 from plait.runtime.server.front import Front
 from plait.runtime.validation import check_text
 from plait.tool_parsers import (
@@ -336,7 +336,7 @@ def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool, bool]:
     return stream, usage, continuous
 
 
-MAX_BATCH_PROMPTS = 2048  # prompts in one request (a batch); n multiplies them within the engine's own limits
+MAX_BATCH_PROMPTS = 2048  # prompts in one request (a batch), and sequences (prompts times n)
 
 
 def check_batch_size(count: int, param: str) -> None:
@@ -348,6 +348,19 @@ def check_batch_size(count: int, param: str) -> None:
     if count > MAX_BATCH_PROMPTS:
         raise RequestError(f"{param} holds {count} prompts; allowed: at most {MAX_BATCH_PROMPTS} in one request "
                            "(send larger batches as several requests)", param)
+
+
+def check_sequences(prompts: int, ns: list[Any], param: str = "n") -> None:
+    """At most :data:`MAX_BATCH_PROMPTS` sequences in one request: ``prompts`` prompts
+    with ``n`` each (``ns``: one n per prompt, or one for all; a value that is not a
+    whole number is left to the sampling parameters' own check). 2048 prompts with
+    n=128 queued 262,144 sequences ahead of every later client (~30 min here)."""
+    per = [v if is_int(v) and 0 < v <= MAX_N else 1 for v in ns]  # (others: the n check's own error)
+    total = sum(per) if len(per) == prompts else prompts * (per[0] if per else 1)
+    if total > MAX_BATCH_PROMPTS:
+        raise RequestError(f"{param}: {prompts} prompt(s) with n={max(per)} ask for {total} sequences; allowed: at "
+                           f"most {MAX_BATCH_PROMPTS} in one request (send fewer prompts or a smaller n per request)",
+                           param)
 
 
 def _rid_base(front: Front, body: dict[str, Any], prefix: str) -> str:
@@ -522,6 +535,7 @@ def parse_completion(front: Front, body: dict[str, Any]) -> Job:
         raise RequestError(f"suffix={_short(suffix)} is not supported by this server (no fill-in-the-middle); "
                            f"allowed: null or ''", "suffix")
     n = get_field(body, "n", "int", 1)
+    check_sequences(len(prompts), [n])
     best_of = get_field(body, "best_of", "int")
     if best_of is not None and best_of != n:
         raise RequestError(f"best_of={best_of} is not supported; allowed: equal to n ({n})", "best_of")
