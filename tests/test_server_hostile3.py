@@ -250,3 +250,43 @@ def test_an_unknown_field_named_with_a_lone_surrogate_is_a_400(http, path, raw):
     r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
     assert r.status_code == 400, (r.status_code, r.text[:300])
     assert r.json()["error"]["param"] == "\\ud800" and "\\ud800" in r.json()["error"]["message"], r.text
+
+
+def test_a_stream_stops_writing_soon_after_its_client_is_gone():
+    """Events already queued were written in one run of the loop: the client's
+    disconnect was seen after all of them, and asyncio logged each write to the dead
+    socket past the fifth (505 warnings for one large stream's disconnect)."""
+    from types import SimpleNamespace
+
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+
+    from plait.runtime.server.http_api import _first_then
+
+    gone = asyncio.Event()
+    writes = []
+
+    async def receive():
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            writes.append(message)
+            if len(writes) == 10:  # the socket dies here; the server learns it on its next loop turn
+                asyncio.get_running_loop().call_soon(gone.set)
+
+    async def queued():  # every event already there: no await that yields to the loop
+        for i in range(1000):
+            yield b"data: %d\n\n" % i
+
+    aborted = []
+    scope = {"type": "http", "method": "POST", "path": "/generate", "headers": [], "query_string": b""}
+    sub = SimpleNamespace(abort=lambda: aborted.append(True))
+
+    async def run():
+        stream = await _first_then(Request(scope, receive), sub, queued())
+        await StreamingResponse(stream, media_type="text/event-stream")(scope, receive, send)
+
+    asyncio.run(run())
+    assert 10 <= len(writes) <= 13 and aborted, len(writes)

@@ -417,6 +417,11 @@ async def _first_then(request: Request, sub: Submission, gen: AsyncIterator[byte
                 yield first
                 async for piece in gen:
                     yield piece
+                    # the loop runs between pieces: events already queued came without one, so
+                    # a client gone mid-stream was seen (its connection_lost, then Starlette's
+                    # disconnect listener) only after all of them, each write to the dead
+                    # socket past the fifth logged by asyncio (505 lines for one disconnect)
+                    await asyncio.sleep(0)
         finally:
             sub.abort()  # no-op for finished requests; a disconnect lands here
             await gen.aclose()
