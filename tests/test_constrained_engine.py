@@ -140,6 +140,30 @@ def test_auto_builds_a_regex_on_llguidance_when_outlines_runs_past_its_limit(tin
         e.check_invariants()
 
 
+def test_auto_gives_outlines_a_short_budget_before_llguidance_takes_the_regex_over(tiny_model_factory):
+    """auto's outlines-core try gets AUTO_OUTLINES_BUDGET_S, not the whole
+    grammar_compile_timeout: a forced strict tool call whose arguments outlines-core
+    builds slowly (ten format-typed fields) waited the full 30 s before llguidance took
+    it over, and every outlines-core build queued behind it. An explicit
+    grammar_backend=outlines keeps the whole limit."""
+    from plait.runtime.constrained.backend import AUTO_OUTLINES_BUDGET_S
+
+    with Engine(str(tiny_model_factory("llama")), kv_cache_tokens=2048, max_running_requests=4,
+                grammar_compile_timeout=120.0) as e:
+        out = e.generate("Name:", {"regex": SLOW, "max_new_tokens": 12, "temperature": 0})
+        assert re.fullmatch(r'"[^"\\]*"?', out["text"]), out["text"]
+        fut = e.grammar_compiler.compiler("outlines").cached(SLOW)
+        assert fut.budget_s == AUTO_OUTLINES_BUDGET_S < 120
+        assert f"{AUTO_OUTLINES_BUDGET_S:g} s budget" in fut.error and "(grammar_compile_timeout)" in fut.error
+        other = e.add_request(e.tokenizer.encode("Name:", add_special_tokens=False),
+                              {"regex": SLOW + "x", "max_new_tokens": 1, "grammar_backend": "outlines"})[0]
+        assert e.grammar_compiler.compiler("outlines").cached(SLOW + "x").budget_s is None  # the whole limit
+        e.abort(other.rid)
+        while e.has_work():
+            e.step()
+        e.check_invariants()
+
+
 def test_auto_builds_a_schemas_regex_on_llguidance_when_outlines_runs_past_its_limit(tiny_model_factory):
     """A JSON Schema llguidance refuses as given (uniqueItems) goes to outlines-core as
     plait's regex translation; when that build runs past its time, llguidance follows the

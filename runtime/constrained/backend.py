@@ -41,6 +41,11 @@ GRAMMAR_BACKENDS = (AUTO, *BACKENDS)
 OUTLINES_LANES = 3
 SLOW_BUILD_S = 2.0
 TIMEOUT_RETRY_S = 60.0  # how long a build that ran past its time stays a cached refusal
+# auto's regex build on outlines-core gets this long (at most grammar_compile_timeout) before
+# llguidance, which follows the same regex lazily, takes it over: a forced strict tool call
+# whose arguments outlines-core builds in minutes (ten format-typed fields, a GitHub Actions
+# step) waited the whole 30 s limit first, and every outlines-core build queued behind it
+AUTO_OUTLINES_BUDGET_S = 4.0
 
 
 class GrammarFuture:
@@ -48,7 +53,7 @@ class GrammarFuture:
     failure. ``source`` is what the backend compiles; ``waiters``: the requests' matchers
     made on it while it was not done and not released (:meth:`Grammars.release`)."""
 
-    __slots__ = ("key", "source", "grammar", "error", "started", "waiters", "retry_at")
+    __slots__ = ("key", "source", "grammar", "error", "started", "waiters", "retry_at", "budget_s")
 
     def __init__(self, key: tuple[str, str], source: str) -> None:
         self.key = key
@@ -58,6 +63,7 @@ class GrammarFuture:
         self.started: float | None = None
         self.waiters = 0
         self.retry_at: float | None = None  # a failure that may pass another time (a build past its time)
+        self.budget_s: float | None = None  # a time limit shorter than the compiler's (auto's first try)
 
     @property
     def done(self) -> bool:
@@ -168,7 +174,9 @@ class Grammars:
             lane = self.compiler(f"{OUTLINES}#{len(lanes) + 1}")
         if lane is None:  # every worker busy: behind the shortest queue of one not stalled
             lane = min(lanes, key=lambda c: (c.stalled(SLOW_BUILD_S), c.queued))
-        return lane.request(constraint.grammar)
+        # (auto's: the engine builds the regex on llguidance when this runs past its budget)
+        fallback = getattr(constraint, "auto", False) and constraint.kind in ("regex", "json_schema")
+        return lane.request(constraint.grammar, min(self.timeout_s, AUTO_OUTLINES_BUDGET_S) if fallback else None)
 
     def matcher(self, future: GrammarFuture, constraint: Any, *, jump_forward: bool, heal: bool) -> Matcher:
         future.waiters += 1

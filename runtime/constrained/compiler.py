@@ -215,7 +215,9 @@ class GrammarCompiler:
         self.cache_hits = 0
 
     # -- public ---------------------------------------------------------------------------
-    def request(self, regex: str) -> GrammarFuture:
+    def request(self, regex: str, budget_s: float | None = None) -> GrammarFuture:
+        """The build of ``regex`` (cached); ``budget_s``: a shorter time limit for a new
+        build than ``timeout_s`` (auto's first try, which llguidance takes over)."""
         key = (self.vocab.fingerprint, regex)
         fut = self._cache.get(key)
         if fut is not None and not fut.stale:
@@ -223,6 +225,7 @@ class GrammarCompiler:
             self.cache_hits += 1
             return fut
         fut = GrammarFuture(key, regex)
+        fut.budget_s = budget_s
         self._cache[key] = fut
         self._queue.append(fut)
         self._evict()
@@ -255,7 +258,8 @@ class GrammarCompiler:
     def _collect(self, timeout: float) -> None:
         end = time.monotonic() + timeout
         while self._inflight is not None:
-            left = min(end, self._inflight.started + self.timeout_s) - time.monotonic()
+            limit = self._limit(self._inflight)
+            left = min(end, self._inflight.started + limit) - time.monotonic()
             try:
                 reply = self._replies.get(timeout=left) if left > 0 else self._replies.get_nowait()
             except queue.Empty:
@@ -265,9 +269,10 @@ class GrammarCompiler:
                 continue
             if reply is not None:
                 self._finish(reply)
-            elif time.monotonic() - self._inflight.started > self.timeout_s:
+            elif time.monotonic() - self._inflight.started > limit:
                 self._kill()
-                self._fail(f"compiling it took longer than the {self.timeout_s:g} s limit (grammar_compile_timeout)",
+                what = "limit" if limit >= self.timeout_s else "budget of grammar_backend auto's outlines-core try"
+                self._fail(f"compiling it took longer than the {limit:g} s {what} (grammar_compile_timeout)",
                            timed_out=True)
             if self._inflight is None and self._queue:
                 self._start(self._queue.popleft())
@@ -326,12 +331,16 @@ class GrammarCompiler:
         fut.started = time.monotonic()
         self._inflight = fut
         try:
-            jf_seconds = 0.8 * self.timeout_s if self.jump_forward else 0.0
+            limit = self._limit(fut)
+            jf_seconds = 0.8 * limit if self.jump_forward else 0.0
             write_frame(self._proc.stdin, ("build", self._jobs, self.vocab.fingerprint, fut.source, jf_seconds,
-                                           self.timeout_s))
+                                           limit))
         except (BrokenPipeError, OSError):
             self._kill()
             self._fail("the compile worker could not be reached")
+
+    def _limit(self, fut: GrammarFuture) -> float:
+        return self.timeout_s if fut.budget_s is None else min(fut.budget_s, self.timeout_s)
 
     def _finish(self, reply: tuple) -> None:
         fut = self._inflight
