@@ -180,6 +180,36 @@ def test_a_pattern_beside_a_format_is_enforced_in_forced_and_strict_calls(http):
         assert r.status_code == 200, (choice, r.text)
 
 
+ZOD_ACCOUNT = {"type": "object", "properties": {
+    "email": {"type": "string", "format": "email", "pattern": r"^(?!\.)(?!.*\.\.)([A-Za-z0-9_'+\-\.]*)[A-Za-z0-9_+-]@"
+              r"([A-Za-z0-9][A-Za-z0-9\-]*\.)+[A-Za-z]{2,}$"},
+    "password": {"type": "string", "pattern": r"^(?=.*[A-Z])(?=.*\d)[A-Za-z\d]{8,}$"}},
+    "required": ["email", "password"], "additionalProperties": False}
+
+
+def test_look_aheads_at_a_patterns_start_are_enforced_in_calls_and_response_format(http):
+    """zod v4's z.email() writes format email beside a pattern with two look-aheads, and
+    password rules are look-aheads too: a 400 on every path ("look-ahead"). The forcing
+    regex now holds what the pattern (and the format) admit; llguidance reads the same
+    pattern without its look-aheads."""
+    import re
+
+    tools = [{"type": "function", "function": {"name": "signup", "parameters": ZOD_ACCOUNT, "strict": True}}]
+    rx = get_tool_parser("hermes").constraint(tools, None, False).regex
+    call = '<tool_call>\n{"name": "signup", "arguments": {"email":"%s","password":"%s"}}\n</tool_call>'
+    assert re.fullmatch(rx, call % ("ada.l@example.org", "Abcdefg1"))
+    for email, password in [(".ada@example.org", "Abcdefg1"), ("ada..l@example.org", "Abcdefg1"),
+                            ("ada@example.org", "abcdefg1"), ("ada@example.org", "Abcdefgh")]:
+        assert not re.fullmatch(rx, call % (email, password)), (email, password)
+    for choice in ("required", {"type": "function", "function": {"name": "signup"}}):
+        r = _chat(http, tools, choice)
+        assert r.status_code == 200, (choice, r.text)
+    r = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Sign up Ada."}], "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ZOD_ACCOUNT, "strict": True}}})
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("stop", ["}", ", ", "\n</tool_call>"])
 def test_a_stop_string_inside_a_call_gives_the_call_so_far(stop):
     text = CALL[:CALL.index(stop, len('<tool_call>\n{"name": "add", "arguments": {'))]

@@ -1711,8 +1711,13 @@ class _Translator:
                                   f"{', '.join(sorted(FORMATS))} (other values are annotations)")
             fmt = None  # not a format of any draft (OpenAPI's "password", vendors'): an annotation
         lengths = (lo, hi) if "minLength" in s or "maxLength" in s else None
+        looks = _leading_lookaheads(s["pattern"], path) if "pattern" in s else None
+        if looks is not None:  # (zod v4's z.email(): ^(?!\.)(?!.*\.\.)...; password rules: ^(?=.*[A-Z])...)
+            return '"' + _with_format_relaxed(
+                lambda rx: _pattern_with_lookaheads(s["pattern"], path, looks, rx, lengths), fmt) + '"'
         if "pattern" in s and fmt is not None:  # (zod v4's z.uuid(), z.iso.datetime() write both)
-            return '"' + _pattern_and_format(s["pattern"], fmt, path, lengths) + '"'
+            return '"' + _with_format_relaxed(lambda rx: _pattern_and_format(s["pattern"], fmt, path, lengths, rx),
+                                              fmt) + '"'
         if "pattern" in s:
             return '"' + _json_safe_pattern(s["pattern"], path, lengths) + '"'
         if fmt is not None:
@@ -2528,12 +2533,15 @@ def _bounded_patterns(cls: Any) -> Any:
 MAX_INTERSECTION_CHARS = 20_000  # the regex of a pattern and a format together (state elimination may grow it)
 
 
-def _pattern_and_format(pattern: Any, fmt: str, path: str, lengths: tuple[int, int | None] | None) -> str:
+def _pattern_and_format(pattern: Any, fmt: str, path: str, lengths: tuple[int, int | None] | None,
+                        fmt_regex: str | None = None) -> str:
     """The strings both ``pattern`` and ``format`` (and ``lengths``) admit, as a regex
     of a JSON string's content: the automata of the two intersected, written back as a
     regex by state elimination. Every format's characters need no JSON escape, so the
     written text is the value. Raises :class:`SchemaError` when no string satisfies
-    both, or the automaton or its regex grows past the limits."""
+    both, or the automaton or its regex grows past the limits. ``fmt_regex``: the
+    format's regex, when not ``FORMATS[fmt]`` (:func:`_with_format_relaxed`)."""
+    fmt_regex = FORMATS[fmt] if fmt_regex is None else fmt_regex
     import interegular
 
     from plait.runtime.constrained.fsm_limits import FsmTooLarge, fsm_deadline
@@ -2548,10 +2556,10 @@ def _pattern_and_format(pattern: Any, fmt: str, path: str, lengths: tuple[int, i
         content += JSON_CHAR + "*"
     try:
         with fsm_deadline():
-            fsm = interegular.parse_pattern(content).to_fsm() & interegular.parse_pattern(FORMATS[fmt]).to_fsm()
+            fsm = interegular.parse_pattern(content).to_fsm() & interegular.parse_pattern(fmt_regex).to_fsm()
             if lengths is not None:
                 lo, hi = lengths
-                wmin, wmax = _pattern_tree(FORMATS[fmt], path).getwidth()
+                wmin, wmax = _pattern_tree(fmt_regex, path).getwidth()
                 if lo > wmin or (hi is not None and hi < wmax):  # (else every value of the format fits)
                     fsm = fsm & interegular.parse_pattern(f"[^\\x00]{{{lo},{'' if hi is None else hi}}}").to_fsm()
             fsm = fsm.reduce()
@@ -2563,6 +2571,85 @@ def _pattern_and_format(pattern: Any, fmt: str, path: str, lengths: tuple[int, i
 MAX_INTERSECTION_STATES = 2_000  # the automaton of a pattern and a format together, before elimination
 
 
+def _with_format_relaxed(build: Any, fmt: str | None) -> str:
+    """``build(fmt)``; where a pattern and a format with counted maxima (email's
+    64-character local part, 63-character labels) make too large an automaton or regex
+    together, ``build`` again with the format's maxima dropped (its minima and shape
+    kept: ajv's email format has no maxima either; jsonschema checks an email for its
+    '@'). The format's own regex, without a pattern, keeps them."""
+    try:
+        return build(None if fmt is None else FORMATS[fmt])
+    except SchemaError as e:
+        relaxed = None if fmt is None else re.sub(r"\{(\d+),\d+\}", r"{\1,}", FORMATS[fmt])
+        if relaxed is None or relaxed == FORMATS[fmt] or not any(w in str(e) for w in ("too complex", "past")):
+            raise
+        return build(relaxed)
+
+
+def _leading_lookaheads(pattern: Any, path: str) -> tuple[list[Any], list[tuple[bool, list[Any]]]] | None:
+    """For a pattern anchored at its start whose look-aheads all come right after the
+    anchor (``^(?=A)(?!B)rest``): (the parse items of ``^rest``, [(positive, the items
+    of A), ...]); else None (a look-ahead elsewhere is refused where it is read)."""
+    from re import _constants as C  # type: ignore[attr-defined]
+
+    items = list(_pattern_tree(pattern, path))
+    if not items or items[0][0] is not C.AT or items[0][1] not in (C.AT_BEGINNING, C.AT_BEGINNING_STRING):
+        return None
+    i, looks = 1, []
+    while i < len(items) and items[i][0] in (C.ASSERT, C.ASSERT_NOT) and items[i][1][0] == 1:
+        looks.append((items[i][0] is C.ASSERT, list(items[i][1][1])))
+        i += 1
+    return ([items[0], *items[i:]], looks) if looks else None
+
+
+def _pattern_with_lookaheads(pattern: str, path: str, split: tuple[list[Any], list[tuple[bool, list[Any]]]],
+                             fmt_regex: str | None, lengths: tuple[int, int | None] | None,
+                             json_text: bool = True) -> str:
+    """The strings a pattern with look-aheads at its start admits (and a format's
+    ``fmt_regex``, and ``lengths``), as a regex of a JSON string's content
+    (``json_text``; else of the value, for llguidance, without format and lengths,
+    which it reads itself):
+    the automaton of the rest of the pattern, intersected with each positive
+    look-ahead's (followed by anything) and without each negative one's, written back
+    as a regex by state elimination. The same limits as :func:`_pattern_and_format`."""
+    import interegular
+
+    from re import _constants as C  # type: ignore[attr-defined]
+
+    from plait.runtime.constrained.fsm_limits import FsmTooLarge, fsm_deadline
+
+    what = f"json_schema 'pattern' at {path} ({pattern[:80]!r}), read with its look-aheads"
+
+    def anchored_end(items: list[Any]) -> bool:
+        return bool(items) and items[-1][0] is C.AT and items[-1][1] in (C.AT_END, C.AT_END_STRING)
+
+    rest, looks = split
+    anything = JSON_CHAR + "*" if json_text else r"(?:.|\n)*"
+    content = _emit_pattern(rest, pattern, path, json_text=json_text) + ("" if anchored_end(rest) else anything)
+    parts = [(positive, _emit_pattern(sub, pattern, path, json_text=json_text)
+              + ("" if anchored_end(sub) else anything)) for positive, sub in looks]
+    try:
+        with fsm_deadline():
+            fsm = interegular.parse_pattern(content).to_fsm()
+            for positive, part in parts:
+                other = interegular.parse_pattern(part).to_fsm()
+                fsm = fsm & other if positive else fsm.difference(other)
+            if fmt_regex is not None:
+                fsm = fsm.reduce() & interegular.parse_pattern(fmt_regex).to_fsm()
+            if lengths is not None:  # (counted in characters of the value: an escape is one)
+                lo, hi = lengths
+                fsm = fsm & interegular.parse_pattern(f"(?:{JSON_CHAR}){{{lo},{'' if hi is None else hi}}}").to_fsm()
+            fsm = fsm.reduce()
+    except FsmTooLarge as e:
+        raise SchemaError(f"{what}: its automaton is too complex ({e})") from None
+    except (ValueError, KeyError, NotImplementedError) as e:  # a construct interegular cannot read
+        raise SchemaError(f"{what}: it cannot be compiled ({e})") from None
+    out = _fsm_regex(fsm, what)
+    if json_text:
+        check_regex(out, what)
+    return out
+
+
 def _fsm_regex(fsm: Any, what: str) -> str:
     """The regex of an interegular automaton (state elimination, the state with the
     fewest paths through it first); ``what`` names it in the errors."""
@@ -2571,11 +2658,15 @@ def _fsm_regex(fsm: Any, what: str) -> str:
     if len(fsm.states) > MAX_INTERSECTION_STATES:
         raise SchemaError(f"{what}: together they make an automaton of {len(fsm.states)} states; supported: at most "
                           f"{MAX_INTERSECTION_STATES}")
+    # each transition's characters; "any other character" (a pattern's '.', a negated class)
+    # is every character the automaton does not list, never one JSON text must escape
+    listed = sorted({c for chars in fsm.alphabet.by_transition.values() for c in chars if c is not anything_else})
+    others = "[^" + _runs_body(listed) + r'"\\\x00-\x1f]'
     classes: dict[Any, list[str]] = {}
     for sym, chars in fsm.alphabet.by_transition.items():
-        if anything_else in chars:  # (a format's alphabet is listed: "any other character" never is needed)
-            continue
-        classes[sym] = sorted(chars)
+        classes[sym] = sorted(c for c in chars if c is not anything_else)
+        if anything_else in chars:
+            classes[sym].append(others)
     # the states a final one is reachable from: one backward search (islive per state
     # searched forward from each again)
     back: dict[Any, set[Any]] = {}
@@ -2610,23 +2701,36 @@ def _fsm_regex(fsm: Any, what: str) -> str:
     return union(left.get((start, end), [""]))
 
 
+def _class_lit(c: str) -> str:
+    if " " <= c <= "~":
+        return "\\" + c if c in "]\\^-[" else c
+    o = ord(c)
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
+
+
 def _char_class(chars: list[str]) -> str:
-    """A class of ``chars``, runs of consecutive ones as ranges (``[0-9a-f]``)."""
-    chars = sorted(set(chars))
+    """A class of ``chars``, runs of consecutive ones as ranges (``[0-9a-f]``); an
+    entry that is already a class (``[^...]``, any other character) joins as an
+    alternative."""
+    whole = [c for c in chars if len(c) > 1]
+    chars = sorted({c for c in chars if len(c) == 1})
+    if whole:
+        return "(?:" + "|".join(([_char_class(chars)] if chars else []) + whole) + ")"
     if len(chars) == 1:
         return re.escape(chars[0])
+    return "[" + _runs_body(chars) + "]"
+
+
+def _runs_body(chars: list[str]) -> str:
+    """The inside of a class of ``chars``: runs of consecutive ones as ranges."""
     runs: list[list[str]] = []
-    for c in chars:
+    for c in sorted(set(chars)):
         if runs and ord(c) == ord(runs[-1][-1]) + 1:
             runs[-1].append(c)
         else:
             runs.append([c])
-
-    def lit(c: str) -> str:
-        return "\\" + c if c in "]\\^-[" else c
-
-    return "[" + "".join(lit(r[0]) + ("-" + lit(r[-1]) if len(r) > 2 else lit(r[-1]) if len(r) == 2 else "")
-                         for r in runs) + "]"
+    lit = _class_lit
+    return "".join(lit(r[0]) + ("-" + lit(r[-1]) if len(r) > 2 else lit(r[-1]) if len(r) == 2 else "") for r in runs)
 
 
 def _check_keys_exclusive(key: str, others: list[str], path: str) -> None:
@@ -3216,7 +3320,11 @@ def value_pattern(pattern: Any, path: str) -> str:
     characters with a short escape, quotes and backslashes included (the engine writes
     the JSON escapes; control characters that need ``\\uXXXX`` are left out, as the
     engine is told to write no such escape). It admits a subset of the strings
-    Python's ``re.search`` finds a match in."""
+    Python's ``re.search`` finds a match in. Look-aheads right after a leading ``^``
+    are read as :func:`_pattern_with_lookaheads` reads them."""
+    looks = _leading_lookaheads(pattern, path)
+    if looks is not None:
+        return "^(?:" + _pattern_with_lookaheads(pattern, path, looks, None, None, json_text=False) + ")$"
     items = list(_pattern_tree(pattern, path))
     out = "^(?:" + _emit_pattern(items, pattern, path, json_text=False) + ")$"
     lone = next((c for c in out if 0xD800 <= ord(c) <= 0xDFFF), None)
