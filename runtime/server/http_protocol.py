@@ -10,9 +10,9 @@ opening, or of its first byte on a kept-alive connection (nginx's
 ``client_header_timeout``); a late one gets a 408 and the connection closes. The body
 has its own idle deadline (``http_api.BODY_IDLE_TIMEOUT_S``).
 
-A head h11 cannot parse (malformed, or request line and headers over
-:data:`MAX_HEAD_BYTES`) is a 400 with OpenAI's JSON error body naming that, instead of
-uvicorn's plain-text "Invalid HTTP request received.".
+A head h11 cannot parse is a 400 (malformed) or a 431 (request line and headers over
+:data:`MAX_HEAD_BYTES`) with OpenAI's JSON error body naming that, instead of uvicorn's
+plain-text 400 "Invalid HTTP request received.".
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0  # bytes received while no request head has been read whole
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -54,12 +55,15 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:
+            self._head_bytes += len(data)
         super().data_received(data)
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             if self._head_timer is None:  # the first byte of a kept-alive connection's next head
                 self._arm_head()
         else:  # the head is in (or the connection is done)
             self._cancel_head()
+            self._head_bytes = 0
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -68,9 +72,15 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         self._cancel_head()
-        self.transport.write(_raw_error(400, "Bad Request", (
-            f"invalid HTTP request: the request line and headers must be well-formed HTTP/1.1 of at most "
-            f"{MAX_HEAD_BYTES} bytes (a long query string belongs in a JSON body)")))
+        if self._head_bytes > MAX_HEAD_BYTES:
+            error = _raw_error(431, "Request Header Fields Too Large", (
+                f"the request line and headers have more than {MAX_HEAD_BYTES} bytes; allowed: at most "
+                f"{MAX_HEAD_BYTES} (a long query string belongs in a JSON body)"))
+        else:
+            error = _raw_error(400, "Bad Request", (
+                f"invalid HTTP request: the request line and headers must be well-formed HTTP/1.1 of at most "
+                f"{MAX_HEAD_BYTES} bytes"))
+        self.transport.write(error)
         self.transport.close()
 
     def _arm_head(self) -> None:
