@@ -30,6 +30,8 @@ from plait.runtime.speculative import NONE, Draft, propose
 # A waiting request that shares this many more tokens with a request prefilled in
 # the same step than it finds in the cache waits one step, to reuse that KV.
 IN_BATCH_PREFIX_DEFER = 32
+# waiting prompts a step's budget is partly kept for while others are being filled (the first few)
+WAITING_RESERVE_LOOKAHEAD = 8
 
 
 @dataclass
@@ -202,8 +204,9 @@ class Scheduler:
             size = self.config.chunked_prefill_size
             # -1: no chunking, any prompt the context holds is prefilled in one step
             budget = self.context_len if size == -1 else size - decoding - batch.num_draft_tokens
-        budget = self._continue_prefills(batch, max(budget, 0))
-        self._admit(batch, budget)
+        budget = max(budget, 0)
+        reserve = self._reserve_for_waiting(budget)
+        self._admit(batch, self._continue_prefills(batch, budget - reserve) + reserve)
         if not batch.extends and not decoding:
             return None
         if decoding:
@@ -245,6 +248,30 @@ class Scheduler:
             self._grow(r, 1 + len(draft.tokens), batch)
             batch.verifies.append((r, draft))
         return rest
+
+    def _reserve_for_waiting(self, budget: int) -> int:
+        """Tokens of this step's budget kept from prompts being filled for the prompts
+        waiting to start (at most half of it, and what the first few need): a prompt
+        being filled took the whole budget first, so a 5-token request that arrived
+        during an 8,000-token prompt waited for all of it (24 s here, something decoding
+        or not). A waiting prompt that shares tokens a filling one has yet to compute
+        (n > 1 siblings, a shared system prompt) gets none: it waits to reuse them."""
+        if not self.waiting or budget < 2:
+            return 0
+        filling = [r for r in self.running if not r.is_decoding and r.num_pending > 0]
+        if not filling:
+            return 0
+        need, cap = 0, budget // 2
+        for r in list(self.waiting)[:WAITING_RESERVE_LOOKAHEAD]:
+            if r.grammar is not None and not r.grammar.started:
+                continue
+            if any(_common_prefix_len(r.token_ids, f.token_ids) > f.num_computed // self.page_size * self.page_size
+                   for f in filling):
+                continue  # (it shares tokens the filling one has yet to compute: better wait for them)
+            need += r.seq_len
+            if need >= cap:
+                break
+        return min(need, cap)
 
     def _continue_prefills(self, batch: ScheduleBatch, budget: int) -> int:
         for r in self.running:

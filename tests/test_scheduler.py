@@ -23,6 +23,30 @@ def folder(tiny_model_factory):
     return str(tiny_model_factory("llama"))
 
 
+def test_a_short_prompt_starts_beside_a_long_one_being_filled(folder):
+    """A prompt being filled took each step's whole budget first: a short one arriving
+    during an 8,000-token prompt waited for all of it (24 s). Now it starts in the next
+    step, the long one taking the rest of the budget; n > 1 siblings of the long one,
+    which wait for its prefix anyway, keep nothing from it."""
+    chunk = 64
+    with Engine(folder, kv_cache_tokens=4096, chunked_prefill_size=chunk) as engine:
+        long = engine.add_request(rand_ids(600, 3), {**GREEDY, "max_new_tokens": 2})[0]
+        engine.step()
+        short = engine.add_request(rand_ids(5, 4), {**GREEDY, "max_new_tokens": 2})[0]
+        batch = engine.scheduler.schedule()
+        assert {r.rid: n for r, n in batch.extends} == {long.rid: chunk - 5, short.rid: 5}
+        engine.scheduler.process_batch(batch, engine.runner.forward(batch))
+        assert short.output_len == 1 and long.output_len == 0
+        engine.run_until_done([long, short])
+        siblings = engine.add_request(rand_ids(600, 5), {**GREEDY, "max_new_tokens": 2, "n": 2})
+        engine.step()
+        batch = engine.scheduler.schedule()
+        assert [(r.rid, n) for r, n in batch.extends] == [(siblings[0].rid, chunk)]
+        engine.scheduler.process_batch(batch, engine.runner.forward(batch))
+        engine.run_until_done(siblings)
+        engine.check_invariants()
+
+
 def test_long_prompt_is_chunked_while_decodes_advance(folder):
     chunk = 32
     with Engine(folder, kv_cache_tokens=4096, chunked_prefill_size=chunk) as engine:
