@@ -196,6 +196,15 @@ class Scheduler:
                 r = max(filling, key=lambda r: r.num_computed)
                 prefix, prompt = r.num_computed, (r.admitted_at, r.seq_len)
             budget = self.chunks.budget(decoding, streaming, prefix, prompt) - batch.num_draft_tokens
+            if not decoding and filling and self.waiting:
+                # prompts about to start beside a long one: the step that admits them ends
+                # with their first tokens, so it is sized as a step beside a streaming decode
+                # (plus what they need), not for throughput (4,096 tokens: ~12 s here)
+                wanted = self._reserve_for_waiting(budget)
+                if wanted > 0:
+                    r = max(filling, key=lambda r: r.num_computed)
+                    budget = min(budget, self.chunks.budget(1, True, r.num_computed, (r.admitted_at, r.seq_len))
+                                 + 2 * wanted)
             if filling or self.waiting:
                 # drafts being verified take the budget's tokens first, but never all of
                 # it: a prompt still advances beside many verifying streams

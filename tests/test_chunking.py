@@ -293,3 +293,34 @@ def test_a_prompt_advances_however_many_drafts_take_the_budget(tiny_model_factor
         while e.scheduler.running or e.scheduler.waiting:
             e.step()
         e.check_invariants()
+
+
+def test_a_step_that_admits_a_waiting_prompt_beside_a_long_one_is_sized_for_latency(tiny_model_factory,
+                                                                                       monkeypatch):
+    """Nothing decoding, a long prompt filling: steps take max_chunk tokens for
+    throughput; a short prompt that arrives then started only after a whole such step
+    more (its first token ~12 s later on 8,000 tokens). The step that admits it is sized
+    as a step beside a streaming decode, plus what it needs, and the long prompt takes
+    the rest."""
+    from plait.runtime.validation import validate_generate
+
+    with Engine(str(tiny_model_factory("llama")), kv_cache_tokens=8192, page_size=4) as e:
+        real = e.scheduler.chunks.budget
+
+        def budget(decodes, streaming=True, prefix=0, prompt=None):
+            return 48 if decodes else 256  # (max_chunk stands at 256 here)
+
+        monkeypatch.setattr(e.scheduler.chunks, "budget", budget)
+        params = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+        (long,) = e.submit(validate_generate("long", [5 + i % 300 for i in range(900)], params, e.limits))
+        e.step()
+        assert long.num_computed == 256  # throughput: nothing decodes
+        (short,) = e.submit(validate_generate("short", [900 + i for i in range(6)], params, e.limits))
+        batch = e.scheduler.schedule()
+        assert {r.rid: n for r, n in batch.extends} == {"long": 48 + 2 * 6 - 6, "short": 6}
+        e.scheduler.process_batch(batch, e.runner.forward(batch))
+        assert short.output_len == 1 and long.output_len == 0
+        monkeypatch.setattr(e.scheduler.chunks, "budget", real)
+        while e.scheduler.running or e.scheduler.waiting:
+            e.step()
+        e.check_invariants()
