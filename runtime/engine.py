@@ -20,7 +20,7 @@ from plait.runtime.chunking import attention_pairs
 from plait.runtime.config import EngineConfig
 from plait.runtime.prompt_tokens import encode_prompt
 from plait.runtime.sampler import generator_seed
-from plait.runtime.constrained.backend import LLGUIDANCE, OUTLINES, Grammars
+from plait.runtime.constrained.backend import LLGUIDANCE, Grammars
 from plait.runtime.constrained.vocab import TokenVocab
 from plait.runtime.cuda_graph import DecodeGraphRunner
 from plait.runtime.eviction import make_policy
@@ -381,7 +381,7 @@ class Engine:
                            "heal": not inp.return_logprob and params.max_new_tokens > 0}
                 r.grammar = self.grammar_compiler.matcher(future, inp.constraint, **options)
                 c = inp.constraint
-                if c.auto and c.kind in ("regex", "json_schema") and c.backend == OUTLINES:
+                if c.llguidance_fallback:
                     r.grammar_fallback = (c, options)  # a JSON Schema here is llguidance's refusal, as a regex
                 self._grammar_pending.append(r)
             self.outputs.start(r)

@@ -389,6 +389,13 @@ class Constraint:
     # on llguidance instead (Engine)
     auto: bool = False
 
+    @property
+    def llguidance_fallback(self) -> bool:
+        """Auto's regex (or a JSON Schema's regex translation) on outlines-core: built on
+        llguidance instead when its build runs past its time (a short budget:
+        ``AUTO_OUTLINES_BUDGET_S``) or memory."""
+        return self.auto and self.kind in ("regex", "json_schema") and self.backend == OUTLINES
+
 
 def _distinct(errors: Any) -> list[str]:
     """The backends' refusals, each reason once: plait checks a pattern alike for both,

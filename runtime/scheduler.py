@@ -192,19 +192,18 @@ class Scheduler:
             # of a cached prefix, is decided in _admit)
             prefix, prompt = 0, None
             filling = [r for r in self.running if not r.is_decoding and r.num_pending > 0]
-            if decoding and streaming and filling:
-                r = max(filling, key=lambda r: r.num_computed)
-                prefix, prompt = r.num_computed, (r.admitted_at, r.seq_len)
+            lead = max(filling, key=lambda r: r.num_computed) if filling else None
+            if decoding and streaming and lead is not None:
+                prefix, prompt = lead.num_computed, (lead.admitted_at, lead.seq_len)
             budget = self.chunks.budget(decoding, streaming, prefix, prompt) - batch.num_draft_tokens
-            if not decoding and filling and self.waiting:
+            if not decoding and lead is not None and self.waiting:
                 # prompts about to start beside a long one: the step that admits them ends
                 # with their first tokens, so it is sized as a step beside a streaming decode
                 # (plus what they need), not for throughput (4,096 tokens: ~12 s here)
-                wanted = self._reserve_for_waiting(budget)
+                wanted = self._reserve_for_waiting(budget, filling)
                 if wanted > 0:
-                    r = max(filling, key=lambda r: r.num_computed)
-                    budget = min(budget, self.chunks.budget(1, True, r.num_computed, (r.admitted_at, r.seq_len))
-                                 + 2 * wanted)
+                    budget = min(budget, self.chunks.budget(1, True, lead.num_computed,
+                                                            (lead.admitted_at, lead.seq_len)) + 2 * wanted)
             if filling or self.waiting:
                 # drafts being verified take the budget's tokens first, but never all of
                 # it: a prompt still advances beside many verifying streams
@@ -258,25 +257,29 @@ class Scheduler:
             batch.verifies.append((r, draft))
         return rest
 
-    def _reserve_for_waiting(self, budget: int) -> int:
+    def _reserve_for_waiting(self, budget: int, filling: list[Req] | None = None) -> int:
         """Tokens of this step's budget kept from prompts being filled for the prompts
         waiting to start (at most half of it, and what the first few need): a prompt
         being filled took the whole budget first, so a 5-token request that arrived
         during an 8,000-token prompt waited for all of it (24 s here, something decoding
         or not). A waiting prompt that shares tokens a filling one has yet to compute
-        (n > 1 siblings, a shared system prompt) gets none: it waits to reuse them."""
+        (n > 1 siblings, a shared system prompt) gets none: it waits to reuse them.
+        ``filling``: the prompts being filled, when the caller has them."""
         if not self.waiting or budget < 2:
             return 0
-        filling = [r for r in self.running if not r.is_decoding and r.num_pending > 0]
+        if filling is None:
+            filling = [r for r in self.running if not r.is_decoding and r.num_pending > 0]
         if not filling:
             return 0
+        # each one's tokens and how many of them it shares at most with a prompt that can
+        # start now: its computed tokens, page-aligned (what the cache holds), plus one
+        held = [(f.token_ids, f.num_computed // self.page_size * self.page_size + 1) for f in filling]
         need, cap = 0, budget // 2
         for r in list(self.waiting)[:WAITING_RESERVE_LOOKAHEAD]:
             if r.grammar is not None and not r.grammar.started:
                 continue
-            if any(_common_prefix_len(r.token_ids, f.token_ids) > f.num_computed // self.page_size * self.page_size
-                   for f in filling):
-                continue  # (it shares tokens the filling one has yet to compute: better wait for them)
+            if any(r.token_ids[:k] == ids[:k] for ids, k in held):
+                continue  # (it shares tokens a filling one has yet to compute: better wait for them)
             need += r.seq_len
             if need >= cap:
                 break

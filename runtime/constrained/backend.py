@@ -174,8 +174,8 @@ class Grammars:
             lane = self.compiler(f"{OUTLINES}#{len(lanes) + 1}")
         if lane is None:  # every worker busy: behind the shortest queue of one not stalled
             lane = min(lanes, key=lambda c: (c.stalled(SLOW_BUILD_S), c.queued))
-        # (auto's: the engine builds the regex on llguidance when this runs past its budget)
-        fallback = getattr(constraint, "auto", False) and constraint.kind in ("regex", "json_schema")
+        # (the engine builds auto's regex on llguidance when this runs past its budget)
+        fallback = getattr(constraint, "llguidance_fallback", False)
         return lane.request(constraint.grammar, min(self.timeout_s, AUTO_OUTLINES_BUDGET_S) if fallback else None)
 
     def matcher(self, future: GrammarFuture, constraint: Any, *, jump_forward: bool, heal: bool) -> Matcher:

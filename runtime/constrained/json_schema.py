@@ -1716,7 +1716,7 @@ class _Translator:
             return '"' + _with_format_relaxed(
                 lambda rx: _pattern_with_lookaheads(s["pattern"], path, looks, rx, lengths), fmt) + '"'
         if "pattern" in s and fmt is not None:  # (zod v4's z.uuid(), z.iso.datetime() write both)
-            return '"' + _with_format_relaxed(lambda rx: _pattern_and_format(s["pattern"], fmt, path, lengths, rx),
+            return '"' + _with_format_relaxed(lambda rx: _pattern_and_format(s["pattern"], fmt, rx, path, lengths),
                                               fmt) + '"'
         if "pattern" in s:
             return '"' + _json_safe_pattern(s["pattern"], path, lengths) + '"'
@@ -2533,15 +2533,14 @@ def _bounded_patterns(cls: Any) -> Any:
 MAX_INTERSECTION_CHARS = 20_000  # the regex of a pattern and a format together (state elimination may grow it)
 
 
-def _pattern_and_format(pattern: Any, fmt: str, path: str, lengths: tuple[int, int | None] | None,
-                        fmt_regex: str | None = None) -> str:
+def _pattern_and_format(pattern: Any, fmt: str, fmt_regex: str, path: str,
+                        lengths: tuple[int, int | None] | None) -> str:
     """The strings both ``pattern`` and ``format`` (and ``lengths``) admit, as a regex
     of a JSON string's content: the automata of the two intersected, written back as a
     regex by state elimination. Every format's characters need no JSON escape, so the
     written text is the value. Raises :class:`SchemaError` when no string satisfies
     both, or the automaton or its regex grows past the limits. ``fmt_regex``: the
-    format's regex, when not ``FORMATS[fmt]`` (:func:`_with_format_relaxed`)."""
-    fmt_regex = FORMATS[fmt] if fmt_regex is None else fmt_regex
+    format's regex (``FORMATS[fmt]``, or :func:`_with_format_relaxed`'s)."""
     import interegular
 
     from plait.runtime.constrained.fsm_limits import FsmTooLarge, fsm_deadline
@@ -2564,11 +2563,16 @@ def _pattern_and_format(pattern: Any, fmt: str, path: str, lengths: tuple[int, i
                     fsm = fsm & interegular.parse_pattern(f"[^\\x00]{{{lo},{'' if hi is None else hi}}}").to_fsm()
             fsm = fsm.reduce()
     except FsmTooLarge as e:
-        raise SchemaError(f"{both}: their automata are too complex to combine ({e})") from None
+        raise _TooLarge(f"{both}: their automata are too complex to combine ({e})") from None
     return _fsm_regex(fsm, both)  # (refused there when no string satisfies both)
 
 
 MAX_INTERSECTION_STATES = 2_000  # the automaton of a pattern and a format together, before elimination
+
+
+class _TooLarge(SchemaError):
+    """An automaton or its regex past the intersection limits (not a schema no string
+    satisfies)."""
 
 
 def _with_format_relaxed(build: Any, fmt: str | None) -> str:
@@ -2579,9 +2583,9 @@ def _with_format_relaxed(build: Any, fmt: str | None) -> str:
     '@'). The format's own regex, without a pattern, keeps them."""
     try:
         return build(None if fmt is None else FORMATS[fmt])
-    except SchemaError as e:
+    except _TooLarge:
         relaxed = None if fmt is None else re.sub(r"\{(\d+),\d+\}", r"{\1,}", FORMATS[fmt])
-        if relaxed is None or relaxed == FORMATS[fmt] or not any(w in str(e) for w in ("too complex", "past")):
+        if relaxed is None or relaxed == FORMATS[fmt]:
             raise
         return build(relaxed)
 
@@ -2641,7 +2645,7 @@ def _pattern_with_lookaheads(pattern: str, path: str, split: tuple[list[Any], li
                 fsm = fsm & interegular.parse_pattern(f"(?:{JSON_CHAR}){{{lo},{'' if hi is None else hi}}}").to_fsm()
             fsm = fsm.reduce()
     except FsmTooLarge as e:
-        raise SchemaError(f"{what}: its automaton is too complex ({e})") from None
+        raise _TooLarge(f"{what}: its automaton is too complex ({e})") from None
     except (ValueError, KeyError, NotImplementedError) as e:  # a construct interegular cannot read
         raise SchemaError(f"{what}: it cannot be compiled ({e})") from None
     out = _fsm_regex(fsm, what)
@@ -2656,7 +2660,7 @@ def _fsm_regex(fsm: Any, what: str) -> str:
     from interegular.fsm import anything_else
 
     if len(fsm.states) > MAX_INTERSECTION_STATES:
-        raise SchemaError(f"{what}: together they make an automaton of {len(fsm.states)} states; supported: at most "
+        raise _TooLarge(f"{what}: together they make an automaton of {len(fsm.states)} states; supported: at most "
                           f"{MAX_INTERSECTION_STATES}")
     # each transition's characters; "any other character" (a pattern's '.', a negated class)
     # is every character the automaton does not list, never one JSON text must escape
@@ -2694,7 +2698,7 @@ def _fsm_regex(fsm: Any, what: str) -> str:
             edges[(q, end)] = [""]
 
     def too_large() -> SchemaError:
-        return SchemaError(f"{what}: together they make a regex past {MAX_INTERSECTION_CHARS} characters; "
+        return _TooLarge(f"{what}: together they make a regex past {MAX_INTERSECTION_CHARS} characters; "
                            "supported: a pattern and a format that combine into a smaller one")
 
     left = eliminate(edges, list(live), max_chars=MAX_INTERSECTION_CHARS, too_large=too_large)
