@@ -250,9 +250,25 @@ def _arguments_regex(fn: dict[str, Any], where: str, before: str) -> tuple[str, 
     try:
         rx, sites = guarded_regex({**params, "type": "object"})
     except ValueError as e:
-        raise RequestError(f"{where}.parameters (function {fn['name']!r}) cannot be enforced: {e}",
-                           f"{where}.parameters") from None
+        hole = _json_hole({**params, "type": "object"})
+        if hole is None:
+            raise RequestError(f"{where}.parameters (function {fn['name']!r}) cannot be enforced: {e}",
+                               f"{where}.parameters") from None
+        return hole, []
     return rx, [(before, sites)] if sites else []
+
+
+def _json_hole(schema: dict[str, Any]) -> str | None:
+    """A JSON hole (:mod:`plait.runtime.constrained.holes`) for arguments whose schema
+    has no regex but which llguidance's JSON compiler follows (as ``response_format``
+    serves them), or None where it does not (or llguidance is not installed)."""
+    try:
+        from plait.runtime.constrained.holes import json_hole
+        from plait.runtime.constrained.llguidance_backend import prepared_schema
+
+        return json_hole(prepared_schema(schema))
+    except (ImportError, ValueError):
+        return None
 
 
 def _no_parameters(params: dict[str, Any] | None) -> bool:

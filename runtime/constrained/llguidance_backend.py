@@ -855,6 +855,17 @@ def schema_grammar(schema: dict[str, Any] | str, whitespace_pattern: str | None)
         raise ValueError(_shown_places(str(e), copied)) from None
 
 
+def prepared_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` as :func:`schema_grammar` gives it to llguidance's JSON compiler
+    (rewritten, objects closed, compact JSON options under ``x-guidance``), for a
+    ``%json`` value in a Lark grammar (:mod:`plait.runtime.constrained.holes`).
+    ``ValueError`` as :func:`schema_grammar`'s."""
+    grammars = json.loads(schema_grammar(schema, None)).get("grammars")
+    if not isinstance(grammars, list) or len(grammars) != 1 or not isinstance(grammars[0].get("json_schema"), dict):
+        raise ValueError("it compiles to more than one JSON Schema grammar")
+    return grammars[0]["json_schema"]
+
+
 def _schema_grammar(value: dict[str, Any], whitespace_pattern: str | None) -> str:
     """:func:`schema_grammar` of a parsed, checked document (its references read from
     the root, their targets in subschema places)."""

@@ -23,6 +23,7 @@ from plait.chat_template import (
 from plait.errors import RequestError, is_int
 from plait.reasoning import END as REASONING_END
 from plait.reasoning import MAX_REASONING_CHARS, ReasoningParser, ReasoningStream, get_reasoning_parser
+from plait.runtime.constrained.holes import has_holes, holes_to_lark
 from plait.runtime.sampling_params import AUTO, CONSTRAINT_FIELDS, LLGUIDANCE, MAX_N, MAX_STOP_STRINGS
 from plait.runtime.server.front import Front
 from plait.runtime.validation import check_text
@@ -1186,7 +1187,21 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
         # Qwen3's optional '<think>' section in front, 30 s, past the compile limit);
         # llguidance follows the same regex lazily (the same request in 2-4 s, tokens included)
         constraint["grammar_backend"] = LLGUIDANCE
-    if regex is not None:
+    if regex is not None and has_holes(regex):
+        # a function's arguments only llguidance's JSON compiler follows (plait.runtime.
+        # constrained.holes): the calls' regex becomes a Lark grammar with them as %json
+        if body.get("grammar_backend") not in (None, AUTO, LLGUIDANCE):
+            raise RequestError(f"grammar_backend={body['grammar_backend']!r} cannot enforce {field_name}: a "
+                               f"function's parameters have no regex (response_format serves them through "
+                               f"llguidance); allowed: llguidance or auto", "grammar_backend")
+        try:
+            constraint["ebnf"] = holes_to_lark(regex)
+        except ValueError as e:
+            raise RequestError(f"{field_name} cannot be enforced: {e}", field_name) from None
+        constraint["grammar_backend"] = LLGUIDANCE
+        if unique:
+            constraint["unique_items"] = [[a, sites] for a, sites in unique]
+    elif regex is not None:
         constraint["regex"] = regex
         if unique:
             constraint["unique_items"] = [[a, sites] for a, sites in unique]
