@@ -263,7 +263,7 @@ class Function:
         is not worth a request: returns whether one was prefilled."""
         b = _resolve_backend(backend)
         graph = self.trace()
-        text = token_safe_cut(graph.prefix_text(b.get_chat_template() if graph.uses_roles else None))
+        text = token_safe_cut(graph.prefix_text(b.chat_template if graph.uses_roles else None))
         if len(text) < MIN_PIN_CHARS:
             return False
         b.cache_prefix(text)
@@ -297,7 +297,7 @@ class Function:
         template = None
         if any(g.uses_roles for g in graphs):
             try:
-                template = _resolve_backend(backend).get_chat_template()
+                template = _resolve_backend(backend).chat_template
             except (BackendError, RuntimeError, ValueError):  # run() reports template problems
                 template = None
         return plan_batch(graphs, template)

@@ -206,16 +206,18 @@ class BaseBackend(ABC):
 
     @property
     def chat_template(self) -> ChatTemplate | None:
-        """The template roles render with (SGLang's attribute; :meth:`get_chat_template`)."""
-        return self.get_chat_template()
+        """The template roles render with (SGLang's attribute): one assigned to it (a
+        :class:`ChatTemplate`, as SGLang programs assign ``get_chat_template(name)``),
+        else :meth:`get_chat_template`, the served model's own."""
+        assigned = getattr(self, "_assigned_template", None)
+        return assigned if assigned is not None else self.get_chat_template()
 
     @chat_template.setter
     def chat_template(self, value: Any) -> None:
-        # SGLang programs assign get_chat_template(name) here; plait renders roles with
-        # the served model's own template, so a replacement would be silently ignored
-        raise ValueError(f"{type(self).__name__}.chat_template cannot be replaced (given {value!r:.60}): plait "
-                         "renders roles with the served model's own chat template (or the runtime's "
-                         "--chat-template); drop the assignment")
+        if value is not None and not isinstance(value, ChatTemplate):
+            raise ValueError(f"{type(self).__name__}.chat_template={value!r:.60} is invalid; allowed: a ChatTemplate "
+                             "(plait.chat_template.get_chat_template(name)) or None (the served model's own)")
+        self._assigned_template = value
 
     def shutdown(self) -> None:
         pass

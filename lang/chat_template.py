@@ -24,7 +24,7 @@ import functools
 import json
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, NoReturn
+from typing import Any
 
 Render = Callable[[list[dict[str, str]]], str]
 
@@ -339,15 +339,17 @@ def _invalid(value: Any, why: str) -> ValueError:
     return ValueError(f"chat_template={shown} (--chat-template) is invalid: {why}; allowed: {_ALLOWED}")
 
 
-def get_chat_template(name: str) -> NoReturn:
-    """SGLang's table of hand-written templates by name, which programs assign to a
-    backend (``runtime.endpoint.chat_template = get_chat_template("chatml")``). plait
-    has no such table: roles render with the served model's own template (or the
-    runtime's ``--chat-template``), so this raises, saying so."""
-    raise ChatTemplateError(f"get_chat_template({name!r}): plait has no table of named chat templates; roles render "
-                            "with the served model's own template, so drop the call (to serve another template, "
-                            "start the runtime with --chat-template FILE or NAME, or chat_template= in plait.Runtime /"
-                            " plait.Engine; built-in names: " + ", ".join(BUILT_IN_TEMPLATES) + ")")
+def get_chat_template(name: str) -> ChatTemplate:
+    """SGLang's named templates, which programs assign to a backend
+    (``runtime.endpoint.chat_template = get_chat_template("chatml")``): plait builds in
+    :data:`BUILT_IN_TEMPLATES` (ChatML); other names raise, saying how to get the
+    template (roles render with the served model's own template unless one is assigned)."""
+    if name in BUILT_IN_TEMPLATES:
+        return jinja_template(BUILT_IN_TEMPLATES[name], name=name)
+    raise ChatTemplateError(f"get_chat_template({name!r}): plait has no chat template by that name (built in: "
+                            + ", ".join(BUILT_IN_TEMPLATES) + "); roles render with the served model's own template, "
+                            "so drop the call, or start the runtime with --chat-template FILE (chat_template= in "
+                            "plait.Runtime / plait.Engine)")
 
 
 # -- tools in chat prompts -------------------------------------------------------------------------

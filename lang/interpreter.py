@@ -74,7 +74,7 @@ class Executor:
     def template(self) -> ChatTemplate | None:
         if self._template is _UNFETCHED:  # fetched by the first gen or role
             try:
-                self._template = self.backend.get_chat_template()
+                self._template = self.backend.chat_template
             except ChatTemplateError as e:
                 self._template = e
         if isinstance(self._template, ChatTemplateError):

@@ -27,6 +27,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
@@ -236,16 +237,25 @@ class RuntimeEndpoint(BaseBackend):
     if nothing answers within ``connect_timeout_s``. ``verify`` is SGLang's (as in
     ``requests``): for an ``https://`` URL, False skips certificate checks and a path
     names a CA bundle (file) or folder of certificates. SGLang's ``chat_template_name``
-    (a frontend template by name) is refused: roles render with the runtime's chat
-    template (the served model's own, or the server's ``--chat-template``)."""
+    names a frontend template roles render with: a built-in one (``chatml``) is used;
+    another name warns, and roles render with the runtime's chat template (the served
+    model's own, or the server's ``--chat-template``), as without it."""
 
     def __init__(self, base_url: str, api_key: str | None = None, verify: bool | str | None = None,
                  chat_template_name: str | None = None, *, connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  liveness_timeout_s: float = LIVENESS_TIMEOUT_S, alive: Callable[[], bool] | None = None) -> None:
+        assigned = None
         if chat_template_name is not None:
-            raise ValueError(f"chat_template_name={chat_template_name!r} is not supported by plait: roles render "
-                             "with the runtime's chat template (the served model's own, from tokenizer_config.json, "
-                             "chat_template.jinja or the GGUF file, or the server's --chat-template)")
+            from plait.chat_template import BUILT_IN_TEMPLATES, get_chat_template
+
+            if not isinstance(chat_template_name, str):
+                raise ValueError(f"chat_template_name={chat_template_name!r} is invalid; allowed: a template name")
+            if chat_template_name in BUILT_IN_TEMPLATES:
+                assigned = get_chat_template(chat_template_name)
+            else:  # SGLang's table names the model's own format ("qwen" for a Qwen model): the runtime has it
+                warnings.warn(f"chat_template_name={chat_template_name!r} is not built into plait (built in: "
+                              + ", ".join(BUILT_IN_TEMPLATES) + "): roles render with the runtime's chat template "
+                              "(the served model's own, or the server's --chat-template)", stacklevel=2)
         if not isinstance(base_url, str) or not base_url:
             raise ValueError(f"base_url={base_url!r} is invalid; allowed: http(s)://host:port, tcp://host:port or ipc://path")
         self.base_url = base_url
@@ -260,6 +270,7 @@ class RuntimeEndpoint(BaseBackend):
         self._client = _ZmqClient(address, liveness_timeout_s, alive, api_key)
         self._template: Any = None
         self._template_lock = threading.Lock()
+        self._assigned_template = assigned
         try:
             self.server_info = self._control(P.ServerInfoRequest(self._rid("info")), connect_timeout_s).info
         except RuntimeUnavailableError as e:

@@ -260,6 +260,16 @@ def test_a_benchmark_scripts_common_options_select_the_server(runtime, ref, monk
     assert normalize_base_url("https://h.example/") == "https://h.example"
 
 
+def test_is_in_ci_reads_sglang_s_variable(monkeypatch):
+    from plait.test.test_utils import is_in_ci  # SGLang's notebooks import it first
+
+    for value, expected in (("", False), ("0", False), ("false", False), ("1", True), ("True", True)):
+        monkeypatch.setenv("SGLANG_IS_IN_CI", value)
+        assert is_in_ci() is expected
+    monkeypatch.delenv("SGLANG_IS_IN_CI")
+    assert is_in_ci() is False
+
+
 def test_global_config(engine, capsys, monkeypatch):
     cfg = sgl.global_config
     with pytest.raises(AttributeError):

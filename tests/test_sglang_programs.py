@@ -257,8 +257,10 @@ def test_hosted_api_backends_and_frontend_templates_are_refused_by_name():
         with pytest.raises(AttributeError, match=f"plait has no {name} backend: .*plait.Runtime"):
             getattr(sgl, name)
         assert not hasattr(sgl, name)
-    with pytest.raises(ValueError, match="chat_template_name='qwen' is not supported by plait: roles render with"):
-        sgl.RuntimeEndpoint("http://127.0.0.1:9", chat_template_name="qwen")  # refused before connecting
+    # a template name SGLang's table has and plait does not: a warning, then the runtime's template
+    with pytest.warns(UserWarning, match="chat_template_name='qwen' is not built into plait.*runtime's chat"), \
+            pytest.raises(sgl.RuntimeUnavailableError):
+        sgl.RuntimeEndpoint("http://127.0.0.1:9", chat_template_name="qwen", connect_timeout_s=0.5)
 
 
 # -- SGLang program shapes that already worked, kept working ------------------------------------------

@@ -160,17 +160,35 @@ def test_custom_choice_methods_get_every_keyword(backend):
 
 
 # -- 3. named chat templates ---------------------------------------------------------------------------
-def test_a_named_chat_template_is_refused_and_the_backend_s_is_readable(backend):
-    from plait.chat_template import ChatTemplate, get_chat_template
+@sgl.function
+def one_turn(s):
+    s += sgl.user("hi")
+    s += sgl.assistant(sgl.gen("a", max_tokens=2, temperature=0))
 
-    with pytest.raises(ValueError, match=r"get_chat_template\('chatml'\).*drop the call.*--chat-template"):
-        get_chat_template("chatml")
+
+def test_a_named_chat_template_is_used_and_the_backend_s_is_readable(backend):
+    from plait.chat_template import ChatTemplate, get_chat_template, jinja_template
+
     template = backend.chat_template
     assert isinstance(template, ChatTemplate) and template is backend.get_chat_template()
     assert template.stop_str == ("<|im_end|>",)
-    with pytest.raises(ValueError, match="chat_template cannot be replaced.*drop the assignment"):
-        backend.chat_template = template
+    chatml = get_chat_template("chatml")  # SGLang's name: plait's built-in ChatML
+    assert chatml.markers("user") == ("<|im_start|>user\n", "<|im_end|>\n")
+    with pytest.raises(ValueError, match=r"get_chat_template\('vicuna_v1.1'\).*built in: chatml.*--chat-template"):
+        get_chat_template("vicuna_v1.1")
+    # an assigned template is what roles render with (SGLang's backend.chat_template = ...)
+    marked = jinja_template("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+                            "{% if add_generation_prompt %}[assistant]{% endif %}", name="marked")
+    backend.chat_template = marked
+    try:
+        assert backend.chat_template is marked
+        assert one_turn.run(backend=backend).text().startswith("[user]hi[assistant]")
+        with pytest.raises(ValueError, match="chat_template='chatml' is invalid; allowed: a ChatTemplate"):
+            backend.chat_template = "chatml"
+    finally:
+        backend.chat_template = None
     assert backend.chat_template is template
+    assert one_turn.run(backend=backend).text().startswith("<|im_start|>")
 
 
 # -- 4. the debug studio's region marker ------------------------------------------------------------------

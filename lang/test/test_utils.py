@@ -3,8 +3,9 @@
 select. A script whose ``sglang`` became ``plait`` runs against a plait server with the
 same flags (``--host``, ``--port``, ``--parallel``, ``--backend``, ``--result-file``).
 
-SGLang's other test helpers (launching its own test servers, CI settings) belong to
-SGLang's test suite, not to programs, and are not here.
+``is_in_ci`` too, which SGLang's frontend notebooks import to shorten their runs in CI.
+SGLang's other test helpers (launching its own test servers) belong to SGLang's test
+suite, not to programs, and are not here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["add_common_sglang_args_and_parse", "select_sglang_backend"]
+__all__ = ["add_common_sglang_args_and_parse", "is_in_ci", "select_sglang_backend"]
+
+
+def is_in_ci() -> bool:
+    """Whether the environment variable ``SGLANG_IS_IN_CI`` is true (``1``, ``true``,
+    ``yes`` or ``on``, any case), as SGLang reads it."""
+    import os
+
+    return os.environ.get("SGLANG_IS_IN_CI", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def add_common_sglang_args_and_parse(parser: argparse.ArgumentParser) -> argparse.Namespace:
