@@ -94,14 +94,17 @@ def mistral_call_id(given: str | None = None) -> str:
 
 
 # -- tools as the OpenAI API sends them ---------------------------------------------------------
-_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# OpenAI's rule ([A-Za-z0-9_-]{1,64}) with MCP's dots and length (its tool-name format: up
+# to 128 of A-Z, a-z, 0-9, _, - and .; "github.create_issue" from an MCP bridge was a 400,
+# where vLLM and SGLang take any name)
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 def check_tools(tools: Any, param: str = "tools", nested: bool = True) -> list[dict[str, Any]]:
     """``tools`` in OpenAI's shape (``[{"type": "function", "function": {"name",
     "description", "parameters"}}]``; with ``nested=False`` the Responses API's
     ``[{"type": "function", "name", ...}]``), checked: names match
-    ``[A-Za-z0-9_-]{1,64}`` and are distinct, ``parameters`` is an object. Returns the
+    ``[A-Za-z0-9_.-]{1,128}`` and are distinct, ``parameters`` is an object. Returns the
     function objects (name, description, parameters); raises :class:`RequestError`
     naming ``tools[i].function.name`` (``tools[i].name``) etc."""
     if not isinstance(tools, list) or not tools:
@@ -122,7 +125,7 @@ def check_tools(tools: Any, param: str = "tools", nested: bool = True) -> list[d
                                f"{{...}}}}); the Responses API's tools are flat: {{\"type\": \"function\", \"name\": "
                                f"..., \"parameters\": ...}}", f"{where}.name")
         if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-            raise RequestError(f"{where}.name={name!r} is invalid; allowed: 1 to 64 of a-z, A-Z, 0-9, _ and -",
+            raise RequestError(f"{where}.name={name!r} is invalid; allowed: 1 to 128 of a-z, A-Z, 0-9, _, - and .",
                                f"{where}.name")
         if name in seen:
             raise RequestError(f"{where}.name={name!r} is given twice; names must be distinct", f"{where}.name")

@@ -551,3 +551,33 @@ def test_arguments_nested_past_the_recursion_limit_are_not_a_crash(name, text):
     for i in range(0, len(text), 4096):
         stream.feed(text[i:i + 4096])
     stream.finish()
+
+
+def test_mcp_style_dotted_names_are_called_in_every_json_format():
+    """MCP's tool-name format adds dots (and up to 128 characters) to OpenAI's rule: an
+    MCP bridge's "github.create_issue" was a 400. Every format but pythonic (a call
+    there is Python, where a dot is attribute access: refused when forced) writes and
+    reads it; a space is still refused, naming the field."""
+    import re
+
+    from plait.tool_parsers import ToolCall, check_tools
+
+    name = "github.create_issue"
+    tools = [{"type": "function", "function": {"name": name, "parameters": ADD}}]
+    assert [fn["name"] for fn in check_tools(tools)] == [name]
+    assert check_tools([{"type": "function", "function": {"name": "a" * 128}}])
+    for bad in ("a" * 129, "bad name", "a/b", ""):
+        with pytest.raises(RequestError, match=r"1 to 128 of a-z, A-Z, 0-9, _, - and \.") as e:
+            check_tools([{"type": "function", "function": {"name": bad}}])
+        assert e.value.param == "tools[0].function.name"
+    for fmt in sorted(TOOL_PARSERS):
+        parser = get_tool_parser(fmt)
+        if fmt == "pythonic":
+            with pytest.raises(RequestError, match="not a Python identifier"):
+                parser.constraint(tools, name, False)
+            continue
+        text = parser.format_calls([ToolCall(id="c", name=name, arguments='{"a":1,"b":2}')])
+        content, calls = parser.parse(text, tools)
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [(name, {"a": 1, "b": 2})], (fmt, text)
+        regex = parser.constraint(tools, name, False).regex
+        assert re.fullmatch(regex, text.replace('{"a": 1, "b": 2}', '{"a":1,"b":2}')), (fmt, text)
