@@ -245,33 +245,17 @@ def _arguments_regex(fn: dict[str, Any], where: str, before: str) -> tuple[str, 
     "null"]``, admits other values), or ``{}`` for a function without listed
     parameters; and its ``uniqueItems`` kept beside the regex, after ``before`` (the
     text the regex writes right before the arguments)."""
-    from plait.runtime.constrained.unique_items import guarded_regex
+    from plait.runtime.constrained.holes import regex_or_hole
 
     params = fn.get("parameters")
     if _no_parameters(params):
         return r"\{\}", []
-    try:
-        rx, sites = guarded_regex({**params, "type": "object"})
+    try:  # (a schema only llguidance's JSON compiler follows: a hole, plait.runtime.constrained.holes)
+        rx, sites = regex_or_hole({**params, "type": "object"})
     except ValueError as e:
-        hole = _json_hole({**params, "type": "object"})
-        if hole is None:
-            raise RequestError(f"{where}.parameters (function {fn['name']!r}) cannot be enforced: {e}",
-                               f"{where}.parameters") from None
-        return hole, []
+        raise RequestError(f"{where}.parameters (function {fn['name']!r}) cannot be enforced: {e}",
+                           f"{where}.parameters") from None
     return rx, [(before, sites)] if sites else []
-
-
-def _json_hole(schema: dict[str, Any]) -> str | None:
-    """A JSON hole (:mod:`plait.runtime.constrained.holes`) for arguments whose schema
-    has no regex but which llguidance's JSON compiler follows (as ``response_format``
-    serves them), or None where it does not (or llguidance is not installed)."""
-    try:
-        from plait.runtime.constrained.holes import json_hole
-        from plait.runtime.constrained.llguidance_backend import prepared_schema
-
-        return json_hole(prepared_schema(schema))
-    except (ImportError, ValueError):
-        return None
 
 
 def _no_parameters(params: dict[str, Any] | None) -> bool:

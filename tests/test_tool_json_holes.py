@@ -171,3 +171,52 @@ def test_the_language_forces_such_a_call():
     with pytest.raises(ValueError, match="grammar_backend='outlines' cannot enforce"):
         plait.gen("call", tools=[{"type": "function", "function": {"name": "f", "parameters": PKG}}],
                   tool_choice="required", grammar_backend="outlines")
+
+
+# -- structural tags: a json_schema element (or a legacy structure's schema) with no regex ----------
+TAG_FORMAT = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<pkg>"], "tags": [
+    {"begin": "<pkg>", "content": {"type": "json_schema", "json_schema": PKG}, "end": "</pkg>"}]}}
+TAG_LEGACY = {"type": "structural_tag", "triggers": ["<pkg>"],
+              "structures": [{"begin": "<pkg>", "schema": PKG, "end": "</pkg>"}]}
+
+
+@pytest.mark.parametrize("fmt", [TAG_FORMAT, TAG_LEGACY], ids=["format", "legacy"])
+def test_structural_tags_take_schemas_without_a_regex(fmt):
+    from plait.runtime.constrained.structural_tag import structural_tag_constraint
+
+    regex, _ = structural_tag_constraint(fmt)
+    grammar = holes_to_lark(regex)
+    assert _accepts(grammar, 'Hello <pkg>{"name":"left-pad"}</pkg> and <pkg>{"name":"@a/b"}</pkg> bye')
+    assert _accepts(grammar, "no tags at all")
+    assert not _accepts(grammar, 'x <pkg>{"name":"Left"}</pkg>')
+    assert not _accepts(grammar, 'x <pkg>{"name":"abcdefghijklm"}</pkg>')  # past maxLength
+
+
+def test_structural_tags_with_holes_over_http(http):
+    for fmt in (TAG_FORMAT, TAG_LEGACY):
+        r = http.post("/generate", json={"text": "Go:", "sampling_params": {
+            "structural_tag": fmt, "max_new_tokens": 60, "temperature": 1.0, "seed": 3}})
+        assert r.status_code == 200, r.text
+        r = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, "temperature": 1.0, "seed": 3,
+            "response_format": fmt})
+        assert r.status_code == 200, r.text
+        r = http.post("/generate", json={"text": "Go:", "sampling_params": {
+            "structural_tag": fmt, "max_new_tokens": 4, "grammar_backend": "outlines"}})
+        assert r.status_code == 400 and "llguidance" in r.text, r.text
+    # forced into a tag right away: the JSON inside follows the schema
+    forced = {"type": "structural_tag", "format": {"type": "tag", "begin": "<pkg>", "end": "</pkg>",
+                                                   "content": {"type": "json_schema", "json_schema": PKG}}}
+    done = 0
+    for seed in range(4):
+        r = http.post("/generate", json={"text": "Go:", "sampling_params": {
+            "structural_tag": forced, "max_new_tokens": 80, "temperature": 1.0, "seed": seed}})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        if out["meta_info"]["finish_reason"]["type"] == "length":
+            continue
+        text = out["text"]
+        assert text.startswith("<pkg>") and text.endswith("</pkg>"), text
+        jsonschema.validate(json.loads(text[len("<pkg>"):-len("</pkg>")]), PKG)
+        done += 1
+    assert done >= 2

@@ -5,7 +5,8 @@ A forced or strict tool call is one regex: the format's fixed text around each c
 arguments, which plait's schema -> regex translation writes. Some schemas that
 ``response_format`` serves through llguidance's JSON compiler have no such regex (a
 ``pattern`` beside ``minLength`` / ``maxLength``, as package.json's ``name``; a ``not``
-of an ``enum`` beside ``maxLength``); such a call's arguments become a *hole*
+of an ``enum`` beside ``maxLength``); such a call's arguments (or a structural tag's
+schema) become a *hole*
 (:func:`json_hole`): the schema, prepared as ``response_format`` prepares it for
 llguidance, between two private-use characters no regex of plait's writes. A regex
 with holes (:func:`has_holes`) is turned into Lark (:func:`holes_to_lark`): the groups
@@ -42,6 +43,37 @@ def json_hole(schema: dict[str, Any]) -> str:
 
 def has_holes(regex: str) -> bool:
     return HOLE_OPEN in regex
+
+
+def masked(regex: str) -> str:
+    """``regex`` with each hole as the fixed text ``{}``: what a regex check reads (a
+    hole's JSON is not regex text)."""
+    out, i = [], 0
+    while (j := regex.find(HOLE_OPEN, i)) >= 0:
+        k = regex.index(HOLE_CLOSE, j)
+        out += [regex[i:j], r"\{\}"]
+        i = k + 1
+    return "".join(out) + regex[i:]
+
+
+def regex_or_hole(schema: Any) -> tuple[str, list[list[Any]]]:
+    """(the regex of ``schema``, its ``uniqueItems`` sites) as
+    :func:`plait.runtime.constrained.unique_items.guarded_regex` gives them, or, where
+    that refuses and llguidance's JSON compiler follows the schema, a hole for it and no
+    sites. ``ValueError``: the translation's, where neither takes it."""
+    from plait.runtime.constrained.unique_items import guarded_regex
+
+    try:
+        return guarded_regex(schema)
+    except ValueError as e:
+        if not isinstance(schema, dict):
+            raise
+        try:
+            from plait.runtime.constrained.llguidance_backend import prepared_schema
+
+            return json_hole(prepared_schema(schema)), []
+        except (ImportError, ValueError):
+            raise e from None
 
 
 # -- the regex's structure, as far as the holes need it ------------------------------------------------

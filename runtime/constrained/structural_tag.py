@@ -103,7 +103,7 @@ def structural_tag_constraint(fmt: dict[str, Any], param: str = "response_format
     whose ``uniqueItems`` the matcher keeps: (the text right before such a value, the
     sites of :func:`plait.runtime.constrained.unique_items.plan`)). ``ValueError``
     naming the part at fault."""
-    from plait.runtime.constrained.unique_items import guarded_regex
+    from plait.runtime.constrained.holes import regex_or_hole
 
     if "format" in fmt:  # the newer shape (xgrammar's element tree)
         return format_regex(fmt, param)
@@ -133,7 +133,7 @@ def structural_tag_constraint(fmt: dict[str, Any], param: str = "response_format
             raise ValueError(f"{where}.begin={s['begin']!r} starts with none of the triggers; allowed: a begin that "
                              f"starts with one of {triggers}")
         t = max(trig, key=len)
-        body, sites = guarded_regex(s["schema"])
+        body, sites = regex_or_hole(s["schema"])  # (or a JSON hole: plait.runtime.constrained.holes)
         if sites:
             if not s["begin"]:
                 raise ValueError(f"{where}.schema: its 'uniqueItems' are kept after the structure's begin, which is "
@@ -457,10 +457,10 @@ class _Translator:
     def schema(self, schema: Any, path: str, before: str | None) -> str:
         """A ``json_schema`` element's regex; its ``uniqueItems`` over scalars are kept by
         the matcher after ``before``, the literal text right before it."""
-        from plait.runtime.constrained.unique_items import guarded_regex
+        from plait.runtime.constrained.holes import regex_or_hole
 
-        try:
-            rx, sites = guarded_regex(schema)
+        try:  # (or a JSON hole: plait.runtime.constrained.holes)
+            rx, sites = regex_or_hole(schema)
         except ValueError as e:
             raise ValueError(f"{path}.{e}" if str(e).startswith("json_schema") else f"{path}.json_schema: {e}") \
                 from None
@@ -645,6 +645,7 @@ def format_regex(fmt: dict[str, Any], param: str = "response_format") -> tuple[s
     """The regex of a ``{"type": "structural_tag", "format": {...}}`` and the JSON values
     whose ``uniqueItems`` the matcher keeps (:func:`structural_tag_constraint`);
     ``ValueError`` naming the element at fault, by its path, and what is allowed."""
+    from plait.runtime.constrained.holes import has_holes, masked
     from plait.runtime.constrained.regexes import check_regex
 
     extra = sorted(set(fmt) - {"type", "format"})
@@ -662,6 +663,9 @@ def format_regex(fmt: dict[str, Any], param: str = "response_format") -> tuple[s
     if rx == "":
         raise ValueError(f"{where} admits only the empty output; allowed: a format that writes something")
     try:
+        if has_holes(rx):  # (JSON holes are no regex text: the rest is checked, the holes kept)
+            check_regex(masked(rx), f"{where} (as a regex)")
+            return rx, translator.groups
         return check_regex(rx, f"{where} (as a regex)"), translator.groups
     except ValueError as e:
         raise ValueError(f"{e} (the structural tag's regex: fewer or smaller elements)") from None
