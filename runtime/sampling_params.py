@@ -203,7 +203,7 @@ class SamplingParams:
         if self.regex is not None and not isinstance(self.regex, str):
             raise RequestError(f"regex={self.regex!r} is invalid; allowed: a string", "regex")
         if self.unique_items is not None:
-            _check_unique_items(self.unique_items, self.regex is not None)
+            _check_unique_items(self.unique_items, self.regex is not None or self.ebnf is not None)
         if self.json_schema is not None and not isinstance(self.json_schema, (dict, bool, str)):
             raise RequestError(
                 f"json_schema={self.json_schema!r} is invalid; allowed: a JSON Schema (an object, or true/false) "
@@ -334,15 +334,16 @@ MAX_UNIQUE_PATH_STEPS = 64
 
 
 def _check_unique_items(groups: Any, with_regex: bool) -> None:
-    """``unique_items``: a list of [text, [path, ...]] pairs beside a ``regex``."""
+    """``unique_items``: a list of [text, [path, ...]] pairs beside a ``regex`` (or an
+    ``ebnf`` grammar: forced calls with JSON holes, :mod:`plait.runtime.constrained.holes`)."""
     from plait.runtime.constrained.unique_items import MAX_SITES
 
     allowed = (f"a list of at most {MAX_UNIQUE_ANCHORS} [text, paths] pairs: text a string of at most "
                f"{MAX_UNIQUE_ANCHOR_CHARS} characters, paths a list of instance paths (lists of keys, indices, \"*\" "
                f"or \"**\", at most {MAX_UNIQUE_PATH_STEPS} steps), at most {MAX_SITES} paths in all")
     if not with_regex:
-        raise RequestError("unique_items is given without regex; allowed: unique_items beside a regex constraint",
-                           "unique_items")
+        raise RequestError("unique_items is given without regex or ebnf; allowed: unique_items beside a regex or "
+                           "ebnf constraint", "unique_items")
     ok = isinstance(groups, list) and len(groups) <= MAX_UNIQUE_ANCHORS
     total = 0
     for g in groups if ok else ():

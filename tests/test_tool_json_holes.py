@@ -220,3 +220,28 @@ def test_structural_tags_with_holes_over_http(http):
         jsonschema.validate(json.loads(text[len("<pkg>"):-len("</pkg>")]), PKG)
         done += 1
     assert done >= 2
+
+
+def test_a_hole_beside_a_tool_whose_unique_items_are_kept(http):
+    """A required call with a hole beside a tool whose ``uniqueItems`` the guard keeps:
+    the sites travel beside the grammar as beside a regex (they were a 400: unique_items
+    without regex)."""
+    tags = {"type": "object", "required": ["tags"], "properties": {
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 2}, "minItems": 2, "maxItems": 3,
+                 "uniqueItems": True}}}
+    assert get_tool_parser("hermes").constraint([{"type": "function", "function": {"name": "tag", "parameters": tags}}],
+                                                "tag", False).unique  # (kept beside the regex, not in it)
+    tools = [{"type": "function", "function": {"name": "pkg", "parameters": PKG}},
+             {"type": "function", "function": {"name": "tag", "parameters": tags}}]
+    seen = 0
+    for seed in range(8):
+        r = _chat(http, tools, "required", seed=seed)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        if choice["finish_reason"] == "length":
+            continue
+        for call in choice["message"]["tool_calls"]:
+            args = json.loads(call["function"]["arguments"])
+            jsonschema.validate(args, tags if call["function"]["name"] == "tag" else PKG)
+            seen += call["function"]["name"] == "tag"
+    assert seen >= 1

@@ -89,7 +89,7 @@ def test_unique_items_param_is_checked(bad, match):
     with pytest.raises(RequestError, match=match) as e:
         SamplingParams.from_dict({"regex": "[a-z]+", "unique_items": bad})
     assert e.value.param == "unique_items"
-    with pytest.raises(RequestError, match="unique_items is given without regex"):
+    with pytest.raises(RequestError, match="unique_items is given without regex or ebnf"):
         SamplingParams.from_dict({"unique_items": [["x", [["a"]]]]})
 
 
