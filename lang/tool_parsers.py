@@ -402,7 +402,7 @@ def _object_call(text: str, start: int, stop: int, names: set[str]) -> tuple[_Se
     head = _HEADER.match(text, start, stop)
     if end is not None:
         try:
-            obj = json.loads(text[start:end])
+            obj = _loads(text[start:end])
         except ValueError:
             return None, end
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
@@ -410,7 +410,7 @@ def _object_call(text: str, start: int, stop: int, names: set[str]) -> tuple[_Se
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):  # some models write the arguments as a JSON string
             try:
-                if not isinstance(json.loads(args), dict):
+                if not isinstance(_loads(args), dict):
                     return None, end
             except ValueError:
                 return None, end
@@ -585,6 +585,17 @@ def _content_before(text: str, m: int) -> int:
     while m > 0 and text[m - 1].isspace():
         m -= 1
     return m
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads(text: str) -> Any:
+    """JSON ``text`` parsed as JSON is written: Python's ``json.loads`` also reads
+    ``NaN`` and ``Infinity``, which no JSON parser of a client's takes (a model's
+    ``{"a": Infinity}`` came back as a call whose arguments ``JSON.parse`` refuses)."""
+    return json.loads(text, parse_constant=_no_constant)
 
 
 def _args_value(arguments: str) -> Any:
@@ -814,7 +825,7 @@ class MistralParser(ToolParser):
                 end = json_end(text, j, stop) if j < stop and text[j] == "{" else None
                 if end is not None:
                     try:
-                        ok = isinstance(json.loads(text[j:end]), dict)
+                        ok = isinstance(_loads(text[j:end]), dict)
                     except ValueError:
                         ok = False
                     if ok:
@@ -852,7 +863,7 @@ def _json_text(arguments: str) -> str:
     """A call's arguments as JSON text: the text itself when it is JSON (as the model
     wrote it), else the string as a JSON string."""
     try:
-        json.loads(arguments)
+        _loads(arguments)
     except ValueError:
         return json.dumps(arguments, ensure_ascii=False)
     return arguments
@@ -999,7 +1010,7 @@ class DeepSeekV3Parser(ToolParser):
         if a_end is None:  # the arguments are being written (or broken: a call only while more may come)
             return (_Seen(j, name, text[k:], False), None) if not final else (None, bad)
         try:
-            ok = isinstance(json.loads(text[k:a_end]), dict)
+            ok = isinstance(_loads(text[k:a_end]), dict)
         except ValueError:
             ok = False
         if not ok:
@@ -1242,7 +1253,7 @@ def _python_calls(text: str, names: set[str]) -> list[tuple[str, str]] | None:
             kwargs = {kw.arg: _literal(kw.value, s) for kw in call.keywords if kw.arg is not None}
             if len(kwargs) != len(call.keywords):
                 return None
-            out.append((call.func.id, json.dumps(kwargs, ensure_ascii=False)))
+            out.append((call.func.id, json.dumps(kwargs, ensure_ascii=False, allow_nan=False)))
         except (ValueError, TypeError, SyntaxError, RecursionError):
             return None
     return out

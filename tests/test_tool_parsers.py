@@ -581,3 +581,24 @@ def test_mcp_style_dotted_names_are_called_in_every_json_format():
         assert [(c.name, json.loads(c.arguments)) for c in calls] == [(name, {"a": 1, "b": 2})], (fmt, text)
         regex = parser.constraint(tools, name, False).regex
         assert re.fullmatch(regex, text.replace('{"a": 1, "b": 2}', '{"a":1,"b":2}')), (fmt, text)
+
+
+@pytest.mark.parametrize("fmt,text", [
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": Infinity, "b": 1}}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": NaN, \\"b\\": 1}"}\n</tool_call>'),
+    ("llama3_json", '{"name": "add", "parameters": {"a": -Infinity, "b": 1}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a": NaN, "b": 1}}]'),
+    ("granite", '<|tool_call|>[{"name": "add", "arguments": {"a": NaN, "b": 1}}]'),
+    ("pythonic", "[add(a=1e999, b=1)]"),
+    ("pythonic", "[add(a=-1e999, b=1)]"),
+])
+def test_nan_and_infinity_are_no_json_arguments(fmt, text):
+    """Python's json reads NaN and Infinity, no client's JSON parser does: such a call
+    came back with arguments '{"a": Infinity}' (finish_reason tool_calls). It is now
+    text the model wrote, as a call with broken JSON is."""
+    parser = get_tool_parser(fmt)
+    content, calls = parser.parse(text, TOOLS)
+    assert calls == [] and content == text
+    ok = text.replace("-Infinity", "2").replace("Infinity", "2").replace("NaN", "2").replace("-1e999", "2")
+    ok = ok.replace("1e999", "2")
+    assert [json.loads(c.arguments) for c in parser.parse(ok, TOOLS)[1]] == [{"a": 2, "b": 1}]
