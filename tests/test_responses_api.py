@@ -167,6 +167,15 @@ def test_errors_name_the_field(oai, server):
         assert '"json_schema": {' not in r.json()["error"]["message"], r.text
         r = http.post("/v1/responses", json={"model": "gpt-4o", "input": "hi"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        # reasoning items alone: it said "got an empty array" of an array of one item
+        r = http.post("/v1/responses", json={"model": MODEL, "input": [{"type": "reasoning", "summary": []}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+        assert "only reasoning items (1)" in r.json()["error"]["message"], r.text
+        # an empty stop string is named as the client sent it (it read stop=[''] for "")
+        for stop, shown in (("", "stop=''"), (["a", ""], "stop=['a', '']")):
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                        "stop": stop, "max_tokens": 2})
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith(shown + " is invalid"), r.text
 
 
 def test_response_store_is_a_bounded_lru():

@@ -262,8 +262,9 @@ def sampling_params(front: Front, body: dict[str, Any], prompt_len: int, default
     if stop is not None:
         if isinstance(stop, str):
             stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise RequestError(f"stop={_short(stop)} is invalid; allowed: a string or an array of strings", "stop")
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):  # (named as sent)
+            raise RequestError(f"stop={_short(body['stop'])} is invalid; allowed: a non-empty string or an array "
+                               f"of non-empty strings", "stop")
         for s in stop:
             check_text(s, "stop")
         sp["stop"] = stop

@@ -274,6 +274,10 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
         else:
             raise RequestError(f"{where}.type={kind!r} is not supported; allowed: message, function_call, "
                                f"function_call_output, reasoning", "input")
+    if not out:  # (it read "messages ... got an empty array" for an input of one reasoning item)
+        raise RequestError(f"input holds only reasoning items ({len(items)}), which go with the turn they led to: "
+                           f"there is no message to answer; allowed: at least one message, function_call or "
+                           f"function_call_output item", "input")
     return out
 
 
