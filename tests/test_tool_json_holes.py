@@ -245,3 +245,23 @@ def test_a_hole_beside_a_tool_whose_unique_items_are_kept(http):
             jsonschema.validate(args, tags if call["function"]["name"] == "tag" else PKG)
             seen += call["function"]["name"] == "tag"
     assert seen >= 1
+
+
+def test_json_or_calls_with_a_hole(http):
+    """A JSON response_format beside tools under auto: the reply is the JSON or calls;
+    a tool whose schema has no regex is a hole there too (it was a 400)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}
+    for seed in range(4):
+        r = _chat(http, [{"type": "function", "function": {"name": "pkg", "parameters": PKG}}], "auto",
+                  response_format=fmt, seed=seed)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        if choice["finish_reason"] == "length":
+            continue
+        calls = choice["message"].get("tool_calls")
+        if calls:
+            for call in calls:
+                jsonschema.validate(json.loads(call["function"]["arguments"]), PKG)
+        else:
+            assert isinstance(json.loads(choice["message"]["content"])["ok"], bool), choice
