@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from plait.backend import BaseBackend
+from plait.backend import BaseBackend, chat_template_of
 from plait.choices import ChoicesSamplingMethod, token_length_normalized
 from plait.errors import BackendError
 from plait.global_config import global_config
@@ -263,7 +263,7 @@ class Function:
         is not worth a request: returns whether one was prefilled."""
         b = _resolve_backend(backend)
         graph = self.trace()
-        text = token_safe_cut(graph.prefix_text(b.chat_template if graph.uses_roles else None))
+        text = token_safe_cut(graph.prefix_text(chat_template_of(b) if graph.uses_roles else None))
         if len(text) < MIN_PIN_CHARS:
             return False
         b.cache_prefix(text)
@@ -297,7 +297,7 @@ class Function:
         template = None
         if any(g.uses_roles for g in graphs):
             try:
-                template = _resolve_backend(backend).chat_template
+                template = chat_template_of(_resolve_backend(backend))
             except (BackendError, RuntimeError, ValueError):  # run() reports template problems
                 template = None
         return plan_batch(graphs, template)

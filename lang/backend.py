@@ -209,8 +209,7 @@ class BaseBackend(ABC):
         """The template roles render with (SGLang's attribute): one assigned to it (a
         :class:`ChatTemplate`, as SGLang programs assign ``get_chat_template(name)``),
         else :meth:`get_chat_template`, the served model's own."""
-        assigned = getattr(self, "_assigned_template", None)
-        return assigned if assigned is not None else self.get_chat_template()
+        return chat_template_of(self)
 
     @chat_template.setter
     def chat_template(self, value: Any) -> None:
@@ -525,3 +524,11 @@ def with_sglang_info(info: dict[str, Any]) -> dict[str, Any]:
     if isinstance(info, dict) and "model_path" in info and info.get("tokenizer_path") is None:
         info = {**info, "tokenizer_path": info["model_path"]}
     return info
+
+
+def chat_template_of(backend: Any) -> ChatTemplate | None:
+    """The template ``backend``'s roles render with: one assigned to its
+    ``chat_template``, else its ``get_chat_template()`` (a backend of the program's own
+    that only has that method works too)."""
+    assigned = getattr(backend, "_assigned_template", None)
+    return assigned if assigned is not None else backend.get_chat_template()

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from plait.backend import STREAMED_LOGPROB_KEYS, BaseBackend, CancelScope, merge_chunk_meta
+from plait.backend import STREAMED_LOGPROB_KEYS, BaseBackend, CancelScope, chat_template_of, merge_chunk_meta
 from plait.chat_template import ChatTemplate, ChatTemplateError, Transcript
 from plait.errors import ProgramCancelled, ProgramError, UnknownVariableError
 from plait.global_config import global_config
@@ -74,7 +74,7 @@ class Executor:
     def template(self) -> ChatTemplate | None:
         if self._template is _UNFETCHED:  # fetched by the first gen or role
             try:
-                self._template = self.backend.chat_template
+                self._template = chat_template_of(self.backend)
             except ChatTemplateError as e:
                 self._template = e
         if isinstance(self._template, ChatTemplateError):

@@ -249,3 +249,15 @@ def test_tools_given_as_python_functions_are_refused_naming_the_function():
                                          r"allowed: OpenAI function tools"):
         sgl.gen("answer", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}},
                                  get_current_weather], tool_choice="auto")
+
+
+def test_a_program_s_own_backend_with_only_get_chat_template_still_renders_roles(backend):
+    """The roles' template is read through chat_template_of: a duck-typed backend of the
+    program's own (no BaseBackend, no chat_template attribute) keeps working."""
+    from plait.backend import chat_template_of
+
+    class Own:
+        def get_chat_template(self):
+            return backend.get_chat_template()
+
+    assert chat_template_of(Own()) is backend.get_chat_template()
