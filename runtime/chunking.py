@@ -14,13 +14,15 @@ to everything before it (on the Zen 4, a 56-token chunk of a 2048-token prompt b
 whose predicted step time, at the prefix the chunk continues from, stays within the
 ITL target: ``itl_target_ms`` when set, else twice the predicted time of the current
 decode-only step (so p99 ITL <= 2x the median even when every step is mixed). With
-no decodes running there is no latency to protect: the whole budget (``max_chunk``)
-goes to prefill. Nor when none of the running decodes streams: a
-client that waits for the whole output (``Engine.generate``, a non-streaming HTTP
-request, a program's ``gen``) sees its completion time, not the gaps between its
-tokens, and small chunks only spread the same interference over more steps, each
-paying the step's fixed cost again (bench_offline's prefill-bound (c) on the Zen 4:
-175-187 s with the 2x bound for every decode against 100-121 s with 2048-token chunks).
+no decodes running there are no gaps between tokens to protect, nor when none of the
+running decodes streams: a client that waits for the whole output (``Engine.generate``,
+a non-streaming HTTP request, a program's ``gen``) sees its completion time, and small
+chunks only spread the same interference over more steps, each paying the step's fixed
+cost again (bench_offline's prefill-bound (c) on the Zen 4: 175-187 s with the 2x bound
+for every decode against 100-121 s with 2048-token chunks). There the budget is steps of
+about a second (:data:`MAX_STEP_S`, from the measured per-token cost of prefill steps),
+``max_chunk`` at most: a request beside such a step, or arriving during it, waits for it
+(4,096-token steps took 15-20 s on one thread).
 Until the fit exists (8 steps, 3 of them with prefill chunks of different sizes), the
 chunks beside streaming decodes are small and of three sizes in turn (``EXPLORE``), so
 that the first measurements both stay near a decode step and tell the
@@ -54,6 +56,16 @@ import numpy as np
 
 AUTO = "auto"
 EXPLORE = (16, 24, 32)  # chunk sizes before the first fit
+# Where no client watches the gaps between tokens (nothing decodes, or no decode streams),
+# a step still holds up every request beside it and every one arriving during it: a
+# step's predicted wall time stays under this. A forced tool call whose 600-value enum
+# made a 7,000-token prompt (the tools are in it) was filled in 4,096-token steps of
+# 15-20 s on one thread, and a 5-token request sent meanwhile took 37 s instead of
+# 0.2 s. At a second a step, its fixed cost (the weights' read, ~20-60 ms on CPU) is a
+# few per cent of throughput; on a GPU the cap is never reached (max_chunk is).
+MAX_STEP_S = 1.0
+FIRST_CHUNK = 512  # such a step's size before a prefill of at least RATE_TOKENS tokens was measured
+RATE_TOKENS = 256  # prefill steps this large tell the per-token cost (the fixed part is small beside it)
 
 
 class ChunkSizer:
@@ -64,11 +76,12 @@ class ChunkSizer:
     extreme of issue 19; with 32, 1.96 (2.79) and 1.90x (1.78x)."""
 
     def __init__(self, itl_target_ms: float | None = None, *, min_chunk: int = 32, max_chunk: int = 4096,
-                 window: int = 128) -> None:
+                 window: int = 128, max_step_s: float = MAX_STEP_S) -> None:
         if not 1 <= min_chunk <= max_chunk:
             raise ValueError(f"min_chunk={min_chunk} and max_chunk={max_chunk}: allowed 1 <= min_chunk <= max_chunk")
         self.itl_target_s = None if itl_target_ms is None else itl_target_ms / 1000.0
         self.min_chunk, self.max_chunk = min_chunk, max_chunk
+        self.max_step_s = max_step_s
         # (decodes, prefill tokens, attention pairs, seconds)
         self._steps: deque[tuple[int, int, float, float]] = deque(maxlen=window)
         self._fit: tuple[float, float, float, float] | None = None  # (a, d, p, q)
@@ -93,7 +106,7 @@ class ChunkSizer:
         spreads the prompt's work evenly over the steps ``min_chunk``-token chunks would
         take (:meth:`_even_chunk`) instead of ``min_chunk`` itself."""
         if decodes == 0 or not streaming:
-            return self.max_chunk
+            return self._batch_budget()
         if self._fit is None:  # explore: small chunks of three sizes until the fit exists
             return min(self.max_chunk, EXPLORE[sum(1 for step in self._steps if step[1] > 0) % len(EXPLORE)])
         a, d, p, q = self._fit
@@ -108,6 +121,18 @@ class ChunkSizer:
                 and (slack <= 0 or _largest_chunk(p, q, prompt[1] - self.min_chunk, slack) < self.min_chunk)):
             floor = self._even_chunk(p, q, prefix, *prompt)
         return max(floor, min(self.max_chunk, n))
+
+    def _batch_budget(self) -> int:
+        """The budget where no decode streams: steps of at most :data:`MAX_STEP_S`
+        (``max_step_s``) at the per-token cost of recent prefill steps of at least
+        :data:`RATE_TOKENS` tokens (their median; decodes beside them only make it
+        cautious), ``max_chunk`` at most; :data:`FIRST_CHUNK` tokens until such a step
+        was measured."""
+        rates = [seconds / tokens for _, tokens, _, seconds in self._steps if tokens >= RATE_TOKENS]
+        if not rates:
+            return min(self.max_chunk, FIRST_CHUNK)
+        rate = float(np.median(rates[-5:]))
+        return max(self.min_chunk, min(self.max_chunk, int(self.max_step_s / max(rate, 1e-12))))
 
     def _even_chunk(self, p: float, q: float, prefix: int, start: int, length: int) -> int:
         """The floor where the target cannot be kept: chunks equal in predicted time, as

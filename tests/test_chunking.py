@@ -26,7 +26,8 @@ def test_the_chunk_keeps_a_mixed_step_within_twice_a_decode_step():
         sizer.observe(8, explored[-1], 0.02 + 0.0001 * explored[-1])
     # no larger than the floor: a 128-token exploration chunk beside 8 streams was 3-5 decode
     # steps on the Intel Xeon and set the p99 inter-token latency by itself
-    assert explored == [16, 24, 32] and sizer.budget(0) == 4096 and sizer.fit is None
+    # (nothing decoding: FIRST_CHUNK until a prefill step of RATE_TOKENS tokens was timed)
+    assert explored == [16, 24, 32] and sizer.budget(0) == 512 and sizer.fit is None
     sizer = ChunkSizer()
     _feed(sizer, a=0.010, d=0.001, p=0.0001)
     a, d, p, q = sizer.fit
@@ -35,7 +36,7 @@ def test_the_chunk_keeps_a_mixed_step_within_twice_a_decode_step():
     decode_step = 0.010 + 0.001 * 8
     chunk = sizer.budget(8)
     assert decode_step + p * chunk <= 2 * decode_step + 1e-9 < decode_step + p * (chunk + 1)
-    assert sizer.budget(0) == 4096  # nothing decodes: no latency to protect
+    assert sizer.budget(0) == 4096  # nothing decodes: steps of up to a second, max_chunk here
 
 
 def test_a_chunk_late_in_a_long_prompt_is_smaller_by_its_attention():
@@ -200,6 +201,32 @@ def test_only_streaming_decodes_limit_the_chunk():
     assert sizer.budget(8, streaming=False) == 1000
 
 
+def test_steps_nobody_streams_stay_near_a_second():
+    """Nothing decoding, or no decode streaming: no gaps between tokens to protect, but
+    a step still holds up the requests beside it and those arriving during it (4,096
+    tokens took 15-20 s on one thread, and a 5-token request sent meanwhile 37 s). The
+    budget keeps such steps near MAX_STEP_S at the per-token cost of measured prefill
+    steps; FIRST_CHUNK before one is measured; max_chunk and min_chunk bound it."""
+    from plait.runtime.chunking import FIRST_CHUNK, MAX_STEP_S
+
+    sizer = ChunkSizer(min_chunk=32, max_chunk=4096)
+    assert sizer.budget(0) == FIRST_CHUNK == 512 and MAX_STEP_S == 1.0
+    sizer.observe(0, 100, 0.5)  # (too small to tell the per-token cost from the step's fixed part)
+    assert sizer.budget(0) == 512
+    sizer.observe(0, 1024, 4.0)  # a slow machine: ~3.9 ms per prompt token
+    assert sizer.budget(0) == sizer.budget(3, streaming=False) == 256
+    for _ in range(5):  # the recent median follows a faster rate
+        sizer.observe(2, 512, 0.25)
+    assert sizer.budget(0) == 2048
+    for _ in range(5):  # a fast device: max_chunk
+        sizer.observe(0, 4096, 0.05)
+    assert sizer.budget(0) == 4096
+    for _ in range(5):  # slower than a second for min_chunk tokens: min_chunk
+        sizer.observe(0, 300, 30.0)
+    assert sizer.budget(0) == 32
+    assert ChunkSizer(max_step_s=2.0, max_chunk=4096)._batch_budget() == 512
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_long_prompt_beside_a_decode_is_chunked_only_when_the_decode_streams(tiny_model_factory, stream):
     from plait.runtime.validation import validate_generate
@@ -216,8 +243,10 @@ def test_a_long_prompt_beside_a_decode_is_chunked_only_when_the_decode_streams(t
         assert a.output_len >= 3  # a decoded in that step
         if stream:  # a tiny target: the chunk is bounded (32-128 before a fit, min_chunk after)
             assert 0 < b.num_computed <= 128
-        else:
-            assert b.num_computed == 900  # the whole prompt in one step
+        else:  # FIRST_CHUNK tokens, then (the tiny model's prefill timed) the rest in one step
+            assert b.num_computed == 512
+            e.step()
+            assert b.num_computed == 900
         while e.scheduler.running or e.scheduler.waiting:
             e.step()
         e.check_invariants()
