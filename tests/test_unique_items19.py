@@ -88,3 +88,37 @@ def test_large_domains_are_not_searched(engines):
     assert out["meta_info"]["finish_reason"]["type"] == "stop", out
     value = validate(schema, out["text"])
     assert value[:2] == ["x", "y"]
+
+
+def test_a_large_domain_in_small_masks_is_searched_within_a_bound(engines, monkeypatch):
+    """Strings of format uuid: ~20 hex tokens a mask (under LOOKAHEAD_TOKENS), a domain
+    that never runs out. Every search went on to LOOKAHEAD_NODES masks, ~24,000 tokens
+    tried a step (155 ms a token on SmolLM2 against 21 ms without uniqueItems, slowing
+    the whole batch); now at most LOOKAHEAD_TRIES a step, and the output still holds no
+    duplicate."""
+    from plait.runtime.constrained import unique_items as ui
+
+    e, _ = engines
+    copies, per_step = [0], []
+    real_copy, real_allowed = ui.OutputTracker.copy, ui.UniqueGuard.allowed
+
+    def copy(self):
+        copies[0] += 1
+        return real_copy(self)
+
+    def allowed(self, eos_ok):
+        copies[0] = 0
+        out = real_allowed(self, eos_ok)
+        per_step.append(copies[0])
+        return out
+
+    monkeypatch.setattr(ui.OutputTracker, "copy", copy)
+    monkeypatch.setattr(ui.UniqueGuard, "allowed", allowed)
+    schema = {"type": "array", "items": {"type": "string", "format": "uuid"}, "minItems": 2, "maxItems": 2,
+              "uniqueItems": True}
+    same = '"12345678-1234-5678-1234-567812345678"'
+    out = oracle_generate(e, "Ids:", f"[{same},{same}]", {"json_schema": schema, "max_new_tokens": 60})
+    assert ui.LOOKAHEAD_TRIES == 512 and per_step and max(per_step) <= 520, max(per_step)
+    if out["meta_info"]["finish_reason"]["type"] == "stop":
+        value = validate(schema, out["text"])
+        assert value[0] != value[1]
