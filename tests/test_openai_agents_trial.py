@@ -292,7 +292,7 @@ BAD = [
     ({"tools": [_tool("f", {"type": "object", "properties": []})], "tool_choice": "required"},
      "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
-    ({"tools": [_tool("a.b", None)]}, "tools[0].function.name"),
+    ({"tools": [_tool("a/b", None)]}, "tools[0].function.name"),  # (a.b is MCP's format: served)
     ({"tools": [_tool("f", None), _tool("f", ADD)]}, "tools[1].function.name"),
     ({"tools": [_tool("f", [ADD])]}, "tools[0].function.parameters"),
     ({"tools": [], "tool_choice": "required"}, "tools"),
