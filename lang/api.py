@@ -410,13 +410,12 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
                 raise ValueError(f"tool_choice={tool_choice!r} forces a call through a constraint; {constraints[0]} "
                                  "cannot be given with it")
             regex, unique_items = forced.regex, forced.unique or None
-            from plait.runtime.constrained.holes import has_holes, holes_to_lark
+            from plait.runtime.constrained.holes import backend_refusal, has_holes, holes_to_lark
 
             if has_holes(regex):  # arguments only llguidance's JSON compiler follows: a Lark grammar
-                if grammar_backend not in (None, "auto", "llguidance"):
-                    raise ValueError(f"grammar_backend={grammar_backend!r} cannot enforce tool_choice="
-                                     f"{tool_choice!r}: a function's parameters have no regex (llguidance's JSON "
-                                     "compiler follows them); allowed: llguidance or auto")
+                why = backend_refusal(grammar_backend, f"tool_choice={tool_choice!r}")
+                if why is not None:
+                    raise ValueError(why)
                 ebnf, regex, grammar_backend = holes_to_lark(regex), None, "llguidance"
     elif tool_choice is not None:
         raise ValueError("tool_choice was given without tools")

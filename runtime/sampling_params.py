@@ -230,13 +230,12 @@ class SamplingParams:
                                      "structures and triggers)")
                 kind = "regex"
                 tagged, groups = structural_tag_constraint(spec, "structural_tag")
-                from plait.runtime.constrained.holes import has_holes, holes_to_lark
+                from plait.runtime.constrained.holes import backend_refusal, has_holes, holes_to_lark
 
                 if has_holes(tagged):  # a schema only llguidance's JSON compiler follows: Lark with %json
-                    if self.grammar_backend == OUTLINES:
-                        raise RequestError("grammar_backend='outlines' cannot enforce this structural_tag: a "
-                                           "schema in it has no regex (llguidance's JSON compiler follows it); "
-                                           "allowed: llguidance or auto", "grammar_backend")
+                    why = backend_refusal(self.grammar_backend, "this structural_tag")
+                    if why is not None:
+                        raise RequestError(why, "grammar_backend")
                     kind, tagged, default_backend = "ebnf", holes_to_lark(tagged), LLGUIDANCE
                 if groups:
                     from plait.runtime.constrained.unique_items import groups_text

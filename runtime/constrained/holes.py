@@ -45,6 +45,15 @@ def has_holes(regex: str) -> bool:
     return HOLE_OPEN in regex
 
 
+def backend_refusal(grammar_backend: Any, what: str) -> str | None:
+    """Why ``grammar_backend`` cannot enforce ``what`` (a constraint with JSON holes:
+    llguidance only), or None where it can (llguidance, auto or unset)."""
+    if grammar_backend in (None, "auto", "llguidance"):
+        return None
+    return (f"grammar_backend={grammar_backend!r} cannot enforce {what}: a schema in it has no regex (llguidance's "
+            f"JSON compiler follows it, as in response_format); allowed: llguidance or auto")
+
+
 def masked(regex: str) -> str:
     """``regex`` with each hole as the fixed text ``{}``: what a regex check reads (a
     hole's JSON is not regex text)."""

@@ -23,7 +23,7 @@ from plait.chat_template import (
 from plait.errors import RequestError, is_int
 from plait.reasoning import END as REASONING_END
 from plait.reasoning import MAX_REASONING_CHARS, ReasoningParser, ReasoningStream, get_reasoning_parser
-from plait.runtime.constrained.holes import has_holes, holes_to_lark
+from plait.runtime.constrained.holes import backend_refusal, has_holes, holes_to_lark
 from plait.runtime.sampling_params import AUTO, CONSTRAINT_FIELDS, LLGUIDANCE, MAX_N, MAX_STOP_STRINGS
 from plait.runtime.server.front import Front
 from plait.runtime.validation import check_text
@@ -1191,21 +1191,18 @@ def chat_request(front: Front, body: dict[str, Any], messages: list[dict[str, An
     if regex is not None and has_holes(regex):
         # a function's arguments only llguidance's JSON compiler follows (plait.runtime.
         # constrained.holes): the calls' regex becomes a Lark grammar with them as %json
-        if body.get("grammar_backend") not in (None, AUTO, LLGUIDANCE):
-            raise RequestError(f"grammar_backend={body['grammar_backend']!r} cannot enforce {field_name}: a "
-                               f"function's parameters have no regex (response_format serves them through "
-                               f"llguidance); allowed: llguidance or auto", "grammar_backend")
+        why = backend_refusal(body.get("grammar_backend"), field_name)
+        if why is not None:
+            raise RequestError(why, "grammar_backend")
         try:
             constraint["ebnf"] = holes_to_lark(regex)
         except ValueError as e:
             raise RequestError(f"{field_name} cannot be enforced: {e}", field_name) from None
         constraint["grammar_backend"] = LLGUIDANCE
-        if unique:
-            constraint["unique_items"] = [[a, sites] for a, sites in unique]
     elif regex is not None:
         constraint["regex"] = regex
-        if unique:
-            constraint["unique_items"] = [[a, sites] for a, sites in unique]
+    if regex is not None and unique:
+        constraint["unique_items"] = [[a, sites] for a, sites in unique]
     for other in ("regex", "json_schema", "ebnf"):  # SGLang's raw constraint fields
         if constraint and body.get(other) is not None:
             raise RequestError(f"{other} and {field_name} both constrain the output; give one of them", other)
